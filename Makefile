@@ -1,0 +1,28 @@
+# Two commands for a fresh clone (Python 3.11+ and make): `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): requirements.txt requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+	touch $(STAMP)
+
+# Interrupt a run at step 27 (exit 75), resume it, train an uninterrupted baseline, and
+# prove the two final generations are bit-identical. Re-running replaces the demo outputs.
+demo: $(STAMP)
+	rm -rf outputs/recovery outputs/baseline
+	$(PY) -m trainer --output outputs/recovery --interrupt-at-step 27; test $$? -eq 75
+	$(PY) -m trainer --output outputs/recovery --resume
+	$(PY) -m trainer --output outputs/baseline
+	$(PY) compare.py outputs/baseline/checkpoints/step-00000064 outputs/recovery/checkpoints/step-00000064
+	$(PY) -m trainer list outputs/recovery
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 tests
+
+clean:
+	rm -rf outputs .pytest_cache

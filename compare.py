@@ -1,0 +1,38 @@
+"""python compare.py A B [--json]: prove two recovery generations hold the same training state.
+
+Exit 0 iff every field is bit-identical, 1 if any differs, 2 if an input is unreadable.
+The logic lives in trainer/compare.py; this file is only the command.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from trainer.cli import OneLineParser
+from trainer.errors import TrainerError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(prog="python compare.py", description=__doc__.splitlines()[0])
+    parser.add_argument("a", type=Path, help="baseline generation, e.g. outputs/baseline/checkpoints/step-00000064")
+    parser.add_argument("b", type=Path, help="resumed generation")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    try:
+        args = parser.parse_args(argv)
+        from trainer.compare import as_json, compare_states, format_table, load_generation
+
+        results = compare_states(load_generation(args.a), load_generation(args.b))
+    except TrainerError as error:
+        print(f"compare: error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(as_json(args.a, args.b, results), indent=2))
+    else:
+        print(format_table(results))
+    return 0 if all(r.equal for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Attempt records: what each process restored, what it replayed, what it cost, how it ended.
+
+`attempts/<utc>-<id>/attempt.json` is written at start (`running`) and rewritten atomically
+as the attempt progresses and ends. Records are informational: the newest verified
+generation, not an attempt record, decides where training resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import time
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+from trainer.recovery.atomic import atomic_write_bytes, atomic_write_json
+
+ATTEMPTS_DIR = "attempts"
+
+
+def new_attempt_id(now: datetime | None = None) -> str:
+    now = now or datetime.now(timezone.utc)
+    return f"{now:%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def resolved_requirements() -> str:
+    """Every installed distribution as name==version, sorted (what actually ran)."""
+    pins = {f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions() if d.metadata["Name"]}
+    return "\n".join(sorted(pins, key=str.lower)) + "\n"
+
+
+def read_attempts(output: Path) -> list[dict]:
+    """All readable attempt records, oldest first (ids start with the UTC start time)."""
+    root = output / ATTEMPTS_DIR
+    records = []
+    if root.is_dir():
+        for folder in sorted(root.iterdir()):
+            try:
+                records.append(json.loads((folder / "attempt.json").read_text()))
+            except (OSError, ValueError):
+                continue
+    return records
+
+
+def steps_replayed(previous: dict | None, restored_step: int | None) -> int | None:
+    """Work the previous attempt did beyond the generation now restored (lost and redone).
+
+    A killed attempt's `last_step` is only as fresh as its last record update (each publish),
+    so for it this is a lower bound.
+    """
+    if previous is None or previous.get("last_step") is None:
+        return None
+    return max(0, previous["last_step"] - (restored_step or 0))
+
+
+class AttemptRecorder:
+    def __init__(self, output: Path, attempt_id: str, record: dict):
+        self.folder = output / ATTEMPTS_DIR / attempt_id
+        self.record = record
+        self._started = time.monotonic()
+
+    @classmethod
+    def start(cls, output: Path, attempt_id: str, argv: list[str], fields: dict) -> "AttemptRecorder":
+        record = {
+            "id": attempt_id, "status": "running", "exit_code": None, "reason": None,
+            "started_utc": utc_now(), "ended_utc": None, "wall_s": None,
+            "host": socket.gethostname(), "pid": os.getpid(), "argv": argv,
+            "last_step": None, "generations_published": [], "exports_published": [],
+            "costs": {"restore_s": 0.0, "save_s": 0.0, "blocked_s": 0.0, "saves": 0},
+            **fields,
+        }
+        recorder = cls(output, attempt_id, record)
+        recorder.folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(recorder.folder / "requirements.txt", resolved_requirements().encode())
+        recorder.flush()
+        return recorder
+
+    def flush(self) -> None:
+        atomic_write_json(self.folder / "attempt.json", self.record)
+
+    def update(self, **fields) -> None:
+        self.record.update(fields)
+        self.flush()
+
+    def add_cost(self, **seconds: float) -> None:
+        costs = self.record["costs"]
+        for name, value in seconds.items():
+            costs[name] = round(costs.get(name, 0.0) + value, 6)
+
+    def finish(self, status: str, exit_code: int, reason: str | None = None, summary: dict | None = None) -> None:
+        self.record.update(status=status, exit_code=exit_code, reason=reason, ended_utc=utc_now(),
+                           wall_s=round(time.monotonic() - self._started, 3))
+        if summary is not None:
+            atomic_write_json(self.folder / "summary.json", summary)
+        self.flush()

@@ -1,0 +1,204 @@
+"""Command line: parse options into frozen config, run, and map typed errors to exit codes.
+
+This is the only module that prints errors or chooses exit statuses. Every failure a user
+or operator can cause ends as one line on stderr and a sysexits-style status, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from trainer.config import CadenceConfig, RetentionConfig, RunConfig, WorkloadConfig
+from trainer.errors import TrainerError, UsageError
+from trainer.fingerprint import FIELDS
+
+FAULT_ENV = "TRAINER_FAULT_POINT"
+SKIP_RNG_ENV = "TRAINER_DEBUG_SKIP_RNG_RESTORE"
+RNG_NAMES = ("python", "numpy", "torch", "cuda")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line on stderr and exit 2."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def positive_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _number(text, float)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def unit_interval(text: str) -> float:
+    value = _number(text, float)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def _number(text: str, kind: type):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a valid {kind.__name__}: {text!r}") from None
+
+
+def train_parser() -> OneLineParser:
+    parser = OneLineParser(prog="python -m trainer",
+                           description="Train with exact, crash-safe recovery. "
+                                       "Other commands: `list DIR`, `verify DIR|GEN`.")
+    parser.add_argument("--output", type=Path, help="run directory (generations, exports, attempt records)")
+    run = parser.add_argument_group("recovery")
+    run.add_argument("--resume", nargs="?", const="latest", choices=("latest", "auto"),
+                     help="continue from the newest verified generation (latest: one must exist; "
+                          "auto: start fresh if none)")
+    run.add_argument("--from-generation", metavar="NAME", help="restore this generation (e.g. step-00000016)")
+    run.add_argument("--interrupt-at-step", type=positive_int, metavar="N",
+                     help="simulate a lost worker: exit 75 right after step N, without saving")
+    run.add_argument("--allow-drift", action="append", default=[], choices=FIELDS, metavar="FIELD",
+                     help=f"accept a fingerprint difference in FIELD ({', '.join(FIELDS)}); repeatable")
+    run.add_argument("--checkpoint-mode", default="auto", choices=("auto", "sync"),
+                     help="how recovery snapshots are written (sync: in the loop)")
+    run.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    run.add_argument("--preempt-grace-secs", type=positive_float, default=30.0,
+                     help="on SIGTERM/SIGINT, time allowed to save before exiting 75 without publishing")
+
+    cadence = parser.add_argument_group("cadence (any trigger that is set fires)")
+    cadence.add_argument("--recover-every-epochs", type=non_negative_int, default=1, metavar="N",
+                         help="recovery generation every N epochs (0 = off; default 1)")
+    cadence.add_argument("--recover-every-steps", type=positive_int, metavar="N")
+    cadence.add_argument("--recover-every-secs", type=positive_float, metavar="S")
+    cadence.add_argument("--export-every-epochs", type=positive_int, metavar="N",
+                         help="safetensors export every N epochs (default: only at the end)")
+    cadence.add_argument("--export-every-steps", type=positive_int, metavar="N")
+    cadence.add_argument("--export-every-secs", type=positive_float, metavar="S")
+    cadence.add_argument("--export-dtype", choices=("float32", "float16", "bfloat16"),
+                         help="dtype of exported weights (default: the training dtype)")
+
+    keep = parser.add_argument_group("retention")
+    keep.add_argument("--keep-last", type=positive_int, default=3, metavar="K",
+                      help="newest verified generations kept (default 3; keep >= 2 on clusters)")
+    keep.add_argument("--keep-every", type=positive_int, metavar="M",
+                      help="also keep generations whose step is a multiple of M")
+    keep.add_argument("--keep-exports", type=positive_int, metavar="K", help="newest exports kept (default all)")
+
+    work = parser.add_argument_group("workload")
+    defaults = WorkloadConfig()
+    work.add_argument("--epochs", type=positive_int, default=defaults.epochs)
+    work.add_argument("--samples", type=positive_int, default=defaults.samples)
+    work.add_argument("--batch-size", type=positive_int, default=defaults.batch_size)
+    work.add_argument("--lr", type=positive_float, default=defaults.lr)
+    work.add_argument("--seed", type=non_negative_int, default=defaults.seed)
+    work.add_argument("--hidden-size", type=positive_int, default=defaults.hidden_size)
+    work.add_argument("--layers", type=positive_int, default=defaults.layers)
+    work.add_argument("--dropout", type=unit_interval, default=defaults.dropout)
+    work.add_argument("--num-workers", type=non_negative_int, default=defaults.num_workers)
+    work.add_argument("--amp", action="store_true", help="mixed precision (bf16 on CPU, fp16+GradScaler on CUDA)")
+    work.add_argument("--threads", type=positive_int, default=defaults.threads)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, argv: list[str]) -> RunConfig:
+    if args.output is None:
+        raise UsageError("--output DIR is required (the run directory); e.g. --output outputs/run1")
+    if args.resume is not None and args.from_generation is not None:
+        raise UsageError("--resume and --from-generation are exclusive; --from-generation already resumes")
+    workload = WorkloadConfig(
+        epochs=args.epochs, samples=args.samples, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+        hidden_size=args.hidden_size, layers=args.layers, dropout=args.dropout,
+        num_workers=args.num_workers, amp=args.amp, threads=args.threads)
+    return RunConfig(
+        output=args.output, workload=workload, interrupt_at_step=args.interrupt_at_step,
+        resume=args.resume, from_generation=args.from_generation,
+        allow_drift=tuple(dict.fromkeys(args.allow_drift)), checkpoint_mode=args.checkpoint_mode,
+        device=args.device,
+        recover=CadenceConfig(args.recover_every_epochs or None, args.recover_every_steps, args.recover_every_secs),
+        export=CadenceConfig(args.export_every_epochs, args.export_every_steps, args.export_every_secs),
+        export_dtype=args.export_dtype,
+        retention=RetentionConfig(args.keep_last, args.keep_every, args.keep_exports),
+        preempt_grace_secs=args.preempt_grace_secs, argv=tuple(argv))
+
+
+def hooks_from_environment():
+    """Test-only seams: a named crash point (kill -9 of ourselves there) and RNGs whose
+    restore is skipped. Unknown values are a usage error, so a typo cannot go unnoticed."""
+    from trainer.loop import Hooks
+
+    point = os.environ.get(FAULT_ENV)
+    skip = frozenset(filter(None, os.environ.get(SKIP_RNG_ENV, "").split(",")))
+    if skip - set(RNG_NAMES):
+        raise UsageError(f"{SKIP_RNG_ENV} names unknown RNGs {sorted(skip - set(RNG_NAMES))}; use {RNG_NAMES}")
+
+    def fault(name: str) -> None:
+        if name == point:
+            sys.stderr.write(f"trainer: fault injection: killing at {name}\n")
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return Hooks(fault=fault, skip_rng_restore=skip)
+
+
+def run_train(argv: list[str]) -> int:
+    args = train_parser().parse_args(argv)
+    config = config_from_args(args, argv)
+    from trainer.loop import run_training  # imports torch: after cheap validation
+
+    return run_training(config, hooks_from_environment())
+
+
+def run_list(argv: list[str]) -> int:
+    parser = OneLineParser(prog="python -m trainer list", description="Generations, exports and attempts.")
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    from trainer.listing import list_run
+
+    return list_run(args.directory, args.json)
+
+
+def run_verify(argv: list[str]) -> int:
+    parser = OneLineParser(prog="python -m trainer verify",
+                           description="Re-hash every file of generations and exports against their manifests.")
+    parser.add_argument("path", type=Path, help="a run directory, or one generation/export directory")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    from trainer.listing import verify_path
+
+    return verify_path(args.path, args.json)
+
+
+COMMANDS = {"list": run_list, "verify": run_verify}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    command = COMMANDS.get(argv[0]) if argv else None
+    try:
+        return command(argv[1:]) if command else run_train(argv)
+    except TrainerError as error:
+        sys.stdout.flush()
+        print(f"trainer: error: {error}", file=sys.stderr)
+        return error.exit_code

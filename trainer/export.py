@@ -1,0 +1,68 @@
+"""The light save path: a weights-only export for evaluation and serving.
+
+`exports/step-%08d/` holds `model.safetensors` (loadable by the safetensors library alone),
+`config.json` (what is needed to rebuild the model) and `manifest.json`, published with the
+same atomic protocol as recovery generations.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from trainer.recovery.atomic import encode_json, write_file_durably
+from trainer.recovery.checkpointer import Published, as_storage_failure
+from trainer.recovery.manifest import FORMAT, FORMAT_VERSION
+from trainer.recovery.atomic import manifest_digest
+from trainer.recovery.resume import generation_name
+from trainer.recovery.store import GenerationStore
+
+EXPORTS_DIR = "exports"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def export_tensors(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """CPU, contiguous copies of the weights, cast to `dtype` when one is asked for."""
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().to("cpu")
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        tensors[name] = tensor.contiguous().clone()
+    return tensors
+
+
+def write_export(store: GenerationStore, model: nn.Module, step: int, epoch: int, architecture: dict,
+                 dtype_name: str | None, source_digest: str, attempt_id: str, fault_hook) -> Published:
+    started = time.monotonic()
+    dtype = DTYPES[dtype_name] if dtype_name else None
+    tensors = export_tensors(model, dtype)
+    stored_dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else None
+    config = {**architecture, "dtype": stored_dtype, "step": step, "epoch": epoch, "source": source_digest}
+    temporary = None
+    try:
+        temporary = store.begin(step, attempt_id)
+        save_file(tensors, str(temporary / "model.safetensors"), metadata={"step": str(step)})
+        write_file_durably(temporary / "config.json", encode_json(config))
+        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": "export",
+                    "name": generation_name(step), "step": step, "epoch": epoch, "attempt": attempt_id}
+        store.publish(temporary, step, manifest, fault_hook)
+    except BaseException as error:
+        if temporary is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
+        failure = as_storage_failure(error, f"writing export {generation_name(step)}")
+        if failure is not None:
+            raise failure from None
+        raise
+    elapsed = time.monotonic() - started
+    name = generation_name(step)
+    return Published(name, step, manifest_digest(store.path(name)), elapsed, elapsed)
+
+
+def export_store(output: Path) -> GenerationStore:
+    return GenerationStore(output / EXPORTS_DIR)

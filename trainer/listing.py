@@ -1,0 +1,120 @@
+"""`list` and `verify`: a run directory at a glance, and an offline integrity check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trainer.attempts import read_attempts
+from trainer.errors import CorruptGeneration, NothingToResume
+from trainer.recovery.atomic import MANIFEST
+from trainer.recovery.manifest import verify_directory
+from trainer.recovery.resume import generation_step
+from trainer.recovery.store import GenerationStore
+
+SECTIONS = {"generations": "checkpoints", "exports": "exports"}
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+def publish_costs(attempts: list[dict], kind: str) -> dict[str, dict]:
+    """name -> {attempt, save_s} for every publish an attempt record mentions (newest wins)."""
+    costs = {}
+    for attempt in attempts:
+        for entry in attempt.get(f"{kind}_published", []):
+            costs[entry["name"]] = {"attempt": attempt["id"], "save_s": entry.get("save_s")}
+    return costs
+
+
+def describe_run(output: Path) -> dict:
+    attempts = read_attempts(output)
+    described = {"output": str(output)}
+    for section, folder in SECTIONS.items():
+        store = GenerationStore(output / folder)
+        costs = publish_costs(attempts, section)
+        rows = []
+        for name in store.names():
+            verification = store.verify(name)
+            manifest = verification.manifest or {}
+            rows.append({"name": name, "step": generation_step(name), "epoch": manifest.get("epoch"),
+                         "position": manifest.get("position"), "bytes": directory_bytes(store.path(name)),
+                         "verified": verification.ok, "problem": verification.problem,
+                         "attempt": manifest.get("attempt"),
+                         "save_s": costs.get(name, {}).get("save_s")})
+        described[section] = rows
+        described[f"{section}_temporary"] = [p.name for p in store.temporaries()]
+    described["attempts"] = [{
+        "id": a.get("id"), "status": a.get("status"), "exit_code": a.get("exit_code"),
+        "restored": (a.get("restored") or {}).get("name"), "steps_replayed": a.get("steps_replayed"),
+        "last_step": a.get("last_step"), "wall_s": a.get("wall_s"), "reason": a.get("reason"),
+    } for a in attempts]
+    return described
+
+
+def _cell(value, fmt: str = "{}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def format_run(described: dict) -> str:
+    lines = [f"run {described['output']}", "", "recovery generations"]
+    lines.append(f"  {'name':<15} {'epoch':>5} {'pos':>4} {'MB':>9} {'verified':<9} {'save s':>7}  attempt")
+    for row in described["generations"]:
+        lines.append(f"  {row['name']:<15} {_cell(row['epoch']):>5} {_cell(row['position']):>4} "
+                     f"{row['bytes'] / 1e6:>9.3f} {'yes' if row['verified'] else 'NO':<9} "
+                     f"{_cell(row['save_s'], '{:.3f}'):>7}  {_cell(row['attempt'])}")
+    lines += ["", "exports"]
+    lines.append(f"  {'name':<15} {'epoch':>5} {'MB':>9} {'verified':<9} {'save s':>7}  attempt")
+    for row in described["exports"]:
+        lines.append(f"  {row['name']:<15} {_cell(row['epoch']):>5} {row['bytes'] / 1e6:>9.3f} "
+                     f"{'yes' if row['verified'] else 'NO':<9} {_cell(row['save_s'], '{:.3f}'):>7}  "
+                     f"{_cell(row['attempt'])}")
+    for section in SECTIONS:
+        for name in described[f"{section}_temporary"]:
+            lines.append(f"  unpublished temporary (never selected, removed by the next trainer): {name}")
+    lines += ["", "attempts"]
+    lines.append(f"  {'id':<24} {'status':<12} {'exit':>4} {'restored from':<15} {'replayed':>8} "
+                 f"{'last step':>9} {'wall s':>7}")
+    for a in described["attempts"]:
+        lines.append(f"  {_cell(a['id']):<24} {_cell(a['status']):<12} {_cell(a['exit_code']):>4} "
+                     f"{_cell(a['restored']):<15} {_cell(a['steps_replayed']):>8} {_cell(a['last_step']):>9} "
+                     f"{_cell(a['wall_s'], '{:.1f}'):>7}")
+    return "\n".join(lines)
+
+
+def list_run(output: Path, as_json: bool) -> int:
+    if not output.is_dir():
+        raise NothingToResume(f"{output} is not a run directory; pass the --output of a run")
+    described = describe_run(output)
+    print(json.dumps(described, indent=2) if as_json else format_run(described))
+    return 0
+
+
+def targets(path: Path) -> list[Path]:
+    """One sealed directory, or every generation and export of a run directory."""
+    if (path / MANIFEST).exists() or generation_step(path.name) is not None:
+        return [path]
+    found = []
+    for folder in SECTIONS.values():
+        store = GenerationStore(path / folder)
+        found += [store.path(name) for name in store.names()]
+    return found
+
+
+def verify_path(path: Path, as_json: bool) -> int:
+    if not path.is_dir():
+        raise NothingToResume(f"{path} does not exist or is not a directory; pass a run directory or a generation")
+    found = targets(path)
+    if not found:
+        raise NothingToResume(f"no generations or exports under {path}")
+    results = [verify_directory(p) for p in found]
+    if as_json:
+        print(json.dumps([{"path": str(r.path), "verified": r.ok, "problem": r.problem} for r in results], indent=2))
+    else:
+        for r in results:
+            print(f"{'ok' if r.ok else 'DAMAGED':<8} {r.path}" + (f": {r.problem}" if r.problem else ""))
+    damaged = [r for r in results if not r.ok]
+    if damaged:
+        raise CorruptGeneration(f"{len(damaged)} of {len(results)} damaged, first {damaged[0].path}: {damaged[0].problem}")
+    return 0

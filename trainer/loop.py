@@ -1,0 +1,274 @@
+"""The training run, top to bottom: claim the output → choose what to restore → build state
+→ maybe restore → train → publish generations and exports on their cadence → record the attempt.
+
+Every blocking point of checkpointing is visible here: `save()` after a step the cadence
+picked, `wait_for_staging()` right before the next optimizer step, `finalize()` before exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from trainer.attempts import AttemptRecorder, new_attempt_id, read_attempts, steps_replayed, utc_now
+from trainer.cadence import StepPoint, build_policy
+from trainer.config import RunConfig
+from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, NothingToResume, TrainerError, UsageError
+from trainer.export import export_store, write_export
+from trainer.fingerprint import check_fingerprint, current_fingerprint
+from trainer.lock import OutputLock
+from trainer.preemption import PreemptionGuard
+from trainer.recovery.atomic import manifest_digest, storage_failure
+from trainer.recovery.checkpointer import Published, SyncCheckpointer
+from trainer.recovery.manifest import Verification
+from trainer.recovery.resume import choose_candidate, require_verified
+from trainer.recovery.snapshot import load_snapshot, stored_entries
+from trainer.recovery.store import GenerationStore
+from trainer.retention import apply_retention
+from trainer.state import TrainingState
+from trainer.workload import EpochBatchOrder, Workload, build_workload
+
+log = logging.getLogger("trainer")
+CHECKPOINTS_DIR = "checkpoints"
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """Test-only seams, set from environment variables by the CLI and nowhere else."""
+
+    fault: Callable[[str], None] = lambda point: None
+    skip_rng_restore: frozenset[str] = frozenset()
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
+    return torch.device(requested)
+
+
+def configure_determinism(config: RunConfig) -> None:
+    """Same algorithms, same thread count, same seeds: the precondition for bit-equality."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(config.workload.threads)
+    seed = config.workload.seed
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def prepare_output(config: RunConfig) -> Path:
+    output = config.output
+    if output.exists() and not output.is_dir():
+        raise UsageError(f"--output {output} is a file, not a directory; choose a directory path")
+    if not output.exists() and (config.resume == "latest" or config.from_generation):
+        raise NothingToResume(f"nothing to resume: {output} does not exist; "
+                              f"check --output, or start without --resume")
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        os.listdir(output)
+    except OSError as error:
+        raise storage_failure(error, f"preparing --output {output}") from None
+    return output
+
+
+class TrainingRun:
+    def __init__(self, config: RunConfig, hooks: Hooks):
+        self.config = config
+        self.hooks = hooks
+        self.workload: Workload = build_workload(config.workload)
+        self.attempt_id = new_attempt_id()
+
+    # ----------------------------------------------------------------- top level
+    def run(self) -> int:
+        output = prepare_output(self.config)
+        with OutputLock(output):
+            store = GenerationStore(output / CHECKPOINTS_DIR)
+            for name in store.remove_stale_temporaries():
+                log.info("removed stale temporary %s", name)
+            restored = self.choose_generation(store)
+            return self.train_from(output, store, restored)
+
+    def choose_generation(self, store: GenerationStore) -> Verification | None:
+        names = store.names()
+        candidate = choose_candidate(names, self.config.resume, self.config.from_generation, str(store.root))
+        if candidate is None:
+            return None
+        verification = store.verify(candidate)
+        require_verified(verification, [n for n in names if n < candidate], store.verify)
+        return verification
+
+    def train_from(self, output: Path, store: GenerationStore, restored: Verification | None) -> int:
+        config = self.config
+        device = resolve_device(config.device)
+        configure_determinism(config)
+        dataset = self.workload.build_dataset()
+        fingerprint = current_fingerprint(config.workload.training_relevant(), dataset.fingerprint(),
+                                          device, world_size=1)
+        drift = []
+        if restored is not None:
+            drift = check_fingerprint(restored.path.name, restored.manifest["fingerprint"], fingerprint,
+                                      config.allow_drift)
+        previous = (read_attempts(output) or [None])[-1]
+        restored_step = restored.manifest["step"] if restored else None
+        recorder = AttemptRecorder.start(output, self.attempt_id, list(config.argv), {
+            "restored": None if restored is None else {
+                "name": restored.path.name, "step": restored_step,
+                "manifest_sha256": manifest_digest(restored.path)},
+            "explicit_generation": config.from_generation is not None,
+            "previous_attempt": previous["id"] if previous else None,
+            "steps_replayed": steps_replayed(previous, restored_step) if restored else None,
+            "allowed_drift": list(config.allow_drift), "drift": drift,
+            "checkpoint_mode": "sync", "device": str(device), "fingerprint": fingerprint,
+        })
+        try:
+            return self._train(output, store, restored, recorder, device, dataset, fingerprint, drift)
+        except TrainerError as error:
+            recorder.finish("failed", error.exit_code, str(error))
+            raise
+        except BaseException as error:
+            recorder.finish("failed", 1, f"{error.__class__.__name__}: {error}")
+            raise
+
+    # ----------------------------------------------------------------- training
+    def _train(self, output, store, restored, recorder, device, dataset, fingerprint, drift) -> int:
+        config, workload = self.config, self.workload
+        model = workload.build_model().to(device)
+        optimizer = workload.build_optimizer(model)
+        scheduler = workload.build_scheduler(optimizer)
+        scaler = torch.amp.GradScaler(device.type, enabled=config.workload.amp and device.type == "cuda")
+        state = TrainingState(model, optimizer, scheduler, scaler)
+        recover_policy = build_policy(config.recover)
+        export_policy = build_policy(config.export)
+
+        if restored is not None:
+            started = time.monotonic()
+            template = state.template(stored_entries(restored.path))
+            load_snapshot(template, restored.path)
+            state.load_state_dict(template, self.hooks.skip_rng_restore)  # RNG last
+            cadence = restored.manifest.get("cadence", {})
+            recover_policy.load_state(cadence.get("recover", {}))
+            export_policy.load_state(cadence.get("export", {}))
+            recorder.add_cost(restore_s=time.monotonic() - started)
+            log.info("restored %s (step=%d epoch=%d position=%d) in %.3fs", restored.path.name,
+                     state.progress.global_step, state.progress.epoch, state.progress.position,
+                     recorder.record["costs"]["restore_s"])
+        recorder.update(first_step=state.progress.global_step, last_step=state.progress.global_step)
+
+        checkpointer = SyncCheckpointer(store, self.attempt_id, self.hooks.fault)
+        exports = export_store(output)
+        protected = frozenset([restored.path.name]) if restored else frozenset()
+        total_steps = config.workload.total_steps
+        autocast_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+        interrupt = config.interrupt_at_step
+        if interrupt is not None and not state.progress.global_step < interrupt <= total_steps:
+            log.warning("--interrupt-at-step %d is outside steps %d..%d of this attempt; it will not fire",
+                        interrupt, state.progress.global_step + 1, total_steps)
+
+        def save_generation() -> None:
+            progress = state.progress
+            manifest = {"step": progress.global_step, "epoch": progress.epoch, "position": progress.position,
+                        "fingerprint": fingerprint, "allowed_drift": drift, "created_utc": utc_now(),
+                        "cadence": {"recover": {}, "export": export_policy.state()}}
+            published = checkpointer.save(state.state_dict(), progress.global_step, manifest)
+            recover_policy.saved()
+            self._record_publish(recorder, "generations_published", published, progress.global_step)
+            for name in apply_retention(store, config.retention.keep_last, config.retention.keep_every,
+                                        protected):
+                log.info("retention removed generation %s", name)
+
+        def save_export() -> None:
+            progress = state.progress
+            published = write_export(exports, model, progress.global_step, progress.epoch,
+                                     workload.architecture(), config.export_dtype, fingerprint["source"],
+                                     self.attempt_id, self.hooks.fault)
+            export_policy.saved()
+            self._record_publish(recorder, "exports_published", published, progress.global_step)
+            for name in apply_retention(exports, config.retention.keep_exports, None, frozenset()):
+                log.info("retention removed export %s", name)
+
+        with PreemptionGuard(config.preempt_grace_secs) as preemption:
+            while state.progress.global_step < total_steps:
+                progress = state.progress
+                order = EpochBatchOrder(config.workload.samples, config.workload.batch_size,
+                                        config.workload.seed, progress.epoch, progress.position)
+                # A private generator keeps the DataLoader from drawing on the global torch RNG
+                # (it seeds workers from it on every new iterator, which a resume would repeat).
+                loader = DataLoader(dataset, batch_sampler=order, num_workers=config.workload.num_workers,
+                                    generator=torch.Generator().manual_seed(0))
+                for inputs, labels in loader:
+                    recorder.add_cost(blocked_s=checkpointer.wait_for_staging())
+                    inputs, labels = inputs.to(device), labels.to(device)
+                    model.train()
+                    with torch.autocast(device.type, dtype=autocast_dtype, enabled=config.workload.amp):
+                        loss = workload.loss(model, (inputs, labels))
+                    optimizer.zero_grad(set_to_none=True)
+                    scaler.scale(loss).backward()
+                    scaler.step(optimizer)
+                    scaler.update()
+                    lr = scheduler.get_last_lr()[0]
+                    scheduler.step()
+                    epoch_completed = state.progress.advance(config.workload.batches_per_epoch)
+                    step = state.progress.global_step
+                    state.history.loss.append(float(loss.detach().float().item()))
+                    state.history.lr.append(float(lr))
+                    log.info("step=%d epoch=%d loss=%.4f lr=%.5g", step, state.progress.epoch,
+                             state.history.loss[-1], lr)
+
+                    if step == interrupt:
+                        recorder.update(last_step=step)
+                        recorder.finish("interrupted", EXIT_INTERRUPTED,
+                                        f"--interrupt-at-step {step}: stopped without saving")
+                        log.info("interrupted after step %d without saving (exit 75)", step)
+                        return EXIT_INTERRUPTED
+
+                    point = StepPoint(step, state.progress.epoch, epoch_completed)
+                    final = step == total_steps
+                    if recover_policy.due(point) or final or preemption.requested:
+                        save_generation()
+                    if export_policy.due(point) or final:
+                        save_export()
+                    if preemption.requested:
+                        recorder.update(last_step=step)
+                        recorder.finish("preempted", EXIT_INTERRUPTED,
+                                        f"{preemption.signal_name} after step {step}; generation saved")
+                        log.info("preempted by %s: saved step %d (exit 75)", preemption.signal_name, step)
+                        return EXIT_INTERRUPTED
+        checkpointer.finalize()
+        names = store.names()
+        summary = {"final_step": state.progress.global_step, "epochs": state.progress.epoch,
+                   "final_generation": names[-1] if names else None,
+                   "final_loss": state.history.loss[-1] if state.history.loss else None,
+                   "history": {"loss": state.history.loss, "lr": state.history.lr}}
+        recorder.update(last_step=state.progress.global_step)
+        recorder.finish("completed", EXIT_OK, summary=summary)
+        log.info("completed %d steps; newest generation %s", state.progress.global_step,
+                 summary["final_generation"])
+        return EXIT_OK
+
+    @staticmethod
+    def _record_publish(recorder: AttemptRecorder, kind: str, published: Published, step: int) -> None:
+        recorder.record[kind].append({"name": published.name, "step": published.step,
+                                      "save_s": round(published.save_s, 6),
+                                      "blocked_s": round(published.blocked_s, 6)})
+        recorder.add_cost(save_s=published.save_s, blocked_s=published.blocked_s)
+        recorder.record["costs"]["saves"] += 1
+        recorder.update(last_step=step)
+        log.info("published %s %s in %.3fs", "generation" if kind.startswith("gen") else "export",
+                 published.name, published.save_s)
+
+
+def run_training(config: RunConfig, hooks: Hooks = Hooks()) -> int:
+    return TrainingRun(config, hooks).run()
+

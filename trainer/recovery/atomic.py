@@ -1,0 +1,121 @@
+"""Durable, atomic filesystem operations (the only place that calls fsync and rename).
+
+The publish protocol (DESIGN.md §5.3): write into a unique temporary sibling, fsync every
+file, write and fsync the manifest last, fsync the directory, rename it to its final name,
+fsync the parent. A crash at any instant leaves the old set of directories, or the old set
+plus one complete new one. Exports and recovery generations share this one implementation.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import secrets
+from pathlib import Path
+
+from trainer.errors import StorageFailure
+
+MANIFEST = "manifest.json"
+_CHUNK = 8 << 20
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EROFS, errno.EIO}
+
+
+def storage_failure(error: OSError, what: str) -> StorageFailure:
+    """One line for an I/O error: what failed, where, and what to do about it."""
+    reason = os.strerror(error.errno) if error.errno else str(error)
+    where = f" ({error.filename})" if getattr(error, "filename", None) else ""
+    return StorageFailure(f"{what} failed: {reason}{where}; free space or fix permissions, then resume with --resume")
+
+
+def is_storage_error(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno in _STORAGE_ERRNOS
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_digest(path: Path, sync: bool = False) -> dict:
+    """Size and sha256 of a file; with `sync`, also fsync it (just-written files are read
+    back from the page cache, so hashing and syncing cost one pass)."""
+    digest = hashlib.sha256()
+    size = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while chunk := os.read(fd, _CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def write_file_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so readers see the old or the new content, never a mix."""
+    temporary = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    try:
+        write_file_durably(temporary, data)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def encode_json(value: dict) -> bytes:
+    return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
+
+
+def atomic_write_json(path: Path, value: dict) -> None:
+    atomic_write_bytes(path, encode_json(value))
+
+
+def temporary_sibling(parent: Path, name: str, tag: str) -> Path:
+    """A fresh hidden directory next to where `name` will be published (`.NAME.tmp-TAG-RAND`)."""
+    path = parent / f".{name}.tmp-{tag}-{secrets.token_hex(3)}"
+    path.mkdir(parents=True)
+    return path
+
+
+def publish_directory(temporary: Path, final: Path, manifest: dict, fault_hook=lambda point: None) -> dict:
+    """Seal `temporary` with a manifest listing every file's size and sha256, then rename it
+    to `final`. Returns the manifest as written (with `files`).
+
+    An existing `final` (a generation re-written after an operator went back with
+    --from-generation) is renamed aside to a hidden `.NAME.replaced-…` sibling, never deleted.
+    """
+    files = {}
+    for entry in sorted(temporary.iterdir()):
+        if entry.is_file() and entry.name != MANIFEST:
+            files[entry.name] = file_digest(entry, sync=True)
+    fault_hook("after-files-fsync")
+    sealed = {**manifest, "digest": "sha256", "files": files}
+    write_file_durably(temporary / MANIFEST, encode_json(sealed))
+    fsync_dir(temporary)
+    fault_hook("after-manifest")
+    if final.exists():
+        os.rename(final, final.with_name(f".{final.name}.replaced-{secrets.token_hex(3)}"))
+    os.rename(temporary, final)
+    fault_hook("after-rename")
+    fsync_dir(final.parent)
+    return sealed
+
+
+def manifest_digest(directory: Path) -> str:
+    """sha256 of the manifest file itself: names exactly which sealed content was used."""
+    return hashlib.sha256((directory / MANIFEST).read_bytes()).hexdigest()
