@@ -1,0 +1,87 @@
+"""compare.py finds a planted difference in every class of field, and loosens nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import compare, generation
+from trainer.compare import value_difference
+from trainer.recovery.atomic import publish_directory, temporary_sibling
+from trainer.recovery.manifest import read_manifest
+from trainer.recovery.snapshot import load_flat
+
+
+def plant(source, target_root, key, change):
+    """A sealed copy of generation `source` whose flat field `key` was altered by `change`."""
+    flat = load_flat(source)
+    flat[key] = change(flat[key])
+    temporary = temporary_sibling(target_root, source.name, "test")
+    dcp.save(flat, checkpoint_id=str(temporary), no_dist=True)
+    manifest = {k: v for k, v in read_manifest(source).items() if k not in ("files", "digest")}
+    publish_directory(temporary, target_root / source.name, manifest)
+    return target_root / source.name
+
+
+def bump_tensor(t):
+    t = t.clone()
+    t.reshape(-1)[0] += 1
+    return t
+
+
+PLANTS = {
+    "model.net.0.weight": bump_tensor,
+    "optim.state.net.3.bias.momentum_buffer": bump_tensor,
+    "optim.param_groups.0.lr": lambda v: v * 2,
+    "scheduler.last_epoch": lambda v: v + 1,
+    "rng.torch": bump_tensor,
+    "rng.numpy.pos": lambda v: v + 1,
+    "rng.python.internal": bump_tensor,
+    "progress.position": lambda v: v + 1,
+    "history.loss": bump_tensor,
+}
+
+
+@pytest.mark.parametrize("key", sorted(PLANTS))
+def test_compare_detects_planted_difference(tmp_path, baseline, key):
+    planted = plant(generation(baseline), tmp_path, key, PLANTS[key])
+    result = compare(generation(baseline), planted, "--json")
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert [f["field"] for f in report["fields"] if not f["equal"]] == [key]
+
+
+def test_compare_table_names_the_field_and_first_difference(tmp_path, baseline):
+    planted = plant(generation(baseline), tmp_path, "model.net.0.bias", bump_tensor)
+    table = compare(generation(baseline), planted)
+    assert table.returncode == 1
+    row = next(line for line in table.stdout.splitlines() if line.startswith("model.net.0.bias "))
+    assert " NO " in row and "at [0]:" in row
+    assert table.stdout.strip().endswith("fields compared: 1 differ")
+
+
+def test_compare_equal_generation_to_itself_and_rejects_unreadable_input(tmp_path, baseline):
+    assert compare(generation(baseline), generation(baseline)).returncode == 0
+    missing = compare(generation(baseline), tmp_path / "nope")
+    assert missing.returncode == 2 and "not a generation directory" in missing.stderr
+    damaged = tmp_path / "damaged"
+    shutil.copytree(generation(baseline), damaged)
+    (damaged / "__0_0.distcp").write_bytes(b"garbage")
+    result = compare(generation(baseline), damaged)
+    assert result.returncode == 2 and "__0_0.distcp" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_equal_means_equal_bits():
+    nan = torch.tensor([float("nan"), 1.0])
+    assert value_difference(nan, nan.clone()) == ""  # torch.equal would call these different
+    assert value_difference(torch.tensor([0.0]), torch.tensor([-0.0])) != ""
+    assert value_difference(0.0, -0.0) != ""
+    assert value_difference(float("nan"), float("nan")) == ""
+    assert value_difference(1, True) != ""  # no type coercion
+    assert value_difference(torch.zeros(2), torch.zeros(2, dtype=torch.float64)).startswith("dtype")
+    assert value_difference(torch.zeros(2), torch.zeros(3)).startswith("shape")
+    assert "at [1]" in value_difference(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0]))

@@ -1,0 +1,75 @@
+"""The fingerprint guard refuses silent drift; attempt records say what each process did."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import attempts, generation, one_error_line, run_cli, train
+from trainer.fingerprint import check_fingerprint, fingerprint_diff
+from trainer.errors import FingerprintMismatch
+
+
+@pytest.fixture()
+def interrupted(tmp_path):
+    run = tmp_path / "run"
+    train(run, "--epochs", 3, "--interrupt-at-step", 10, expect=75)
+    return run
+
+
+def test_changed_config_is_refused_with_a_field_diff(interrupted):
+    result = run_cli("--output", interrupted, "--resume", "--epochs", 3, "--lr", "0.1")
+    assert result.returncode == 65
+    line = one_error_line(result)
+    assert "config.lr 0.05 → 0.1" in line and "--allow-drift config" in line
+
+
+def test_allowed_drift_proceeds_and_is_recorded(interrupted):
+    train(interrupted, "--resume", "--epochs", 3, "--lr", "0.1", "--allow-drift", "config")
+    record = attempts(interrupted)[-1]
+    assert record["allowed_drift"] == ["config"] and record["drift"] == ["config.lr: 0.05 → 0.1"]
+    manifest = json.loads((generation(interrupted, "step-00000024") / "manifest.json").read_text())
+    assert manifest["allowed_drift"] == ["config.lr: 0.05 → 0.1"]
+
+
+def test_options_that_do_not_change_training_are_not_drift(interrupted):
+    train(interrupted, "--resume", "--epochs", 4, "--num-workers", 1)
+
+
+def test_fingerprint_diff_is_per_field():
+    old = {"source": "a", "config": {"lr": 0.05, "seed": 1}, "torch": "2.12.0", "world_size": 1}
+    new = {"source": "a", "config": {"lr": 0.05, "seed": 2}, "torch": "2.13.0", "world_size": 2}
+    assert [d[1] for d in fingerprint_diff(old, new)] == ["config.seed", "torch", "world_size"]
+    with pytest.raises(FingerprintMismatch) as refused:
+        check_fingerprint("step-00000008", old, new, ("torch",))
+    assert "--allow-drift config --allow-drift world_size" in str(refused.value)
+    assert "torch" not in str(refused.value).split("different environment:")[1].split(";")[0]
+    assert len(check_fingerprint("step-00000008", old, new, ("config", "torch", "world_size"))) == 3
+
+
+def test_source_change_is_detected(tmp_path, interrupted):
+    record = attempts(interrupted)[-1]
+    manifest = json.loads((generation(interrupted, "step-00000008") / "manifest.json").read_text())
+    assert manifest["fingerprint"] == record["fingerprint"]
+    assert len(manifest["fingerprint"]["source"]) == 64 and len(manifest["fingerprint"]["dataset"]) == 64
+
+
+def test_attempt_records_describe_each_process(interrupted):
+    train(interrupted, "--resume", "--epochs", 3)
+    first, second = attempts(interrupted)
+    assert (first["status"], first["exit_code"], first["restored"], first["last_step"]) == ("interrupted", 75, None, 10)
+    assert second["status"] == "completed" and second["exit_code"] == 0
+    assert second["restored"]["name"] == "step-00000008" and second["restored"]["step"] == 8
+    assert len(second["restored"]["manifest_sha256"]) == 64
+    assert second["previous_attempt"] == first["id"] and second["steps_replayed"] == 2
+    assert second["costs"]["restore_s"] > 0 and second["costs"]["save_s"] > 0 and second["costs"]["saves"] == 3
+    assert [g["name"] for g in second["generations_published"]] == ["step-00000016", "step-00000024"]
+    assert second["argv"][:3] == ["--output", str(interrupted), "--resume"]
+    for key in ("host", "pid", "started_utc", "ended_utc", "fingerprint"):
+        assert second[key]
+    folder = interrupted / "attempts" / second["id"]
+    assert "torch==2.13.0" in (folder / "requirements.txt").read_text()
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["final_step"] == 24 and len(summary["history"]["loss"]) == 24
+    assert not (interrupted / "attempts" / first["id"] / "summary.json").exists()

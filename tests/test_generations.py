@@ -1,0 +1,110 @@
+"""Generations on disk: temporaries are never selected, damage is detected and named."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from conftest import attempts, compare, generation, one_error_line, run_cli, train
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """A run interrupted at step 27: generations 8, 16, 24 exist."""
+    run = tmp_path_factory.mktemp("interrupted") / "run"
+    train(run, "--interrupt-at-step", 27, expect=75)
+    return run
+
+
+def fresh_copy(interrupted, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(interrupted, copy)
+    return copy
+
+
+def test_leftover_temporary_is_never_selected_and_is_cleaned(tmp_path, interrupted, baseline):
+    run = fresh_copy(interrupted, tmp_path)
+    # A crashed attempt's half-written generation, newer than every published one.
+    stale = run / "checkpoints" / ".step-00000032.tmp-20260101T000000Z-abc123-ffffff"
+    shutil.copytree(generation(run, "step-00000024"), stale)
+    foreign = run / "checkpoints" / "notes-from-operator"
+    foreign.mkdir()
+    resumed = train(run, "--resume")
+    assert "restored step-00000024" in resumed.stdout
+    assert "removed stale temporary" in resumed.stdout
+    assert not stale.exists() and foreign.exists()  # ours cleaned, theirs untouched
+    assert compare(generation(baseline), generation(run)).returncode == 0
+
+
+def damage_flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def damage_truncate(path):
+    path.write_bytes(path.read_bytes()[:-7])
+
+
+def damage_remove(path):
+    path.unlink()
+
+
+DAMAGE = {
+    "flipped byte": ("__0_0.distcp", damage_flip, "sha256 mismatch"),
+    "truncated file": ("__0_0.distcp", damage_truncate, "size"),
+    "missing file": (".metadata", damage_remove, "missing"),
+    "damaged manifest": ("manifest.json", damage_truncate, "manifest.json: unreadable"),
+    "missing manifest": ("manifest.json", damage_remove, "manifest.json: missing"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_damaged_newest_generation_exits_65_naming_file_and_fallback(tmp_path, interrupted, kind):
+    run = fresh_copy(interrupted, tmp_path)
+    name, damage, reason = DAMAGE[kind]
+    damage(generation(run, "step-00000024") / name)
+    before = sorted(os.listdir(run / "checkpoints"))
+    result = run_cli("--output", run, "--resume")
+    assert result.returncode == 65
+    line = one_error_line(result)
+    assert "step-00000024" in line and name in line and reason in line
+    assert "--from-generation step-00000016" in line
+    assert sorted(os.listdir(run / "checkpoints")) == before  # nothing deleted
+    verify = run_cli("verify", run)
+    assert verify.returncode == 65
+    assert f"DAMAGED  {generation(run, 'step-00000024')}: {name}" in verify.stdout
+    assert verify.stdout.count("\nok ") + verify.stdout.startswith("ok ") == 2
+
+
+def test_operator_resumes_from_the_suggested_generation(tmp_path, interrupted, baseline):
+    run = fresh_copy(interrupted, tmp_path)
+    damage_flip(generation(run, "step-00000024") / "__0_0.distcp")
+    train(run, "--from-generation", "step-00000016")
+    assert compare(generation(baseline), generation(run)).returncode == 0
+    # The damaged copy was kept aside for inspection, never deleted.
+    assert len(list((run / "checkpoints").glob(".step-00000024.replaced-*"))) == 1
+
+
+def test_verify_accepts_a_good_run_and_a_single_generation(interrupted):
+    result = run_cli("verify", interrupted)
+    assert result.returncode == 0 and result.stdout.count("ok ") == 3
+    single = run_cli("verify", generation(interrupted, "step-00000016"), "--json")
+    assert single.returncode == 0 and json.loads(single.stdout)[0]["verified"] is True
+    missing = run_cli("verify", interrupted / "nope")
+    assert missing.returncode == 66
+
+
+def test_manifest_records_what_it_promises(interrupted):
+    manifest = json.loads((generation(interrupted, "step-00000024") / "manifest.json").read_text())
+    assert manifest["format_version"] == 1 and manifest["kind"] == "recovery"
+    assert (manifest["step"], manifest["epoch"], manifest["position"]) == (24, 3, 0)
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}
+    for name, entry in manifest["files"].items():
+        assert entry["bytes"] == (generation(interrupted, "step-00000024") / name).stat().st_size
+        assert len(entry["sha256"]) == 64
+    assert manifest["attempt"] == attempts(interrupted)[0]["id"]
+    assert manifest["fingerprint"]["world_size"] == 1 and "write_s" in manifest["timings"]
