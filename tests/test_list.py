@@ -1,0 +1,34 @@
+"""`python -m trainer list`: generations, exports and attempts of a real interrupted run."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import run_cli, train
+
+
+def test_list_shows_an_interrupted_and_resumed_run(tmp_path):
+    run = tmp_path / "run"
+    train(run, "--epochs", 3, "--interrupt-at-step", 11, expect=75)
+    train(run, "--epochs", 3, "--resume")
+    table = run_cli("list", run)
+    assert table.returncode == 0
+    lines = table.stdout.splitlines()
+    rows = [line.split() for line in lines if line.startswith("  step-")]
+    assert [r[0] for r in rows] == ["step-00000008", "step-00000016", "step-00000024", "step-00000024"]
+    assert all(r[4] == "yes" for r in rows)
+    attempt_rows = [line.split() for line in lines if line.startswith("  2")]
+    assert [(r[1], r[2]) for r in attempt_rows] == [("interrupted", "75"), ("completed", "0")]
+    assert attempt_rows[1][3:6] == ["step-00000008", "3", "24"]
+
+    described = json.loads(run_cli("list", run, "--json").stdout)
+    assert [g["name"] for g in described["generations"]] == ["step-00000008", "step-00000016", "step-00000024"]
+    assert all(g["verified"] and g["save_s"] > 0 for g in described["generations"])
+    assert described["generations"][0]["attempt"] == described["attempts"][0]["id"]
+    assert described["exports"][0]["name"] == "step-00000024"
+    assert described["attempts"][1]["steps_replayed"] == 3
+
+
+def test_list_of_a_missing_directory_is_one_line(tmp_path):
+    result = run_cli("list", tmp_path / "nope")
+    assert result.returncode == 66 and "not a run directory" in result.stderr
