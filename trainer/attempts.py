@@ -8,6 +8,7 @@ generation, not an attempt record, decides where training resumes.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import socket
@@ -19,6 +20,7 @@ from pathlib import Path
 from trainer.recovery.atomic import atomic_write_bytes, atomic_write_json
 
 ATTEMPTS_DIR = "attempts"
+log = logging.getLogger("trainer")
 
 
 def new_attempt_id(now: datetime | None = None) -> str:
@@ -60,6 +62,19 @@ def steps_replayed(previous: dict | None, restored_step: int | None) -> int | No
     return max(0, previous["last_step"] - (restored_step or 0))
 
 
+UNFINISHED = ("failed", "running")  # "running" in a record nobody holds: the process was killed
+
+
+def is_crash_loop(records: list[dict], restoring: str | None, limit: int) -> bool:
+    """True when the last `limit` attempts all started from `restoring` (None: from scratch)
+    and all died before publishing anything newer: trying again would burn the allocation."""
+    if limit <= 0 or len(records) < limit:
+        return False
+    recent = records[-limit:]
+    return all((r.get("restored") or {}).get("name") == restoring and not r.get("generations_published")
+               and r.get("status") in UNFINISHED for r in recent)
+
+
 class AttemptRecorder:
     def __init__(self, output: Path, attempt_id: str, record: dict):
         self.folder = output / ATTEMPTS_DIR / attempt_id
@@ -99,4 +114,10 @@ class AttemptRecorder:
                            wall_s=round(time.monotonic() - self._started, 3))
         if summary is not None:
             atomic_write_json(self.folder / "summary.json", summary)
-        self.flush()
+        try:
+            self.flush()
+        except OSError as error:
+            if exit_code == 0:
+                raise
+            # Failing because the disk is full must not hide the original error behind this one.
+            log.warning("could not record the end of attempt %s: %s", self.record["id"], error.strerror)

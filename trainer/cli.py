@@ -16,6 +16,7 @@ from pathlib import Path
 
 from trainer.config import CadenceConfig, RetentionConfig, RunConfig, WorkloadConfig
 from trainer.errors import TrainerError, UsageError
+from trainer.recovery.atomic import is_storage_error, storage_failure
 from trainer.fingerprint import FIELDS
 
 FAULT_ENV = "TRAINER_FAULT_POINT"
@@ -84,6 +85,9 @@ def train_parser() -> OneLineParser:
     run.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     run.add_argument("--preempt-grace-secs", type=positive_float, default=30.0,
                      help="on SIGTERM/SIGINT, time allowed to save before exiting 75 without publishing")
+    run.add_argument("--max-failed-attempts", type=non_negative_int, default=3, metavar="N",
+                     help="exit 70 instead of retrying when the last N attempts restored the same "
+                          "generation and died before publishing a newer one (0 = never)")
 
     cadence = parser.add_argument_group("cadence (any trigger that is set fires)")
     cadence.add_argument("--recover-every-epochs", type=non_negative_int, default=1, metavar="N",
@@ -138,7 +142,8 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> RunConfig:
         export=CadenceConfig(args.export_every_epochs, args.export_every_steps, args.export_every_secs),
         export_dtype=args.export_dtype,
         retention=RetentionConfig(args.keep_last, args.keep_every, args.keep_exports),
-        preempt_grace_secs=args.preempt_grace_secs, argv=tuple(argv))
+        preempt_grace_secs=args.preempt_grace_secs,
+        max_failed_attempts=args.max_failed_attempts, argv=tuple(argv))
 
 
 def hooks_from_environment():
@@ -202,3 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         print(f"trainer: error: {error}", file=sys.stderr)
         return error.exit_code
+    except BrokenPipeError:
+        # `list DIR | head`: the reader left; stop quietly, as other command-line tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as error:
+        if not is_storage_error(error):
+            raise
+        print(f"trainer: error: {storage_failure(error, 'writing to the output')}", file=sys.stderr)
+        return 74

@@ -56,9 +56,10 @@ class StorageFailure(TrainerError):
 
 
 class CrashLoop(TrainerError):
-    """The same generation was restored by several attempts in a row that all failed."""
+    """The same generation was restored by several attempts in a row that all died before
+    publishing a newer one. Not 75: retrying again would only burn the allocation."""
 
-    exit_code = 75
+    exit_code = 70
 
 
 EXIT_OK = 0

@@ -19,10 +19,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from trainer.attempts import AttemptRecorder, new_attempt_id, read_attempts, steps_replayed, utc_now
+from trainer.attempts import (AttemptRecorder, is_crash_loop, new_attempt_id, read_attempts, steps_replayed,
+                              utc_now)
 from trainer.cadence import StepPoint, build_policy
 from trainer.config import RunConfig
-from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, NothingToResume, TrainerError, UsageError
+from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, CrashLoop, NothingToResume, TrainerError, UsageError
 from trainer.export import export_store, write_export
 from trainer.fingerprint import check_fingerprint, current_fingerprint
 from trainer.lock import OutputLock
@@ -120,7 +121,14 @@ class TrainingRun:
         if restored is not None:
             drift = check_fingerprint(restored.path.name, restored.manifest["fingerprint"], fingerprint,
                                       config.allow_drift)
-        previous = (read_attempts(output) or [None])[-1]
+        history = read_attempts(output)
+        restoring = restored.path.name if restored else None
+        if is_crash_loop(history, restoring, config.max_failed_attempts):
+            raise CrashLoop(f"the last {config.max_failed_attempts} attempts all started from "
+                            f"{restoring or 'scratch'} and died before publishing a newer generation; "
+                            f"inspect {output / 'attempts'}, fix the cause, then rerun "
+                            f"(or pass --max-failed-attempts 0)")
+        previous = history[-1] if history else None
         restored_step = restored.manifest["step"] if restored else None
         recorder = AttemptRecorder.start(output, self.attempt_id, list(config.argv), {
             "restored": None if restored is None else {

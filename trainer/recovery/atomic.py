@@ -22,11 +22,17 @@ _CHUNK = 8 << 20
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EROFS, errno.EIO}
 
 
+_ADVICE = {errno.ENOSPC: "free disk space", errno.EDQUOT: "free space or raise the quota",
+           errno.EFBIG: "raise the file-size limit (ulimit -f)", errno.EACCES: "fix the permissions",
+           errno.EPERM: "fix the permissions", errno.EROFS: "make the filesystem writable"}
+
+
 def storage_failure(error: OSError, what: str) -> StorageFailure:
     """One line for an I/O error: what failed, where, and what to do about it."""
     reason = os.strerror(error.errno) if error.errno else str(error)
     where = f" ({error.filename})" if getattr(error, "filename", None) else ""
-    return StorageFailure(f"{what} failed: {reason}{where}; free space or fix permissions, then resume with --resume")
+    advice = _ADVICE.get(error.errno, "check the storage")
+    return StorageFailure(f"{what} failed: {reason}{where}; {advice}, then resume with --resume")
 
 
 def is_storage_error(error: BaseException) -> bool:

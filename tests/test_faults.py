@@ -1,0 +1,170 @@
+"""Fault injection: crashes at every publish step, random kill -9, write failures,
+preemption signals, a second writer and crash loops. No fault may lose a completed
+generation, select an incomplete one, or change what is trained."""
+
+from __future__ import annotations
+
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, attempts, compare, generation, one_error_line, run_cli, train
+
+SHORT = ("--epochs", "3")
+
+
+@pytest.fixture(scope="module")
+def short_baseline(tmp_path_factory):
+    output = tmp_path_factory.mktemp("short") / "run"
+    train(output, *SHORT)
+    return output
+
+
+def start(output, *args, env=None):
+    """The trainer as a live process whose progress lines arrive unbuffered."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "trainer", "--output", str(output), *map(str, args)],
+                            cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_line(process, prefix):
+    for line in process.stdout:
+        if line.startswith(prefix):
+            return line
+    raise AssertionError(f"process ended before printing {prefix!r}: {process.stderr.read()}")
+
+
+def published_all_verify(output):
+    names = sorted(p.name for p in (output / "checkpoints").glob("step-*"))
+    if names:
+        assert run_cli("verify", output).returncode == 0
+    return names
+
+
+@pytest.mark.parametrize("point", ["after-write", "after-files-fsync", "after-manifest", "after-rename"])
+def test_crash_at_each_publish_point_keeps_complete_generations(tmp_path, short_baseline, point):
+    run = tmp_path / "run"
+    train(run, *SHORT, "--interrupt-at-step", 10, expect=75)
+    crashed = run_cli("--output", run, *SHORT, "--resume", env={"TRAINER_FAULT_POINT": point})
+    assert crashed.returncode == -signal.SIGKILL
+    names = published_all_verify(run)
+    assert names == (["step-00000008", "step-00000016"] if point == "after-rename" else ["step-00000008"])
+    resumed = train(run, *SHORT, "--resume", "auto")
+    assert f"restored {names[-1]}" in resumed.stdout
+    assert not list((run / "checkpoints").glob(".step-*.tmp-*"))  # the crashed temporary was cleaned
+    assert compare(generation(short_baseline, "step-00000024"), generation(run, "step-00000024")).returncode == 0
+
+
+def test_random_kill_9_while_saving_every_step(tmp_path, baseline):
+    """Torture: kill -9 at random instants of training with a save after every step."""
+    run = tmp_path / "run"
+    rng = random.Random(20261129)
+    args = ("--recover-every-steps", 1, "--keep-last", 2, "--resume", "auto", "--max-failed-attempts", 0)
+    kills, deadline = 0, time.monotonic() + 60
+    while kills < 8 and time.monotonic() < deadline:
+        process = start(run, *args)
+        wait_for_line(process, "step=")
+        time.sleep(rng.uniform(0.0, 0.15))
+        process.kill()
+        process.wait()
+        if process.returncode == 0:
+            break
+        kills += 1
+        published_all_verify(run)
+    train(run, *args)
+    assert kills >= 3  # 8 on an idle machine; fewer only if the deadline cut it short
+    assert compare(generation(baseline), generation(run)).returncode == 0
+
+
+def limit_file_size(limit):
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+def test_write_failure_exits_74_keeps_earlier_generations_and_resumes(tmp_path, short_baseline):
+    run = tmp_path / "run"
+    train(run, *SHORT, "--interrupt-at-step", 10, expect=75)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    failed = subprocess.run([sys.executable, "-m", "trainer", "--output", str(run), *SHORT, "--resume"],
+                            cwd=REPO, env=env, capture_output=True, text=True, preexec_fn=limit_file_size(64 * 1024))
+    assert failed.returncode == 74
+    line = one_error_line(failed)
+    assert "step-00000016" in line and "File too large" in line and "ulimit -f" in line
+    assert published_all_verify(run) == ["step-00000008"]
+    assert not list((run / "checkpoints").glob(".step-*"))  # the failed temporary was removed
+    record = attempts(run)[-1]
+    assert record["status"] == "failed" and record["exit_code"] == 74 and "File too large" in record["reason"]
+    train(run, *SHORT, "--resume")
+    assert compare(generation(short_baseline, "step-00000024"), generation(run, "step-00000024")).returncode == 0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_preemption_saves_at_the_current_step_and_exits_75(tmp_path, signum):
+    run, base = tmp_path / "run", tmp_path / "base"
+    long = ("--epochs", 40)
+    process = start(run, *long)
+    wait_for_line(process, "step=20 ")
+    process.send_signal(signum)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 75, err
+    record = attempts(run)[-1]
+    assert record["status"] == "preempted" and signal.Signals(signum).name in record["reason"]
+    step = record["last_step"]
+    assert step >= 20 and f"preempted by {signal.Signals(signum).name}: saved step {step}" in out
+    assert generation(run, f"step-{step:08d}").exists()  # a generation at the step reached, mid-epoch too
+    train(run, *long, "--resume")
+    train(base, *long)
+    assert compare(generation(base, "step-00000320"), generation(run, "step-00000320")).returncode == 0
+
+
+def test_preemption_grace_too_short_exits_75_without_publishing(tmp_path):
+    run = tmp_path / "run"
+    process = start(run, "--epochs", 40, "--preempt-grace-secs", "0.000001", "--hidden-size", 512)
+    wait_for_line(process, "step=3 ")
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 75 and "grace" in err
+    published_all_verify(run)
+
+
+def test_second_signal_exits_at_once_without_damage(tmp_path):
+    run = tmp_path / "run"
+    process = start(run, "--epochs", 40, "--recover-every-steps", 1, "--hidden-size", 256)
+    wait_for_line(process, "step=5 ")
+    process.send_signal(signal.SIGTERM)
+    process.send_signal(signal.SIGTERM)
+    process.communicate(timeout=60)
+    assert process.returncode == 75
+    published_all_verify(run)
+
+
+def test_second_writer_is_refused_and_stale_lock_taken_over(tmp_path):
+    run = tmp_path / "run"
+    holder = start(run, "--epochs", 400)
+    wait_for_line(holder, "step=")
+    second = run_cli("--output", run, "--resume", "auto", "--epochs", 1)
+    assert second.returncode == 73
+    line = one_error_line(second)
+    assert f"pid {holder.pid}" in line and "host" in line
+    holder.kill()
+    holder.wait()
+    # The holder died without unlocking: the next trainer takes the lock over and resumes.
+    train(run, "--resume", "auto", "--epochs", 1)
+
+
+def test_crash_loop_stops_instead_of_burning_the_allocation(tmp_path):
+    run = tmp_path / "run"
+    train(run, *SHORT, "--interrupt-at-step", 10, expect=75)
+    for _ in range(3):
+        crashed = run_cli("--output", run, *SHORT, "--resume", env={"TRAINER_FAULT_POINT": "after-write"})
+        assert crashed.returncode == -signal.SIGKILL
+    refused = run_cli("--output", run, *SHORT, "--resume")
+    assert refused.returncode == 70
+    line = one_error_line(refused)
+    assert "last 3 attempts all started from step-00000008" in line and "--max-failed-attempts 0" in line
+    train(run, *SHORT, "--resume", "--max-failed-attempts", 0)
