@@ -71,6 +71,9 @@ def train_parser() -> OneLineParser:
                            description="Train with exact, crash-safe recovery. "
                                        "Other commands: `list DIR`, `verify DIR|GEN`.")
     parser.add_argument("--output", type=Path, help="run directory (generations, exports, attempt records)")
+    parser.add_argument("--tracked", action="store_true",
+                        help="track with Polyaxon: the run directory is the run's outputs path (in a Polyaxon "
+                             "job, or anywhere with POLYAXON_IS_OFFLINE=true); replaces --output")
     run = parser.add_argument_group("recovery")
     run.add_argument("--resume", nargs="?", const="latest", choices=("latest", "auto"),
                      help="continue from the newest verified generation (latest: one must exist; "
@@ -124,17 +127,25 @@ def train_parser() -> OneLineParser:
     return parser
 
 
-def config_from_args(args: argparse.Namespace, argv: list[str]) -> RunConfig:
-    if args.output is None:
-        raise UsageError("--output DIR is required (the run directory); e.g. --output outputs/run1")
+def check_option_combinations(args: argparse.Namespace) -> None:
+    """Cheap checks that need no import, done before tracking or torch start."""
+    if args.tracked and args.output is not None:
+        raise UsageError("--output and --tracked are exclusive: with --tracked the run directory is "
+                         "Polyaxon's outputs path; drop --output")
+    if not args.tracked and args.output is None:
+        raise UsageError("--output DIR is required (the run directory); e.g. --output outputs/run1, "
+                         "or --tracked to use Polyaxon's outputs path")
     if args.resume is not None and args.from_generation is not None:
         raise UsageError("--resume and --from-generation are exclusive; --from-generation already resumes")
+
+
+def config_from_args(args: argparse.Namespace, argv: list[str], output: Path) -> RunConfig:
     workload = WorkloadConfig(
         epochs=args.epochs, samples=args.samples, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
         hidden_size=args.hidden_size, layers=args.layers, dropout=args.dropout,
         num_workers=args.num_workers, amp=args.amp, threads=args.threads)
     return RunConfig(
-        output=args.output, workload=workload, interrupt_at_step=args.interrupt_at_step,
+        output=output, workload=workload, interrupt_at_step=args.interrupt_at_step,
         resume=args.resume, from_generation=args.from_generation,
         allow_drift=tuple(dict.fromkeys(args.allow_drift)), checkpoint_mode=args.checkpoint_mode,
         device=args.device,
@@ -167,10 +178,18 @@ def hooks_from_environment():
 
 def run_train(argv: list[str]) -> int:
     args = train_parser().parse_args(argv)
-    config = config_from_args(args, argv)
-    from trainer.loop import run_training  # imports torch: after cheap validation
+    check_option_combinations(args)
+    hooks = hooks_from_environment()
+    if not args.tracked:
+        from trainer.loop import run_training  # imports torch: after cheap validation
 
-    return run_training(config, hooks_from_environment())
+        return run_training(config_from_args(args, argv, args.output), hooks)
+    from trainer.tracking import PolyaxonEvents  # imports polyaxon: only with --tracked
+
+    events = PolyaxonEvents.start()
+    from trainer.loop import run_training
+
+    return events.track(lambda outputs: run_training(config_from_args(args, argv, outputs), hooks, events))
 
 
 def run_list(argv: list[str]) -> int:

@@ -62,5 +62,10 @@ class CrashLoop(TrainerError):
     exit_code = 70
 
 
+class TrackingUnavailable(UsageError):
+    """`--tracked` was asked for but Polyaxon tracking cannot start: refuse rather than
+    train half-tracked (outputs in one place, status and metrics nowhere)."""
+
+
 EXIT_OK = 0
 EXIT_INTERRUPTED = 75

@@ -24,6 +24,7 @@ from trainer.attempts import (AttemptRecorder, is_crash_loop, new_attempt_id, re
 from trainer.cadence import StepPoint, build_policy
 from trainer.config import RunConfig
 from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, CrashLoop, NothingToResume, TrainerError, UsageError
+from trainer.events import TrainingEvents
 from trainer.export import export_store, write_export
 from trainer.fingerprint import check_fingerprint, current_fingerprint
 from trainer.lock import OutputLock
@@ -85,9 +86,10 @@ def prepare_output(config: RunConfig) -> Path:
 
 
 class TrainingRun:
-    def __init__(self, config: RunConfig, hooks: Hooks):
+    def __init__(self, config: RunConfig, hooks: Hooks, events: TrainingEvents):
         self.config = config
         self.hooks = hooks
+        self.events = events
         self.workload: Workload = build_workload(config.workload)
         self.attempt_id = new_attempt_id()
 
@@ -139,8 +141,10 @@ class TrainingRun:
             "steps_replayed": steps_replayed(previous, restored_step) if restored else None,
             "allowed_drift": list(config.allow_drift), "drift": drift,
             "checkpoint_mode": "sync", "device": str(device), "fingerprint": fingerprint,
+            "polyaxon": self.events.run_identity(previous),
         })
         try:
+            self.events.attempt_started(recorder.record)
             return self._train(output, store, restored, recorder, device, dataset, fingerprint, drift)
         except TrainerError as error:
             recorder.finish("failed", error.exit_code, str(error))
@@ -192,6 +196,7 @@ class TrainingRun:
             published = checkpointer.save(state.state_dict(), progress.global_step, manifest)
             recover_policy.saved()
             self._record_publish(recorder, "generations_published", published, progress.global_step)
+            self.events.published("generation", store.path(published.name), published)
             for name in apply_retention(store, config.retention.keep_last, config.retention.keep_every,
                                         protected):
                 log.info("retention removed generation %s", name)
@@ -203,6 +208,7 @@ class TrainingRun:
                                      self.attempt_id, self.hooks.fault)
             export_policy.saved()
             self._record_publish(recorder, "exports_published", published, progress.global_step)
+            self.events.published("export", exports.path(published.name), published)
             for name in apply_retention(exports, config.retention.keep_exports, None, frozenset()):
                 log.info("retention removed export %s", name)
 
@@ -233,6 +239,7 @@ class TrainingRun:
                     state.history.lr.append(float(lr))
                     log.info("step=%d epoch=%d loss=%.4f lr=%.5g", step, state.progress.epoch,
                              state.history.loss[-1], lr)
+                    self.events.step_completed(step, {"loss": state.history.loss[-1], "lr": state.history.lr[-1]})
 
                     if step == interrupt:
                         recorder.update(last_step=step)
@@ -277,6 +284,6 @@ class TrainingRun:
                  published.name, published.save_s)
 
 
-def run_training(config: RunConfig, hooks: Hooks = Hooks()) -> int:
-    return TrainingRun(config, hooks).run()
+def run_training(config: RunConfig, hooks: Hooks = Hooks(), events: TrainingEvents = TrainingEvents()) -> int:
+    return TrainingRun(config, hooks, events).run()
 

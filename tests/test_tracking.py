@@ -1,0 +1,120 @@
+"""`--tracked` in Polyaxon's offline mode: the local analogue of a managed run and `ops resume`.
+
+Reopening the same offline run (same POLYAXON_RUN_INSTANCE) after an exit 75 is what
+`polyaxon ops resume` does on a cluster: same run uuid, same outputs path, the metric history
+kept. What offline tracking wrote is read back from its files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import attempts, compare, generation, one_error_line, run_cli
+
+from trainer.errors import TrackingUnavailable
+from trainer.tracking import cloning_kind, parse_run_instance
+
+
+def offline_env(root: Path, run_uuid: str | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POLYAXON_")}
+    env.update(HOME=str(root / "home"), POLYAXON_IS_OFFLINE="true", POLYAXON_OFFLINE_ROOT=str(root / "offline"),
+               POLYAXON_TRACKING_FLUSH_DELAY="0")
+    if run_uuid:
+        env["POLYAXON_RUN_INSTANCE"] = f"local.training-recovery.runs.{run_uuid}"
+    return env
+
+
+def tracked(env: dict, *args, expect: int):
+    result = run_cli("--tracked", *args, env=env)
+    assert result.returncode == expect, f"exit {result.returncode}, wanted {expect}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def offline_run(root: Path, run_uuid: str) -> tuple[Path, dict]:
+    folder = root / "offline" / "runs" / run_uuid
+    return folder, json.loads((folder / "run.plx.json").read_text())
+
+
+def logged_steps(folder: Path, metric: str) -> list[tuple[int, float]]:
+    lines = (folder / "events" / "metric" / f"{metric}.plx").read_text().splitlines()
+    assert lines[0] == "step|timestamp|metric"
+    return [(int(step), float(value)) for step, _, value in (line.split("|") for line in lines[1:])]
+
+
+def test_offline_tracked_run_interrupted_and_resumed_in_the_same_run_matches_baseline(tmp_path, baseline):
+    run_uuid = uuid.uuid4().hex
+    env = offline_env(tmp_path, run_uuid)
+    first = tracked(env, "--interrupt-at-step", 27, expect=75)
+    folder, record = offline_run(tmp_path, run_uuid)
+    outputs = folder / "outputs"
+    assert f"outputs {outputs}" in first.stdout
+    assert record["status"] == "stopped"  # not "succeeded": offline closes a run as succeeded by default
+
+    tracked(env, "--resume", expect=0)
+    folder, record = offline_run(tmp_path, run_uuid)
+    assert [c["type"] for c in record["status_conditions"]][-3:] == ["resuming", "running", "succeeded"]
+    result = compare(generation(baseline), generation(outputs))
+    assert result.returncode == 0 and "all equal" in result.stdout, result.stdout
+
+    # Metrics at the global step: the resumed attempt appended 28..64 and did not log its replay
+    # of 25..27 again; every value equals the uninterrupted baseline's.
+    baseline_history = json.loads(next((baseline / "attempts").glob("*/summary.json")).read_text())["history"]
+    for metric in ("loss", "lr"):
+        steps = logged_steps(folder, metric)
+        assert [s for s, _ in steps] == list(range(1, 65))
+        assert [v for _, v in steps] == baseline_history[metric]
+
+    # Attempt facts as outputs; the attempt records name the Polyaxon run and how it was cloned.
+    assert record["outputs"]["restored_generation"] == "step-00000024"
+    assert record["outputs"]["restored_step"] == 24 and record["outputs"]["steps_replayed"] == 3
+    identities = [a["polyaxon"] for a in attempts(outputs)]
+    assert [i["run_uuid"] for i in identities] == [run_uuid, run_uuid]
+    assert [i["cloning"] for i in identities] == [None, "resume"]
+
+    # Lineage: every published generation and the export, carrying our manifest digest.
+    lineage = {a["name"]: a for a in json.loads((folder / "lineages.plx.json").read_text())}
+    final = lineage["generation-step-00000064"]
+    assert final["kind"] == "dir"
+    manifest = outputs / "checkpoints" / "step-00000064" / "manifest.json"
+    assert final["summary"]["hash"] == hashlib.sha256(manifest.read_bytes()).hexdigest()
+    assert lineage["export-step-00000064"]["kind"] == "model"
+    assert {f"generation-step-{s:08d}" for s in (8, 16, 24, 32, 40, 48, 56, 64)} <= set(lineage)
+
+
+def test_plain_restart_has_nothing_to_resume_and_says_how_to_continue(tmp_path):
+    run_uuid = uuid.uuid4().hex  # a plain `ops restart`: a new run with empty outputs
+    result = tracked(offline_env(tmp_path, run_uuid), "--resume", expect=66)
+    line = one_error_line(result)
+    assert "nothing to resume" in line and "ops restart" in line and "--copy" in line
+    assert offline_run(tmp_path, run_uuid)[1]["status"] == "failed"
+
+
+def test_tracked_refuses_when_tracking_cannot_start(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POLYAXON_")}
+    env["HOME"] = str(tmp_path)
+    line = one_error_line(tracked(env, expect=2))
+    assert "POLYAXON_IS_OFFLINE=true" in line
+    line = one_error_line(tracked(offline_env(tmp_path), "--output", tmp_path / "run", expect=2))
+    assert "--output and --tracked are exclusive" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_cloning_kind_tells_resume_copy_restart_and_fresh_apart():
+    same = {"polyaxon": {"run_uuid": "u1"}}
+    assert cloning_kind(None, "u1", same) == "resume"
+    assert cloning_kind(None, "u2", same) is None
+    assert cloning_kind(None, "u1", None) is None
+    assert cloning_kind("copy", "u2", same) == "copy"
+    assert cloning_kind("restart", "u2", None) == "restart"
+
+
+def test_run_instance_is_parsed_or_refused():
+    assert parse_run_instance("acme.mnist.runs.abc") == ("acme", "mnist", "abc")
+    with pytest.raises(TrackingUnavailable):
+        parse_run_instance("acme.mnist.abc")

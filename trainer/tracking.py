@@ -1,0 +1,200 @@
+"""Polyaxon tracking for `--tracked`: the run directory, metrics, lineage and final status.
+
+Only imported with `--tracked`: `polyaxon.tracking` costs about a second and 150 MB, which
+an untracked run never pays.
+
+Where it runs:
+- *Managed* (a Polyaxon job; the agent sets POLYAXON_RUN_INSTANCE and POLYAXON_IS_MANAGED):
+  the run is the job's run. `ops resume` and retries reuse it with the outputs restored by the
+  `autoResume` plugin; `ops restart --copy` is a new run whose outputs are a copy.
+- *Offline* (POLYAXON_IS_OFFLINE=true, anywhere): the run lives under POLYAXON_OFFLINE_ROOT
+  (default /tmp/plx/offline) in `runs/<uuid>/`. Setting POLYAXON_RUN_INSTANCE to
+  `owner.project.runs.<uuid>` reopens that run, the local analogue of `ops resume`; without it
+  every process is a new run.
+Anything else is refused (exit 2) rather than tracked halfway.
+
+What is recorded:
+- The trainer's run directory is `get_outputs_path()`: generations, exports and attempt
+  records are collected with the run and restored with it.
+- `loss` and `lr` at the *global* step. Steps the run's metric history already holds (work an
+  earlier attempt did past the restored generation, replayed now with identical values) are
+  not logged again, so a resumed run appends and every step appears once.
+- Each published generation (`dir`) and export (`model`) as a lineage *reference* carrying our
+  manifest digest; Polyaxon does not re-hash the files. A reference is not proof that the
+  artifacts store has received the files: the sidecar uploads them later.
+- Attempt facts as run outputs: attempt id, restored generation and step, steps replayed.
+- The final status, from the exit code: 0 succeeded, 75 stopped (resumable; without it an
+  offline run would be closed as succeeded), anything else failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, NothingToResume, TrackingUnavailable, TrainerError
+from trainer.events import TrainingEvents
+
+log = logging.getLogger("trainer")
+
+RUN_INSTANCE_ENV = "POLYAXON_RUN_INSTANCE"
+OFFLINE_ENV = "POLYAXON_IS_OFFLINE"
+METRICS = ("loss", "lr")
+DONE_STATUSES = frozenset({"succeeded", "failed", "stopped", "skipped", "upstream_failed"})
+PLAIN_RESTART_HINT = ("on Polyaxon, a plain `ops restart` starts with empty outputs: continue with "
+                      "`ops resume -uid UUID -f presets/resume.yaml` or `ops restart -uid UUID --copy "
+                      "-f presets/resume.yaml`")
+
+
+def parse_run_instance(value: str) -> tuple[str, str, str]:
+    """`owner.project.runs.uuid` (Polyaxon's own format) → (owner, project, uuid)."""
+    parts = value.split(".")
+    if len(parts) != 4 or parts[2] != "runs" or not all(parts):
+        raise TrackingUnavailable(f"{RUN_INSTANCE_ENV}={value!r} is not owner.project.runs.UUID; "
+                                  f"fix it, or unset it to start a new offline run")
+    return parts[0], parts[1], parts[3]
+
+
+def cloning_kind(original_kind: str | None, run_uuid: str, previous_attempt: dict | None) -> str | None:
+    """How this run relates to earlier work: `copy` / `restart` / `cache` (Polyaxon says so in
+    the run's `original`), `resume` (no original, and the newest attempt in these outputs was
+    made by this same run: `ops resume` or a `maxRetries` retry), or None (a fresh run)."""
+    if original_kind:
+        return original_kind
+    previous_run = ((previous_attempt or {}).get("polyaxon") or {}).get("run_uuid")
+    return "resume" if previous_run == run_uuid else None
+
+
+def last_logged_step(artifacts_path: str, metric: str) -> int | None:
+    """The highest step of `metric` already in the run's event history (restored with the run
+    on resume, or left by an earlier offline process), read with Polyaxon's own reader."""
+    path = Path(artifacts_path) / "events" / "metric" / f"{metric}.plx"
+    if not path.is_file():
+        return None
+    from traceml.events import V1Events
+
+    frame = V1Events.read(kind="metric", name=metric, data=str(path)).df
+    return None if frame.empty else int(frame["step"].max())
+
+
+class PolyaxonEvents(TrainingEvents):
+    """The loop's observer, backed by one `polyaxon.tracking.Run` (held here, never global)."""
+
+    def __init__(self, run, mode: str, logged_through: int | None):
+        self.run = run
+        self.mode = mode
+        self.logged_through = logged_through
+        self.outputs_path = Path(run.get_outputs_path())
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def start(cls) -> "PolyaxonEvents":
+        """Open the run, or raise TrackingUnavailable with one line saying why and how to fix it."""
+        try:
+            from polyaxon import settings
+            from polyaxon.tracking import Run
+        except ImportError as error:
+            raise TrackingUnavailable(f"--tracked needs the polyaxon package ({error}); "
+                                      f"pip install -r requirements.txt") from None
+        for name in ("polyaxon", "traceml"):  # their INFO lines would interleave with progress lines
+            logging.getLogger(name).setLevel(logging.WARNING)
+        config = settings.CLIENT_CONFIG
+        if config.no_op:
+            raise TrackingUnavailable("--tracked, but Polyaxon tracking is switched off (POLYAXON_NO_OP); "
+                                      "unset it, or run without --tracked and with --output DIR")
+        if config.is_managed:
+            mode, identity = "managed", {}
+        elif config.is_offline:
+            mode = "offline"
+            instance = os.environ.get(RUN_INSTANCE_ENV)
+            identity = {}
+            if instance:
+                owner, project, run_uuid = parse_run_instance(instance)
+                identity = {"owner": owner, "project": project, "run_uuid": run_uuid}
+        else:
+            raise TrackingUnavailable(f"--tracked outside a Polyaxon job needs offline mode: set "
+                                      f"{OFFLINE_ENV}=true (or run without --tracked and with --output DIR)")
+        try:
+            run = Run(**identity, track_code=False, track_logs=False)
+            outputs = run.get_outputs_path()
+            if not outputs or not run.run_uuid:
+                raise RuntimeError("no outputs path was assigned")
+            if run.status in DONE_STATUSES:
+                # An offline run reopened after it ended (stopped at exit 75): Polyaxon would
+                # otherwise ignore this attempt's final status. Managed runs are moved by the agent.
+                run.log_status("resuming", reason="TrainerResume", message="a new attempt continues this run")
+                run.start()
+            logged_through = max((s for s in (last_logged_step(run.get_artifacts_path(), m) for m in METRICS)
+                                  if s is not None), default=None)
+        except TrainerError:
+            raise
+        except Exception as error:  # noqa: BLE001 - any failure of a third-party client means "cannot track"
+            raise TrackingUnavailable(f"Polyaxon tracking could not start ({mode}): "
+                                      f"{error.__class__.__name__}: {error}") from None
+        events = cls(run, mode, logged_through)
+        log.info("tracking: polyaxon %s run %s, outputs %s", mode, run.run_uuid, events.outputs_path)
+        return events
+
+    def track(self, train: Callable[[Path], int]) -> int:
+        """Run `train(outputs_path)` and record how it ended; re-raise what it raised.
+
+        Every path ends the Polyaxon run exactly once, including errors before the loop starts
+        (a plain restart asked to `--resume`, a foreign generation, a held directory)."""
+        try:
+            exit_code = train(self.outputs_path)
+        except NothingToResume as error:
+            error = NothingToResume(f"{error}; {PLAIN_RESTART_HINT}")
+            self.close(error.exit_code, str(error))
+            raise error from None
+        except TrainerError as error:
+            self.close(error.exit_code, str(error))
+            raise
+        except BaseException as error:
+            self.close(1, f"{error.__class__.__name__}: {error}")
+            raise
+        self.close(exit_code, None)
+        return exit_code
+
+    def close(self, exit_code: int, message: str | None) -> None:
+        """Final status. 75 must be `stopped`: closing an offline run without a status marks it
+        succeeded, and a managed run would look finished rather than resumable."""
+        try:
+            if exit_code == EXIT_OK:
+                self.run.log_succeeded(message="training completed")
+            elif exit_code == EXIT_INTERRUPTED:
+                self.run.log_stopped(reason="Exit75",
+                                     message=message or "interrupted or preempted (exit 75); resumable")
+            else:
+                self.run.log_failed(reason=f"Exit{exit_code}", message=message)
+        except Exception as error:  # noqa: BLE001 - the training outcome stands; say what was not recorded
+            log.warning("tracking: could not record the final status of run %s: %s", self.run.run_uuid, error)
+
+    # ------------------------------------------------------------------ TrainingEvents
+    def run_identity(self, previous_attempt: dict | None) -> dict:
+        original = getattr(self.run.run_data, "original", None)
+        original_kind = getattr(getattr(original, "kind", None), "value", getattr(original, "kind", None))
+        return {"run_uuid": self.run.run_uuid, "mode": self.mode,
+                "cloning": cloning_kind(original_kind, self.run.run_uuid, previous_attempt),
+                "original_uuid": getattr(original, "uuid", None)}
+
+    def attempt_started(self, record: dict) -> None:
+        restored = record.get("restored") or {}
+        self.run.log_outputs(attempt=record["id"], restored_generation=restored.get("name"),
+                             restored_step=restored.get("step"), steps_replayed=record.get("steps_replayed"))
+
+    def step_completed(self, step: int, metrics: dict[str, float]) -> None:
+        if self.logged_through is not None and step <= self.logged_through:
+            return  # replayed after an older generation: the history already has this step
+        self.run.log_metrics(step=step, **metrics)
+
+    def published(self, kind: str, path: Path, published) -> None:
+        summary = {"hash": published.manifest_sha256, "hash_of": "manifest.json (sha256)", "step": published.step}
+        if kind == "export":
+            self.run.log_model_ref(str(path), name=f"export-{published.name}", framework="safetensors",
+                                   summary=summary, skip_hash_calculation=True)
+        else:
+            self.run.log_artifact_ref(str(path), kind="dir", name=f"generation-{published.name}",
+                                      hash=published.manifest_sha256, summary=summary,
+                                      skip_hash_calculation=True)
