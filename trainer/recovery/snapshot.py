@@ -14,19 +14,23 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from trainer.recovery.writer import HashingFileSystemWriter, WriterConfig
+
 # DCP warns on every call that it assumes a single process when no process group exists;
 # that is exactly our intent, so the warning is noise in the progress log.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
-def _single_process() -> bool:
+def single_process() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
-def write_snapshot(state_dict: dict, directory: Path) -> None:
-    """Write `state_dict` into `directory` (files are fsynced later, while hashing them)."""
-    writer = dcp.FileSystemWriter(str(directory), sync_files=False)
-    dcp.save(state_dict, storage_writer=writer, no_dist=_single_process())
+def write_snapshot(state_dict: dict, directory: Path, config: WriterConfig = WriterConfig()) -> dict[str, dict]:
+    """Write `state_dict` into `directory`, every shard fsynced; returns the shards'
+    {bytes, sha256}, hashed while writing, for the manifest."""
+    writer = HashingFileSystemWriter(directory, config)
+    dcp.save(state_dict, storage_writer=writer, no_dist=single_process())
+    return writer.digests
 
 
 def stored_entries(directory: Path) -> dict:
@@ -37,7 +41,7 @@ def stored_entries(directory: Path) -> dict:
 def load_snapshot(template: dict, directory: Path) -> None:
     """Fill `template` in place: tensors must be pre-allocated with the stored shapes;
     non-tensor values are replaced by the stored objects."""
-    dcp.load(template, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=_single_process())
+    dcp.load(template, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=single_process())
 
 
 def load_flat(directory: Path) -> dict:
