@@ -47,6 +47,11 @@ class ReusableStager:
         """Seconds from stage() to the staged copy being complete (for the manifest)."""
 
     @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The staging buffers currently held (pinned on CUDA)."""
+        return tuple(self._buffers.values())
+
+    @property
     def buffer_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
