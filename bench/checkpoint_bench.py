@@ -210,7 +210,8 @@ def measure(size_mb: float, repeat: int, threads: int, base: Path) -> dict:
         runs["load"].append(load_s)
         shutil.rmtree(work)
     result = {"size_mb": round(nbytes / (1 << 20), 1), "bytes": nbytes, "repeat": repeat, "threads": threads,
-              "cpu_count": os.cpu_count(), "torch": torch.__version__}
+              "cpu_count": os.cpu_count(), "torch": torch.__version__,
+              "load_average_at_start": round(os.getloadavg()[0], 2)}
     m = {name: median(values) for name, values in runs.items()}
     result.update({
         "raw_write_gbps": gb / m["raw_write"], "raw_read_gbps": gb / m["raw_read"],
@@ -236,7 +237,7 @@ def ratios(r: dict) -> list[tuple[str, float, str]]:
 
 def markdown(r: dict) -> str:
     lines = [f"state: {r['size_mb']} MB, median of {r['repeat']}, {r['threads']} writer threads, "
-             f"{r['cpu_count']} CPUs, torch {r['torch']}", "",
+             f"{r['cpu_count']} CPUs (load average {r['load_average_at_start']} at start), torch {r['torch']}", "",
              "| metric | value |", "|---|---|"]
     for key in ("raw_write_gbps", "raw_read_gbps", "torch_save_gbps", "dcp_default_save_gbps", "sync_save_gbps",
                 "sync_save_s", "async_first_blocking_s", "async_blocking_s", "async_save_call_s", "async_total_s",
