@@ -29,14 +29,16 @@ from common import state_bytes, train_step, training_state  # noqa: E402
 
 from trainer.recovery.checkpointer import build_checkpointer  # noqa: E402
 from trainer.recovery.store import GenerationStore  # noqa: E402
+from trainer.recovery.writer import WriterConfig  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
 
-def run(mode: str, size_mb: float, steps: int, every: int, keep: int, base: Path, device: torch.device) -> dict:
+def run(mode: str, size_mb: float, steps: int, every: int, keep: int, base: Path, device: torch.device,
+        config: WriterConfig) -> dict:
     state, workload = training_state(size_mb, device)
     store = GenerationStore(base / mode / "checkpoints")
-    checkpointer = None if mode == "none" else build_checkpointer(mode, store, "bench", lambda p: None, device)
+    checkpointer = None if mode == "none" else build_checkpointer(mode, store, "bench", lambda p: None, device, config)
     blocked = 0.0
     train_step(state, workload, device)  # warm-up
     if device.type == "cuda":
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=5, help="recovery save every N steps")
     parser.add_argument("--keep", type=int, default=2, help="generations kept on disk while running")
+    parser.add_argument("--writer-threads", type=int, default=WriterConfig().threads)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--modes", nargs="+", default=["none", "sync", "async"], choices=("none", "sync", "async"))
     parser.add_argument("--quick", action="store_true", help="64 MB, 30 steps, every 3")
@@ -80,13 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     base = Path(tempfile.mkdtemp(prefix="loop-overhead-", dir=args.dir))
     try:
-        results = {mode: run(mode, args.size_mb, args.steps, args.every, args.keep, base, device)
+        results = {mode: run(mode, args.size_mb, args.steps, args.every, args.keep, base, device,
+                          WriterConfig(threads=args.writer_threads))
                    for mode in args.modes}
     finally:
         shutil.rmtree(base, ignore_errors=True)
     reference = results.get("none", {}).get("steps_per_s")
     state_mb = next(iter(results.values()))["state_mb"]
-    print(f"state {state_mb:.0f} MB on {device}, {args.steps} steps, recovery save every {args.every} steps\n")
+    print(f"state {state_mb:.0f} MB on {device}, {args.steps} steps, recovery save every {args.every} steps, "
+          f"{args.writer_threads} writer threads, {torch.get_num_threads()} compute thread(s)\n")
     print("| mode | steps/s | vs no checkpoints | blocked s | wall s |\n|---|---|---|---|---|")
     for mode, r in results.items():
         ratio = f"{r['steps_per_s'] / reference:.3f}" if reference else "-"
