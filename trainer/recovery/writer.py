@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import hashlib
 import io
 import os
@@ -49,8 +48,9 @@ def _writeback_starter() -> Callable[[int, int, int], None]:
     so hashing and disk I/O run one after the other instead of side by side. A no-op where
     `sync_file_range` does not exist (it is Linux-only); fsync still makes data durable."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        call = libc.sync_file_range
+        # The running interpreter already links libc: no library search (find_library
+        # would start a subprocess on every save).
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):
         return lambda fd, offset, length: None
     call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
