@@ -203,8 +203,8 @@ class AsyncCheckpointer(_Checkpointer):
         started = time.monotonic()
         done = self.drain()
         temporary = self._begin(step)
-        writer = self.writer_factory(temporary)
         try:
+            writer = self.writer_factory(temporary)
             response = dcp.async_save(state_dict, storage_writer=writer, async_stager=self.stager,
                                       no_dist=single_process())
         except BaseException as error:

@@ -1,8 +1,9 @@
 """A DCP storage writer that hashes while it writes, on several threads, and fsyncs each file.
 
 Why not stock `dcp.FileSystemWriter`: it writes one file on one thread, lets `torch.save`
-compute a zip CRC-32 of every tensor, and leaves our manifest to re-read every file to hash
-it. On the machine this was built on that reached about 0.6x the fsync'd raw write speed.
+compute a zip CRC-32 of every tensor, leaves every dirty page to the final fsync, and our
+manifest then had to re-read every file to hash it. Measured on a 514 MB state (2-vCPU VM):
+stock `dcp.save` 0.57 s without any hashing, this writer 0.37 s including sha256.
 This writer keeps the on-disk format byte-compatible with stock DCP (the same `.metadata`
 and `__0_N.distcp` files, each tensor a `torch.save` record at a recorded offset), so
 `dcp.load` and `format_utils.dcp_to_torch_save` read it without our code, but:
