@@ -83,8 +83,9 @@ def train_parser() -> OneLineParser:
                      help="simulate a lost worker: exit 75 right after step N, without saving")
     run.add_argument("--allow-drift", action="append", default=[], choices=FIELDS, metavar="FIELD",
                      help=f"accept a fingerprint difference in FIELD ({', '.join(FIELDS)}); repeatable")
-    run.add_argument("--checkpoint-mode", default="auto", choices=("auto", "sync"),
-                     help="how recovery snapshots are written (sync: in the loop)")
+    run.add_argument("--checkpoint-mode", default="auto", choices=("auto", "sync", "async"),
+                     help="how recovery snapshots are written (sync: in the loop; async: staged to host "
+                          "memory and written in the background; auto: async on CUDA, sync on CPU)")
     run.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     run.add_argument("--preempt-grace-secs", type=positive_float, default=30.0,
                      help="on SIGTERM/SIGINT, time allowed to save before exiting 75 without publishing")

@@ -30,7 +30,7 @@ from trainer.fingerprint import check_fingerprint, current_fingerprint
 from trainer.lock import OutputLock
 from trainer.preemption import PreemptionGuard
 from trainer.recovery.atomic import manifest_digest, storage_failure
-from trainer.recovery.checkpointer import Published, SyncCheckpointer
+from trainer.recovery.checkpointer import Published, build_checkpointer, effective_mode
 from trainer.recovery.manifest import Verification
 from trainer.recovery.resume import choose_candidate, require_verified
 from trainer.recovery.snapshot import load_snapshot, stored_entries
@@ -132,6 +132,7 @@ class TrainingRun:
                             f"(or pass --max-failed-attempts 0)")
         previous = history[-1] if history else None
         restored_step = restored.manifest["step"] if restored else None
+        mode = effective_mode(config.checkpoint_mode, device)
         recorder = AttemptRecorder.start(output, self.attempt_id, list(config.argv), {
             "restored": None if restored is None else {
                 "name": restored.path.name, "step": restored_step,
@@ -140,21 +141,24 @@ class TrainingRun:
             "previous_attempt": previous["id"] if previous else None,
             "steps_replayed": steps_replayed(previous, restored_step) if restored else None,
             "allowed_drift": list(config.allow_drift), "drift": drift,
-            "checkpoint_mode": "sync", "device": str(device), "fingerprint": fingerprint,
+            "checkpoint_mode": mode, "device": str(device), "fingerprint": fingerprint,
             "polyaxon": self.events.run_identity(previous),
         })
+        checkpointer = build_checkpointer(mode, store, self.attempt_id, self.hooks.fault, device)
         try:
             self.events.attempt_started(recorder.record)
-            return self._train(output, store, restored, recorder, device, dataset, fingerprint, drift)
+            return self._train(output, store, restored, recorder, device, dataset, fingerprint, drift, checkpointer)
         except TrainerError as error:
+            self._record_drained(recorder, checkpointer.close_after_failure())
             recorder.finish("failed", error.exit_code, str(error))
             raise
         except BaseException as error:
+            self._record_drained(recorder, checkpointer.close_after_failure())
             recorder.finish("failed", 1, f"{error.__class__.__name__}: {error}")
             raise
 
     # ----------------------------------------------------------------- training
-    def _train(self, output, store, restored, recorder, device, dataset, fingerprint, drift) -> int:
+    def _train(self, output, store, restored, recorder, device, dataset, fingerprint, drift, checkpointer) -> int:
         config, workload = self.config, self.workload
         model = workload.build_model().to(device)
         optimizer = workload.build_optimizer(model)
@@ -178,7 +182,6 @@ class TrainingRun:
                      recorder.record["costs"]["restore_s"])
         recorder.update(first_step=state.progress.global_step, last_step=state.progress.global_step)
 
-        checkpointer = SyncCheckpointer(store, self.attempt_id, self.hooks.fault)
         exports = export_store(output)
         protected = frozenset([restored.path.name]) if restored else frozenset()
         total_steps = config.workload.total_steps
@@ -188,18 +191,23 @@ class TrainingRun:
             log.warning("--interrupt-at-step %d is outside steps %d..%d of this attempt; it will not fire",
                         interrupt, state.progress.global_step + 1, total_steps)
 
+        def record_generations(published_now: list[Published]) -> None:
+            # Async saves are published later than they are taken: record and prune only
+            # what the checkpointer reports as published.
+            for published in published_now:
+                self._record_publish(recorder, "generations_published", published, state.progress.global_step)
+                self.events.published("generation", store.path(published.name), published)
+                for name in apply_retention(store, config.retention.keep_last, config.retention.keep_every,
+                                            protected):
+                    log.info("retention removed generation %s", name)
+
         def save_generation() -> None:
             progress = state.progress
             manifest = {"step": progress.global_step, "epoch": progress.epoch, "position": progress.position,
                         "fingerprint": fingerprint, "allowed_drift": drift, "created_utc": utc_now(),
                         "cadence": {"recover": {}, "export": export_policy.state()}}
-            published = checkpointer.save(state.state_dict(), progress.global_step, manifest)
+            record_generations(checkpointer.save(state.state_dict(), progress.global_step, manifest))
             recover_policy.saved()
-            self._record_publish(recorder, "generations_published", published, progress.global_step)
-            self.events.published("generation", store.path(published.name), published)
-            for name in apply_retention(store, config.retention.keep_last, config.retention.keep_every,
-                                        protected):
-                log.info("retention removed generation %s", name)
 
         def save_export() -> None:
             progress = state.progress
@@ -242,6 +250,7 @@ class TrainingRun:
                     self.events.step_completed(step, {"loss": state.history.loss[-1], "lr": state.history.lr[-1]})
 
                     if step == interrupt:
+                        record_generations(checkpointer.finalize())  # an earlier save may be in flight
                         recorder.update(last_step=step)
                         recorder.finish("interrupted", EXIT_INTERRUPTED,
                                         f"--interrupt-at-step {step}: stopped without saving")
@@ -255,12 +264,13 @@ class TrainingRun:
                     if export_policy.due(point) or final:
                         save_export()
                     if preemption.requested:
+                        record_generations(checkpointer.finalize())
                         recorder.update(last_step=step)
                         recorder.finish("preempted", EXIT_INTERRUPTED,
                                         f"{preemption.signal_name} after step {step}; generation saved")
                         log.info("preempted by %s: saved step %d (exit 75)", preemption.signal_name, step)
                         return EXIT_INTERRUPTED
-        checkpointer.finalize()
+        record_generations(checkpointer.finalize())
         names = store.names()
         summary = {"final_step": state.progress.global_step, "epochs": state.progress.epoch,
                    "final_generation": names[-1] if names else None,
@@ -271,6 +281,11 @@ class TrainingRun:
         log.info("completed %d steps; newest generation %s", state.progress.global_step,
                  summary["final_generation"])
         return EXIT_OK
+
+    @classmethod
+    def _record_drained(cls, recorder: AttemptRecorder, published_now: list[Published]) -> None:
+        for published in published_now:
+            cls._record_publish(recorder, "generations_published", published, recorder.record["last_step"] or 0)
 
     @staticmethod
     def _record_publish(recorder: AttemptRecorder, kind: str, published: Published, step: int) -> None:

@@ -98,16 +98,27 @@ def temporary_sibling(parent: Path, name: str, tag: str) -> Path:
     return path
 
 
-def publish_directory(temporary: Path, final: Path, manifest: dict, fault_hook=lambda point: None) -> dict:
+def publish_directory(temporary: Path, final: Path, manifest: dict, fault_hook=lambda point: None,
+                      known: dict[str, dict] | None = None) -> dict:
     """Seal `temporary` with a manifest listing every file's size and sha256, then rename it
     to `final`. Returns the manifest as written (with `files`).
+
+    `known` holds {bytes, sha256} of files whose writer hashed them while writing and has
+    already fsynced them; they are not read back (only their size is re-checked). Every
+    other file is hashed and fsynced here.
 
     An existing `final` (a generation re-written after an operator went back with
     --from-generation) is renamed aside to a hidden `.NAME.replaced-…` sibling, never deleted.
     """
     files = {}
+    known = known or {}
     for entry in sorted(temporary.iterdir()):
-        if entry.is_file() and entry.name != MANIFEST:
+        if not entry.is_file() or entry.name == MANIFEST:
+            continue
+        recorded = known.get(entry.name)
+        if recorded is not None and entry.stat().st_size == recorded["bytes"]:
+            files[entry.name] = {"bytes": recorded["bytes"], "sha256": recorded["sha256"]}
+        else:
             files[entry.name] = file_digest(entry, sync=True)
     fault_hook("after-files-fsync")
     sealed = {**manifest, "digest": "sha256", "files": files}

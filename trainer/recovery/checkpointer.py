@@ -1,25 +1,44 @@
 """The recovery checkpointer: turns live training state into a published generation.
 
 Lifecycle verbs, as the loop sees them: `save()` after a step the cadence picked,
-`wait_for_staging()` right before the next optimizer step mutates parameters, and
-`finalize()` before the process exits. In sync mode the save is complete when `save()`
-returns, so the other two have nothing to wait for.
+`wait_for_staging()` before the next training step may mutate what was saved, and
+`finalize()` before the process exits (normal end, interrupt, preemption). `save()` and
+`finalize()` return the generations that became published during the call, so the loop
+records them and applies retention only once a generation really exists.
+
+* `SyncCheckpointer` writes and publishes inside `save()`; the other two verbs are no-ops.
+* `AsyncCheckpointer` stages a host copy of the state and writes it in the background with
+  `dcp.async_save`; the generation is published (manifest, fsync, rename) by a background
+  thread as soon as the write completed, and reported at the next `save()`/`finalize()`.
+
+Both write through `HashingFileSystemWriter` (stock DCP format) and publish through
+`GenerationStore.publish`, so they produce the same files and the same manifests.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from trainer.errors import StorageFailure
+import torch
+import torch.distributed.checkpoint as dcp
+
+from trainer.errors import StorageFailure, UsageError
 from trainer.recovery.atomic import is_storage_error, manifest_digest, storage_failure
 from trainer.recovery.manifest import FORMAT, FORMAT_VERSION
 from trainer.recovery.resume import generation_name
-from trainer.recovery.snapshot import write_snapshot
+from trainer.recovery.snapshot import single_process, write_snapshot
+from trainer.recovery.staging import ReusableStager
 from trainer.recovery.store import GenerationStore
+from trainer.recovery.writer import HashingFileSystemWriter, WriterConfig
+
+log = logging.getLogger("trainer")
+MODES = ("auto", "sync", "async")
 
 
 @dataclass(frozen=True)
@@ -52,36 +71,36 @@ def as_storage_failure(error: BaseException, what: str) -> StorageFailure | None
     return storage_failure(cause, what) if is_storage_error(cause) else None
 
 
-class SyncCheckpointer:
-    """Writes the snapshot in the loop with stock `dcp.save`, then publishes atomically."""
+def effective_mode(requested: str, device: torch.device) -> str:
+    """`auto` is async on CUDA, where staging is a DMA into pinned memory that runs beside
+    the GPU's work, and sync on CPU, where staging is a memcpy on the same cores the loop
+    needs, so async saves little there (bench/loop_overhead.py measures it)."""
+    if requested not in MODES:
+        raise UsageError(f"--checkpoint-mode {requested!r} is not one of {', '.join(MODES)}")
+    if requested == "auto":
+        return "async" if device.type == "cuda" else "sync"
+    return requested
 
-    mode = "sync"
 
-    def __init__(self, store: GenerationStore, attempt_id: str, fault_hook: Callable[[str], None]):
+def build_checkpointer(mode: str, store: GenerationStore, attempt_id: str, fault_hook: Callable[[str], None],
+                       device: torch.device, config: WriterConfig = WriterConfig()):
+    """The checkpointer for an effective mode ("sync" or "async")."""
+    if mode == "async":
+        return AsyncCheckpointer(store, attempt_id, fault_hook, device, config)
+    return SyncCheckpointer(store, attempt_id, fault_hook, config)
+
+
+class _Checkpointer:
+    """What both modes share: temporaries, sealing the manifest, one-line failures."""
+
+    mode = ""
+
+    def __init__(self, store: GenerationStore, attempt_id: str, fault_hook: Callable[[str], None],
+                 config: WriterConfig):
         self.store = store
         self.attempt_id = attempt_id
         self.fault_hook = fault_hook
-
-    def save(self, state_dict: dict, step: int, manifest: dict) -> Published:
-        started = time.monotonic()
-        temporary = self._begin(step)
-        try:
-            write_snapshot(state_dict, temporary)
-            self.fault_hook("after-write")
-            written = time.monotonic()
-            sealed = {**manifest, "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "recovery",
-                      "name": generation_name(step), "attempt": self.attempt_id,
-                      "timings": {"write_s": round(written - started, 6), "mode": self.mode}}
-            self.store.publish(temporary, step, sealed, self.fault_hook)
-        except BaseException as error:
-            shutil.rmtree(temporary, ignore_errors=True)
-            failure = as_storage_failure(error, f"writing generation {generation_name(step)}")
-            if failure is not None:
-                raise failure from None
-            raise
-        elapsed = time.monotonic() - started
-        name = generation_name(step)
-        return Published(name, step, manifest_digest(self.store.path(name)), elapsed, elapsed)
+        self.config = config
 
     def _begin(self, step: int) -> Path:
         try:
@@ -89,8 +108,167 @@ class SyncCheckpointer:
         except OSError as error:
             raise storage_failure(error, f"creating generation {generation_name(step)}") from None
 
+    def _publish(self, temporary: Path, step: int, manifest: dict, timings: dict, digests: dict) -> str:
+        sealed = {**manifest, "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "recovery",
+                  "name": generation_name(step), "attempt": self.attempt_id,
+                  "timings": {"mode": self.mode, **{k: round(v, 6) for k, v in timings.items()}}}
+        self.store.publish(temporary, step, sealed, self.fault_hook, digests)
+        return manifest_digest(self.store.path(generation_name(step)))
+
+    @staticmethod
+    def _failure(error: BaseException, step: int) -> BaseException:
+        """A storage error as StorageFailure (exit 74, one line); anything else unwrapped
+        from DCP's per-rank CheckpointException so its message stays one line."""
+        failure = as_storage_failure(error, f"writing generation {generation_name(step)}")
+        return failure if failure is not None else root_cause(error)
+
+    def close_after_failure(self) -> list[Published]:
+        """After a failure elsewhere in the loop: finish what is in flight (it publishes if
+        it succeeds, so no writer thread outlives the output lock). Its own error is logged,
+        not raised: the original failure is the one to report."""
+        try:
+            return self.finalize()
+        except BaseException as error:  # noqa: BLE001 - reporting the first failure matters more
+            log.warning("recovery save in flight did not complete: %s", error)
+            return []
+
     def wait_for_staging(self) -> float:
         return 0.0
 
     def finalize(self) -> list[Published]:
         return []
+
+
+class SyncCheckpointer(_Checkpointer):
+    """Writes the snapshot in the loop (`dcp.save`, our hashing writer), then publishes."""
+
+    mode = "sync"
+
+    def __init__(self, store: GenerationStore, attempt_id: str, fault_hook: Callable[[str], None],
+                 config: WriterConfig = WriterConfig()):
+        super().__init__(store, attempt_id, fault_hook, config)
+
+    def save(self, state_dict: dict, step: int, manifest: dict) -> list[Published]:
+        started = time.monotonic()
+        temporary = self._begin(step)
+        try:
+            digests = write_snapshot(state_dict, temporary, self.config)
+            self.fault_hook("after-write")
+            digest = self._publish(temporary, step, manifest, {"write_s": time.monotonic() - started}, digests)
+        except BaseException as error:
+            shutil.rmtree(temporary, ignore_errors=True)
+            failure = as_storage_failure(error, f"writing generation {generation_name(step)}")
+            if failure is not None:
+                raise failure from None
+            raise
+        elapsed = time.monotonic() - started
+        return [Published(generation_name(step), step, digest, elapsed, elapsed)]
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    step: int
+    staging: Future
+    """Done when the staged copy is complete and the live state may change again."""
+    published: Future
+    """Result: the Published generation, once written, sealed and renamed."""
+
+
+class AsyncCheckpointer(_Checkpointer):
+    """Stages the state into host memory and writes it in the background (`dcp.async_save`).
+
+    At most one save is in flight: `save()` first waits for the previous one to be published
+    (its staging buffers are reused). A background failure is raised at the next `save()`,
+    `wait_for_staging()` or `finalize()`; storage errors become `StorageFailure` (exit 74).
+    """
+
+    mode = "async"
+
+    def __init__(self, store: GenerationStore, attempt_id: str, fault_hook: Callable[[str], None],
+                 device: torch.device, config: WriterConfig = WriterConfig(),
+                 writer_factory: Callable[[Path], HashingFileSystemWriter] | None = None):
+        super().__init__(store, attempt_id, fault_hook, config)
+        self.writer_factory = writer_factory or (lambda path: HashingFileSystemWriter(path, config))
+        """Makes the DCP storage writer for one generation (a seam for tests)."""
+        self.stager = ReusableStager(device)
+        # One thread that waits for each background write and then publishes it, so a
+        # generation becomes durable as soon as it is written, not at the next save.
+        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recovery-publish")
+        self._in_flight: _InFlight | None = None
+        self._closed = False
+
+    def save(self, state_dict: dict, step: int, manifest: dict) -> list[Published]:
+        if self._closed:
+            raise RuntimeError("AsyncCheckpointer.save() after finalize()")
+        started = time.monotonic()
+        done = self.drain()
+        temporary = self._begin(step)
+        try:
+            writer = self.writer_factory(temporary)
+            response = dcp.async_save(state_dict, storage_writer=writer, async_stager=self.stager,
+                                      no_dist=single_process())
+        except BaseException as error:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise self._failure(error, step) from None
+        blocked = time.monotonic() - started
+        published = self._publisher.submit(self._publish_when_written, response.upload_completion, writer,
+                                           temporary, step, manifest, started, blocked)
+        self._in_flight = _InFlight(step, response.staging_completion, published)
+        return done
+
+    def _publish_when_written(self, upload: Future, writer: HashingFileSystemWriter, temporary: Path, step: int,
+                              manifest: dict, started: float, blocked: float) -> Published:
+        """Runs on the publisher thread: the atomic publish, only after the write completed."""
+        try:
+            upload.result()
+            self.fault_hook("after-write")
+            timings = {"write_s": time.monotonic() - started, "save_blocked_s": blocked,
+                       "staging_s": self.stager.last_staging_s or 0.0}
+            digest = self._publish(temporary, step, manifest, timings, writer.digests)
+        except BaseException:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise
+        return Published(generation_name(step), step, digest, time.monotonic() - started, blocked)
+
+    def drain(self) -> list[Published]:
+        """Wait for the save in flight to be published; raise its failure if it failed."""
+        in_flight = self._in_flight
+        if in_flight is None:
+            return []
+        try:
+            published = in_flight.published.result()
+        except BaseException as error:
+            if not in_flight.published.done():
+                raise  # interrupted while waiting: the save is still in flight
+            self._in_flight = None
+            raise self._failure(error, in_flight.step) from None
+        self._in_flight = None
+        return [published]
+
+    def wait_for_staging(self) -> float:
+        """Block until the staged copy is complete; returns the seconds blocked."""
+        in_flight = self._in_flight
+        if in_flight is None:
+            return 0.0
+        started = time.monotonic()
+        try:
+            in_flight.staging.result()
+        except Exception:
+            self.drain()  # the write fails with the staging error: raise it in one-line form
+            raise
+        published = in_flight.published
+        if published.done() and published.exception() is not None:
+            self.drain()
+        return time.monotonic() - started
+
+    def finalize(self) -> list[Published]:
+        """Drain the save in flight (publishing it) and release the staging buffers."""
+        if self._closed:
+            return []
+        try:
+            return self.drain()
+        finally:
+            if self._in_flight is None:
+                self._closed = True
+                self._publisher.shutdown(wait=True)
+                self.stager.close()

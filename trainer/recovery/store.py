@@ -67,9 +67,11 @@ class GenerationStore:
         self.root.mkdir(parents=True, exist_ok=True)
         return temporary_sibling(self.root, generation_name(step), tag)
 
-    def publish(self, temporary: Path, step: int, manifest: dict, fault_hook) -> dict:
+    def publish(self, temporary: Path, step: int, manifest: dict, fault_hook,
+                known: dict[str, dict] | None = None) -> dict:
+        """Seal and rename `temporary`; `known` are digests its writer computed while writing."""
         name = generation_name(step)
-        sealed = publish_directory(temporary, self.path(name), manifest, fault_hook)
+        sealed = publish_directory(temporary, self.path(name), manifest, fault_hook, known)
         stat = (self.path(name) / MANIFEST).stat()
         # Sealing just hashed every file: remember it as verified instead of re-reading.
         self._verified[(name, stat.st_ino, stat.st_mtime_ns)] = Verification(self.path(name), sealed, None)

@@ -1,0 +1,107 @@
+"""What does checkpointing cost the training loop? Steps per second with no recovery saves,
+with sync saves and with async saves every N steps, and their ratios.
+
+    python bench/loop_overhead.py --size-mb 256 --every 5 --steps 40
+    python bench/loop_overhead.py --quick
+
+The loop is the trainer's own order of blocking points: wait_for_staging() before each step,
+save() after the steps the cadence picks, finalize() at the end (counted: a run is not done
+before its last generation is published). Target (issue 4): async keeps >= 97% of the
+checkpoint-free throughput at a cadence where sync costs >= 20%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import state_bytes, train_step, training_state  # noqa: E402
+
+from trainer.recovery.checkpointer import build_checkpointer  # noqa: E402
+from trainer.recovery.store import GenerationStore  # noqa: E402
+from trainer.recovery.writer import WriterConfig  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+
+def run(mode: str, size_mb: float, steps: int, every: int, keep: int, base: Path, device: torch.device,
+        config: WriterConfig) -> dict:
+    state, workload = training_state(size_mb, device)
+    store = GenerationStore(base / mode / "checkpoints")
+    checkpointer = None if mode == "none" else build_checkpointer(mode, store, "bench", lambda p: None, device, config)
+    blocked = 0.0
+    train_step(state, workload, device)  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for step in range(1, steps + 1):
+        if checkpointer is not None:
+            blocked += checkpointer.wait_for_staging()
+        train_step(state, workload, device)
+        if checkpointer is not None and step % every == 0:
+            saved_at = time.perf_counter()
+            checkpointer.save(state.state_dict(), step, {"step": step, "cadence": {}, "fingerprint": {}})
+            blocked += time.perf_counter() - saved_at
+            for name in store.names()[:-keep]:  # keep the disk use bounded, like retention
+                shutil.rmtree(store.path(name))
+    if checkpointer is not None:
+        checkpointer.finalize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    shutil.rmtree(base / mode, ignore_errors=True)
+    return {"steps_per_s": steps / elapsed, "wall_s": elapsed, "blocked_s": blocked,
+            "saves": 0 if checkpointer is None else steps // every, "state_mb": state_bytes(state) / (1 << 20)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=float, default=256)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--every", type=int, default=5, help="recovery save every N steps")
+    parser.add_argument("--keep", type=int, default=2, help="generations kept on disk while running")
+    parser.add_argument("--writer-threads", type=int, default=WriterConfig().threads)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--modes", nargs="+", default=["none", "sync", "async"], choices=("none", "sync", "async"))
+    parser.add_argument("--quick", action="store_true", help="64 MB, 30 steps, every 3")
+    parser.add_argument("--dir", type=Path, help="where to write (default: a temporary folder under /tmp)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.size_mb, args.steps, args.every = 64, 30, 3
+    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    base = Path(tempfile.mkdtemp(prefix="loop-overhead-", dir=args.dir))
+    try:
+        results = {mode: run(mode, args.size_mb, args.steps, args.every, args.keep, base, device,
+                          WriterConfig(threads=args.writer_threads))
+                   for mode in args.modes}
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    reference = results.get("none", {}).get("steps_per_s")
+    state_mb = next(iter(results.values()))["state_mb"]
+    print(f"state {state_mb:.0f} MB on {device}, {args.steps} steps, recovery save every {args.every} steps, "
+          f"{args.writer_threads} writer threads, {torch.get_num_threads()} compute thread(s)\n")
+    print("| mode | steps/s | vs no checkpoints | blocked s | wall s |\n|---|---|---|---|---|")
+    for mode, r in results.items():
+        ratio = f"{r['steps_per_s'] / reference:.3f}" if reference else "-"
+        r["ratio"] = None if not reference else round(r["steps_per_s"] / reference, 4)
+        print(f"| {mode} | {r['steps_per_s']:.3f} | {ratio} | {r['blocked_s']:.3f} | {r['wall_s']:.2f} |")
+    if args.json:
+        args.json.write_text(json.dumps({"size_mb": args.size_mb, "steps": args.steps, "every": args.every,
+                                         "device": str(device), "results": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
