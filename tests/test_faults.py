@@ -91,7 +91,7 @@ def test_write_failure_exits_74_keeps_earlier_generations_and_resumes(tmp_path, 
     train(run, *SHORT, "--interrupt-at-step", 10, expect=75)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     failed = subprocess.run([sys.executable, "-m", "trainer", "--output", str(run), *SHORT, "--resume"],
-                            cwd=REPO, env=env, capture_output=True, text=True, preexec_fn=limit_file_size(64 * 1024))
+                            cwd=REPO, env=env, capture_output=True, text=True, preexec_fn=limit_file_size(32 * 1024))
     assert failed.returncode == 74
     line = one_error_line(failed)
     assert "step-00000016" in line and "File too large" in line and "ulimit -f" in line

@@ -102,7 +102,8 @@ def test_manifest_records_what_it_promises(interrupted):
     manifest = json.loads((generation(interrupted, "step-00000024") / "manifest.json").read_text())
     assert manifest["format_version"] == 1 and manifest["kind"] == "recovery"
     assert (manifest["step"], manifest["epoch"], manifest["position"]) == (24, 3, 0)
-    assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}
+    assert ".metadata" in manifest["files"] and all(
+        name == ".metadata" or (name.startswith("__0_") and name.endswith(".distcp")) for name in manifest["files"])
     for name, entry in manifest["files"].items():
         assert entry["bytes"] == (generation(interrupted, "step-00000024") / name).stat().st_size
         assert len(entry["sha256"]) == 64
