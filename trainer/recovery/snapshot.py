@@ -24,8 +24,10 @@ def _single_process() -> bool:
 
 
 def write_snapshot(state_dict: dict, directory: Path) -> None:
-    """Write `state_dict` into `directory` (files are fsynced later, while hashing them)."""
-    writer = dcp.FileSystemWriter(str(directory), sync_files=False)
+    """Write `state_dict` into `directory`. One process: files are fsynced later, while rank 0
+    hashes them. Several processes: each rank fsyncs the shards it wrote itself, because on
+    shared storage rank 0's fsync cannot make another node's writes durable."""
+    writer = dcp.FileSystemWriter(str(directory), sync_files=not _single_process())
     dcp.save(state_dict, storage_writer=writer, no_dist=_single_process())
 
 
