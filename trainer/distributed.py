@@ -20,7 +20,8 @@ another rank died becomes a one-line `PeerFailure` instead of a gloo/NCCL traceb
 
 from __future__ import annotations
 
-import logging
+import signal
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, TypeVar
@@ -35,7 +36,6 @@ from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageErr
 from trainer.launch import PRIMARY, LaunchEnvironment
 from trainer.recovery.checkpointer import root_cause
 
-log = logging.getLogger("trainer")
 T = TypeVar("T")
 
 
@@ -47,6 +47,17 @@ def rank_seed(seed: int, rank: int) -> int:
     if rank == PRIMARY:
         return seed
     return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+
+
+def outlive_launcher_stop() -> None:
+    """Ignore SIGTERM from here to the exit. Once one rank has exited non-zero (75 for an
+    interrupted run), torchrun sends SIGTERM to the ranks still running, which at this point
+    are only finishing up with the same, already recorded status; dying by the signal would
+    make torchrun report -15 for them instead of that status. Preemption is handled earlier,
+    by PreemptionGuard during training; a rank stuck here is still killed by torchrun's
+    SIGKILL after its grace period."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def is_peer_loss(error: BaseException) -> bool:
@@ -98,6 +109,15 @@ class Ranks:
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
+
+    def finish(self) -> None:
+        """The run's outcome is decided: wait until every rank got here, so no rank exits
+        while rank 0 still publishes or records (torchrun stops the remaining ranks as soon
+        as one exits non-zero, 75 included)."""
+        if not self.distributed:
+            return
+        outlive_launcher_stop()
+        self.barrier("finishing")
 
     def barrier(self, what: str) -> None:
         if not self.distributed:
@@ -213,4 +233,5 @@ def process_group(launch: LaunchEnvironment, device: torch.device) -> Iterator[R
             raise ranks.peer_failure(cause, "training") from None
         raise
     finally:
+        outlive_launcher_stop()
         dist.destroy_process_group()

@@ -327,11 +327,9 @@ def world_size_change(restored: Verification | None, world_size: int) -> dict:
 
 def run_training(config: RunConfig, hooks: Hooks = Hooks(),
                  launch: LaunchEnvironment = LaunchEnvironment()) -> int:
-    """Run on every rank; all ranks return the same status. The closing barrier keeps any
-    rank from exiting while rank 0 still publishes or records (torchrun stops the remaining
-    ranks as soon as one exits non-zero, e.g. with 75)."""
+    """Run on every rank; all ranks return the same status."""
     with process_group(launch, resolve_device(config.device)) as ranks:
         status = TrainingRun(config, hooks, ranks).run()
-        ranks.barrier("finishing")
+        ranks.finish()
         return status
 
