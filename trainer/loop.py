@@ -27,12 +27,12 @@ from torch.utils.data import DataLoader
 from trainer.attempts import AttemptRecorder, new_attempt_id, read_attempts, steps_replayed, utc_now
 from trainer.cadence import StepPoint, build_policy
 from trainer.config import RunConfig
-from trainer.distributed import Ranks, process_group, rank_seed
+from trainer.distributed import Ranks, process_group, rank_seed, unshared_output, world_size_change
 from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, NothingToResume, TrainerError, UsageError
 from trainer.export import export_store, write_export
 from trainer.fingerprint import check_fingerprint, current_fingerprint
 from trainer.launch import LaunchEnvironment
-from trainer.lock import LOCK_NAME, OutputLock
+from trainer.lock import OutputLock
 from trainer.preemption import PreemptionGuard
 from trainer.recovery.atomic import manifest_digest, storage_failure
 from trainer.recovery.checkpointer import Published, SyncCheckpointer
@@ -89,16 +89,6 @@ def prepare_output(config: RunConfig) -> Path:
     except OSError as error:
         raise storage_failure(error, f"preparing --output {output}") from None
     return output
-
-
-def unshared_output(output: Path, is_primary: bool) -> str | None:
-    """Why this rank cannot use the output rank 0 claimed, or None. Every rank writes shards
-    into the same temporary generation, so --output must be one shared directory (the same
-    path on every node); a rank that cannot see rank 0's lock file would write elsewhere."""
-    if is_primary or (output / LOCK_NAME).is_file():
-        return None
-    return (f"{output / LOCK_NAME}, created by rank 0, is not visible here: --output must be on "
-            f"storage every rank mounts at the same path")
 
 
 class TrainingRun:
@@ -307,22 +297,6 @@ class TrainingRun:
         recorder.update(last_step=step)
         log.info("published %s %s in %.3fs", "generation" if kind.startswith("gen") else "export",
                  published.name, published.save_s)
-
-
-def world_size_change(restored: Verification | None, world_size: int) -> dict:
-    """Attempt-record fields for a resume at a different world size (allowed only with
-    --allow-drift world_size): what changed, and that exactness is not promised across it."""
-    if restored is None:
-        return {}
-    before = restored.manifest["fingerprint"].get("world_size")
-    if before in (None, world_size):
-        return {}
-    return {"world_size_change": {
-        "from": before, "to": world_size, "exact": False,
-        "note": "exactness across a world-size change is not promised: the global batch order and "
-                "position continue unchanged, but each rank's random streams (dropout, noise) now "
-                "cover a different slice of every batch, ranks that did not exist start from fresh "
-                "per-rank seeds, and gradients are summed in a different order"}}
 
 
 def run_training(config: RunConfig, hooks: Hooks = Hooks(),
