@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -96,6 +98,35 @@ def test_kill_9_of_one_rank_during_a_save_leaves_only_complete_generations(tmp_p
     torchrun(run, "--resume", tmp=tmp_path)
     assert not list((run / "checkpoints").glob(".step-*.tmp-*")), "stale temporaries are cleaned on start"
     assert compare(generation(baseline_2p, FINAL_2P), generation(run, FINAL_2P)).returncode == 0
+
+
+def test_sigterm_to_torchrun_saves_once_on_every_rank_and_exits_75(tmp_path):
+    """SIGTERM reaches the ranks at slightly different moments; they agree on one step, save
+    it together and exit 75. Rank 0's clock alone drives the seconds trigger meanwhile (if
+    ranks disagreed on a save, one would wait in the save while the other trains: a hang)."""
+    run, status_file = tmp_path / "run", tmp_path / "status"
+    launcher = subprocess.Popen(
+        [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "trainer", "--output", str(run),
+         "--epochs", "2000", "--recover-every-epochs", "0", "--recover-every-secs", "0.5"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status_file)))
+    try:
+        deadline = time.monotonic() + 90
+        while len(list((run / "checkpoints").glob("step-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)  # two time-triggered generations
+        launcher.send_signal(signal.SIGTERM)
+        stdout, stderr = launcher.communicate(timeout=90)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == TORCHRUN_CHILD_FAILED and int(status_file.read_text()) == 75, stderr[-3000:]
+    record = attempts(run)[-1]
+    assert record["status"] == "preempted" and record["reason"].startswith("SIGTERM after step")
+    saved = record["generations_published"]
+    assert len(saved) >= 3 and saved[-1]["step"] == record["last_step"]
+    assert f"preempted by SIGTERM: saved step {record['last_step']} (exit 75)" in stdout
+    verified = run_cli("verify", run)
+    assert verified.returncode == 0, verified.stdout
 
 
 def test_world_size_change_is_refused_then_allowed_with_the_override(tmp_path):
