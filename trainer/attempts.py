@@ -76,13 +76,17 @@ def is_crash_loop(records: list[dict], restoring: str | None, limit: int) -> boo
 
 
 class AttemptRecorder:
-    def __init__(self, output: Path, attempt_id: str, record: dict):
+    def __init__(self, output: Path, attempt_id: str, record: dict, persist: bool = True):
         self.folder = output / ATTEMPTS_DIR / attempt_id
         self.record = record
+        self.persist = persist
+        """False on ranks other than 0 of a multi-process run: they keep the same record in
+        memory (the loop updates it the same way everywhere) but only rank 0 writes it."""
         self._started = time.monotonic()
 
     @classmethod
-    def start(cls, output: Path, attempt_id: str, argv: list[str], fields: dict) -> "AttemptRecorder":
+    def start(cls, output: Path, attempt_id: str, argv: list[str], fields: dict,
+              persist: bool = True) -> "AttemptRecorder":
         record = {
             "id": attempt_id, "status": "running", "exit_code": None, "reason": None,
             "started_utc": utc_now(), "ended_utc": None, "wall_s": None,
@@ -91,14 +95,16 @@ class AttemptRecorder:
             "costs": {"restore_s": 0.0, "save_s": 0.0, "blocked_s": 0.0, "saves": 0},
             **fields,
         }
-        recorder = cls(output, attempt_id, record)
-        recorder.folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(recorder.folder / "requirements.txt", resolved_requirements().encode())
+        recorder = cls(output, attempt_id, record, persist)
+        if persist:
+            recorder.folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(recorder.folder / "requirements.txt", resolved_requirements().encode())
         recorder.flush()
         return recorder
 
     def flush(self) -> None:
-        atomic_write_json(self.folder / "attempt.json", self.record)
+        if self.persist:
+            atomic_write_json(self.folder / "attempt.json", self.record)
 
     def update(self, **fields) -> None:
         self.record.update(fields)
@@ -112,7 +118,7 @@ class AttemptRecorder:
     def finish(self, status: str, exit_code: int, reason: str | None = None, summary: dict | None = None) -> None:
         self.record.update(status=status, exit_code=exit_code, reason=reason, ended_utc=utc_now(),
                            wall_s=round(time.monotonic() - self._started, 3))
-        if summary is not None:
+        if summary is not None and self.persist:
             atomic_write_json(self.folder / "summary.json", summary)
         try:
             self.flush()

@@ -2,7 +2,9 @@
 
 This is the only module that prints errors or chooses exit statuses. Every failure a user
 or operator can cause ends as one line on stderr and a sysexits-style status, never a
-traceback.
+traceback. Under torchrun, rank 0 prints `trainer: error: ...`; another rank prints its own
+failure as `trainer: rank N: error: ...` and stays silent about an error rank 0 already
+reported for every rank. Ranks other than 0 log only warnings, prefixed with their rank.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from trainer.config import CadenceConfig, RetentionConfig, RunConfig, WorkloadCo
 from trainer.errors import TrainerError, UsageError
 from trainer.recovery.atomic import is_storage_error, storage_failure
 from trainer.fingerprint import FIELDS
+from trainer.launch import LaunchEnvironment, local_rank_of, rank_of
 
 FAULT_ENV = "TRAINER_FAULT_POINT"
+FAULT_RANK_ENV = "TRAINER_FAULT_RANK"
+EXIT_STATUS_ENV = "TRAINER_EXIT_STATUS_FILE"
 SKIP_RNG_ENV = "TRAINER_DEBUG_SKIP_RNG_RESTORE"
 RNG_NAMES = ("python", "numpy", "torch", "cuda")
 
@@ -159,11 +164,17 @@ def config_from_args(args: argparse.Namespace, argv: list[str], output: Path) ->
 
 
 def hooks_from_environment():
-    """Test-only seams: a named crash point (kill -9 of ourselves there) and RNGs whose
-    restore is skipped. Unknown values are a usage error, so a typo cannot go unnoticed."""
+    """Test-only seams: a named crash point (kill -9 of ourselves there; with
+    TRAINER_FAULT_RANK, only in that rank of a multi-process run) and RNGs whose restore is
+    skipped. Unknown values are a usage error, so a typo cannot go unnoticed."""
     from trainer.loop import Hooks
 
     point = os.environ.get(FAULT_ENV)
+    fault_rank = os.environ.get(FAULT_RANK_ENV)
+    if fault_rank is not None and not fault_rank.isdigit():
+        raise UsageError(f"{FAULT_RANK_ENV}={fault_rank!r} is not a rank number")
+    if fault_rank is not None and int(fault_rank) != rank_of(os.environ):
+        point = None
     skip = frozenset(filter(None, os.environ.get(SKIP_RNG_ENV, "").split(",")))
     if skip - set(RNG_NAMES):
         raise UsageError(f"{SKIP_RNG_ENV} names unknown RNGs {sorted(skip - set(RNG_NAMES))}; use {RNG_NAMES}")
@@ -178,19 +189,21 @@ def hooks_from_environment():
 
 
 def run_train(argv: list[str]) -> int:
+    launch = LaunchEnvironment.from_environ(os.environ)
     args = train_parser().parse_args(argv)
     check_option_combinations(args)
     hooks = hooks_from_environment()
-    if not args.tracked:
+    if not args.tracked or launch.rank != 0:
+        # Under torchrun only rank 0 talks to Polyaxon; the others learn its outputs path.
         from trainer.loop import run_training  # imports torch: after cheap validation
 
-        return run_training(config_from_args(args, argv, args.output), hooks)
+        return run_training(config_from_args(args, argv, args.output), hooks, launch)
     from trainer.tracking import PolyaxonEvents  # imports polyaxon: only with --tracked
 
     events = PolyaxonEvents.start()
     from trainer.loop import run_training
 
-    return events.track(lambda outputs: run_training(config_from_args(args, argv, outputs), hooks, events))
+    return events.track(lambda outputs: run_training(config_from_args(args, argv, outputs), hooks, launch, events))
 
 
 def run_list(argv: list[str]) -> int:
@@ -219,14 +232,19 @@ COMMANDS = {"list": run_list, "verify": run_verify}
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    rank = rank_of(os.environ)
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(message)s" if rank == 0 else f"rank {rank}: %(message)s", stream=sys.stdout)
     command = COMMANDS.get(argv[0]) if argv else None
     try:
-        return command(argv[1:]) if command else run_train(argv)
+        status = command(argv[1:]) if command else run_train(argv)
     except TrainerError as error:
         sys.stdout.flush()
-        print(f"trainer: error: {error}", file=sys.stderr)
-        return error.exit_code
+        if rank == 0:
+            print(f"trainer: error: {error}", file=sys.stderr)
+        elif not getattr(error, "reported_by_primary", False):
+            print(f"trainer: rank {rank}: error: {error}", file=sys.stderr)
+        status = error.exit_code
     except BrokenPipeError:
         # `list DIR | head`: the reader left; stop quietly, as other command-line tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -235,4 +253,23 @@ def main(argv: list[str] | None = None) -> int:
         if not is_storage_error(error):
             raise
         print(f"trainer: error: {storage_failure(error, 'writing to the output')}", file=sys.stderr)
-        return 74
+        status = 74
+    if command is None:
+        report_exit_status(status)
+    return status
+
+
+def report_exit_status(status: int) -> None:
+    """torchrun exits 1 whenever a child exits non-zero, 75 included, so whatever runs it
+    cannot tell "resumable" from "broken". With TRAINER_EXIT_STATUS_FILE set, the first
+    process of each node (LOCAL_RANK 0) also writes its exit status there, for a launcher
+    script to exit with (polyaxonfiles/pytorchjob.yaml does). All ranks exit with the same
+    status when they stop together (0, 75, or an error rank 0 decided for all). Best effort:
+    if the file cannot be written, the launcher falls back to torchrun's own status."""
+    path = os.environ.get(EXIT_STATUS_ENV)
+    if not path or local_rank_of(os.environ) != 0:
+        return
+    try:
+        Path(path).write_text(f"{status}\n")
+    except OSError:
+        pass

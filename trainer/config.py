@@ -79,7 +79,9 @@ class RetentionConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    output: Path
+    output: Path | None
+    """The run directory. None on the non-primary ranks of a tracked multi-process run: they
+    use the outputs path rank 0's tracking run was given."""
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     interrupt_at_step: int | None = None
     resume: str | None = None

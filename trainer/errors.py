@@ -67,5 +67,23 @@ class TrackingUnavailable(UsageError):
     train half-tracked (outputs in one place, status and metrics nowhere)."""
 
 
+class PeerFailure(TrainerError):
+    """Another rank of a multi-process run stopped (crashed, was killed, lost its node) while
+    this one waited for it; that rank's own error, if it printed one, says why."""
+
+    exit_code = 1
+
+
+class DecidedOnPrimary(TrainerError):
+    """Rank 0 raised (and printed) an error in a decision every rank shares, such as the
+    fingerprint guard; the other ranks exit with the same status without repeating the line."""
+
+    reported_by_primary = True
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 EXIT_OK = 0
 EXIT_INTERRUPTED = 75

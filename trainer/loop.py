@@ -1,12 +1,17 @@
 """The training run, top to bottom: claim the output → choose what to restore → build state
 → maybe restore → train → publish generations and exports on their cadence → record the attempt.
 
+Under torchrun every rank runs this same flow. Rank 0 alone claims the output, chooses and
+verifies the generation, checks the fingerprint, publishes, exports and records the attempt;
+`self.ranks` hands its results (or its error) to the other ranks (see trainer/distributed.py).
+
 Every blocking point of checkpointing is visible here: `save()` after a step the cadence
 picked, `wait_for_staging()` right before the next optimizer step, `finalize()` before exit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -23,10 +28,12 @@ from trainer.attempts import (AttemptRecorder, is_crash_loop, new_attempt_id, re
                               utc_now)
 from trainer.cadence import StepPoint, build_policy
 from trainer.config import RunConfig
+from trainer.distributed import Ranks, process_group, rank_seed, unshared_output, world_size_change
 from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, CrashLoop, NothingToResume, TrainerError, UsageError
 from trainer.events import TrainingEvents
 from trainer.export import export_store, write_export
 from trainer.fingerprint import check_fingerprint, current_fingerprint
+from trainer.launch import LaunchEnvironment
 from trainer.lock import OutputLock
 from trainer.preemption import PreemptionGuard
 from trainer.recovery.atomic import manifest_digest, storage_failure
@@ -38,6 +45,7 @@ from trainer.recovery.store import GenerationStore
 from trainer.retention import apply_retention
 from trainer.state import TrainingState
 from trainer.workload import EpochBatchOrder, Workload, build_workload
+from trainer.workload.data import uneven_split
 
 log = logging.getLogger("trainer")
 CHECKPOINTS_DIR = "checkpoints"
@@ -59,12 +67,12 @@ def resolve_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
-def configure_determinism(config: RunConfig) -> None:
+def configure_determinism(config: RunConfig, rank: int = 0) -> None:
     """Same algorithms, same thread count, same seeds: the precondition for bit-equality."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(config.workload.threads)
-    seed = config.workload.seed
+    seed = rank_seed(config.workload.seed, rank)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -85,23 +93,44 @@ def prepare_output(config: RunConfig) -> Path:
     return output
 
 
+def refuse_crash_loop(history: list[dict], restoring: str | None, limit: int, output: Path) -> None:
+    if is_crash_loop(history, restoring, limit):
+        raise CrashLoop(f"the last {limit} attempts all started from {restoring or 'scratch'} and died "
+                        f"before publishing a newer generation; inspect {output / 'attempts'}, fix the "
+                        f"cause, then rerun (or pass --max-failed-attempts 0)")
+
+
 class TrainingRun:
-    def __init__(self, config: RunConfig, hooks: Hooks, events: TrainingEvents):
+    def __init__(self, config: RunConfig, hooks: Hooks, ranks: Ranks, events: TrainingEvents):
         self.config = config
         self.hooks = hooks
+        self.ranks = ranks
         self.events = events
         self.workload: Workload = build_workload(config.workload)
         self.attempt_id = new_attempt_id()
 
     # ----------------------------------------------------------------- top level
     def run(self) -> int:
+        with contextlib.ExitStack() as held:  # rank 0 holds the output lock until the end
+            # Rank 0's output wins: under --tracked only rank 0 opens the Polyaxon run and
+            # knows its outputs path (other ranks start with output None).
+            restored, self.attempt_id, output = self.ranks.decide_on_primary(lambda: self.claim_output(held),
+                                                                             "claiming the output")
+            self.ranks.require_on_every_rank(unshared_output(output, self.ranks.is_primary),
+                                             "checking that every rank sees the output")
+            return self.train_from(output, GenerationStore(output / CHECKPOINTS_DIR), restored)
+
+    def claim_output(self, held: contextlib.ExitStack) -> tuple[Verification | None, str, Path]:
+        """Rank 0 only: take the output lock, clean up, choose and verify what to restore."""
+        if problem := uneven_split(self.config.workload.samples, self.config.workload.batch_size,
+                                   self.ranks.world_size):
+            raise UsageError(problem)
         output = prepare_output(self.config)
-        with OutputLock(output):
-            store = GenerationStore(output / CHECKPOINTS_DIR)
-            for name in store.remove_stale_temporaries():
-                log.info("removed stale temporary %s", name)
-            restored = self.choose_generation(store)
-            return self.train_from(output, store, restored)
+        held.enter_context(OutputLock(output))
+        store = GenerationStore(output / CHECKPOINTS_DIR)
+        for name in store.remove_stale_temporaries():
+            log.info("removed stale temporary %s", name)
+        return self.choose_generation(store), self.attempt_id, output
 
     def choose_generation(self, store: GenerationStore) -> Verification | None:
         names = store.names()
@@ -113,26 +142,24 @@ class TrainingRun:
         return verification
 
     def train_from(self, output: Path, store: GenerationStore, restored: Verification | None) -> int:
-        config = self.config
-        device = resolve_device(config.device)
-        configure_determinism(config)
+        config, ranks = self.config, self.ranks
+        device = ranks.device
+        configure_determinism(config, ranks.rank)
         dataset = self.workload.build_dataset()
         fingerprint = current_fingerprint(config.workload.training_relevant(), dataset.fingerprint(),
-                                          device, world_size=1)
+                                          device, world_size=ranks.world_size)
         drift = []
         if restored is not None:
-            drift = check_fingerprint(restored.path.name, restored.manifest["fingerprint"], fingerprint,
-                                      config.allow_drift)
+            drift = ranks.decide_on_primary(lambda: check_fingerprint(
+                restored.path.name, restored.manifest["fingerprint"], fingerprint, config.allow_drift),
+                "checking the fingerprint")
         history = read_attempts(output)
         restoring = restored.path.name if restored else None
-        if is_crash_loop(history, restoring, config.max_failed_attempts):
-            raise CrashLoop(f"the last {config.max_failed_attempts} attempts all started from "
-                            f"{restoring or 'scratch'} and died before publishing a newer generation; "
-                            f"inspect {output / 'attempts'}, fix the cause, then rerun "
-                            f"(or pass --max-failed-attempts 0)")
+        ranks.decide_on_primary(lambda: refuse_crash_loop(history, restoring, config.max_failed_attempts, output),
+                                "checking for a crash loop")
         previous = history[-1] if history else None
         restored_step = restored.manifest["step"] if restored else None
-        mode = effective_mode(config.checkpoint_mode, device)
+        mode = effective_mode(config.checkpoint_mode, device, ranks.world_size)
         recorder = AttemptRecorder.start(output, self.attempt_id, list(config.argv), {
             "restored": None if restored is None else {
                 "name": restored.path.name, "step": restored_step,
@@ -143,8 +170,9 @@ class TrainingRun:
             "allowed_drift": list(config.allow_drift), "drift": drift,
             "checkpoint_mode": mode, "device": str(device), "fingerprint": fingerprint,
             "polyaxon": self.events.run_identity(previous),
-        })
-        checkpointer = build_checkpointer(mode, store, self.attempt_id, self.hooks.fault, device)
+            "world_size": ranks.world_size, **world_size_change(restored, ranks.world_size),
+        }, persist=ranks.is_primary)
+        checkpointer = build_checkpointer(mode, store, self.attempt_id, self.hooks.fault, device, ranks)
         try:
             self.events.attempt_started(recorder.record)
             return self._train(output, store, restored, recorder, device, dataset, fingerprint, drift, checkpointer)
@@ -159,12 +187,13 @@ class TrainingRun:
 
     # ----------------------------------------------------------------- training
     def _train(self, output, store, restored, recorder, device, dataset, fingerprint, drift, checkpointer) -> int:
-        config, workload = self.config, self.workload
+        config, workload, ranks = self.config, self.workload, self.ranks
         model = workload.build_model().to(device)
+        trained = ranks.data_parallel(model)  # forward/backward through this; state from `model`
         optimizer = workload.build_optimizer(model)
         scheduler = workload.build_scheduler(optimizer)
         scaler = torch.amp.GradScaler(device.type, enabled=config.workload.amp and device.type == "cuda")
-        state = TrainingState(model, optimizer, scheduler, scaler)
+        state = TrainingState(model, optimizer, scheduler, scaler, rank=ranks.rank, world_size=ranks.world_size)
         recover_policy = build_policy(config.recover)
         export_policy = build_policy(config.export)
 
@@ -197,6 +226,8 @@ class TrainingRun:
             for published in published_now:
                 self._record_publish(recorder, "generations_published", published, state.progress.global_step)
                 self.events.published("generation", store.path(published.name), published)
+                if not ranks.is_primary:  # retention is the lock holder's job
+                    continue
                 for name in apply_retention(store, config.retention.keep_last, config.retention.keep_every,
                                             protected):
                     log.info("retention removed generation %s", name)
@@ -224,7 +255,8 @@ class TrainingRun:
             while state.progress.global_step < total_steps:
                 progress = state.progress
                 order = EpochBatchOrder(config.workload.samples, config.workload.batch_size,
-                                        config.workload.seed, progress.epoch, progress.position)
+                                        config.workload.seed, progress.epoch, progress.position,
+                                        ranks.rank, ranks.world_size)
                 # A private generator keeps the DataLoader from drawing on the global torch RNG
                 # (it seeds workers from it on every new iterator, which a resume would repeat).
                 loader = DataLoader(dataset, batch_sampler=order, num_workers=config.workload.num_workers,
@@ -234,7 +266,7 @@ class TrainingRun:
                     inputs, labels = inputs.to(device), labels.to(device)
                     model.train()
                     with torch.autocast(device.type, dtype=autocast_dtype, enabled=config.workload.amp):
-                        loss = workload.loss(model, (inputs, labels))
+                        loss = workload.loss(trained, (inputs, labels))
                     optimizer.zero_grad(set_to_none=True)
                     scaler.scale(loss).backward()
                     scaler.step(optimizer)
@@ -243,7 +275,10 @@ class TrainingRun:
                     scheduler.step()
                     epoch_completed = state.progress.advance(config.workload.batches_per_epoch)
                     step = state.progress.global_step
-                    state.history.loss.append(float(loss.detach().float().item()))
+                    point = StepPoint(step, state.progress.epoch, epoch_completed)
+                    agreed = ranks.agree_after_step(loss, lambda: recover_policy.due(point),
+                                                    lambda: export_policy.due(point), preemption.requested)
+                    state.history.loss.append(agreed.loss)
                     state.history.lr.append(float(lr))
                     log.info("step=%d epoch=%d loss=%.4f lr=%.5g", step, state.progress.epoch,
                              state.history.loss[-1], lr)
@@ -257,18 +292,18 @@ class TrainingRun:
                         log.info("interrupted after step %d without saving (exit 75)", step)
                         return EXIT_INTERRUPTED
 
-                    point = StepPoint(step, state.progress.epoch, epoch_completed)
                     final = step == total_steps
-                    if recover_policy.due(point) or final or preemption.requested:
+                    if agreed.recover or final or agreed.preempt:
                         save_generation()
-                    if export_policy.due(point) or final:
+                    if (agreed.export or final) and ranks.is_primary:
                         save_export()
-                    if preemption.requested:
+                    if agreed.preempt:
                         record_generations(checkpointer.finalize())
+                        signal_name = preemption.signal_name or "a signal to another rank"
                         recorder.update(last_step=step)
                         recorder.finish("preempted", EXIT_INTERRUPTED,
-                                        f"{preemption.signal_name} after step {step}; generation saved")
-                        log.info("preempted by %s: saved step %d (exit 75)", preemption.signal_name, step)
+                                        f"{signal_name} after step {step}; generation saved")
+                        log.info("preempted by %s: saved step %d (exit 75)", signal_name, step)
                         return EXIT_INTERRUPTED
         record_generations(checkpointer.finalize())
         names = store.names()
@@ -299,6 +334,11 @@ class TrainingRun:
                  published.name, published.save_s)
 
 
-def run_training(config: RunConfig, hooks: Hooks = Hooks(), events: TrainingEvents = TrainingEvents()) -> int:
-    return TrainingRun(config, hooks, events).run()
+def run_training(config: RunConfig, hooks: Hooks = Hooks(), launch: LaunchEnvironment = LaunchEnvironment(),
+                 events: TrainingEvents = TrainingEvents()) -> int:
+    """Run on every rank; all ranks return the same status."""
+    with process_group(launch, resolve_device(config.device)) as ranks:
+        status = TrainingRun(config, hooks, ranks, events).run()
+        ranks.finish()
+        return status
 

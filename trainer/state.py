@@ -3,10 +3,22 @@
 Only values that two equal trainings share go here (no wall-clock times, hosts or attempt
 ids: those live in manifests and attempt records), so equal trainings give equal snapshots.
 RNG states are restored last because building the model and optimizer consumes randomness.
+
+Per-rank entries. One process stores its RNG under `rng`, as it always has. In a run of
+several processes every rank has its own RNG streams and its own slice of each global batch,
+and DCP keeps only one copy of a value that several ranks save under the same key; so each
+rank saves its RNG under `rng_by_rank.<rank>` and its data position under
+`data_by_rank.<rank>`, and every other entry (model, optimizer, progress, ...) is identical on
+all ranks and stored once. On restore a rank reads its own entries. After an allowed change
+of world size, rank r takes the RNG streams stored for rank r if that rank existed (rank 0 of
+a single-process generation is its `rng`), keeps its freshly seeded streams otherwise, and
+the old ranks' data positions are ignored: the global position decides where each new rank's
+slice starts.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field
 
@@ -15,7 +27,12 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from trainer.errors import CorruptGeneration
+
 RNG_KINDS = ("python", "numpy", "torch", "cuda")
+RNG_BY_RANK = "rng_by_rank"
+DATA_BY_RANK = "data_by_rank"
+log = logging.getLogger("trainer")
 
 
 @dataclass
@@ -85,6 +102,19 @@ def restore_rng(states: dict, skip: frozenset[str] = frozenset()) -> None:
         torch.cuda.set_rng_state_all([states["cuda"][str(i)] for i in range(len(states["cuda"]))])
 
 
+def stored_world_size(stored_entries: dict) -> int:
+    """How many processes wrote a snapshot: the number of ranks with their own RNG entries
+    (a single-process snapshot has none, only `rng`)."""
+    ranks = {key.split(".")[1] for key in stored_entries if key.startswith(RNG_BY_RANK + ".")}
+    return len(ranks) or 1
+
+
+def stored_rng_key(stored_entries: dict, rank: int) -> tuple[str, ...] | None:
+    """Where this rank's RNG states are in a snapshot, or None if it has none for this rank."""
+    candidates = [(RNG_BY_RANK, str(rank))] + ([("rng",)] if rank == 0 else [])
+    return next((key for key in candidates if ".".join(key + ("torch",)) in stored_entries), None)
+
+
 @dataclass
 class TrainingState:
     """The Stateful bundle handed to the recovery writer and restored from a generation."""
@@ -95,6 +125,8 @@ class TrainingState:
     scaler: torch.amp.GradScaler
     progress: Progress = field(default_factory=Progress)
     history: History = field(default_factory=History)
+    rank: int = 0
+    world_size: int = 1
 
     def state_dict(self) -> dict:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
@@ -106,8 +138,19 @@ class TrainingState:
             "progress": {"global_step": self.progress.global_step, "epoch": self.progress.epoch,
                          "position": self.progress.position},
             "history": self.history.state_dict(),
-            "rng": capture_rng(),
+            **self._per_rank_state(),
         }
+
+    def _per_rank_state(self) -> dict:
+        if self.world_size == 1:
+            return {"rng": capture_rng()}
+        rank = str(self.rank)
+        return {DATA_BY_RANK: {rank: self._data_position()}, RNG_BY_RANK: {rank: capture_rng()}}
+
+    def _data_position(self) -> dict:
+        """This rank's place in the data: it has consumed its slice of the first `position`
+        global batches of `epoch` (every rank moves in lockstep, one global batch per step)."""
+        return {"epoch": self.progress.epoch, "position": self.progress.position}
 
     def template(self, stored_entries: dict) -> dict:
         """A state dict shaped like the stored one, for DCP to load into: model and
@@ -117,8 +160,16 @@ class TrainingState:
         for name in template["history"]:
             size = stored_entries[f"history.{name}"].size
             template["history"][name] = torch.empty(size, dtype=torch.float64)
-        if "rng.cuda.0" not in stored_entries:
-            template["rng"].pop("cuda", None)
+        for key in ("rng", RNG_BY_RANK, DATA_BY_RANK):
+            template.pop(key, None)
+        rng_key = stored_rng_key(stored_entries, self.rank)
+        if rng_key is not None:
+            rng = capture_rng()
+            if ".".join(rng_key + ("cuda", "0")) not in stored_entries:
+                rng.pop("cuda", None)
+            _nest(template, rng_key, rng)
+        if self.world_size > 1 and stored_world_size(stored_entries) == self.world_size:
+            _nest(template, (DATA_BY_RANK, str(self.rank)), self._data_position())
         return template
 
     def load_state_dict(self, stored: dict, skip_rng: frozenset[str] = frozenset()) -> None:
@@ -129,4 +180,19 @@ class TrainingState:
             self.scaler.load_state_dict(stored["scaler"])
         self.progress = Progress(**stored["progress"])
         self.history.load_state_dict(stored["history"])
-        restore_rng(stored["rng"], skip_rng)  # last: everything above may consume randomness
+        position = stored.get(DATA_BY_RANK, {}).get(str(self.rank))
+        if position is not None and position != self._data_position():
+            raise CorruptGeneration(f"rank {self.rank}'s stored data position {position} disagrees with the "
+                                    f"global progress {self._data_position()}; restore an earlier generation")
+        rng = stored.get("rng", stored.get(RNG_BY_RANK, {}).get(str(self.rank)))
+        if rng is None:
+            log.warning("no RNG state stored for rank %d (the generation was written by fewer processes); "
+                        "it continues from its fresh per-rank seed", self.rank)
+            return
+        restore_rng(rng, skip_rng)  # last: everything above may consume randomness
+
+
+def _nest(tree: dict, key: tuple[str, ...], value) -> None:
+    for part in key[:-1]:
+        tree = tree.setdefault(part, {})
+    tree[key[-1]] = value

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainer.errors import StorageFailure, UsageError
+from trainer.errors import StorageFailure, TrainerError, UsageError
 from trainer.recovery.atomic import is_storage_error, manifest_digest, storage_failure
 from trainer.recovery.manifest import FORMAT, FORMAT_VERSION
 from trainer.recovery.resume import generation_name
@@ -71,23 +71,33 @@ def as_storage_failure(error: BaseException, what: str) -> StorageFailure | None
     return storage_failure(cause, what) if is_storage_error(cause) else None
 
 
-def effective_mode(requested: str, device: torch.device) -> str:
+def effective_mode(requested: str, device: torch.device, world_size: int = 1) -> str:
     """`auto` is async on CUDA, where staging is a DMA into pinned memory that runs beside
     the GPU's work, and sync on CPU, where staging is a memcpy on the same cores the loop
-    needs, so async saves little there (bench/loop_overhead.py measures it)."""
+    needs, so async saves little there (bench/loop_overhead.py measures it).
+
+    Multi-process runs write sync: the async path publishes from a background thread of one
+    process, and the cross-rank protocol (rank 0 creates, all write, barrier, rank 0
+    publishes) is not built for it yet. An explicit `async` there is refused, not ignored."""
     if requested not in MODES:
         raise UsageError(f"--checkpoint-mode {requested!r} is not one of {', '.join(MODES)}")
+    if world_size > 1:
+        if requested == "async":
+            raise UsageError("--checkpoint-mode async is single-process only; under torchrun use "
+                             "--checkpoint-mode sync (or auto)")
+        return "sync"
     if requested == "auto":
         return "async" if device.type == "cuda" else "sync"
     return requested
 
 
 def build_checkpointer(mode: str, store: GenerationStore, attempt_id: str, fault_hook: Callable[[str], None],
-                       device: torch.device, config: WriterConfig = WriterConfig()):
-    """The checkpointer for an effective mode ("sync" or "async")."""
+                       device: torch.device, ranks, config: WriterConfig = WriterConfig()):
+    """The checkpointer for an effective mode ("sync" or "async"); `ranks` is the run's
+    `trainer.distributed.Ranks` (which rank this is and how ranks agree)."""
     if mode == "async":
         return AsyncCheckpointer(store, attempt_id, fault_hook, device, config)
-    return SyncCheckpointer(store, attempt_id, fault_hook, config)
+    return SyncCheckpointer(store, attempt_id, fault_hook, ranks, config)
 
 
 class _Checkpointer:
@@ -140,29 +150,56 @@ class _Checkpointer:
 
 
 class SyncCheckpointer(_Checkpointer):
-    """Writes the snapshot in the loop (`dcp.save`, our hashing writer), then publishes."""
+    """Writes the snapshot in the loop (`dcp.save`, our hashing writer), then publishes.
+
+    In a multi-process run all ranks write into one temporary whose name rank 0 chose and
+    broadcast, so the generation is a single DCP checkpoint with every rank's shards; after
+    a barrier rank 0 alone seals and publishes, and every rank learns the outcome.
+    """
 
     mode = "sync"
 
-    def __init__(self, store: GenerationStore, attempt_id: str, fault_hook: Callable[[str], None],
+    def __init__(self, store: GenerationStore, attempt_id: str, fault_hook: Callable[[str], None], ranks,
                  config: WriterConfig = WriterConfig()):
         super().__init__(store, attempt_id, fault_hook, config)
+        self.ranks = ranks
 
     def save(self, state_dict: dict, step: int, manifest: dict) -> list[Published]:
         started = time.monotonic()
-        temporary = self._begin(step)
+        name = generation_name(step)
+        temporary = self.ranks.decide_on_primary(lambda: self._begin(step), f"creating generation {name}")
         try:
             digests = write_snapshot(state_dict, temporary, self.config)
             self.fault_hook("after-write")
-            digest = self._publish(temporary, step, manifest, {"write_s": time.monotonic() - started}, digests)
+            self.ranks.barrier(f"writing generation {name}")
+            timings = {"write_s": time.monotonic() - started}
+            # Rank 0 knows the digests of its own shards only; with several ranks it hashes
+            # the others' (already fsynced by their writers) while sealing.
+            known = digests if not self.ranks.distributed else None
+            digest = self.ranks.decide_on_primary(lambda: self._publish_or_fail(temporary, step, manifest, timings, known),
+                                                  f"publishing generation {name}")
         except BaseException as error:
-            shutil.rmtree(temporary, ignore_errors=True)
-            failure = as_storage_failure(error, f"writing generation {generation_name(step)}")
+            if self.ranks.is_primary:
+                shutil.rmtree(temporary, ignore_errors=True)
+            if isinstance(error, TrainerError):
+                raise
+            failure = as_storage_failure(error, f"writing generation {name}")
             if failure is not None:
                 raise failure from None
             raise
         elapsed = time.monotonic() - started
-        return [Published(generation_name(step), step, digest, elapsed, elapsed)]
+        return [Published(name, step, digest, elapsed, elapsed)]
+
+    def _publish_or_fail(self, temporary: Path, step: int, manifest: dict, timings: dict, known) -> str:
+        """Seal and rename (rank 0); a storage error becomes StorageFailure here, so every
+        rank exits with its status (74), not just rank 0."""
+        try:
+            return self._publish(temporary, step, manifest, timings, known)
+        except BaseException as error:
+            failure = as_storage_failure(error, f"writing generation {generation_name(step)}")
+            if failure is not None:
+                raise failure from None
+            raise
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,9 @@ def single_process() -> bool:
 
 def write_snapshot(state_dict: dict, directory: Path, config: WriterConfig = WriterConfig()) -> dict[str, dict]:
     """Write `state_dict` into `directory`, every shard fsynced; returns the shards'
-    {bytes, sha256}, hashed while writing, for the manifest."""
+    {bytes, sha256}, hashed while writing, for the manifest. With several processes each rank
+    writes, hashes and fsyncs its own shards (on shared storage rank 0's fsync could not make
+    another node's writes durable)."""
     writer = HashingFileSystemWriter(directory, config)
     dcp.save(state_dict, storage_writer=writer, no_dist=single_process())
     return writer.digests

@@ -1,0 +1,77 @@
+"""Where this process sits in a launch: the rank variables torchrun (or the Kubeflow training
+operator) sets, read without importing torch so the CLI can use them before anything heavy.
+
+A process started without `WORLD_SIZE`, or with `WORLD_SIZE=1`, is a single-process run and
+behaves exactly as a plain `python -m trainer` (no process group at all). With a larger world
+size, `RANK` and `MASTER_ADDR`/`MASTER_PORT` must be present: torchrun sets them for every
+child, and the operator sets them for every pod.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from trainer.errors import UsageError
+
+PRIMARY = 0
+"""The rank that holds the output lock, writes manifests, attempt records and exports."""
+
+
+@dataclass(frozen=True)
+class LaunchEnvironment:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    """Index on this node: picks the CUDA device."""
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_primary(self) -> bool:
+        return self.rank == PRIMARY
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> "LaunchEnvironment":
+        world_size = _env_int(env, "WORLD_SIZE", 1, minimum=1)
+        if world_size == 1:
+            return cls()
+        missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+        if missing:
+            raise UsageError(f"WORLD_SIZE={world_size} but {', '.join(missing)} not set; start the "
+                             f"trainer with torchrun (it sets RANK, MASTER_ADDR and MASTER_PORT)")
+        rank = _env_int(env, "RANK", 0, minimum=0)
+        if rank >= world_size:
+            raise UsageError(f"RANK={rank} is not below WORLD_SIZE={world_size}; check the launcher's variables")
+        return cls(rank, world_size, _env_int(env, "LOCAL_RANK", 0, minimum=0))
+
+
+def rank_of(env: Mapping[str, str]) -> int:
+    """This process's rank for labelling output; never fails (0 when unset or malformed)."""
+    try:
+        return LaunchEnvironment.from_environ(env).rank
+    except UsageError:
+        return 0
+
+
+def local_rank_of(env: Mapping[str, str]) -> int:
+    """This process's index on its node; never fails (0 when unset or malformed)."""
+    try:
+        return _env_int(env, "LOCAL_RANK", 0, minimum=0)
+    except UsageError:
+        return 0
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    text = env.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"environment variable {name}={text!r} is not an integer; check the launcher") from None
+    if value < minimum:
+        raise UsageError(f"environment variable {name}={value} must be at least {minimum}")
+    return value
