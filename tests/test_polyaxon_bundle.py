@@ -80,8 +80,8 @@ def render(files: list[Path], params: dict | None = None):
         contexts = {"globals": {"run_artifacts_path": "/plx-context/artifacts/0123abcd"}}
         compiled = CompiledOperationSpecification.apply_params(compiled, params=op_params, context=contexts)
         compiled = CompiledOperationSpecification.apply_operation_contexts(compiled, contexts=contexts)
-        if compiled.is_distributed_run:
-            return compiled
+        if compiled.is_distributed_run:  # runtime contexts are per replica
+            contexts = {"master": contexts, "worker": contexts}
         return CompiledOperationSpecification.apply_runtime_contexts(compiled, contexts=contexts)
 
 
@@ -107,7 +107,7 @@ def container_scripts(compiled) -> list[str]:
 def trainer_argv(script: str) -> list[str]:
     """The arguments after `python -m trainer` in a rendered container script."""
     tail = script.split("-m trainer", 1)[1]
-    return shlex.split(tail.split(";")[0])
+    return shlex.split(re.split(r"[;&\n]", tail)[0])
 
 
 # ---------------------------------------------------------------------------------- polyaxon check

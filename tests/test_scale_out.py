@@ -70,7 +70,8 @@ def test_two_process_interrupt_and_resume_matches_two_process_baseline(tmp_path,
     result = compare(generation(baseline_2p, FINAL_2P), generation(run, FINAL_2P))
     assert result.returncode == 0, result.stdout
     assert "rng_by_rank.1.torch" in result.stdout and "data_by_rank.1.position" in result.stdout
-    assert {p.name for p in generation(run, FINAL_2P).glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    shard_ranks = {p.name.split("_")[2] for p in generation(run, FINAL_2P).glob("__*_*.distcp")}
+    assert shard_ranks == {"0", "1"}  # one generation holding both ranks' shards
     records = attempts(run)  # one record per attempt, written by rank 0 only
     assert [(r["status"], r["exit_code"], r["world_size"]) for r in records] == \
         [("interrupted", 75, 2), ("completed", 0, 2)]

@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageError
 from trainer.launch import PRIMARY, LaunchEnvironment
 from trainer.lock import LOCK_NAME
-from trainer.recovery.checkpointer import root_cause
+from trainer.recovery.atomic import root_cause
 from trainer.recovery.manifest import Verification
 
 T = TypeVar("T")

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from trainer.recovery.atomic import encode_json, write_file_durably
-from trainer.recovery.checkpointer import Published, as_storage_failure
+from trainer.recovery.atomic import as_storage_failure, encode_json, write_file_durably
+from trainer.recovery.checkpointer import Published
 from trainer.recovery.manifest import FORMAT, FORMAT_VERSION
 from trainer.recovery.atomic import manifest_digest
 from trainer.recovery.resume import generation_name

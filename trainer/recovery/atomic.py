@@ -39,6 +39,25 @@ def is_storage_error(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno in _STORAGE_ERRNOS
 
 
+def root_cause(error: BaseException) -> BaseException:
+    """DCP wraps each rank's error in a CheckpointException (a BaseException whose str()
+    holds tracebacks); dig out the original so it can be reported in one line."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        inner = first[0] if isinstance(first, tuple) else first
+        return root_cause(inner)
+    cause = error.__cause__ or error.__context__
+    if not isinstance(error, OSError) and isinstance(cause, BaseException):
+        return root_cause(cause)
+    return error
+
+
+def as_storage_failure(error: BaseException, what: str) -> StorageFailure | None:
+    cause = root_cause(error)
+    return storage_failure(cause, what) if is_storage_error(cause) else None
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:

@@ -28,8 +28,10 @@ from typing import Callable
 import torch
 import torch.distributed.checkpoint as dcp
 
+from trainer.distributed import Ranks
 from trainer.errors import StorageFailure, TrainerError, UsageError
-from trainer.recovery.atomic import is_storage_error, manifest_digest, storage_failure
+from trainer.launch import LaunchEnvironment
+from trainer.recovery.atomic import as_storage_failure, manifest_digest, root_cause, storage_failure
 from trainer.recovery.manifest import FORMAT, FORMAT_VERSION
 from trainer.recovery.resume import generation_name
 from trainer.recovery.snapshot import single_process, write_snapshot
@@ -50,25 +52,6 @@ class Published:
     """Wall time of the whole save, write + hash/fsync + publish."""
     blocked_s: float
     """Time the training loop was blocked by it (all of it, in sync mode)."""
-
-
-def root_cause(error: BaseException) -> BaseException:
-    """DCP wraps each rank's error in a CheckpointException (a BaseException whose str()
-    holds tracebacks); dig out the original so it can be reported in one line."""
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        inner = first[0] if isinstance(first, tuple) else first
-        return root_cause(inner)
-    cause = error.__cause__ or error.__context__
-    if not isinstance(error, OSError) and isinstance(cause, BaseException):
-        return root_cause(cause)
-    return error
-
-
-def as_storage_failure(error: BaseException, what: str) -> StorageFailure | None:
-    cause = root_cause(error)
-    return storage_failure(cause, what) if is_storage_error(cause) else None
 
 
 def effective_mode(requested: str, device: torch.device, world_size: int = 1) -> str:
@@ -97,7 +80,7 @@ def build_checkpointer(mode: str, store: GenerationStore, attempt_id: str, fault
     `trainer.distributed.Ranks` (which rank this is and how ranks agree)."""
     if mode == "async":
         return AsyncCheckpointer(store, attempt_id, fault_hook, device, config)
-    return SyncCheckpointer(store, attempt_id, fault_hook, ranks, config)
+    return SyncCheckpointer(store, attempt_id, fault_hook, config, ranks)
 
 
 class _Checkpointer:
@@ -159,10 +142,11 @@ class SyncCheckpointer(_Checkpointer):
 
     mode = "sync"
 
-    def __init__(self, store: GenerationStore, attempt_id: str, fault_hook: Callable[[str], None], ranks,
-                 config: WriterConfig = WriterConfig()):
+    def __init__(self, store: GenerationStore, attempt_id: str, fault_hook: Callable[[str], None],
+                 config: WriterConfig = WriterConfig(), ranks=None):
         super().__init__(store, attempt_id, fault_hook, config)
-        self.ranks = ranks
+        self.ranks = ranks or Ranks(LaunchEnvironment(), torch.device("cpu"))
+        """`trainer.distributed.Ranks`; by default a single process."""
 
     def save(self, state_dict: dict, step: int, manifest: dict) -> list[Published]:
         started = time.monotonic()
