@@ -133,8 +133,11 @@ def train_parser() -> OneLineParser:
     return parser
 
 
-def check_option_combinations(args: argparse.Namespace) -> None:
+def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironment) -> None:
     """Cheap checks that need no import, done before tracking or torch start."""
+    if launch.world_size > 1 and args.checkpoint_mode == "async":
+        raise UsageError("--checkpoint-mode async is single-process only; under torchrun use "
+                         "--checkpoint-mode sync (or auto)")
     if args.tracked and args.output is not None:
         raise UsageError("--output and --tracked are exclusive: with --tracked the run directory is "
                          "Polyaxon's outputs path; drop --output")
@@ -191,7 +194,7 @@ def hooks_from_environment():
 def run_train(argv: list[str]) -> int:
     launch = LaunchEnvironment.from_environ(os.environ)
     args = train_parser().parse_args(argv)
-    check_option_combinations(args)
+    check_option_combinations(args, launch)
     hooks = hooks_from_environment()
     if not args.tracked or launch.rank != 0:
         # Under torchrun only rank 0 talks to Polyaxon; the others learn its outputs path.
