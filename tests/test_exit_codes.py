@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
-from conftest import attempts, generation, one_error_line, run_cli, train
+from conftest import attempts, one_error_line, run_cli, train
 
 
 @pytest.mark.parametrize("args, needle", [

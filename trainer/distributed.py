@@ -118,17 +118,12 @@ class Ranks:
     """This process's place in the run and the collectives the loop needs."""
 
     def __init__(self, launch: LaunchEnvironment, device: torch.device):
+        self.launch = launch
         self.rank = launch.rank
         self.world_size = launch.world_size
+        self.distributed = launch.distributed
+        self.is_primary = launch.is_primary
         self.device = device
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def is_primary(self) -> bool:
-        return self.rank == PRIMARY
 
     def data_parallel(self, model: nn.Module) -> nn.Module:
         """The module to run forward/backward through: DDP averages gradients across ranks

@@ -15,10 +15,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from trainer.recovery.atomic import as_storage_failure, encode_json, write_file_durably
+from trainer.recovery.atomic import encode_json, manifest_digest, reraise_as_storage_failure, write_file_durably
 from trainer.recovery.checkpointer import Published
 from trainer.recovery.manifest import FORMAT, FORMAT_VERSION
-from trainer.recovery.atomic import manifest_digest
 from trainer.recovery.resume import generation_name
 from trainer.recovery.store import GenerationStore
 
@@ -55,10 +54,7 @@ def write_export(store: GenerationStore, model: nn.Module, step: int, epoch: int
     except BaseException as error:
         if temporary is not None:
             shutil.rmtree(temporary, ignore_errors=True)
-        failure = as_storage_failure(error, f"writing export {generation_name(step)}")
-        if failure is not None:
-            raise failure from None
-        raise
+        reraise_as_storage_failure(error, f"writing export {generation_name(step)}")
     elapsed = time.monotonic() - started
     name = generation_name(step)
     return Published(name, step, manifest_digest(store.path(name)), elapsed, elapsed)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import platform
-import sys
 from pathlib import Path
 
 import numpy

@@ -53,6 +53,15 @@ def root_cause(error: BaseException) -> BaseException:
     return error
 
 
+def reraise_as_storage_failure(error: BaseException, what: str):
+    """Inside an `except`: raise a storage error as one-line StorageFailure (exit 74), and
+    anything else unchanged."""
+    failure = as_storage_failure(error, what)
+    if failure is not None:
+        raise failure from None
+    raise error
+
+
 def as_storage_failure(error: BaseException, what: str) -> StorageFailure | None:
     cause = root_cause(error)
     return storage_failure(cause, what) if is_storage_error(cause) else None

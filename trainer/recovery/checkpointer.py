@@ -29,9 +29,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from trainer.distributed import Ranks
-from trainer.errors import StorageFailure, TrainerError, UsageError
+from trainer.errors import TrainerError, UsageError
 from trainer.launch import LaunchEnvironment
-from trainer.recovery.atomic import as_storage_failure, manifest_digest, root_cause, storage_failure
+from trainer.recovery.atomic import (as_storage_failure, manifest_digest, reraise_as_storage_failure, root_cause,
+                                     storage_failure)
 from trainer.recovery.manifest import FORMAT, FORMAT_VERSION
 from trainer.recovery.resume import generation_name
 from trainer.recovery.snapshot import single_process, write_snapshot
@@ -167,10 +168,7 @@ class SyncCheckpointer(_Checkpointer):
                 shutil.rmtree(temporary, ignore_errors=True)
             if isinstance(error, TrainerError):
                 raise
-            failure = as_storage_failure(error, f"writing generation {name}")
-            if failure is not None:
-                raise failure from None
-            raise
+            reraise_as_storage_failure(error, f"writing generation {name}")
         elapsed = time.monotonic() - started
         return [Published(name, step, digest, elapsed, elapsed)]
 
@@ -180,10 +178,7 @@ class SyncCheckpointer(_Checkpointer):
         try:
             return self._publish(temporary, step, manifest, timings, known)
         except BaseException as error:
-            failure = as_storage_failure(error, f"writing generation {generation_name(step)}")
-            if failure is not None:
-                raise failure from None
-            raise
+            reraise_as_storage_failure(error, f"writing generation {generation_name(step)}")
 
 
 @dataclass(frozen=True)
