@@ -30,12 +30,16 @@ def test_leftover_temporary_is_never_selected_and_is_cleaned(tmp_path, interrupt
     # A crashed attempt's half-written generation, newer than every published one.
     stale = run / "checkpoints" / ".step-00000032.tmp-20260101T000000Z-abc123-ffffff"
     shutil.copytree(generation(run, "step-00000024"), stale)
+    # A retention delete cut short: renamed aside first, so it is never mistaken for a generation.
+    deleting = run / "checkpoints" / ".step-00000008.deleting-abc123"
+    os.rename(generation(run, "step-00000008"), deleting)
+    (deleting / "__0_0.distcp").unlink()
     foreign = run / "checkpoints" / "notes-from-operator"
     foreign.mkdir()
     resumed = train(run, "--resume")
     assert "restored step-00000024" in resumed.stdout
     assert "removed stale temporary" in resumed.stdout
-    assert not stale.exists() and foreign.exists()  # ours cleaned, theirs untouched
+    assert not stale.exists() and not deleting.exists() and foreign.exists()  # ours cleaned, theirs untouched
     assert compare(generation(baseline), generation(run)).returncode == 0
 
 

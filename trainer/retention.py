@@ -7,7 +7,6 @@ and nothing but our own published `step-%08d` directories is ever considered.
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 
 from trainer.recovery.resume import generation_step
@@ -44,6 +43,6 @@ def apply_retention(store: GenerationStore, keep_last: int | None, keep_every: i
     candidates = [Candidate(name, store.verify(name, cached=True).ok) for name in store.names()]
     doomed = select_deletions(candidates, keep_last, keep_every, protected)
     for name in doomed:
-        shutil.rmtree(store.path(name))
+        store.remove(name)
     return doomed
 

@@ -3,16 +3,20 @@ siblings, and publishing through the shared atomic protocol."""
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
 import shutil
 from pathlib import Path
 
-from trainer.recovery.atomic import MANIFEST, publish_directory, temporary_sibling
+from trainer.recovery.atomic import MANIFEST, fsync_dir, publish_directory, temporary_sibling
 from trainer.recovery.manifest import Verification, verify_directory
 from trainer.recovery.resume import generation_name, generation_step
 
-# Only directories matching this were created by us as temporaries and may be removed.
-TEMPORARY_NAME = re.compile(r"^\.step-\d{8}\.tmp-[0-9A-Za-z-]+$")
+# Only directories matching these were created by us and may be removed: temporaries being
+# written, and generations being deleted (renamed aside first, so a crash mid-delete never
+# leaves a published generation with missing files).
+TEMPORARY_NAME = re.compile(r"^\.step-\d{8}\.(tmp|deleting)-[0-9A-Za-z-]+$")
 
 
 class GenerationStore:
@@ -53,6 +57,14 @@ class GenerationStore:
         if not self.root.is_dir():
             return []
         return sorted(p for p in self.root.iterdir() if p.is_dir() and TEMPORARY_NAME.match(p.name))
+
+    def remove(self, name: str) -> None:
+        """Delete a published generation atomically: rename it to a hidden `.deleting-`
+        sibling (never selected), make the rename durable, then delete the files."""
+        doomed = self.root / f".{name}.deleting-{secrets.token_hex(3)}"
+        os.rename(self.path(name), doomed)
+        fsync_dir(self.root)
+        shutil.rmtree(doomed, ignore_errors=True)
 
     def remove_stale_temporaries(self) -> list[str]:
         """Delete temporaries left by crashed attempts. Safe only while holding the output
