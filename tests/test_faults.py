@@ -47,11 +47,16 @@ def published_all_verify(output):
     return names
 
 
-@pytest.mark.parametrize("point", ["after-write", "after-files-fsync", "after-manifest", "after-rename"])
-def test_crash_at_each_publish_point_keeps_complete_generations(tmp_path, short_baseline, point):
+@pytest.mark.parametrize("point, mode", [
+    ("after-write", "sync"), ("after-files-fsync", "sync"), ("after-manifest", "sync"), ("after-rename", "sync"),
+    ("after-write", "async"),  # in the background publisher, after the background write
+    ("after-manifest", "async"),
+])
+def test_crash_at_each_publish_point_keeps_complete_generations(tmp_path, short_baseline, point, mode):
     run = tmp_path / "run"
     train(run, *SHORT, "--interrupt-at-step", 10, expect=75)
-    crashed = run_cli("--output", run, *SHORT, "--resume", env={"TRAINER_FAULT_POINT": point})
+    crashed = run_cli("--output", run, *SHORT, "--resume", "--checkpoint-mode", mode,
+                      env={"TRAINER_FAULT_POINT": point})
     assert crashed.returncode == -signal.SIGKILL
     names = published_all_verify(run)
     assert names == (["step-00000008", "step-00000016"] if point == "after-rename" else ["step-00000008"])
@@ -78,6 +83,7 @@ def test_random_kill_9_while_saving_every_step(tmp_path, baseline):
         kills += 1
         published_all_verify(run)
     train(run, *args)
+    print(f"torture: {kills} kill -9 survived, {len(attempts(run))} attempts")
     assert kills >= 3  # 8 on an idle machine; fewer only if the deadline cut it short
     assert compare(generation(baseline), generation(run)).returncode == 0
 
@@ -103,11 +109,11 @@ def test_write_failure_exits_74_keeps_earlier_generations_and_resumes(tmp_path, 
     assert compare(generation(short_baseline, "step-00000024"), generation(run, "step-00000024")).returncode == 0
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_preemption_saves_at_the_current_step_and_exits_75(tmp_path, signum):
+@pytest.mark.parametrize("signum, mode", [(signal.SIGTERM, "sync"), (signal.SIGINT, "async")])
+def test_preemption_saves_at_the_current_step_and_exits_75(tmp_path, signum, mode):
     run, base = tmp_path / "run", tmp_path / "base"
     long = ("--epochs", 40)
-    process = start(run, *long)
+    process = start(run, *long, "--checkpoint-mode", mode)
     wait_for_line(process, "step=20 ")
     process.send_signal(signum)
     out, err = process.communicate(timeout=60)
@@ -117,6 +123,7 @@ def test_preemption_saves_at_the_current_step_and_exits_75(tmp_path, signum):
     step = record["last_step"]
     assert step >= 20 and f"preempted by {signal.Signals(signum).name}: saved step {step}" in out
     assert generation(run, f"step-{step:08d}").exists()  # a generation at the step reached, mid-epoch too
+    assert record["checkpoint_mode"] == mode
     train(run, *long, "--resume")
     train(base, *long)
     assert compare(generation(base, "step-00000320"), generation(run, "step-00000320")).returncode == 0
