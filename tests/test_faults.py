@@ -175,3 +175,49 @@ def test_crash_loop_stops_instead_of_burning_the_allocation(tmp_path):
     line = one_error_line(refused)
     assert "last 3 attempts all started from step-00000008" in line and "--max-failed-attempts 0" in line
     train(run, *SHORT, "--resume", "--max-failed-attempts", 0)
+
+
+def test_process_group_sigterm_with_dataloader_workers_is_a_clean_preemption(tmp_path):
+    run = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "trainer", "--output", str(run), "--epochs", "40",
+                                "--num-workers", "2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
+    wait_for_line(process, "step=12 ")
+    os.killpg(process.pid, signal.SIGTERM)  # the whole group, workers included (scancel, kill -TERM -PGID)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 75, err
+    assert "Traceback" not in err and attempts(run)[-1]["status"] == "preempted"
+    published_all_verify(run)
+
+
+def test_kill_9_between_saves_counts_the_replayed_steps(tmp_path):
+    run = tmp_path / "run"
+    process = start(run, "--epochs", 40)
+    wait_for_line(process, "step=14 ")
+    process.kill()
+    process.wait()
+    train(run, "--epochs", 2, "--resume")
+    killed, resumed = attempts(run)
+    assert killed["status"] == "running"  # it never got to say anything: kill -9
+    reached = int((run / "attempts" / killed["id"] / "last_step").read_text())  # the per-step marker
+    assert reached >= 14 and reached > killed["last_step"]  # fresher than the record's last publish
+    assert resumed["steps_replayed"] == reached - resumed["restored"]["step"] > 0
+
+
+def test_allowed_drift_that_changes_shapes_is_refused_in_one_line(tmp_path):
+    run = tmp_path / "run"
+    train(run, "--epochs", 1)
+    result = run_cli("--output", run, "--epochs", 2, "--resume", "--hidden-size", 7, "--allow-drift", "config")
+    assert result.returncode == 65
+    assert "a shape-changing drift cannot be allowed" in one_error_line(result)
+
+
+def test_a_replacement_cut_short_by_a_crash_is_undone(tmp_path):
+    run = tmp_path / "run"
+    train(run, *SHORT, "--interrupt-at-step", 20, expect=75)
+    # publishing over step-16 renamed it aside, then the process died before the new one arrived
+    os.rename(run / "checkpoints" / "step-00000016", run / "checkpoints" / ".step-00000016.replaced-abc123")
+    resumed = train(run, *SHORT, "--resume")
+    assert "restored step-00000016: a crash interrupted its replacement" in resumed.stdout
+    assert "restored step-00000016 (step=16" in resumed.stdout

@@ -45,10 +45,25 @@ def read_attempts(output: Path) -> list[dict]:
     if root.is_dir():
         for folder in sorted(root.iterdir()):
             try:
-                records.append(json.loads((folder / "attempt.json").read_text()))
+                record = json.loads((folder / "attempt.json").read_text())
             except (OSError, ValueError):
                 continue
+            marker = read_progress_marker(folder)
+            if record.get("status") == "running" and marker is not None:
+                # Killed: its record is only as fresh as its last publish; the marker is per step.
+                record["last_step"] = max(record.get("last_step") or 0, marker)
+            records.append(record)
     return records
+
+
+PROGRESS_MARKER = "last_step"
+
+
+def read_progress_marker(folder: Path) -> int | None:
+    try:
+        return int((folder / PROGRESS_MARKER).read_text().strip() or "x")
+    except (OSError, ValueError):
+        return None
 
 
 def steps_replayed(previous: dict | None, restored_step: int | None) -> int | None:
@@ -83,6 +98,16 @@ class AttemptRecorder:
         """False on ranks other than 0 of a multi-process run: they keep the same record in
         memory (the loop updates it the same way everywhere) but only rank 0 writes it."""
         self._started = time.monotonic()
+        self._marker: int | None = None
+
+    def mark_step(self, step: int) -> None:
+        """Per-step progress for `steps_replayed` after a kill -9: one pwrite into the page
+        cache (survives the process, not the node; no fsync on the hot path)."""
+        if not self.persist:
+            return
+        if self._marker is None:
+            self._marker = os.open(self.folder / PROGRESS_MARKER, os.O_WRONLY | os.O_CREAT, 0o644)
+        os.pwrite(self._marker, f"{step:>12}\n".encode(), 0)
 
     @classmethod
     def start(cls, output: Path, attempt_id: str, argv: list[str], fields: dict,
@@ -116,6 +141,9 @@ class AttemptRecorder:
             costs[name] = round(costs.get(name, 0.0) + value, 6)
 
     def finish(self, status: str, exit_code: int, reason: str | None = None, summary: dict | None = None) -> None:
+        if self._marker is not None:
+            os.close(self._marker)
+            self._marker = None
         self.record.update(status=status, exit_code=exit_code, reason=reason, ended_utc=utc_now(),
                            wall_s=round(time.monotonic() - self._started, 3))
         if summary is not None and self.persist:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from trainer.config import CadenceConfig, RetentionConfig, RunConfig, WorkloadConfig
 from trainer.errors import TrainerError, UsageError
-from trainer.recovery.atomic import is_storage_error, storage_failure
+from trainer.recovery.atomic import storage_failure
 from trainer.fingerprint import FIELDS
 from trainer.launch import LaunchEnvironment, local_rank_of, rank_of
 
@@ -252,10 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         # `list DIR | head`: the reader left; stop quietly, as other command-line tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except OSError as error:
-        if not is_storage_error(error):
-            raise
-        print(f"trainer: error: {storage_failure(error, 'writing to the output')}", file=sys.stderr)
+    except OSError as error:  # any I/O error is the environment's, not a bug: one line, 74
+        print(f"trainer: error: {storage_failure(error, 'reading or writing the output')}", file=sys.stderr)
         status = 74
     if command is None:
         report_exit_status(status)

@@ -38,13 +38,18 @@ def describe_run(output: Path) -> dict:
         for name in store.names():
             verification = store.verify(name)
             manifest = verification.manifest or {}
+            try:
+                size = directory_bytes(store.path(name))
+            except FileNotFoundError:  # removed by a live trainer's retention meanwhile
+                continue
             rows.append({"name": name, "step": generation_step(name), "epoch": manifest.get("epoch"),
-                         "position": manifest.get("position"), "bytes": directory_bytes(store.path(name)),
+                         "position": manifest.get("position"), "bytes": size,
                          "verified": verification.ok, "problem": verification.problem,
                          "attempt": manifest.get("attempt"),
                          "save_s": costs.get(name, {}).get("save_s")})
         described[section] = rows
         described[f"{section}_temporary"] = [p.name for p in store.temporaries()]
+        described[f"{section}_replaced"] = store.replaced()
     described["attempts"] = [{
         "id": a.get("id"), "status": a.get("status"), "exit_code": a.get("exit_code"),
         "restored": (a.get("restored") or {}).get("name"), "steps_replayed": a.get("steps_replayed"),
@@ -73,6 +78,8 @@ def format_run(described: dict) -> str:
     for section in SECTIONS:
         for name in described[f"{section}_temporary"]:
             lines.append(f"  unpublished temporary (never selected, removed by the next trainer): {name}")
+        for name in described[f"{section}_replaced"]:
+            lines.append(f"  superseded copy kept for inspection (never selected; delete when done): {name}")
     lines += ["", "attempts"]
     lines.append(f"  {'id':<24} {'status':<12} {'exit':>4} {'restored from':<15} {'replayed':>8} "
                  f"{'last step':>9} {'wall s':>7}")

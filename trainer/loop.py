@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import random
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,8 @@ from trainer.attempts import (AttemptRecorder, is_crash_loop, new_attempt_id, re
 from trainer.cadence import StepPoint, build_policy
 from trainer.config import RunConfig
 from trainer.distributed import Ranks, process_group, rank_seed, unshared_output, world_size_change
-from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, CrashLoop, NothingToResume, TrainerError, UsageError
+from trainer.errors import (EXIT_INTERRUPTED, EXIT_OK, CrashLoop, FingerprintMismatch, NothingToResume, TrainerError,
+                            UsageError)
 from trainer.events import TrainingEvents
 from trainer.export import export_store, write_export
 from trainer.fingerprint import check_fingerprint, current_fingerprint
@@ -93,6 +95,28 @@ def prepare_output(config: RunConfig) -> Path:
     return output
 
 
+def ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader workers leave SIGTERM/SIGINT to the main process (which saves and exits
+    75, then stops them); a process-group SIGTERM must not kill them mid-batch first."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def refuse_shape_changes(generation: str, template: dict, stored: dict) -> None:
+    """An allowed config drift that changes tensor shapes cannot be restored: say so in one
+    line instead of letting DCP fail with a size-mismatch traceback."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(template)
+    for key, value in flat.items():
+        entry = stored.get(key)
+        if isinstance(value, torch.Tensor) and entry is not None and hasattr(entry, "size") \
+                and tuple(entry.size) != tuple(value.shape):
+            raise FingerprintMismatch(f"{generation} cannot be restored into this model: {key} is "
+                                      f"{tuple(entry.size)} there, {tuple(value.shape)} here; a shape-changing "
+                                      f"drift cannot be allowed, start a new --output instead")
+
+
 def refuse_crash_loop(history: list[dict], restoring: str | None, limit: int, output: Path) -> None:
     if is_crash_loop(history, restoring, limit):
         raise CrashLoop(f"the last {limit} attempts all started from {restoring or 'scratch'} and died "
@@ -108,10 +132,16 @@ class TrainingRun:
         self.events = events
         self.workload: Workload = build_workload(config.workload)
         self.attempt_id = new_attempt_id()
+        self.verify_s = 0.0
+        """Seconds spent verifying the generation to restore (part of the restore cost)."""
+        self.preemption: PreemptionGuard | None = None
 
     # ----------------------------------------------------------------- top level
     def run(self) -> int:
-        with contextlib.ExitStack() as held:  # rank 0 holds the output lock until the end
+        # Signals are caught for the whole attempt (claim, restore, training, final drain), so
+        # a preemption at any moment ends as exit 75 with a `preempted` record.
+        with contextlib.ExitStack() as held, PreemptionGuard(self.config.preempt_grace_secs) as preemption:
+            self.preemption = preemption
             # Rank 0's output wins: under --tracked only rank 0 opens the Polyaxon run and
             # knows its outputs path (other ranks start with output None).
             restored, self.attempt_id, output = self.ranks.decide_on_primary(lambda: self.claim_output(held),
@@ -128,9 +158,14 @@ class TrainingRun:
         output = prepare_output(self.config)
         held.enter_context(OutputLock(output))
         store = GenerationStore(output / CHECKPOINTS_DIR)
-        for name in store.remove_stale_temporaries():
+        for name in store.recover_interrupted_replacements():
+            log.warning("restored %s: a crash interrupted its replacement", name)
+        started = time.monotonic()
+        restored = self.choose_generation(store)
+        self.verify_s = time.monotonic() - started
+        for name in store.remove_stale_temporaries():  # only once this attempt goes ahead
             log.info("removed stale temporary %s", name)
-        return self.choose_generation(store), self.attempt_id, output
+        return restored, self.attempt_id, output
 
     def choose_generation(self, store: GenerationStore) -> Verification | None:
         names = store.names()
@@ -173,6 +208,7 @@ class TrainingRun:
             "world_size": ranks.world_size, **world_size_change(restored, ranks.world_size),
         }, persist=ranks.is_primary)
         checkpointer = build_checkpointer(mode, store, self.attempt_id, self.hooks.fault, device, ranks)
+        self.preemption.last_words = lambda reason: recorder.finish("preempted", EXIT_INTERRUPTED, reason)
         try:
             self.events.attempt_started(recorder.record)
             return self._train(output, store, restored, recorder, device, dataset, fingerprint, drift, checkpointer)
@@ -199,13 +235,15 @@ class TrainingRun:
 
         if restored is not None:
             started = time.monotonic()
-            template = state.template(stored_entries(restored.path))
+            stored = stored_entries(restored.path)
+            template = state.template(stored)
+            refuse_shape_changes(restored.path.name, template, stored)
             load_snapshot(template, restored.path)
             state.load_state_dict(template, self.hooks.skip_rng_restore)  # RNG last
             cadence = restored.manifest.get("cadence", {})
             recover_policy.load_state(cadence.get("recover", {}))
             export_policy.load_state(cadence.get("export", {}))
-            recorder.add_cost(restore_s=time.monotonic() - started)
+            recorder.add_cost(restore_s=time.monotonic() - started + self.verify_s, verify_s=self.verify_s)
             log.info("restored %s (step=%d epoch=%d position=%d) in %.3fs", restored.path.name,
                      state.progress.global_step, state.progress.epoch, state.progress.position,
                      recorder.record["costs"]["restore_s"])
@@ -251,60 +289,66 @@ class TrainingRun:
             for name in apply_retention(exports, config.retention.keep_exports, None, frozenset()):
                 log.info("retention removed export %s", name)
 
-        with PreemptionGuard(config.preempt_grace_secs) as preemption:
-            while state.progress.global_step < total_steps:
-                progress = state.progress
-                order = EpochBatchOrder(config.workload.samples, config.workload.batch_size,
-                                        config.workload.seed, progress.epoch, progress.position,
-                                        ranks.rank, ranks.world_size)
-                # A private generator keeps the DataLoader from drawing on the global torch RNG
-                # (it seeds workers from it on every new iterator, which a resume would repeat).
-                loader = DataLoader(dataset, batch_sampler=order, num_workers=config.workload.num_workers,
-                                    generator=torch.Generator().manual_seed(0))
-                for inputs, labels in loader:
-                    recorder.add_cost(blocked_s=checkpointer.wait_for_staging())
-                    inputs, labels = inputs.to(device), labels.to(device)
-                    model.train()
-                    with torch.autocast(device.type, dtype=autocast_dtype, enabled=config.workload.amp):
-                        loss = workload.loss(trained, (inputs, labels))
-                    optimizer.zero_grad(set_to_none=True)
-                    scaler.scale(loss).backward()
-                    scaler.step(optimizer)
-                    scaler.update()
-                    lr = scheduler.get_last_lr()[0]
-                    scheduler.step()
-                    epoch_completed = state.progress.advance(config.workload.batches_per_epoch)
-                    step = state.progress.global_step
-                    point = StepPoint(step, state.progress.epoch, epoch_completed)
-                    agreed = ranks.agree_after_step(loss, lambda: recover_policy.due(point),
-                                                    lambda: export_policy.due(point), preemption.requested)
-                    state.history.loss.append(agreed.loss)
-                    state.history.lr.append(float(lr))
-                    log.info("step=%d epoch=%d loss=%.4f lr=%.5g", step, state.progress.epoch,
-                             state.history.loss[-1], lr)
-                    self.events.step_completed(step, {"loss": state.history.loss[-1], "lr": state.history.lr[-1]})
+        preemption = self.preemption
+        if preemption.requested and not ranks.distributed:  # signalled while claiming or restoring
+            recorder.finish("preempted", EXIT_INTERRUPTED,
+                            f"{preemption.signal_name} before training resumed; nothing to save")
+            log.info("preempted by %s before the first step (exit 75)", preemption.signal_name)
+            return EXIT_INTERRUPTED
+        while state.progress.global_step < total_steps:
+            progress = state.progress
+            order = EpochBatchOrder(config.workload.samples, config.workload.batch_size,
+                                    config.workload.seed, progress.epoch, progress.position,
+                                    ranks.rank, ranks.world_size)
+            # A private generator keeps the DataLoader from drawing on the global torch RNG
+            # (it seeds workers from it on every new iterator, which a resume would repeat).
+            loader = DataLoader(dataset, batch_sampler=order, num_workers=config.workload.num_workers,
+                                generator=torch.Generator().manual_seed(0), worker_init_fn=ignore_stop_signals)
+            for inputs, labels in loader:
+                recorder.add_cost(blocked_s=checkpointer.wait_for_staging())
+                inputs, labels = inputs.to(device), labels.to(device)
+                model.train()
+                with torch.autocast(device.type, dtype=autocast_dtype, enabled=config.workload.amp):
+                    loss = workload.loss(trained, (inputs, labels))
+                optimizer.zero_grad(set_to_none=True)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                lr = scheduler.get_last_lr()[0]
+                scheduler.step()
+                epoch_completed = state.progress.advance(config.workload.batches_per_epoch)
+                step = state.progress.global_step
+                point = StepPoint(step, state.progress.epoch, epoch_completed)
+                agreed = ranks.agree_after_step(loss, lambda: recover_policy.due(point),
+                                                lambda: export_policy.due(point), preemption.requested)
+                state.history.loss.append(agreed.loss)
+                state.history.lr.append(float(lr))
+                log.info("step=%d epoch=%d loss=%.4f lr=%.5g", step, state.progress.epoch,
+                         state.history.loss[-1], lr)
+                recorder.mark_step(step)
+                self.events.step_completed(step, {"loss": state.history.loss[-1], "lr": state.history.lr[-1]})
 
-                    if step == interrupt:
-                        record_generations(checkpointer.finalize())  # an earlier save may be in flight
-                        recorder.update(last_step=step)
-                        recorder.finish("interrupted", EXIT_INTERRUPTED,
-                                        f"--interrupt-at-step {step}: stopped without saving")
-                        log.info("interrupted after step %d without saving (exit 75)", step)
-                        return EXIT_INTERRUPTED
+                if step == interrupt:
+                    record_generations(checkpointer.finalize())  # an earlier save may be in flight
+                    recorder.update(last_step=step)
+                    recorder.finish("interrupted", EXIT_INTERRUPTED,
+                                    f"--interrupt-at-step {step}: stopped without saving")
+                    log.info("interrupted after step %d without saving (exit 75)", step)
+                    return EXIT_INTERRUPTED
 
-                    final = step == total_steps
-                    if agreed.recover or final or agreed.preempt:
-                        save_generation()
-                    if (agreed.export or final) and ranks.is_primary:
-                        save_export()
-                    if agreed.preempt:
-                        record_generations(checkpointer.finalize())
-                        signal_name = preemption.signal_name or "a signal to another rank"
-                        recorder.update(last_step=step)
-                        recorder.finish("preempted", EXIT_INTERRUPTED,
-                                        f"{signal_name} after step {step}; generation saved")
-                        log.info("preempted by %s: saved step %d (exit 75)", signal_name, step)
-                        return EXIT_INTERRUPTED
+                final = step == total_steps
+                if agreed.recover or final or agreed.preempt:
+                    save_generation()
+                if (agreed.export or final) and ranks.is_primary:
+                    save_export()
+                if agreed.preempt:
+                    record_generations(checkpointer.finalize())
+                    signal_name = preemption.signal_name or "a signal to another rank"
+                    recorder.update(last_step=step)
+                    recorder.finish("preempted", EXIT_INTERRUPTED,
+                                    f"{signal_name} after step {step}; generation saved")
+                    log.info("preempted by %s: saved step %d (exit 75)", signal_name, step)
+                    return EXIT_INTERRUPTED
         record_generations(checkpointer.finalize())
         names = store.names()
         summary = {"final_step": state.progress.global_step, "epochs": state.progress.epoch,

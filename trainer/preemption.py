@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Callable
 
 from trainer.errors import EXIT_INTERRUPTED
 
@@ -24,6 +25,9 @@ class PreemptionGuard:
         self.signal_name: str | None = None
         self._previous: dict = {}
         self._timer: threading.Timer | None = None
+        self.last_words: Callable[[str], None] | None = None
+        """Set once the attempt record exists: records `preempted` before a hard exit, so the
+        record never stays `running` (which would count towards a crash loop)."""
 
     @property
     def requested(self) -> bool:
@@ -32,16 +36,24 @@ class PreemptionGuard:
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.requested:
-            sys.stderr.write(f"trainer: second {name} while saving: exiting now without publishing (exit 75)\n")
-            os._exit(EXIT_INTERRUPTED)
+            self._exit_now(f"second {name}: exited at once without publishing")
         self.signal_name = name
         self._timer = threading.Timer(self.grace_secs, self._out_of_time)
         self._timer.daemon = True
         self._timer.start()
 
     def _out_of_time(self) -> None:
-        sys.stderr.write(f"trainer: preemption grace of {self.grace_secs:g}s ran out before the save "
-                         f"finished: exiting without publishing (exit 75)\n")
+        self._exit_now(f"preemption grace of {self.grace_secs:g}s ran out before the save finished: "
+                       f"exited without publishing")
+
+    def _exit_now(self, reason: str) -> None:
+        sys.stderr.write(f"trainer: {reason} (exit 75)\n")
+        sys.stderr.flush()
+        if self.last_words is not None:
+            try:
+                self.last_words(reason)
+            except Exception:  # noqa: BLE001 - exiting promptly matters more than the record
+                pass
         os._exit(EXIT_INTERRUPTED)
 
     def __enter__(self) -> "PreemptionGuard":

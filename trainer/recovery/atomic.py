@@ -19,9 +19,6 @@ from trainer.errors import StorageFailure
 
 MANIFEST = "manifest.json"
 _CHUNK = 8 << 20
-_STORAGE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EROFS, errno.EIO}
-
-
 _ADVICE = {errno.ENOSPC: "free disk space", errno.EDQUOT: "free space or raise the quota",
            errno.EFBIG: "raise the file-size limit (ulimit -f)", errno.EACCES: "fix the permissions",
            errno.EPERM: "fix the permissions", errno.EROFS: "make the filesystem writable"}
@@ -36,7 +33,9 @@ def storage_failure(error: OSError, what: str) -> StorageFailure:
 
 
 def is_storage_error(error: BaseException) -> bool:
-    return isinstance(error, OSError) and error.errno in _STORAGE_ERRNOS
+    """Any OS-level I/O error (disk full, limits, permissions, a stale network mount…) is the
+    storage's problem, not a bug: it becomes one line and exit 74."""
+    return isinstance(error, OSError)
 
 
 def root_cause(error: BaseException) -> BaseException:

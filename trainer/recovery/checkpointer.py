@@ -95,6 +95,9 @@ class _Checkpointer:
         self.attempt_id = attempt_id
         self.fault_hook = fault_hook
         self.config = config
+        self._unreported: list[Published] = []
+        """Published generations not yet returned to the loop (a save failed right after
+        draining them); handed over by `close_after_failure()` so the record stays complete."""
 
     def _begin(self, step: int) -> Path:
         try:
@@ -120,11 +123,12 @@ class _Checkpointer:
         """After a failure elsewhere in the loop: finish what is in flight (it publishes if
         it succeeds, so no writer thread outlives the output lock). Its own error is logged,
         not raised: the original failure is the one to report."""
+        unreported, self._unreported = self._unreported, []
         try:
-            return self.finalize()
+            return unreported + self.finalize()
         except BaseException as error:  # noqa: BLE001 - reporting the first failure matters more
             log.warning("recovery save in flight did not complete: %s", error)
-            return []
+            return unreported
 
     def wait_for_staging(self) -> float:
         return 0.0
@@ -217,7 +221,7 @@ class AsyncCheckpointer(_Checkpointer):
         if self._closed:
             raise RuntimeError("AsyncCheckpointer.save() after finalize()")
         started = time.monotonic()
-        done = self.drain()
+        self._unreported += self.drain()
         temporary = self._begin(step)
         try:
             writer = self.writer_factory(temporary)
@@ -230,6 +234,7 @@ class AsyncCheckpointer(_Checkpointer):
         published = self._publisher.submit(self._publish_when_written, response.upload_completion, writer,
                                            temporary, step, manifest, started, blocked)
         self._in_flight = _InFlight(step, response.staging_completion, published)
+        done, self._unreported = self._unreported, []
         return done
 
     def _publish_when_written(self, upload: Future, writer: HashingFileSystemWriter, temporary: Path, step: int,

@@ -58,6 +58,25 @@ class GenerationStore:
             return []
         return sorted(p for p in self.root.iterdir() if p.is_dir() and TEMPORARY_NAME.match(p.name))
 
+    def recover_interrupted_replacements(self) -> list[str]:
+        """Undo a replacement a crash cut short: publishing over an existing name renames the
+        old directory aside first; if the new one never arrived, put the old one back."""
+        if not self.root.is_dir():
+            return []
+        recovered = []
+        for aside in sorted(self.root.glob(".step-*.replaced-*")):
+            name = aside.name[1:].split(".replaced-")[0]
+            if generation_step(name) is not None and not self.path(name).exists():
+                os.rename(aside, self.path(name))
+                recovered.append(name)
+        if recovered:
+            fsync_dir(self.root)
+        return recovered
+
+    def replaced(self) -> list[str]:
+        """Superseded copies kept aside by --from-generation re-publishing (for inspection)."""
+        return sorted(p.name for p in self.root.glob(".step-*.replaced-*")) if self.root.is_dir() else []
+
     def remove(self, name: str) -> None:
         """Delete a published generation atomically: rename it to a hidden `.deleting-`
         sibling (never selected), make the rename durable, then delete the files."""
