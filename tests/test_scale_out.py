@@ -155,6 +155,39 @@ def test_world_size_change_is_refused_then_allowed_with_the_override(tmp_path):
     assert "rng.torch" in compare(generation(run, "step-00000024"), generation(run, "step-00000024")).stdout
 
 
+def test_fsdp_two_process_interrupt_and_resume_matches_uninterrupted_fsdp(tmp_path):
+    """--data-parallel fsdp: each rank writes only its shards, a 2-process resume is exact,
+    the export holds whole tensors, and a resume must keep the choice (it is fingerprinted)."""
+    baseline, run = tmp_path / "baseline", tmp_path / "run"
+    torchrun(baseline, "--data-parallel", "fsdp", tmp=tmp_path)
+    torchrun(run, "--data-parallel", "fsdp", "--interrupt-at-step", 11, expect=75, tmp=tmp_path)
+    resumed = torchrun(run, "--data-parallel", "fsdp", "--resume", tmp=tmp_path)
+    assert "restored step-00000008 (step=8 epoch=1 position=0)" in resumed.stdout
+    result = compare(generation(baseline, FINAL_2P), generation(run, FINAL_2P))
+    assert result.returncode == 0, result.stdout
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(str(generation(run, FINAL_2P))).read_metadata().state_dict_metadata
+    for key in ("model.net.0.weight", "optim.state.net.0.weight.momentum_buffer"):
+        assert [tuple(chunk.sizes) for chunk in stored[key].chunks] == [(32, 16), (32, 16)], key  # one half per rank
+
+    from safetensors.torch import load_file
+
+    exported = load_file(str(run / "exports" / FINAL_2P / "model.safetensors"))
+    assert {name: tuple(t.shape) for name, t in exported.items() if name.endswith("weight")} == \
+        {"net.0.weight": (64, 16), "net.3.weight": (64, 64), "net.6.weight": (4, 64)}
+
+    refused = torchrun(run, "--resume", "--epochs", 3, expect=65, tmp=tmp_path)  # DDP cannot resume it exactly
+    assert "config.data_parallel fsdp" in trainer_error_lines(refused)[0]
+
+
+def test_fsdp_without_torchrun_is_a_one_line_usage_error(tmp_path):
+    line = one_error_line(train(tmp_path / "run", "--data-parallel", "fsdp", expect=2))
+    assert line.startswith("trainer: error: --data-parallel fsdp shards the model across processes")
+    assert not (tmp_path / "run").exists()
+
+
 def test_pytorchjob_polyaxonfile_is_valid_and_its_launcher_reports_the_trainer_status(tmp_path):
     home = tmp_path / "home"
     home.mkdir()

@@ -130,6 +130,10 @@ def train_parser() -> OneLineParser:
     work.add_argument("--num-workers", type=non_negative_int, default=defaults.num_workers)
     work.add_argument("--amp", action="store_true", help="mixed precision (bf16 on CPU, fp16+GradScaler on CUDA)")
     work.add_argument("--threads", type=positive_int, default=defaults.threads)
+    work.add_argument("--data-parallel", choices=("ddp", "fsdp"), default=defaults.data_parallel,
+                      help="under torchrun: ddp replicates the model on every rank; fsdp shards parameters, "
+                           "gradients and optimizer state across ranks (FSDP2) for models too large to "
+                           "replicate (default ddp)")
     return parser
 
 
@@ -138,6 +142,9 @@ def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironmen
     if launch.world_size > 1 and args.checkpoint_mode == "async":
         raise UsageError("--checkpoint-mode async is single-process only; under torchrun use "
                          "--checkpoint-mode sync (or auto)")
+    if args.data_parallel == "fsdp" and launch.world_size == 1:
+        raise UsageError("--data-parallel fsdp shards the model across processes and needs torchrun with "
+                         "--nproc_per_node 2 or more; drop it for a single-process run")
     if args.tracked and args.output is not None:
         raise UsageError("--output and --tracked are exclusive: with --tracked the run directory is "
                          "Polyaxon's outputs path; drop --output")
@@ -152,7 +159,8 @@ def config_from_args(args: argparse.Namespace, argv: list[str], output: Path) ->
     workload = WorkloadConfig(
         epochs=args.epochs, samples=args.samples, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
         hidden_size=args.hidden_size, layers=args.layers, dropout=args.dropout,
-        num_workers=args.num_workers, amp=args.amp, threads=args.threads)
+        num_workers=args.num_workers, amp=args.amp, threads=args.threads,
+        data_parallel=args.data_parallel)
     return RunConfig(
         output=output, workload=workload, interrupt_at_step=args.interrupt_at_step,
         resume=args.resume, from_generation=args.from_generation,

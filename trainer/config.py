@@ -37,12 +37,22 @@ class WorkloadConfig:
     """Mixed precision (bfloat16 autocast on CPU, float16 + GradScaler on CUDA)."""
     threads: int = 1
     """Intra-op CPU threads. Fixed so reductions run in the same order on resume."""
+    data_parallel: str = "ddp"
+    """ddp | fsdp: how several torchrun processes share the model. Workload-level (and so
+    fingerprinted) because it changes the trained bits and the stored layout: FSDP2 reduces
+    gradients by reduce-scatter instead of all-reduce, and each rank holds and saves only its
+    shard of every parameter and optimizer buffer. A resume must keep the choice (or allow
+    `config` drift, giving up exactness)."""
 
     def training_relevant(self) -> dict:
         """The options whose change alters the trained bits (fingerprint `config`)."""
         values = asdict(self)
         for name in ("epochs", "num_workers"):
             values.pop(name)
+        if values["data_parallel"] == "ddp":
+            # The layout of every generation written before the option existed: leaving the
+            # default out keeps their fingerprints equal, so they still resume without drift.
+            values.pop("data_parallel")
         return values
 
     @property

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageError
@@ -46,7 +47,8 @@ def rank_seed(seed: int, rank: int) -> int:
     """The seed of a rank's global RNGs. Rank 0 keeps `seed` (so one process is seeded as it
     always was); other ranks get decorrelated streams, so their dropout masks and batch noise
     are not copies of rank 0's. The model is still initialized identically everywhere:
-    DistributedDataParallel broadcasts rank 0's parameters when it wraps the model."""
+    DistributedDataParallel broadcasts rank 0's parameters when it wraps the model, and
+    `Ranks.data_parallel` does the same before sharding with FSDP."""
     if rank == PRIMARY:
         return seed
     return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
@@ -125,14 +127,39 @@ class Ranks:
         self.is_primary = launch.is_primary
         self.device = device
 
-    def data_parallel(self, model: nn.Module) -> nn.Module:
-        """The module to run forward/backward through: DDP averages gradients across ranks
-        during backward. State is still read from and loaded into the plain `model` (DDP
-        shares its parameters), so snapshot keys are the same at any world size."""
+    def data_parallel(self, model: nn.Module, kind: str = "ddp") -> nn.Module:
+        """The module to run forward/backward through; build the optimizer on `model` after this.
+
+        ddp: DDP averages gradients across ranks during backward; every rank holds the whole
+        model. State is still read from and loaded into the plain `model` (DDP shares its
+        parameters), so snapshot keys are the same at any world size.
+
+        fsdp: FSDP2 shards `model` in place (each layer with parameters, then the root), so
+        every rank holds 1/world_size of each parameter, gradient and optimizer buffer, and
+        the whole of one layer only while it runs. Its state dicts hold DTensors, which
+        `get_state_dict`/`set_state_dict` and DCP handle: each shard is written once, by
+        the rank that holds it, under the same keys and global shapes as an unsharded run.
+        """
         if not self.distributed:
+            if kind == "fsdp":
+                raise UsageError("--data-parallel fsdp needs several processes (torchrun --nproc_per_node N, N > 1)")
             return model
+        if kind == "fsdp":
+            return self._fully_shard(model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
+
+    def _fully_shard(self, model: nn.Module) -> nn.Module:
+        """Unlike DDP, fully_shard does not broadcast: each rank keeps its slice of its *own*
+        initialization, and ranks are seeded differently (`rank_seed`). Broadcasting rank 0's
+        weights first makes the sharded model the one a single process would have built."""
+        with self._collective("broadcasting the initial model"), torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor, src=PRIMARY)
+        for layer in model.modules():
+            if layer is not model and any(True for _ in layer.parameters(recurse=False)):
+                fully_shard(layer)
+        return fully_shard(model)
 
     def finish(self) -> None:
         """The run's outcome is decided: wait until every rank got here, so no rank exits

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from trainer.recovery.atomic import encode_json, manifest_digest, reraise_as_storage_failure, write_file_durably
 from trainer.recovery.checkpointer import Published
@@ -25,10 +26,20 @@ EXPORTS_DIR = "exports"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def export_tensors(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def full_weights(model: nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
+    """The whole, unsharded weights. With FSDP each rank holds only shards (DTensors), which
+    safetensors cannot store: gathering them is a collective, so every rank must call this;
+    with `cpu_offload` rank 0 alone receives the full tensors (in host memory, so a model
+    sharded because it does not fit one device still exports) and the others get `{}`."""
+    if not sharded:
+        return model.state_dict()
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def export_tensors(weights: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """CPU, contiguous copies of the weights, cast to `dtype` when one is asked for."""
     tensors = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in weights.items():
         tensor = tensor.detach().to("cpu")
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
@@ -36,11 +47,11 @@ def export_tensors(model: nn.Module, dtype: torch.dtype | None) -> dict[str, tor
     return tensors
 
 
-def write_export(store: GenerationStore, model: nn.Module, step: int, epoch: int, architecture: dict,
+def write_export(store: GenerationStore, weights: dict[str, torch.Tensor], step: int, epoch: int, architecture: dict,
                  dtype_name: str | None, source_digest: str, attempt_id: str, fault_hook) -> Published:
     started = time.monotonic()
     dtype = DTYPES[dtype_name] if dtype_name else None
-    tensors = export_tensors(model, dtype)
+    tensors = export_tensors(weights, dtype)
     stored_dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else None
     config = {**architecture, "dtype": stored_dtype, "step": step, "epoch": epoch, "source": source_digest}
     temporary = None

@@ -33,7 +33,7 @@ from trainer.distributed import Ranks, process_group, rank_seed, unshared_output
 from trainer.errors import (EXIT_INTERRUPTED, EXIT_OK, CrashLoop, FingerprintMismatch, NothingToResume, TrainerError,
                             UsageError)
 from trainer.events import TrainingEvents
-from trainer.export import export_store, write_export
+from trainer.export import export_store, full_weights, write_export
 from trainer.fingerprint import check_fingerprint, current_fingerprint
 from trainer.launch import LaunchEnvironment
 from trainer.lock import OutputLock
@@ -225,7 +225,10 @@ class TrainingRun:
     def _train(self, output, store, restored, recorder, device, dataset, fingerprint, drift, checkpointer) -> int:
         config, workload, ranks = self.config, self.workload, self.ranks
         model = workload.build_model().to(device)
-        trained = ranks.data_parallel(model)  # forward/backward through this; state from `model`
+        # Forward/backward through `trained`; state from `model` (the same module under FSDP,
+        # sharded in place, so the optimizer below must be built after this).
+        trained = ranks.data_parallel(model, config.workload.data_parallel)
+        sharded = ranks.distributed and config.workload.data_parallel == "fsdp"
         optimizer = workload.build_optimizer(model)
         scheduler = workload.build_scheduler(optimizer)
         scaler = torch.amp.GradScaler(device.type, enabled=config.workload.amp and device.type == "cuda")
@@ -279,8 +282,11 @@ class TrainingRun:
             recover_policy.saved()
 
         def save_export() -> None:
+            weights = full_weights(model, sharded)  # under FSDP a collective: every rank gathers
+            if not ranks.is_primary:
+                return
             progress = state.progress
-            published = write_export(exports, model, progress.global_step, progress.epoch,
+            published = write_export(exports, weights, progress.global_step, progress.epoch,
                                      workload.architecture(), config.export_dtype, fingerprint["source"],
                                      self.attempt_id, self.hooks.fault)
             export_policy.saved()
@@ -339,7 +345,7 @@ class TrainingRun:
                 final = step == total_steps
                 if agreed.recover or final or agreed.preempt:
                     save_generation()
-                if (agreed.export or final) and ranks.is_primary:
+                if (agreed.export or final) and (ranks.is_primary or sharded):
                     save_export()
                 if agreed.preempt:
                     record_generations(checkpointer.finalize())
