@@ -329,9 +329,9 @@ class TrainingRun:
                                                 lambda: export_policy.due(point), preemption.requested)
                 state.history.loss.append(agreed.loss)
                 state.history.lr.append(float(lr))
+                recorder.mark_step(step)
                 log.info("step=%d epoch=%d loss=%.4f lr=%.5g", step, state.progress.epoch,
                          state.history.loss[-1], lr)
-                recorder.mark_step(step)
                 self.events.step_completed(step, {"loss": state.history.loss[-1], "lr": state.history.lr[-1]})
 
                 if step == interrupt:
