@@ -203,7 +203,6 @@ def test_kill_9_between_saves_counts_the_replayed_steps(tmp_path):
     reached = int((run / "attempts" / killed["id"] / "last_step").read_text())  # the per-step marker
     assert reached >= 14 and reached >= killed["last_step"]  # at least as fresh as the last publish
     assert resumed["steps_replayed"] == reached - resumed["restored"]["step"]
-    assert resumed["restored"]["step"] < 14 or resumed["steps_replayed"] >= 0  # load may delay the kill
 
 
 def test_allowed_drift_that_changes_shapes_is_refused_in_one_line(tmp_path):
