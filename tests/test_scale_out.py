@@ -249,6 +249,32 @@ def free_port() -> int:
 
 
 # ------------------------------------------------------------------ pure logic, no processes
+EXIT_PROBE = """
+import atexit, os, runpy, sys
+class Teardown:
+    def __del__(self):
+        os.write(1, b"interpreter teardown ran\\n")
+probe = Teardown()
+atexit.register(lambda: os.write(1, b"exit handlers ran\\n"))
+sys.argv = ["trainer", "list", sys.argv[1]]
+runpy.run_module("trainer", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("world_size, teardown", [("1", True), ("2", False)])
+def test_one_of_several_processes_skips_the_teardown_but_not_the_exit_handlers(tmp_path, world_size, teardown):
+    """A rank of a multi-process launch leaves with os._exit after running the exit handlers
+    and flushing its streams, so torch's C++ threads cannot abort it during the interpreter's
+    teardown; a single process still exits normally."""
+    env = clean_environment(WORLD_SIZE=world_size, RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
+    result = subprocess.run([sys.executable, "-c", EXIT_PROBE, str(tmp_path / "missing")], cwd=REPO,
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 66, result.stderr
+    assert one_error_line(result).startswith("trainer: error: ") and "not a run directory" in result.stderr
+    assert "exit handlers ran" in result.stdout
+    assert ("interpreter teardown ran" in result.stdout) is teardown
+
+
 def test_launch_environment_reads_the_launcher_variables():
     from trainer.errors import UsageError
     from trainer.launch import LaunchEnvironment

@@ -1,5 +1,3 @@
-import sys
+from trainer.cli import exit_process, main
 
-from trainer.cli import main
-
-sys.exit(main())
+exit_process(main())

@@ -10,17 +10,19 @@ reported for every rank. Ranks other than 0 log only warnings, prefixed with the
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from trainer.config import CadenceConfig, RetentionConfig, RunConfig, WorkloadConfig
 from trainer.errors import TrainerError, UsageError
 from trainer.recovery.atomic import storage_failure
 from trainer.fingerprint import FIELDS
-from trainer.launch import LaunchEnvironment, local_rank_of, rank_of
+from trainer.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
 
 FAULT_ENV = "TRAINER_FAULT_POINT"
 FAULT_RANK_ENV = "TRAINER_FAULT_RANK"
@@ -282,3 +284,23 @@ def report_exit_status(status: int) -> None:
         Path(path).write_text(f"{status}\n")
     except OSError:
         pass
+
+
+def exit_process(status: int) -> NoReturn:
+    """Leave with `status`. A single process exits normally. One of several processes
+    (torchrun, the training operator) skips the interpreter's teardown: its outcome is
+    already on disk (generations fsync'd and published, attempt record and status file
+    written, process group destroyed), and on Python 3.11 torch's C++ threads can race
+    the teardown and abort (SIGABRT, "terminate called without an active exception";
+    seen once in CI on a completed FSDP run), turning a finished rank into a crash that
+    torchrun reports for the whole job. Exit handlers (Polyaxon's event flush among
+    them) and the standard streams still run and flush first."""
+    if not is_multi_process(os.environ):
+        sys.exit(status)
+    try:
+        atexit._run_exitfuncs()  # private, but unchanged since Python 3.0: the handlers a normal exit runs
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(status)

@@ -56,6 +56,14 @@ def rank_of(env: Mapping[str, str]) -> int:
         return 0
 
 
+def is_multi_process(env: Mapping[str, str]) -> bool:
+    """Whether a launcher started this process as one of several; never fails."""
+    try:
+        return LaunchEnvironment.from_environ(env).distributed
+    except UsageError:
+        return False
+
+
 def local_rank_of(env: Mapping[str, str]) -> int:
     """This process's index on its node; never fails (0 when unset or malformed)."""
     try:
