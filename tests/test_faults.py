@@ -170,10 +170,12 @@ def test_crash_loop_stops_instead_of_burning_the_allocation(tmp_path):
     for _ in range(3):
         crashed = run_cli("--output", run, *SHORT, "--resume", env={"TRAINER_FAULT_POINT": "after-write"})
         assert crashed.returncode == -signal.SIGKILL
-    refused = run_cli("--output", run, *SHORT, "--resume")
-    assert refused.returncode == 70
-    line = one_error_line(refused)
-    assert "last 3 attempts all started from step-00000008" in line and "--max-failed-attempts 0" in line
+    for _ in range(2):  # a refusal is recorded, and does not break the loop it refused
+        refused = run_cli("--output", run, *SHORT, "--resume")
+        assert refused.returncode == 70
+        line = one_error_line(refused)
+        assert "last 3 attempts all started from step-00000008" in line and "--max-failed-attempts 0" in line
+    assert [(a["status"], a["exit_code"]) for a in attempts(run)[-2:]] == [("refused", 70)] * 2
     train(run, *SHORT, "--resume", "--max-failed-attempts", 0)
 
 

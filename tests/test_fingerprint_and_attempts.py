@@ -23,6 +23,16 @@ def test_changed_config_is_refused_with_a_field_diff(interrupted):
     assert result.returncode == 65
     line = one_error_line(result)
     assert "config.lr 0.05 → 0.1" in line and "--allow-drift config" in line
+    # The refused start is on record, and the next attempt that trains still counts its
+    # replayed work against the interrupted one, not against the refusal.
+    interrupted_record, refused = attempts(interrupted)
+    assert refused["status"] == "refused" and refused["exit_code"] == 65
+    assert "config.lr 0.05 → 0.1" in refused["reason"] and refused["considered_generation"] == "step-00000008"
+    assert refused["restored"] is None and refused["last_step"] is None and refused["wall_s"] >= 0
+    assert refused["previous_attempt"] == interrupted_record["id"]
+    train(interrupted, "--resume", "--epochs", 3)
+    resumed = attempts(interrupted)[-1]
+    assert resumed["previous_attempt"] == interrupted_record["id"] and resumed["steps_replayed"] == 2
 
 
 def test_allowed_drift_proceeds_and_is_recorded(interrupted):

@@ -1,8 +1,10 @@
 """Attempt records: what each process restored, what it replayed, what it cost, how it ended.
 
 `attempts/<utc>-<id>/attempt.json` is written at start (`running`) and rewritten atomically
-as the attempt progresses and ends. Records are informational: the newest verified
-generation, not an attempt record, decides where training resumes.
+as the attempt progresses and ends. An attempt that held the output but refused to train
+(a damaged generation or a changed environment, 65; a crash loop, 70) leaves one `refused`
+record, so an orchestrator's retries show up too. Records are informational: the newest
+verified generation, not an attempt record, decides where training resumes.
 """
 
 from __future__ import annotations
@@ -78,16 +80,36 @@ def steps_replayed(previous: dict | None, restored_step: int | None) -> int | No
 
 
 UNFINISHED = ("failed", "running")  # "running" in a record nobody holds: the process was killed
+REFUSED = "refused"
+
+
+def attempts_that_trained(records: list[dict]) -> list[dict]:
+    """The records of attempts that went ahead: a refused one restored nothing and did no
+    work, so it is neither the "previous attempt" of the next one nor part of a crash loop."""
+    return [record for record in records if record.get("status") != REFUSED]
 
 
 def is_crash_loop(records: list[dict], restoring: str | None, limit: int) -> bool:
-    """True when the last `limit` attempts all started from `restoring` (None: from scratch)
-    and all died before publishing anything newer: trying again would burn the allocation."""
+    """True when the last `limit` attempts that trained all started from `restoring` (None:
+    from scratch) and all died before publishing anything newer: trying again would burn
+    the allocation."""
+    records = attempts_that_trained(records)
     if limit <= 0 or len(records) < limit:
         return False
     recent = records[-limit:]
     return all((r.get("restored") or {}).get("name") == restoring and not r.get("generations_published")
                and r.get("status") in UNFINISHED for r in recent)
+
+
+def initial_record(attempt_id: str, argv: list[str], fields: dict) -> dict:
+    return {
+        "id": attempt_id, "status": "running", "exit_code": None, "reason": None,
+        "started_utc": utc_now(), "ended_utc": None, "wall_s": None,
+        "host": socket.gethostname(), "pid": os.getpid(), "argv": argv,
+        "last_step": None, "generations_published": [], "exports_published": [],
+        "costs": {"restore_s": 0.0, "save_s": 0.0, "blocked_s": 0.0, "saves": 0},
+        **fields,
+    }
 
 
 class AttemptRecorder:
@@ -112,20 +134,25 @@ class AttemptRecorder:
     @classmethod
     def start(cls, output: Path, attempt_id: str, argv: list[str], fields: dict,
               persist: bool = True) -> "AttemptRecorder":
-        record = {
-            "id": attempt_id, "status": "running", "exit_code": None, "reason": None,
-            "started_utc": utc_now(), "ended_utc": None, "wall_s": None,
-            "host": socket.gethostname(), "pid": os.getpid(), "argv": argv,
-            "last_step": None, "generations_published": [], "exports_published": [],
-            "costs": {"restore_s": 0.0, "save_s": 0.0, "blocked_s": 0.0, "saves": 0},
-            **fields,
-        }
-        recorder = cls(output, attempt_id, record, persist)
-        if persist:
-            recorder.folder.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(recorder.folder / "requirements.txt", resolved_requirements().encode())
+        recorder = cls(output, attempt_id, initial_record(attempt_id, argv, fields), persist)
+        recorder._create_folder()
         recorder.flush()
         return recorder
+
+    @classmethod
+    def record_refusal(cls, output: Path, attempt_id: str, argv: list[str], exit_code: int, reason: str,
+                       fields: dict, started: float) -> None:
+        """One write: this attempt held the output and refused to train. `started` is the
+        monotonic time the attempt began, for its wall time."""
+        recorder = cls(output, attempt_id, initial_record(attempt_id, argv, fields))
+        recorder._started = started
+        recorder._create_folder()
+        recorder.finish(REFUSED, exit_code, reason)
+
+    def _create_folder(self) -> None:
+        if self.persist:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self.folder / "requirements.txt", resolved_requirements().encode())
 
     def flush(self) -> None:
         if self.persist:

@@ -25,13 +25,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from trainer.attempts import (AttemptRecorder, is_crash_loop, new_attempt_id, read_attempts, steps_replayed,
-                              utc_now)
+from trainer.attempts import (AttemptRecorder, attempts_that_trained, is_crash_loop, new_attempt_id, read_attempts,
+                              steps_replayed, utc_now)
 from trainer.cadence import StepPoint, build_policy
 from trainer.config import RunConfig
 from trainer.distributed import Ranks, process_group, rank_seed, unshared_output, world_size_change
-from trainer.errors import (EXIT_INTERRUPTED, EXIT_OK, CrashLoop, FingerprintMismatch, NothingToResume, TrainerError,
-                            UsageError)
+from trainer.errors import (EXIT_INTERRUPTED, EXIT_OK, CorruptGeneration, CrashLoop, FingerprintMismatch,
+                            NothingToResume, TrainerError, UsageError)
 from trainer.events import TrainingEvents
 from trainer.export import export_store, full_weights, write_export
 from trainer.fingerprint import check_fingerprint, current_fingerprint
@@ -132,6 +132,13 @@ class TrainingRun:
         self.events = events
         self.workload: Workload = build_workload(config.workload)
         self.attempt_id = new_attempt_id()
+        self.started = time.monotonic()
+        self.claimed: Path | None = None
+        """The output once rank 0 holds its lock."""
+        self.considered: str | None = None
+        """The generation chosen for restore, before it verified."""
+        self.recording = False
+        """Whether this attempt's record was started (it then records its own end)."""
         self.verify_s = 0.0
         """Seconds spent verifying the generation to restore (part of the restore cost)."""
         self.preemption: PreemptionGuard | None = None
@@ -144,11 +151,31 @@ class TrainingRun:
             self.preemption = preemption
             # Rank 0's output wins: under --tracked only rank 0 opens the Polyaxon run and
             # knows its outputs path (other ranks start with output None).
-            restored, self.attempt_id, output = self.ranks.decide_on_primary(lambda: self.claim_output(held),
-                                                                             "claiming the output")
-            self.ranks.require_on_every_rank(unshared_output(output, self.ranks.is_primary),
-                                             "checking that every rank sees the output")
-            return self.train_from(output, GenerationStore(output / CHECKPOINTS_DIR), restored)
+            try:
+                restored, self.attempt_id, output = self.ranks.decide_on_primary(
+                    lambda: self.claim_output(held), "claiming the output")
+                self.ranks.require_on_every_rank(unshared_output(output, self.ranks.is_primary),
+                                                 "checking that every rank sees the output")
+                return self.train_from(output, GenerationStore(output / CHECKPOINTS_DIR), restored)
+            except (CorruptGeneration, FingerprintMismatch, CrashLoop) as refusal:
+                self.record_refusal(refusal)
+                raise
+
+    def record_refusal(self, refusal: TrainerError) -> None:
+        """Rank 0, holding the output, refused to train (65, 70) before its record started:
+        leave one `refused` record, so every start an orchestrator made is accounted for."""
+        if not self.ranks.is_primary or self.claimed is None or self.recording:
+            return
+        trained = attempts_that_trained(read_attempts(self.claimed))
+        previous = trained[-1] if trained else None
+        try:
+            AttemptRecorder.record_refusal(self.claimed, self.attempt_id, list(self.config.argv), refusal.exit_code,
+                                           str(refusal), {"restored": None, "considered_generation": self.considered,
+                                                          "previous_attempt": previous["id"] if previous else None,
+                                                          "polyaxon": self.events.run_identity(previous)},
+                                           self.started)
+        except OSError as error:  # the refusal itself is what the user must see
+            log.warning("could not record the refused attempt: %s", error)
 
     def claim_output(self, held: contextlib.ExitStack) -> tuple[Verification | None, str, Path]:
         """Rank 0 only: take the output lock, clean up, choose and verify what to restore."""
@@ -157,6 +184,7 @@ class TrainingRun:
             raise UsageError(problem)
         output = prepare_output(self.config)
         held.enter_context(OutputLock(output))
+        self.claimed = output
         store = GenerationStore(output / CHECKPOINTS_DIR)
         for name in store.recover_interrupted_replacements():
             log.warning("restored %s: a crash interrupted its replacement", name)
@@ -172,6 +200,7 @@ class TrainingRun:
         candidate = choose_candidate(names, self.config.resume, self.config.from_generation, str(store.root))
         if candidate is None:
             return None
+        self.considered = candidate
         verification = store.verify(candidate)
         require_verified(verification, [n for n in names if n < candidate], store.verify)
         return verification
@@ -192,7 +221,8 @@ class TrainingRun:
         restoring = restored.path.name if restored else None
         ranks.decide_on_primary(lambda: refuse_crash_loop(history, restoring, config.max_failed_attempts, output),
                                 "checking for a crash loop")
-        previous = history[-1] if history else None
+        trained = attempts_that_trained(history)
+        previous = trained[-1] if trained else None
         restored_step = restored.manifest["step"] if restored else None
         mode = effective_mode(config.checkpoint_mode, device, ranks.world_size)
         recorder = AttemptRecorder.start(output, self.attempt_id, list(config.argv), {
@@ -207,6 +237,7 @@ class TrainingRun:
             "polyaxon": self.events.run_identity(previous),
             "world_size": ranks.world_size, **world_size_change(restored, ranks.world_size),
         }, persist=ranks.is_primary)
+        self.recording = True
         checkpointer = build_checkpointer(mode, store, self.attempt_id, self.hooks.fault, device, ranks)
         self.preemption.last_words = lambda reason: recorder.finish("preempted", EXIT_INTERRUPTED, reason)
         try:
