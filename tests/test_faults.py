@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -218,8 +219,35 @@ def test_allowed_drift_that_changes_shapes_is_refused_in_one_line(tmp_path):
 def test_a_replacement_cut_short_by_a_crash_is_undone(tmp_path):
     run = tmp_path / "run"
     train(run, *SHORT, "--interrupt-at-step", 20, expect=75)
-    # publishing over step-16 renamed it aside, then the process died before the new one arrived
-    os.rename(run / "checkpoints" / "step-00000016", run / "checkpoints" / ".step-00000016.replaced-abc123")
+    checkpoints = run / "checkpoints"
+    # Publishing over step-16 renamed it to .replacing-, then the process died before the new
+    # one arrived: the name comes back. Over step-08 it died after: the copy is retired.
+    os.rename(checkpoints / "step-00000016", checkpoints / ".step-00000016.replacing-abc123")
+    shutil.copytree(checkpoints / "step-00000008", checkpoints / ".step-00000008.replacing-def456")
     resumed = train(run, *SHORT, "--resume")
-    assert "restored step-00000016: a crash interrupted its replacement" in resumed.stdout
+    assert "restored checkpoints/step-00000016: a crash interrupted its replacement" in resumed.stdout
     assert "restored step-00000016 (step=16" in resumed.stdout
+    assert sorted(p.name for p in checkpoints.glob(".step-*")) == [".step-00000008.replaced-def456"]
+
+
+def test_a_superseded_copy_never_comes_back(tmp_path):
+    """Retention may delete the generation that replaced a superseded copy; the copy must
+    stay retired, not be taken for an interrupted replacement and resumed from."""
+    run = tmp_path / "run"
+    train(run, *SHORT, "--interrupt-at-step", 20, expect=75)
+    checkpoints = run / "checkpoints"
+    os.rename(checkpoints / "step-00000016", checkpoints / ".step-00000016.replaced-abc123")
+    resumed = train(run, *SHORT, "--resume")
+    assert "restored step-00000008 (step=8" in resumed.stdout
+    assert (checkpoints / ".step-00000016.replaced-abc123").is_dir()
+
+
+def test_publishing_over_a_file_that_is_not_ours_is_refused(tmp_path):
+    run = tmp_path / "run"
+    train(run, *SHORT, "--interrupt-at-step", 10, expect=75)
+    (run / "checkpoints" / "step-00000016").write_text("a user's notes\n")
+    result = run_cli("--output", run, *SHORT, "--resume")
+    assert result.returncode == 73
+    assert "step-00000016 exists and is not a directory this trainer wrote" in one_error_line(result)
+    assert (run / "checkpoints" / "step-00000016").read_text() == "a user's notes\n"
+    assert not list((run / "checkpoints").glob(".step-*"))  # its temporary was removed

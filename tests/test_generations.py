@@ -57,8 +57,22 @@ def damage_remove(path):
     path.unlink()
 
 
+def damage_add(path):
+    path.write_bytes(b"data nobody hashed")
+
+
+def damage_unlist(path):
+    """Drop the file from its manifest's list (the file itself stays, unverified)."""
+    manifest_path = path.parent / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["files"][path.name]
+    manifest_path.write_text(json.dumps(manifest))
+
+
 DAMAGE = {
     "flipped byte": ("__0_0.distcp", damage_flip, "sha256 mismatch"),
+    "unlisted extra file": ("__0_9.distcp", damage_add, "not listed in manifest.json"),
+    "file dropped from the manifest": (".metadata", damage_unlist, "not listed in manifest.json"),
     "truncated file": ("__0_0.distcp", damage_truncate, "size"),
     "missing file": (".metadata", damage_remove, "missing"),
     "damaged manifest": ("manifest.json", damage_truncate, "manifest.json: unreadable"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -39,8 +41,30 @@ def test_resume_twice_and_from_an_earlier_generation(tmp_path, baseline):
     assert [r["status"] for r in records] == ["interrupted", "interrupted", "completed"]
     assert records[2]["restored"]["name"] == "step-00000016" and records[2]["explicit_generation"]
     assert records[2]["steps_replayed"] == 45 - 16
-    # step-00000024 .. were re-published; the superseded copies are kept aside, never deleted.
-    assert list((run / "checkpoints").glob(".step-*.replaced-*"))
+    # Going back set the later generations aside as superseded copies, kept, never deleted.
+    assert records[2]["set_aside"] == ["checkpoints/step-00000040", "checkpoints/step-00000032",
+                                       "checkpoints/step-00000024"]
+    assert len(list((run / "checkpoints").glob(".step-*.replaced-*"))) == 3
+
+
+def test_a_plain_resume_after_going_back_continues_the_new_line(tmp_path, baseline):
+    """An operator went back with --from-generation and the new line was interrupted before
+    it re-published every later step: the next plain --resume must continue the new line,
+    never the abandoned generations with higher steps."""
+    run = tmp_path / "run"
+    train(run, "--interrupt-at-step", 20, expect=75)
+    train(run, "--resume", "--interrupt-at-step", 45, expect=75)
+    train(run, "--from-generation", "step-00000016", "--interrupt-at-step", 26, expect=75)
+    resumed = train(run, "--resume")
+    assert "restored step-00000024 (step=24" in resumed.stdout
+    assert compare(generation(baseline), generation(run)).returncode == 0
+
+
+def test_replayed_exports_do_not_pile_up_superseded_copies(tmp_path):
+    run = tmp_path / "run"
+    train(run, "--epochs", 4, "--export-every-steps", 1, "--keep-exports", 2, "--interrupt-at-step", 27, expect=75)
+    train(run, "--epochs", 4, "--export-every-steps", 1, "--keep-exports", 2, "--resume")
+    assert sorted(os.listdir(run / "exports")) == ["step-00000031", "step-00000032"]
 
 
 def test_resume_with_dataloader_workers_matches_baseline(tmp_path, baseline):

@@ -62,6 +62,14 @@ def _cell(value, fmt: str = "{}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def side_entries(described: dict, section: str) -> list[str]:
+    """The hidden directories of one section, listed under its own table."""
+    return ([f"  unpublished temporary (never selected, removed by the next trainer): {name}"
+             for name in described[f"{section}_temporary"]] +
+            [f"  superseded copy kept for inspection (never selected; delete when done): {name}"
+             for name in described[f"{section}_replaced"]])
+
+
 def format_run(described: dict) -> str:
     lines = [f"run {described['output']}", "", "recovery generations"]
     lines.append(f"  {'name':<15} {'epoch':>5} {'pos':>4} {'MB':>9} {'verified':<9} {'save s':>7}  attempt")
@@ -69,17 +77,14 @@ def format_run(described: dict) -> str:
         lines.append(f"  {row['name']:<15} {_cell(row['epoch']):>5} {_cell(row['position']):>4} "
                      f"{row['bytes'] / 1e6:>9.3f} {'yes' if row['verified'] else 'NO':<9} "
                      f"{_cell(row['save_s'], '{:.3f}'):>7}  {_cell(row['attempt'])}")
+    lines += side_entries(described, "generations")
     lines += ["", "exports"]
     lines.append(f"  {'name':<15} {'epoch':>5} {'MB':>9} {'verified':<9} {'save s':>7}  attempt")
     for row in described["exports"]:
         lines.append(f"  {row['name']:<15} {_cell(row['epoch']):>5} {row['bytes'] / 1e6:>9.3f} "
                      f"{'yes' if row['verified'] else 'NO':<9} {_cell(row['save_s'], '{:.3f}'):>7}  "
                      f"{_cell(row['attempt'])}")
-    for section in SECTIONS:
-        for name in described[f"{section}_temporary"]:
-            lines.append(f"  unpublished temporary (never selected, removed by the next trainer): {name}")
-        for name in described[f"{section}_replaced"]:
-            lines.append(f"  superseded copy kept for inspection (never selected; delete when done): {name}")
+    lines += side_entries(described, "exports")
     lines += ["", "attempts"]
     lines.append(f"  {'id':<24} {'status':<12} {'exit':>4} {'restored from':<15} {'replayed':>8} "
                  f"{'last step':>9} {'wall s':>7}")

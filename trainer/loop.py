@@ -185,15 +185,32 @@ class TrainingRun:
         output = prepare_output(self.config)
         held.enter_context(OutputLock(output))
         self.claimed = output
-        store = GenerationStore(output / CHECKPOINTS_DIR)
-        for name in store.recover_interrupted_replacements():
-            log.warning("restored %s: a crash interrupted its replacement", name)
+        stores = (GenerationStore(output / CHECKPOINTS_DIR), export_store(output))
+        for store in stores:
+            for name in store.recover_interrupted_replacements():
+                log.warning("restored %s/%s: a crash interrupted its replacement", store.root.name, name)
         started = time.monotonic()
-        restored = self.choose_generation(store)
+        restored = self.choose_generation(stores[0])
         self.verify_s = time.monotonic() - started
-        for name in store.remove_stale_temporaries():  # only once this attempt goes ahead
-            log.info("removed stale temporary %s", name)
+        for store in stores:
+            for name in store.remove_stale_temporaries():  # only once this attempt goes ahead
+                log.info("removed stale temporary %s/%s", store.root.name, name)
         return restored, self.attempt_id, output
+
+    def abandon_later_line(self, output: Path, restored_step: int) -> list[str]:
+        """Rank 0, once nothing refuses this attempt: an operator who goes back with
+        --from-generation abandons every later generation and export. They are set aside
+        as superseded copies (kept, never selected), so a later plain --resume cannot pick
+        the abandoned line up again, and the new line never has to replace them."""
+        if self.config.from_generation is None:
+            return []
+        abandoned = []
+        for store in (GenerationStore(output / CHECKPOINTS_DIR), export_store(output)):
+            abandoned += [f"{store.root.name}/{name}" for name in store.set_aside_later_than(restored_step)]
+        if abandoned:
+            log.warning("went back to %s: set aside %d later generations and exports (%s), kept as "
+                        "superseded copies", self.config.from_generation, len(abandoned), ", ".join(abandoned))
+        return abandoned
 
     def choose_generation(self, store: GenerationStore) -> Verification | None:
         names = store.names()
@@ -224,12 +241,14 @@ class TrainingRun:
         trained = attempts_that_trained(history)
         previous = trained[-1] if trained else None
         restored_step = restored.manifest["step"] if restored else None
+        abandoned = [] if restored is None else ranks.decide_on_primary(
+            lambda: self.abandon_later_line(output, restored_step), "setting aside the abandoned line")
         mode = effective_mode(config.checkpoint_mode, device, ranks.world_size)
         recorder = AttemptRecorder.start(output, self.attempt_id, list(config.argv), {
             "restored": None if restored is None else {
                 "name": restored.path.name, "step": restored_step,
                 "manifest_sha256": manifest_digest(restored.path)},
-            "explicit_generation": config.from_generation is not None,
+            "explicit_generation": config.from_generation is not None, "set_aside": abandoned,
             "previous_attempt": previous["id"] if previous else None,
             "steps_replayed": steps_replayed(previous, restored_step) if restored else None,
             "allowed_drift": list(config.allow_drift), "drift": drift,

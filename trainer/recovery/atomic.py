@@ -15,7 +15,7 @@ import os
 import secrets
 from pathlib import Path
 
-from trainer.errors import StorageFailure
+from trainer.errors import RefuseOverwrite, StorageFailure
 
 MANIFEST = "manifest.json"
 _CHUNK = 8 << 20
@@ -125,17 +125,14 @@ def temporary_sibling(parent: Path, name: str, tag: str) -> Path:
     return path
 
 
-def publish_directory(temporary: Path, final: Path, manifest: dict, fault_hook=lambda point: None,
-                      known: dict[str, dict] | None = None) -> dict:
-    """Seal `temporary` with a manifest listing every file's size and sha256, then rename it
-    to `final`. Returns the manifest as written (with `files`).
+def seal_directory(temporary: Path, manifest: dict, fault_hook=lambda point: None,
+                   known: dict[str, dict] | None = None) -> dict:
+    """Write into `temporary` a manifest listing every file's size and sha256, and make it
+    all durable. Returns the manifest as written (with `files`).
 
     `known` holds {bytes, sha256} of files whose writer hashed them while writing and has
     already fsynced them; they are not read back (only their size is re-checked). Every
     other file is hashed and fsynced here.
-
-    An existing `final` (a generation re-written after an operator went back with
-    --from-generation) is renamed aside to a hidden `.NAME.replaced-…` sibling, never deleted.
     """
     files = {}
     known = known or {}
@@ -152,12 +149,78 @@ def publish_directory(temporary: Path, final: Path, manifest: dict, fault_hook=l
     write_file_durably(temporary / MANIFEST, encode_json(sealed))
     fsync_dir(temporary)
     fault_hook("after-manifest")
-    if final.exists():
-        os.rename(final, final.with_name(f".{final.name}.replaced-{secrets.token_hex(3)}"))
+    return sealed
+
+
+def publish_directory(temporary: Path, final: Path, manifest: dict, fault_hook=lambda point: None,
+                      known: dict[str, dict] | None = None) -> dict:
+    """Seal `temporary` and rename it to `final`, which must not exist yet."""
+    sealed = seal_directory(temporary, manifest, fault_hook, known)
+    rename_into_place(temporary, final, fault_hook)
+    return sealed
+
+
+def rename_into_place(temporary: Path, final: Path, fault_hook=lambda point: None) -> None:
+    """Rename a sealed `temporary` to `final` and make the rename durable.
+
+    If `final` already exists (an export replayed after a resume that came out different,
+    for instance), it is replaced in three renames: the old directory to
+    `.NAME.replacing-R`, the new one to `final`, the old one on to `.NAME.replaced-R`, a
+    superseded copy kept for inspection. A crash after the first rename leaves a
+    `.replacing-` copy that `finish_interrupted_replacements` puts back or retires, so the
+    name is never lost; a `.replaced-` copy is final and never selected again.
+    """
+    if not final.exists() and not final.is_symlink():
+        os.rename(temporary, final)
+        fault_hook("after-rename")
+        fsync_dir(final.parent)
+        return
+    if final.is_symlink() or not final.is_dir():
+        raise RefuseOverwrite(f"{final} exists and is not a directory this trainer wrote; move it away, "
+                              f"then resume with --resume")
+    token = secrets.token_hex(3)
+    replacing = final.with_name(f".{final.name}{REPLACING}{token}")
+    os.rename(final, replacing)
     os.rename(temporary, final)
     fault_hook("after-rename")
+    os.rename(replacing, final.with_name(f".{final.name}{REPLACED}{token}"))
     fsync_dir(final.parent)
-    return sealed
+
+
+REPLACING = ".replacing-"
+"""Suffix of a directory being replaced (its name is about to be taken over)."""
+REPLACED = ".replaced-"
+"""Suffix of a superseded directory kept for inspection; never selected or restored."""
+
+
+def set_aside(directory: Path) -> Path:
+    """Retire a published directory under its `.NAME.replaced-R` name (kept, never selected)."""
+    aside = directory.with_name(f".{directory.name}{REPLACED}{secrets.token_hex(3)}")
+    os.rename(directory, aside)
+    return aside
+
+
+def finish_interrupted_replacements(root: Path) -> list[str]:
+    """After a crash inside `rename_into_place`: a `.NAME.replacing-R` whose NAME is missing
+    is put back (the new directory never arrived); one whose NAME exists is retired to
+    `.NAME.replaced-R` (the new one did). Returns the names put back."""
+    if not root.is_dir():
+        return []
+    restored, changed = [], False
+    for entry in sorted(root.iterdir()):
+        if not entry.name.startswith(".") or REPLACING not in entry.name:
+            continue
+        name, token = entry.name[1:].split(REPLACING, 1)
+        final = root / name
+        if final.exists():
+            os.rename(entry, root / f".{name}{REPLACED}{token}")
+        else:
+            os.rename(entry, final)
+            restored.append(name)
+        changed = True
+    if changed:
+        fsync_dir(root)
+    return restored
 
 
 def manifest_digest(directory: Path) -> str:

@@ -1,7 +1,8 @@
 """Reading and verifying sealed directories (recovery generations and exports).
 
-A directory is *verified* when its manifest parses, has a known format, and every file it
-lists exists with the recorded size and sha256. Verification never modifies anything.
+A directory is *verified* when its manifest parses, has a known format, lists every file in
+the directory (and the files its kind requires), and every file it lists exists with the
+recorded size and sha256. Verification never modifies anything.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from trainer.recovery.atomic import MANIFEST, file_digest
 
 FORMAT = "training-recovery"
 FORMAT_VERSION = 1
+REQUIRED_FILES = {"recovery": (".metadata",), "export": ("model.safetensors", "config.json")}
+"""What a reader of each manifest `kind` needs: DCP's index, or the weights and their config."""
 
 
 @dataclass(frozen=True)
@@ -57,11 +60,30 @@ def file_problem(name: str, expected: dict, actual: dict | None) -> str | None:
     return None
 
 
+def unlisted_problem(directory: Path, listed: dict, required: tuple[str, ...]) -> str | None:
+    """Every file must be covered by the manifest: a required file it does not list, or a
+    file on disk it does not list, means part of the content would be used unverified."""
+    if not listed:
+        return f"{MANIFEST}: lists no files"
+    for name in required:
+        if name not in listed:
+            return f"{name}: not listed in {MANIFEST}"
+    try:
+        on_disk = sorted(entry.name for entry in directory.iterdir() if entry.name != MANIFEST)
+    except OSError as error:
+        return f"{directory.name}: unreadable ({error.strerror})"
+    stray = next((name for name in on_disk if name not in listed), None)
+    return f"{stray}: not listed in {MANIFEST}" if stray else None
+
+
 def verify_directory(directory: Path) -> Verification:
     try:
         manifest = read_manifest(directory)
     except ValueError as reason:
         return Verification(directory, None, str(reason))
+    problem = unlisted_problem(directory, manifest["files"], REQUIRED_FILES.get(manifest.get("kind"), ()))
+    if problem:
+        return Verification(directory, manifest, problem)
     for name, expected in sorted(manifest["files"].items()):
         path = directory / name
         try:

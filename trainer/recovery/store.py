@@ -9,7 +9,8 @@ import secrets
 import shutil
 from pathlib import Path
 
-from trainer.recovery.atomic import MANIFEST, fsync_dir, publish_directory, temporary_sibling
+from trainer.recovery.atomic import (MANIFEST, REPLACED, finish_interrupted_replacements, fsync_dir,
+                                     rename_into_place, seal_directory, set_aside, temporary_sibling)
 from trainer.recovery.manifest import Verification, verify_directory
 from trainer.recovery.resume import generation_name, generation_step
 
@@ -59,23 +60,23 @@ class GenerationStore:
         return sorted(p for p in self.root.iterdir() if p.is_dir() and TEMPORARY_NAME.match(p.name))
 
     def recover_interrupted_replacements(self) -> list[str]:
-        """Undo a replacement a crash cut short: publishing over an existing name renames the
-        old directory aside first; if the new one never arrived, put the old one back."""
-        if not self.root.is_dir():
-            return []
-        recovered = []
-        for aside in sorted(self.root.glob(".step-*.replaced-*")):
-            name = aside.name[1:].split(".replaced-")[0]
-            if generation_step(name) is not None and not self.path(name).exists():
-                os.rename(aside, self.path(name))
-                recovered.append(name)
-        if recovered:
-            fsync_dir(self.root)
-        return recovered
+        """Finish replacements a crash cut short (see `rename_into_place`); the names put back."""
+        return finish_interrupted_replacements(self.root)
 
     def replaced(self) -> list[str]:
-        """Superseded copies kept aside by --from-generation re-publishing (for inspection)."""
-        return sorted(p.name for p in self.root.glob(".step-*.replaced-*")) if self.root.is_dir() else []
+        """Superseded copies kept for inspection: never selected, never deleted by us."""
+        return sorted(p.name for p in self.root.glob(f".step-*{REPLACED}*")) if self.root.is_dir() else []
+
+    def set_aside_later_than(self, step: int) -> list[str]:
+        """Retire every published directory after `step`, newest first: an operator went back
+        to an earlier generation, so they belong to an abandoned line and must never be
+        resumed from. They stay on disk as superseded copies."""
+        later = [name for name in reversed(self.names()) if generation_step(name) > step]
+        for name in later:
+            set_aside(self.path(name))
+        if later:
+            fsync_dir(self.root)
+        return later
 
     def remove(self, name: str) -> None:
         """Delete a published generation atomically: rename it to a hidden `.deleting-`
@@ -100,9 +101,19 @@ class GenerationStore:
 
     def publish(self, temporary: Path, step: int, manifest: dict, fault_hook,
                 known: dict[str, dict] | None = None) -> dict:
-        """Seal and rename `temporary`; `known` are digests its writer computed while writing."""
+        """Seal and rename `temporary`; `known` are digests its writer computed while writing.
+
+        When the name is already published with exactly these files (an export replayed
+        after a resume), the existing directory stays and the new copy is dropped: replays
+        do not pile up superseded copies. Returns the manifest now under the name."""
         name = generation_name(step)
-        sealed = publish_directory(temporary, self.path(name), manifest, fault_hook, known)
+        sealed = seal_directory(temporary, manifest, fault_hook, known)
+        if self.path(name).is_dir() and not self.path(name).is_symlink():
+            existing = self.verify(name, cached=True)
+            if existing.ok and existing.manifest["files"] == sealed["files"]:
+                shutil.rmtree(temporary, ignore_errors=True)
+                return existing.manifest
+        rename_into_place(temporary, self.path(name), fault_hook)
         stat = (self.path(name) / MANIFEST).stat()
         # Sealing just hashed every file: remember it as verified instead of re-reading.
         self._verified[(name, stat.st_ino, stat.st_mtime_ns)] = Verification(self.path(name), sealed, None)
