@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
-from conftest import attempts, one_error_line, run_cli, train
+from conftest import REPO, attempts, one_error_line, run_cli, train
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -64,9 +66,38 @@ def test_existing_generations_without_resume_exit_73_untouched(tmp_path):
     assert (sorted(os.listdir(run / "checkpoints")), len(attempts(run))) == before
 
 
+def test_empty_output_is_refused_not_taken_for_the_current_directory(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "trainer", "--output", "", "--epochs", "1"], cwd=tmp_path,
+                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 2 and "--output: must not be empty" in one_error_line(result)
+    assert not os.listdir(tmp_path)
+
+
+def test_output_below_a_file_is_a_usage_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    result = run_cli("--output", tmp_path / "file" / "run", "--epochs", 1)
+    assert result.returncode == 2 and "part of the path is a file" in one_error_line(result)
+
+
+@pytest.mark.parametrize("entry, make", [
+    ("checkpoints", lambda path: path.write_text("x")),
+    ("attempts", lambda path: path.write_text("x")),
+    (".trainer.lock", lambda path: path.mkdir()),
+])
+def test_misplaced_layout_entries_are_refused_before_any_work(tmp_path, entry, make):
+    run = tmp_path / "run"
+    run.mkdir()
+    make(run / entry)
+    result = run_cli("--output", run, "--epochs", 1, "--resume", "auto")
+    assert result.returncode == 73 and f"{run / entry} is a" in one_error_line(result)
+    assert sorted(os.listdir(run)) == [entry]
+
+
 def test_interrupt_exits_75_and_records_it(tmp_path):
     run = tmp_path / "run"
-    train(run, "--interrupt-at-step", 3, expect=75)
+    result = train(run, "--interrupt-at-step", 3, expect=75)
+    assert one_error_line(result) == ("trainer: stopped, resumable (exit 75): --interrupt-at-step 3: stopped "
+                                      "without saving; continue with --resume auto")
     record = attempts(run)[-1]
     assert record["status"] == "interrupted" and record["exit_code"] == 75 and record["last_step"] == 3
     assert not (run / "checkpoints").exists() or not os.listdir(run / "checkpoints")

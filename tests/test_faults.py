@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -192,6 +193,35 @@ def test_process_group_sigterm_with_dataloader_workers_is_a_clean_preemption(tmp
     assert process.returncode == 75, err
     assert "Traceback" not in err and attempts(run)[-1]["status"] == "preempted"
     published_all_verify(run)
+
+
+SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
+
+
+def wait_until_sigterm_is_caught(process, timeout=30.0):
+    """Until the process has installed its own SIGTERM handler (/proc/PID/status SigCgt):
+    from then on it is starting up (importing torch), not yet training."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{process.pid}/status").read_text()
+        caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+        if caught & SIGTERM_BIT:
+            return
+        time.sleep(0.005)
+    raise AssertionError("the trainer never installed a SIGTERM handler")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_starting_is_one_line_and_75(tmp_path, signum):
+    """Ctrl-C or SIGTERM while torch is still importing: no traceback, no bare -15."""
+    run = tmp_path / "run"
+    process = start(run, "--epochs", 1)
+    wait_until_sigterm_is_caught(process)
+    process.send_signal(signum)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 75, err
+    assert len(err.strip().splitlines()) == 1 and "interrupted" in err and "Traceback" not in err
+    assert not run.exists()
 
 
 def test_kill_9_between_saves_counts_the_replayed_steps(tmp_path):

@@ -32,3 +32,16 @@ def test_list_shows_an_interrupted_and_resumed_run(tmp_path):
 def test_list_of_a_missing_directory_is_one_line(tmp_path):
     result = run_cli("list", tmp_path / "nope")
     assert result.returncode == 66 and "not a run directory" in result.stderr
+
+
+def test_a_foreign_attempt_record_is_ignored_by_list_and_resume(tmp_path):
+    run = tmp_path / "run"
+    train(run, "--epochs", 2, "--interrupt-at-step", 10, expect=75)
+    for name, text in {"zz-list": "[]", "zz-types": '{"id": 5, "status": "running", "restored": "step-8"}'}.items():
+        (run / "attempts" / name).mkdir()
+        (run / "attempts" / name / "attempt.json").write_text(text)
+    table = run_cli("list", run)
+    assert table.returncode == 0 and "Traceback" not in table.stderr
+    assert [line.split()[1] for line in table.stdout.splitlines() if line.startswith("  2")] == ["interrupted"]
+    resumed = train(run, "--epochs", 2, "--resume")
+    assert "ignoring" in resumed.stdout and "not an attempt record this trainer wrote" in resumed.stdout

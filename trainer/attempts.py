@@ -50,12 +50,25 @@ def read_attempts(output: Path) -> list[dict]:
                 record = json.loads((folder / "attempt.json").read_text())
             except (OSError, ValueError):
                 continue
+            if not is_well_formed(record):
+                log.warning("ignoring %s: not an attempt record this trainer wrote", folder / "attempt.json")
+                continue
             marker = read_progress_marker(folder)
             if record.get("status") == "running" and marker is not None:
                 # Killed: its record is only as fresh as its last publish; the marker is per step.
                 record["last_step"] = max(record.get("last_step") or 0, marker)
             records.append(record)
     return records
+
+
+RECORD_SHAPE = {"id": (str,), "status": (str,), "exit_code": (int, type(None)), "restored": (dict, type(None)),
+                "last_step": (int, type(None)), "generations_published": (list,), "exports_published": (list,)}
+"""The fields whose types readers rely on (the crash-loop guard, `list`, steps replayed)."""
+
+
+def is_well_formed(record) -> bool:
+    """A hand-edited or foreign attempt.json must not crash the next resume or `list`."""
+    return isinstance(record, dict) and all(isinstance(record.get(field), kinds) for field, kinds in RECORD_SHAPE.items())
 
 
 PROGRESS_MARKER = "last_step"

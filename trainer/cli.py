@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from trainer.config import CadenceConfig, RetentionConfig, RunConfig, WorkloadConfig
-from trainer.errors import TrainerError, UsageError
+from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError
 from trainer.recovery.atomic import storage_failure
 from trainer.fingerprint import FIELDS
 from trainer.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
@@ -29,6 +29,8 @@ FAULT_RANK_ENV = "TRAINER_FAULT_RANK"
 EXIT_STATUS_ENV = "TRAINER_EXIT_STATUS_FILE"
 SKIP_RNG_ENV = "TRAINER_DEBUG_SKIP_RNG_RESTORE"
 RNG_NAMES = ("python", "numpy", "torch", "cuda")
+INTERRUPTED_ADVICE = ("; published generations are always complete, so nothing is lost: "
+                      "continue with --resume auto")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -66,6 +68,13 @@ def unit_interval(text: str) -> float:
     return value
 
 
+def path_argument(text: str) -> Path:
+    """A path that is not empty: `--output "$UNSET"` must not mean the current directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty (an unset variable?); give a directory path")
+    return Path(text)
+
+
 def _number(text: str, kind: type):
     try:
         return kind(text)
@@ -77,7 +86,7 @@ def train_parser() -> OneLineParser:
     parser = OneLineParser(prog="python -m trainer",
                            description="Train with exact, crash-safe recovery. "
                                        "Other commands: `list DIR`, `verify DIR|GEN`.")
-    parser.add_argument("--output", type=Path, help="run directory (generations, exports, attempt records)")
+    parser.add_argument("--output", type=path_argument, help="run directory (generations, exports, attempt records)")
     parser.add_argument("--tracked", action="store_true",
                         help="track with Polyaxon: the run directory is the run's outputs path (in a Polyaxon "
                              "job, or anywhere with POLYAXON_IS_OFFLINE=true); replaces --output")
@@ -221,7 +230,7 @@ def run_train(argv: list[str]) -> int:
 
 def run_list(argv: list[str]) -> int:
     parser = OneLineParser(prog="python -m trainer list", description="Generations, exports and attempts.")
-    parser.add_argument("directory", type=Path)
+    parser.add_argument("directory", type=path_argument)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     from trainer.listing import list_run
@@ -232,7 +241,7 @@ def run_list(argv: list[str]) -> int:
 def run_verify(argv: list[str]) -> int:
     parser = OneLineParser(prog="python -m trainer verify",
                            description="Re-hash every file of generations and exports against their manifests.")
-    parser.add_argument("path", type=Path, help="a run directory, or one generation/export directory")
+    parser.add_argument("path", type=path_argument, help="a run directory, or one generation/export directory")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     from trainer.listing import verify_path
@@ -258,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         elif not getattr(error, "reported_by_primary", False):
             print(f"trainer: rank {rank}: error: {error}", file=sys.stderr)
         status = error.exit_code
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM outside the training loop's own handling
+        sys.stdout.flush()
+        print(f"trainer: {'rank ' + str(rank) + ': ' if rank else ''}interrupted by a signal"
+              f"{INTERRUPTED_ADVICE if command is None else ''}", file=sys.stderr)
+        status = EXIT_INTERRUPTED
     except BrokenPipeError:
         # `list DIR | head`: the reader left; stop quietly, as other command-line tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

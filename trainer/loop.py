@@ -16,6 +16,7 @@ import logging
 import os
 import random
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,18 +26,18 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from trainer.attempts import (AttemptRecorder, attempts_that_trained, is_crash_loop, new_attempt_id, read_attempts,
+from trainer.attempts import (ATTEMPTS_DIR, AttemptRecorder, attempts_that_trained, is_crash_loop, new_attempt_id, read_attempts,
                               steps_replayed, utc_now)
 from trainer.cadence import StepPoint, build_policy
 from trainer.config import RunConfig
 from trainer.distributed import Ranks, process_group, rank_seed, unshared_output, world_size_change
 from trainer.errors import (EXIT_INTERRUPTED, EXIT_OK, CorruptGeneration, CrashLoop, FingerprintMismatch,
-                            NothingToResume, TrainerError, UsageError)
+                            NothingToResume, RefuseOverwrite, TrainerError, UsageError)
 from trainer.events import TrainingEvents
-from trainer.export import export_store, full_weights, write_export
+from trainer.export import EXPORTS_DIR, export_store, full_weights, write_export
 from trainer.fingerprint import check_fingerprint, current_fingerprint
 from trainer.launch import LaunchEnvironment
-from trainer.lock import OutputLock
+from trainer.lock import LOCK_NAME, OutputLock
 from trainer.preemption import PreemptionGuard
 from trainer.recovery.atomic import manifest_digest, storage_failure
 from trainer.recovery.checkpointer import Published, build_checkpointer, effective_mode
@@ -90,9 +91,26 @@ def prepare_output(config: RunConfig) -> Path:
     try:
         output.mkdir(parents=True, exist_ok=True)
         os.listdir(output)
+    except (NotADirectoryError, FileExistsError):
+        raise UsageError(f"--output {output}: part of the path is a file, not a directory; "
+                         f"choose a directory path") from None
     except OSError as error:
         raise storage_failure(error, f"preparing --output {output}") from None
+    if problem := misplaced_entry(output):
+        raise RefuseOverwrite(f"{problem}; this is not a run directory of ours, so nothing was changed: "
+                              f"move it away or choose another --output")
     return output
+
+
+def misplaced_entry(output: Path) -> str | None:
+    """An existing entry of the run layout that has the wrong kind (a file where a folder
+    belongs, or the reverse), found before any work instead of at the first save."""
+    for name in (CHECKPOINTS_DIR, EXPORTS_DIR, ATTEMPTS_DIR):
+        if (output / name).exists() and not (output / name).is_dir():
+            return f"{output / name} is a file, not a directory"
+    if (output / LOCK_NAME).is_dir():
+        return f"{output / LOCK_NAME} is a directory, not the lock file"
+    return None
 
 
 def ignore_stop_signals(worker_id: int) -> None:
@@ -137,8 +155,8 @@ class TrainingRun:
         """The output once rank 0 holds its lock."""
         self.considered: str | None = None
         """The generation chosen for restore, before it verified."""
-        self.recording = False
-        """Whether this attempt's record was started (it then records its own end)."""
+        self.recorder: AttemptRecorder | None = None
+        """This attempt's record once started (it then records its own end)."""
         self.verify_s = 0.0
         """Seconds spent verifying the generation to restore (part of the restore cost)."""
         self.preemption: PreemptionGuard | None = None
@@ -164,7 +182,7 @@ class TrainingRun:
     def record_refusal(self, refusal: TrainerError) -> None:
         """Rank 0, holding the output, refused to train (65, 70) before its record started:
         leave one `refused` record, so every start an orchestrator made is accounted for."""
-        if not self.ranks.is_primary or self.claimed is None or self.recording:
+        if not self.ranks.is_primary or self.claimed is None or self.recorder is not None:
             return
         trained = attempts_that_trained(read_attempts(self.claimed))
         previous = trained[-1] if trained else None
@@ -256,7 +274,7 @@ class TrainingRun:
             "polyaxon": self.events.run_identity(previous),
             "world_size": ranks.world_size, **world_size_change(restored, ranks.world_size),
         }, persist=ranks.is_primary)
-        self.recording = True
+        self.recorder = recorder
         checkpointer = build_checkpointer(mode, store, self.attempt_id, self.hooks.fault, device, ranks)
         self.preemption.last_words = lambda reason: recorder.finish("preempted", EXIT_INTERRUPTED, reason)
         try:
@@ -438,7 +456,13 @@ def run_training(config: RunConfig, hooks: Hooks = Hooks(), launch: LaunchEnviro
                  events: TrainingEvents = TrainingEvents()) -> int:
     """Run on every rank; all ranks return the same status."""
     with process_group(launch, resolve_device(config.device)) as ranks:
-        status = TrainingRun(config, hooks, ranks, events).run()
+        run = TrainingRun(config, hooks, ranks, events)
+        status = run.run()
         ranks.finish()
+        if status == EXIT_INTERRUPTED and ranks.is_primary:
+            # Resumable, not an error; one line on stderr all the same, where operators look.
+            reason = run.recorder.record["reason"] if run.recorder else "stopped"
+            print(f"trainer: stopped, resumable (exit 75): {reason}; continue with --resume auto",
+                  file=sys.stderr, flush=True)
         return status
 

@@ -29,7 +29,7 @@ def storage_failure(error: OSError, what: str) -> StorageFailure:
     reason = os.strerror(error.errno) if error.errno else str(error)
     where = f" ({error.filename})" if getattr(error, "filename", None) else ""
     advice = _ADVICE.get(error.errno, "check the storage")
-    return StorageFailure(f"{what} failed: {reason}{where}; {advice}, then resume with --resume")
+    return StorageFailure(f"{what} failed: {reason}{where}; {advice}, then rerun with --resume auto")
 
 
 def is_storage_error(error: BaseException) -> bool:
@@ -177,7 +177,7 @@ def rename_into_place(temporary: Path, final: Path, fault_hook=lambda point: Non
         return
     if final.is_symlink() or not final.is_dir():
         raise RefuseOverwrite(f"{final} exists and is not a directory this trainer wrote; move it away, "
-                              f"then resume with --resume")
+                              f"then rerun with --resume auto")
     token = secrets.token_hex(3)
     replacing = final.with_name(f".{final.name}{REPLACING}{token}")
     os.rename(final, replacing)
