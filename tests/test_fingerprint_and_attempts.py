@@ -83,3 +83,20 @@ def test_attempt_records_describe_each_process(interrupted):
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["final_step"] == 24 and len(summary["history"]["loss"]) == 24
     assert not (interrupted / "attempts" / first["id"] / "summary.json").exists()
+
+
+def lr_history(run) -> list[float]:
+    newest = sorted((run / "attempts").iterdir())[-1]
+    return json.loads((newest / "summary.json").read_text())["history"]["lr"]
+
+
+def test_an_allowed_lr_change_takes_effect_from_the_restored_step(tmp_path):
+    """The restored optimizer and scheduler carry the old rate; an accepted --lr change must
+    win over them (the new fingerprint records it), continuing the decay already reached:
+    with 0.1 = 2 × 0.05 the schedule equals a run trained at 0.1 from the start, bit for bit."""
+    baseline, run = tmp_path / "baseline", tmp_path / "run"
+    train(baseline, "--epochs", 2, "--lr", "0.1")
+    train(run, "--epochs", 1)
+    train(run, "--epochs", 2, "--resume", "--lr", "0.1", "--allow-drift", "config")
+    assert lr_history(run)[8:] == lr_history(baseline)[8:]
+    assert lr_history(run)[7] == lr_history(baseline)[7] / 2

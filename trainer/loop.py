@@ -311,6 +311,8 @@ class TrainingRun:
             refuse_shape_changes(restored.path.name, template, stored)
             load_snapshot(template, restored.path)
             state.load_state_dict(template, self.hooks.skip_rng_restore)  # RNG last
+            if any(change.startswith("config.") for change in drift):
+                workload.adopt_config(optimizer, scheduler)  # an allowed --lr change takes effect
             cadence = restored.manifest.get("cadence", {})
             recover_policy.load_state(cadence.get("recover", {}))
             export_policy.load_state(cadence.get("export", {}))

@@ -43,6 +43,20 @@ class Workload:
         # with a larger --epochs continues the same schedule.
         return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.98)
 
+    def adopt_config(self, optimizer: torch.optim.Optimizer, scheduler) -> None:
+        """After a restore under an allowed `config` drift. The restored optimizer and
+        scheduler carry the learning rate they were built with, which would silently win
+        over a changed `--lr`: rescale the schedule to the configured rate, keeping the
+        decay it has reached (lr = new base × the factor so far)."""
+        for index, group in enumerate(optimizer.param_groups):
+            base = scheduler.base_lrs[index]
+            if base != self.config.lr:
+                group["lr"] = group["lr"] * (self.config.lr / base)
+                group["initial_lr"] = self.config.lr
+                scheduler.base_lrs[index] = self.config.lr
+        # What get_last_lr() reports until the next scheduler step (no public setter).
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, labels = batch
         # Batch-level augmentation in the main process, deliberately using the global RNGs so
