@@ -241,9 +241,12 @@ def test_kill_9_between_saves_counts_the_replayed_steps(tmp_path):
 def test_allowed_drift_that_changes_shapes_is_refused_in_one_line(tmp_path):
     run = tmp_path / "run"
     train(run, "--epochs", 1)
-    result = run_cli("--output", run, "--epochs", 2, "--resume", "--hidden-size", 7, "--allow-drift", "config")
-    assert result.returncode == 65
-    assert "a shape-changing drift cannot be allowed" in one_error_line(result)
+    for _ in range(4):  # refused each time, never a crash loop (70): a refusal did no work
+        result = run_cli("--output", run, "--epochs", 2, "--resume", "--hidden-size", 7, "--allow-drift", "config")
+        assert result.returncode == 65
+        assert "a shape-changing drift cannot be allowed" in one_error_line(result)
+    refused = attempts(run)[-1]
+    assert (refused["status"], refused["considered_generation"], refused["steps_replayed"]) == ("refused", "step-00000008", None)
 
 
 def test_a_replacement_cut_short_by_a_crash_is_undone(tmp_path):
@@ -254,6 +257,8 @@ def test_a_replacement_cut_short_by_a_crash_is_undone(tmp_path):
     # one arrived: the name comes back. Over step-08 it died after: the copy is retired.
     os.rename(checkpoints / "step-00000016", checkpoints / ".step-00000016.replacing-abc123")
     shutil.copytree(checkpoints / "step-00000008", checkpoints / ".step-00000008.replacing-def456")
+    listed = run_cli("list", run).stdout
+    assert "replacement cut short by a crash (the next trainer puts it back or retires it): .step-00000016" in listed
     resumed = train(run, *SHORT, "--resume")
     assert "restored checkpoints/step-00000016: a crash interrupted its replacement" in resumed.stdout
     assert "restored step-00000016 (step=16" in resumed.stdout

@@ -80,6 +80,12 @@ DAMAGE = {
 }
 
 
+def test_files_no_loader_reads_are_ignored(tmp_path, interrupted):
+    run = fresh_copy(interrupted, tmp_path)
+    (generation(run, "step-00000024") / ".DS_Store").write_bytes(b"Finder was here")
+    assert run_cli("verify", run).returncode == 0
+
+
 @pytest.mark.parametrize("kind", sorted(DAMAGE))
 def test_damaged_newest_generation_exits_65_naming_file_and_fallback(tmp_path, interrupted, kind):
     run = fresh_copy(interrupted, tmp_path)

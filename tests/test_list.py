@@ -37,7 +37,10 @@ def test_list_of_a_missing_directory_is_one_line(tmp_path):
 def test_a_foreign_attempt_record_is_ignored_by_list_and_resume(tmp_path):
     run = tmp_path / "run"
     train(run, "--epochs", 2, "--interrupt-at-step", 10, expect=75)
-    for name, text in {"zz-list": "[]", "zz-types": '{"id": 5, "status": "running", "restored": "step-8"}'}.items():
+    good = next((run / "attempts").iterdir()) / "attempt.json"
+    odd_wall = {**json.loads(good.read_text()), "wall_s": "n/a"}
+    for name, text in {"zz-list": "[]", "zz-types": '{"id": 5, "status": "running", "restored": "step-8"}',
+                       "zz-wall": json.dumps(odd_wall)}.items():
         (run / "attempts" / name).mkdir()
         (run / "attempts" / name / "attempt.json").write_text(text)
     table = run_cli("list", run)

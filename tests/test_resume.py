@@ -42,9 +42,19 @@ def test_resume_twice_and_from_an_earlier_generation(tmp_path, baseline):
     assert records[2]["restored"]["name"] == "step-00000016" and records[2]["explicit_generation"]
     assert records[2]["steps_replayed"] == 45 - 16
     # Going back set the later generations aside as superseded copies, kept, never deleted.
-    assert records[2]["set_aside"] == ["checkpoints/step-00000040", "checkpoints/step-00000032",
-                                       "checkpoints/step-00000024"]
+    assert records[2]["set_aside"] == ["checkpoints/step-00000024", "checkpoints/step-00000032",
+                                       "checkpoints/step-00000040"]
     assert len(list((run / "checkpoints").glob(".step-*.replaced-*"))) == 3
+
+
+def test_a_refused_go_back_abandons_nothing(tmp_path):
+    run = tmp_path / "run"
+    train(run, "--epochs", 4, "--interrupt-at-step", 30, expect=75)
+    before = sorted(os.listdir(run / "checkpoints"))
+    refused = train(run, "--epochs", 4, "--from-generation", "step-00000016", "--hidden-size", 7,
+                    "--allow-drift", "config", expect=65)
+    assert "shape-changing drift" in refused.stderr
+    assert sorted(os.listdir(run / "checkpoints")) == before
 
 
 def test_a_plain_resume_after_going_back_continues_the_new_line(tmp_path, baseline):

@@ -61,14 +61,24 @@ def read_attempts(output: Path) -> list[dict]:
     return records
 
 
-RECORD_SHAPE = {"id": (str,), "status": (str,), "exit_code": (int, type(None)), "restored": (dict, type(None)),
-                "last_step": (int, type(None)), "generations_published": (list,), "exports_published": (list,)}
+OPTIONAL_INT = (int, type(None))
+RECORD_SHAPE = {"id": (str,), "status": (str,), "exit_code": OPTIONAL_INT, "restored": (dict, type(None)),
+                "last_step": OPTIONAL_INT, "steps_replayed": OPTIONAL_INT, "wall_s": (int, float, type(None)),
+                "reason": (str, type(None)), "generations_published": (list,), "exports_published": (list,)}
 """The fields whose types readers rely on (the crash-loop guard, `list`, steps replayed)."""
 
 
 def is_well_formed(record) -> bool:
     """A hand-edited or foreign attempt.json must not crash the next resume or `list`."""
-    return isinstance(record, dict) and all(isinstance(record.get(field), kinds) for field, kinds in RECORD_SHAPE.items())
+    if not isinstance(record, dict):
+        return False
+    if not all(isinstance(record.get(field), kinds) for field, kinds in RECORD_SHAPE.items()):
+        return False
+    restored = record["restored"]
+    if restored is not None and not isinstance(restored.get("name"), str):
+        return False
+    published = record["generations_published"] + record["exports_published"]
+    return all(isinstance(entry, dict) and isinstance(entry.get("name"), str) for entry in published)
 
 
 PROGRESS_MARKER = "last_step"

@@ -50,6 +50,7 @@ def describe_run(output: Path) -> dict:
         described[section] = rows
         described[f"{section}_temporary"] = [p.name for p in store.temporaries()]
         described[f"{section}_replaced"] = store.replaced()
+        described[f"{section}_replacing"] = store.interrupted_replacements()
     described["attempts"] = [{
         "id": a.get("id"), "status": a.get("status"), "exit_code": a.get("exit_code"),
         "restored": (a.get("restored") or {}).get("name"), "steps_replayed": a.get("steps_replayed"),
@@ -67,7 +68,9 @@ def side_entries(described: dict, section: str) -> list[str]:
     return ([f"  unpublished temporary (never selected, removed by the next trainer): {name}"
              for name in described[f"{section}_temporary"]] +
             [f"  superseded copy kept for inspection (never selected; delete when done): {name}"
-             for name in described[f"{section}_replaced"]])
+             for name in described[f"{section}_replaced"]] +
+            [f"  replacement cut short by a crash (the next trainer puts it back or retires it): {name}"
+             for name in described[f"{section}_replacing"]])
 
 
 def format_run(described: dict) -> str:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from trainer.attempts import (ATTEMPTS_DIR, AttemptRecorder, attempts_that_trained, is_crash_loop, new_attempt_id, read_attempts,
+from trainer.attempts import (ATTEMPTS_DIR, REFUSED, AttemptRecorder, attempts_that_trained, is_crash_loop, new_attempt_id, read_attempts,
                               steps_replayed, utc_now)
 from trainer.cadence import StepPoint, build_policy
 from trainer.config import RunConfig
@@ -38,7 +38,7 @@ from trainer.export import EXPORTS_DIR, export_store, full_weights, write_export
 from trainer.fingerprint import check_fingerprint, current_fingerprint
 from trainer.launch import LaunchEnvironment
 from trainer.lock import LOCK_NAME, OutputLock
-from trainer.preemption import PreemptionGuard
+from trainer.preemption import PreemptionGuard, ignore_late_stop_requests
 from trainer.recovery.atomic import manifest_digest, storage_failure
 from trainer.recovery.checkpointer import Published, build_checkpointer, effective_mode
 from trainer.recovery.manifest import Verification
@@ -216,14 +216,19 @@ class TrainingRun:
         return restored, self.attempt_id, output
 
     def abandon_later_line(self, output: Path, restored_step: int) -> list[str]:
-        """Rank 0, once nothing refuses this attempt: an operator who goes back with
+        """Rank 0, once the restore succeeded: an operator who goes back with
         --from-generation abandons every later generation and export. They are set aside
         as superseded copies (kept, never selected), so a later plain --resume cannot pick
-        the abandoned line up again, and the new line never has to replace them."""
+        the abandoned line up again, and the new line never has to replace them.
+
+        Exports go first, then generations oldest first: a crash part way leaves the
+        abandoned line's newest generation in place, so a plain --resume continues that
+        line as if the operator had not gone back, and nothing newer than the restored
+        step is left in exports to outrank the new line's exports under retention."""
         if self.config.from_generation is None:
             return []
         abandoned = []
-        for store in (GenerationStore(output / CHECKPOINTS_DIR), export_store(output)):
+        for store in (export_store(output), GenerationStore(output / CHECKPOINTS_DIR)):
             abandoned += [f"{store.root.name}/{name}" for name in store.set_aside_later_than(restored_step)]
         if abandoned:
             log.warning("went back to %s: set aside %d later generations and exports (%s), kept as "
@@ -259,14 +264,12 @@ class TrainingRun:
         trained = attempts_that_trained(history)
         previous = trained[-1] if trained else None
         restored_step = restored.manifest["step"] if restored else None
-        abandoned = [] if restored is None else ranks.decide_on_primary(
-            lambda: self.abandon_later_line(output, restored_step), "setting aside the abandoned line")
         mode = effective_mode(config.checkpoint_mode, device, ranks.world_size)
         recorder = AttemptRecorder.start(output, self.attempt_id, list(config.argv), {
             "restored": None if restored is None else {
                 "name": restored.path.name, "step": restored_step,
                 "manifest_sha256": manifest_digest(restored.path)},
-            "explicit_generation": config.from_generation is not None, "set_aside": abandoned,
+            "explicit_generation": config.from_generation is not None, "set_aside": [],
             "previous_attempt": previous["id"] if previous else None,
             "steps_replayed": steps_replayed(previous, restored_step) if restored else None,
             "allowed_drift": list(config.allow_drift), "drift": drift,
@@ -280,6 +283,12 @@ class TrainingRun:
         try:
             self.events.attempt_started(recorder.record)
             return self._train(output, store, restored, recorder, device, dataset, fingerprint, drift, checkpointer)
+        except (CorruptGeneration, FingerprintMismatch) as refusal:
+            # Found while restoring, before the first step (a shape-changing drift, stored
+            # data that disagrees with its rank): a refusal, like the ones found earlier.
+            recorder.record.update(restored=None, steps_replayed=None, considered_generation=restoring)
+            recorder.finish(REFUSED, refusal.exit_code, str(refusal))
+            raise
         except TrainerError as error:
             self._record_drained(recorder, checkpointer.close_after_failure())
             recorder.finish("failed", error.exit_code, str(error))
@@ -317,6 +326,9 @@ class TrainingRun:
             recover_policy.load_state(cadence.get("recover", {}))
             export_policy.load_state(cadence.get("export", {}))
             recorder.add_cost(restore_s=time.monotonic() - started + self.verify_s, verify_s=self.verify_s)
+            abandoned = ranks.decide_on_primary(lambda: self.abandon_later_line(output, restored.manifest["step"]),
+                                                "setting aside the abandoned line")
+            recorder.update(set_aside=abandoned)
             log.info("restored %s (step=%d epoch=%d position=%d) in %.3fs", restored.path.name,
                      state.progress.global_step, state.progress.epoch, state.progress.position,
                      recorder.record["costs"]["restore_s"])
@@ -460,6 +472,7 @@ def run_training(config: RunConfig, hooks: Hooks = Hooks(), launch: LaunchEnviro
     with process_group(launch, resolve_device(config.device)) as ranks:
         run = TrainingRun(config, hooks, ranks, events)
         status = run.run()
+        ignore_late_stop_requests()
         ranks.finish()
         if status == EXIT_INTERRUPTED and ranks.is_primary:
             # Resumable, not an error; one line on stderr all the same, where operators look.

@@ -67,3 +67,11 @@ class PreemptionGuard:
             self._timer.cancel()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def ignore_late_stop_requests() -> None:
+    """Once the attempt's outcome is decided and recorded, a SIGTERM/SIGINT has nothing left
+    to stop: ignore it, so it cannot turn a recorded outcome into a different exit status."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in HANDLED:
+            signal.signal(sig, signal.SIG_IGN)

@@ -1,8 +1,8 @@
 """Reading and verifying sealed directories (recovery generations and exports).
 
-A directory is *verified* when its manifest parses, has a known format, lists every file in
-the directory (and the files its kind requires), and every file it lists exists with the
-recorded size and sha256. Verification never modifies anything.
+A directory is *verified* when its manifest parses, has a known format, lists every file a
+loader of its kind reads (and the files that kind requires), and every file it lists exists
+with the recorded size and sha256. Verification never modifies anything.
 """
 
 from __future__ import annotations
@@ -17,6 +17,16 @@ FORMAT = "training-recovery"
 FORMAT_VERSION = 1
 REQUIRED_FILES = {"recovery": (".metadata",), "export": ("model.safetensors", "config.json")}
 """What a reader of each manifest `kind` needs: DCP's index, or the weights and their config."""
+
+
+def read_by_loader(kind: str | None, name: str) -> bool:
+    """Whether loading a directory of this kind may read the file, so it must be verified.
+    Other files (a Finder `.DS_Store`, an NFS `.nfsXXXX`) are never read and are ignored."""
+    if kind == "recovery":
+        return name in REQUIRED_FILES[kind] or name.endswith(".distcp")
+    if kind in REQUIRED_FILES:
+        return name in REQUIRED_FILES[kind]
+    return True
 
 
 @dataclass(frozen=True)
@@ -60,19 +70,19 @@ def file_problem(name: str, expected: dict, actual: dict | None) -> str | None:
     return None
 
 
-def unlisted_problem(directory: Path, listed: dict, required: tuple[str, ...]) -> str | None:
-    """Every file must be covered by the manifest: a required file it does not list, or a
-    file on disk it does not list, means part of the content would be used unverified."""
+def unlisted_problem(directory: Path, listed: dict, kind: str | None) -> str | None:
+    """Every file a loader reads must be covered by the manifest: a required file it does not
+    list, or one on disk it does not list, would be used unverified."""
     if not listed:
         return f"{MANIFEST}: lists no files"
-    for name in required:
+    for name in REQUIRED_FILES.get(kind, ()):
         if name not in listed:
             return f"{name}: not listed in {MANIFEST}"
     try:
         on_disk = sorted(entry.name for entry in directory.iterdir() if entry.name != MANIFEST)
     except OSError as error:
         return f"{directory.name}: unreadable ({error.strerror})"
-    stray = next((name for name in on_disk if name not in listed), None)
+    stray = next((name for name in on_disk if name not in listed and read_by_loader(kind, name)), None)
     return f"{stray}: not listed in {MANIFEST}" if stray else None
 
 
@@ -81,7 +91,7 @@ def verify_directory(directory: Path) -> Verification:
         manifest = read_manifest(directory)
     except ValueError as reason:
         return Verification(directory, None, str(reason))
-    problem = unlisted_problem(directory, manifest["files"], REQUIRED_FILES.get(manifest.get("kind"), ()))
+    problem = unlisted_problem(directory, manifest["files"], manifest.get("kind"))
     if problem:
         return Verification(directory, manifest, problem)
     for name, expected in sorted(manifest["files"].items()):

@@ -9,7 +9,7 @@ import secrets
 import shutil
 from pathlib import Path
 
-from trainer.recovery.atomic import (MANIFEST, REPLACED, finish_interrupted_replacements, fsync_dir,
+from trainer.recovery.atomic import (MANIFEST, REPLACED, REPLACING, finish_interrupted_replacements, fsync_dir,
                                      rename_into_place, seal_directory, set_aside, temporary_sibling)
 from trainer.recovery.manifest import Verification, verify_directory
 from trainer.recovery.resume import generation_name, generation_step
@@ -67,11 +67,15 @@ class GenerationStore:
         """Superseded copies kept for inspection: never selected, never deleted by us."""
         return sorted(p.name for p in self.root.glob(f".step-*{REPLACED}*")) if self.root.is_dir() else []
 
+    def interrupted_replacements(self) -> list[str]:
+        """`.replacing-` leftovers of a crash, which the next trainer puts back or retires."""
+        return sorted(p.name for p in self.root.glob(f".step-*{REPLACING}*")) if self.root.is_dir() else []
+
     def set_aside_later_than(self, step: int) -> list[str]:
-        """Retire every published directory after `step`, newest first: an operator went back
+        """Retire every published directory after `step`, oldest first: an operator went back
         to an earlier generation, so they belong to an abandoned line and must never be
         resumed from. They stay on disk as superseded copies."""
-        later = [name for name in reversed(self.names()) if generation_step(name) > step]
+        later = [name for name in self.names() if generation_step(name) > step]
         for name in later:
             set_aside(self.path(name))
         if later:
