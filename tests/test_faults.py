@@ -246,7 +246,8 @@ def test_allowed_drift_that_changes_shapes_is_refused_in_one_line(tmp_path):
         assert result.returncode == 65
         assert "a shape-changing drift cannot be allowed" in one_error_line(result)
     refused = attempts(run)[-1]
-    assert (refused["status"], refused["considered_generation"], refused["steps_replayed"]) == ("refused", "step-00000008", None)
+    assert refused["status"] == "refused" and refused["steps_replayed"] is None
+    assert refused["considered_generation"] == "step-00000008"
 
 
 def test_a_replacement_cut_short_by_a_crash_is_undone(tmp_path):

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from trainer.attempts import (ATTEMPTS_DIR, REFUSED, AttemptRecorder, attempts_that_trained, is_crash_loop, new_attempt_id, read_attempts,
-                              steps_replayed, utc_now)
+from trainer.attempts import (ATTEMPTS_DIR, REFUSED, AttemptRecorder, attempts_that_trained, is_crash_loop,
+                              new_attempt_id, read_attempts, steps_replayed, utc_now)
 from trainer.cadence import StepPoint, build_policy
 from trainer.config import RunConfig
 from trainer.distributed import Ranks, process_group, rank_seed, unshared_output, world_size_change
@@ -186,12 +186,12 @@ class TrainingRun:
             return
         trained = attempts_that_trained(read_attempts(self.claimed))
         previous = trained[-1] if trained else None
+        fields = {"restored": None, "considered_generation": self.considered,
+                  "previous_attempt": previous["id"] if previous else None,
+                  "polyaxon": self.events.run_identity(previous)}
         try:
             AttemptRecorder.record_refusal(self.claimed, self.attempt_id, list(self.config.argv), refusal.exit_code,
-                                           str(refusal), {"restored": None, "considered_generation": self.considered,
-                                                          "previous_attempt": previous["id"] if previous else None,
-                                                          "polyaxon": self.events.run_identity(previous)},
-                                           self.started)
+                                           str(refusal), fields, self.started)
         except OSError as error:  # the refusal itself is what the user must see
             log.warning("could not record the refused attempt: %s", error)
 
@@ -328,7 +328,8 @@ class TrainingRun:
             recorder.add_cost(restore_s=time.monotonic() - started + self.verify_s, verify_s=self.verify_s)
             abandoned = ranks.decide_on_primary(lambda: self.abandon_later_line(output, restored.manifest["step"]),
                                                 "setting aside the abandoned line")
-            recorder.update(set_aside=abandoned)
+            if abandoned:
+                recorder.update(set_aside=abandoned)
             log.info("restored %s (step=%d epoch=%d position=%d) in %.3fs", restored.path.name,
                      state.progress.global_step, state.progress.epoch, state.progress.position,
                      recorder.record["costs"]["restore_s"])
