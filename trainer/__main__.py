@@ -1,21 +1,29 @@
 """`python -m trainer`.
 
-A stop request that arrives before the trainer's own signal handling (while torch imports,
-while the run starts) must still end as one line and exit 75, never a traceback or a bare
-death by SIGTERM: until then SIGTERM raises KeyboardInterrupt, as Ctrl-C does, and `main`
-turns that into a line. `trainer.errors` is tiny, so it is imported before the handler.
+A stop request that arrives outside the training loop's own signal handling (while torch
+imports, while the run starts, or after its outcome is recorded) must still end as one line
+and exit 75, never a traceback or a bare death by SIGTERM. Raising KeyboardInterrupt is not
+enough: library code run during start-up may swallow it (seen in CI: a SIGINT during the
+imports, and the run went on to train). Nothing is written before the loop's handling takes
+over, so exiting at once is safe. `trainer.errors` is tiny, so it is imported first.
 """
 
+import os
 import signal
-import sys
 
 from trainer.errors import EXIT_INTERRUPTED
 
-signal.signal(signal.SIGTERM, signal.default_int_handler)
-try:
-    from trainer.cli import exit_process, main
-except KeyboardInterrupt:
-    print("trainer: interrupted while starting; nothing was changed", file=sys.stderr)
-    sys.exit(EXIT_INTERRUPTED)
+
+def stop_outside_training(signum, frame) -> None:
+    name = signal.Signals(signum).name
+    os.write(2, f"trainer: stopped by {name} outside training (while starting or finishing); "
+                f"nothing is half-written, so run it again (with --resume auto to continue)\n".encode())
+    os._exit(EXIT_INTERRUPTED)
+
+
+for stop in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(stop, stop_outside_training)
+
+from trainer.cli import exit_process, main  # noqa: E402  (after the handlers: importing torch takes a while)
 
 exit_process(main())
