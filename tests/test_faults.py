@@ -102,7 +102,7 @@ def test_write_failure_exits_74_keeps_earlier_generations_and_resumes(tmp_path, 
                             cwd=REPO, env=env, capture_output=True, text=True, preexec_fn=limit_file_size(32 * 1024))
     assert failed.returncode == 74
     line = one_error_line(failed)
-    assert "step-00000016" in line and "File too large" in line and "ulimit -f" in line
+    assert "step-00000016" in line and "File too large" in line and "ulimit -f), then rerun with --resume auto" in line
     assert published_all_verify(run) == ["step-00000008"]
     assert not list((run / "checkpoints").glob(".step-*"))  # the failed temporary was removed
     record = attempts(run)[-1]
@@ -265,6 +265,17 @@ def test_a_replacement_cut_short_by_a_crash_is_undone(tmp_path):
     assert "restored checkpoints/step-00000016: a crash interrupted its replacement" in resumed.stdout
     assert "restored step-00000016 (step=16" in resumed.stdout
     assert sorted(p.name for p in checkpoints.glob(".step-*")) == [".step-00000008.replaced-def456"]
+
+
+def test_a_stale_export_temporary_is_removed_by_the_next_trainer(tmp_path):
+    run = tmp_path / "run"
+    exports_only = ("--epochs", 1, "--recover-every-epochs", 0, "--export-every-steps", 1)
+    crashed = run_cli("--output", run, *exports_only, env={"TRAINER_FAULT_POINT": "after-manifest"})
+    assert crashed.returncode == -signal.SIGKILL
+    assert len(list((run / "exports").glob(".step-00000001.tmp-*"))) == 1
+    resumed = train(run, *exports_only, "--resume", "auto")
+    assert "removed stale temporary exports/.step-00000001.tmp-" in resumed.stdout
+    assert not list((run / "exports").glob(".step-*"))
 
 
 def test_a_superseded_copy_never_comes_back(tmp_path):
