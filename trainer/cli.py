@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from trainer.config import CadenceConfig, RetentionConfig, RunConfig, WorkloadConfig
-from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError
+from trainer.errors import TrainerError, UsageError
 from trainer.recovery.atomic import storage_failure
 from trainer.fingerprint import FIELDS
 from trainer.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
@@ -29,8 +29,6 @@ FAULT_RANK_ENV = "TRAINER_FAULT_RANK"
 EXIT_STATUS_ENV = "TRAINER_EXIT_STATUS_FILE"
 SKIP_RNG_ENV = "TRAINER_DEBUG_SKIP_RNG_RESTORE"
 RNG_NAMES = ("python", "numpy", "torch", "cuda")
-INTERRUPTED_ADVICE = ("; published generations are always complete, so nothing is lost: "
-                      "continue with --resume auto")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -267,11 +265,6 @@ def main(argv: list[str] | None = None) -> int:
         elif not getattr(error, "reported_by_primary", False):
             print(f"trainer: rank {rank}: error: {error}", file=sys.stderr)
         status = error.exit_code
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM outside the training loop's own handling
-        sys.stdout.flush()
-        print(f"trainer: {'rank ' + str(rank) + ': ' if rank else ''}interrupted by a signal"
-              f"{INTERRUPTED_ADVICE if command is None else ''}", file=sys.stderr)
-        status = EXIT_INTERRUPTED
     except BrokenPipeError:
         # `list DIR | head`: the reader left; stop quietly, as other command-line tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
