@@ -19,7 +19,7 @@ median; bytes are the tensor bytes of the state):
   load_gbps             our restore of a published generation, cold cache: verify every file
                         against the manifest, then dcp.load (verify_s and load_s also given)
 
-Targets (DESIGN §5.8 / issue 4): sync >= 0.8x raw write and >= 2x stock dcp.save; async
+Targets: sync >= 0.8x raw write and >= 2x stock dcp.save; async
 blocking <= 2% of sync; load >= 0.8x raw read. Page-cache eviction uses
 posix_fadvise(DONTNEED) on fsynced files, so "cold" reads are real disk reads.
 """
@@ -42,10 +42,10 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import evict, median, state_bytes, training_state  # noqa: E402
+from common import evict, facts_for, median, state_bytes, training_state  # noqa: E402
 
 from trainer.recovery.checkpointer import AsyncCheckpointer, SyncCheckpointer  # noqa: E402
-from trainer.recovery.resume import generation_name  # noqa: E402
+from trainer.run_dir import generation_name  # noqa: E402
 from trainer.recovery.snapshot import load_snapshot, stored_entries  # noqa: E402
 from trainer.recovery.store import GenerationStore  # noqa: E402
 from trainer.recovery.writer import WriterConfig  # noqa: E402
@@ -131,16 +131,11 @@ def dcp_default_save(state_dict: dict, directory: Path) -> float:
     return time.perf_counter() - started
 
 
-def manifest_for(step: int) -> dict:
-    return {"step": step, "epoch": 0, "position": step, "fingerprint": {}, "allowed_drift": [],
-            "created_utc": "bench", "cadence": {}}
-
-
 def sync_save(state, directory: Path, config: WriterConfig) -> float:
     store = GenerationStore(directory)
-    checkpointer = SyncCheckpointer(store, "bench", lambda point: None, config)
+    checkpointer = SyncCheckpointer(store, "bench", config)
     started = time.perf_counter()
-    checkpointer.save(state.state_dict(), 1, manifest_for(1))
+    checkpointer.save(state.state_dict(), facts_for(1))
     return time.perf_counter() - started
 
 
@@ -148,12 +143,12 @@ def async_saves(state, directory: Path, config: WriterConfig, repeat: int) -> di
     """One checkpointer, repeat+1 saves: the first allocates the staging buffers (reported
     apart), the rest reuse them (the steady state a training run sees)."""
     store = GenerationStore(directory)
-    checkpointer = AsyncCheckpointer(store, "bench", lambda point: None, torch.device("cpu"), config)
+    checkpointer = AsyncCheckpointer(store, "bench", torch.device("cpu"), config)
     blocking, calls, totals, buffer_bytes = [], [], [], 0
     for step in range(1, repeat + 2):
         state_dict = state.state_dict()
         started = time.perf_counter()
-        checkpointer.save(state_dict, step, manifest_for(step))
+        checkpointer.save(state_dict, facts_for(step))
         called = time.perf_counter()
         checkpointer.wait_for_staging()
         staged = time.perf_counter()

@@ -13,10 +13,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer.config import WorkloadConfig  # noqa: E402
+from trainer.recovery.manifest import GenerationFacts  # noqa: E402
 from trainer.state import TrainingState  # noqa: E402
 from trainer.workload import build_workload  # noqa: E402
 
 LAYERS = 4
+
+
+def facts_for(step: int) -> GenerationFacts:
+    """What a benchmark's generation describes (nothing a benchmark reads back)."""
+    return GenerationFacts(step=step, epoch=0, position=step, fingerprint={}, allowed_drift=(), cadence={},
+                           created_utc="bench")
 
 
 def hidden_size_for(size_mb: float, layers: int = LAYERS) -> int:

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import state_bytes, train_step, training_state  # noqa: E402
+from common import facts_for, state_bytes, train_step, training_state  # noqa: E402
 
 from trainer.recovery.checkpointer import build_checkpointer  # noqa: E402
 from trainer.recovery.store import GenerationStore  # noqa: E402
@@ -38,7 +38,7 @@ def run(mode: str, size_mb: float, steps: int, every: int, keep: int, base: Path
         config: WriterConfig) -> dict:
     state, workload = training_state(size_mb, device)
     store = GenerationStore(base / mode / "checkpoints")
-    checkpointer = None if mode == "none" else build_checkpointer(mode, store, "bench", lambda p: None, device, config)
+    checkpointer = None if mode == "none" else build_checkpointer(mode, store, "bench", device, config=config)
     blocked = 0.0
     train_step(state, workload, device)  # warm-up
     if device.type == "cuda":
@@ -50,7 +50,7 @@ def run(mode: str, size_mb: float, steps: int, every: int, keep: int, base: Path
         train_step(state, workload, device)
         if checkpointer is not None and step % every == 0:
             saved_at = time.perf_counter()
-            checkpointer.save(state.state_dict(), step, {"step": step, "cadence": {}, "fingerprint": {}})
+            checkpointer.save(state.state_dict(), facts_for(step))
             blocked += time.perf_counter() - saved_at
             for name in store.names()[:-keep]:  # keep the disk use bounded, like retention
                 shutil.rmtree(store.path(name))

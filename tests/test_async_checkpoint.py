@@ -21,7 +21,7 @@ from trainer.config import WorkloadConfig
 from trainer.errors import StorageFailure
 from trainer.recovery.atomic import file_digest
 from trainer.recovery.checkpointer import AsyncCheckpointer, SyncCheckpointer, effective_mode
-from trainer.recovery.manifest import verify_directory
+from trainer.recovery.manifest import GenerationFacts, verify_directory
 from trainer.recovery.snapshot import load_flat
 from trainer.recovery.store import GenerationStore
 from trainer.recovery.writer import HashingFileSystemWriter
@@ -71,16 +71,26 @@ def small_state(hidden: int = 64) -> TrainingState:
     return state
 
 
-def manifest(step: int) -> dict:
-    return {"step": step, "epoch": 0, "position": step, "fingerprint": {}, "allowed_drift": [],
-            "created_utc": "test", "cadence": {}}
+def facts(step: int) -> GenerationFacts:
+    return GenerationFacts(step=step, epoch=0, position=step, fingerprint={}, allowed_drift=(), cadence={},
+                           created_utc="test")
+
+
+class WithWriter(AsyncCheckpointer):
+    """An AsyncCheckpointer whose DCP writer is `make_writer(path)`."""
+
+    def __init__(self, store, make_writer):
+        super().__init__(store, "test", CPU)
+        self.make_writer = make_writer
+
+    def new_writer(self, directory):
+        return self.make_writer(directory)
 
 
 def gated_checkpointer(tmp_path, gate: threading.Event, tracker: dict | None = None):
     tracker = tracker if tracker is not None else {"lock": threading.Lock(), "running": 0, "peak": 0}
     store = GenerationStore(tmp_path / "checkpoints")
-    return store, AsyncCheckpointer(store, "test", lambda point: None, CPU,
-                                    writer_factory=lambda path: GatedWriter(path, gate, tracker))
+    return store, WithWriter(store, lambda path: GatedWriter(path, gate, tracker))
 
 
 def live_tensors(state: TrainingState) -> dict[str, torch.Tensor]:
@@ -141,7 +151,7 @@ def test_staging_isolation_mutations_after_wait_are_not_written(tmp_path):
     store, checkpointer = gated_checkpointer(tmp_path, gate)
     expected = {k: v.detach().clone() for k, v in live_tensors(state).items()}
 
-    checkpointer.save(state.state_dict(), 1, manifest(1))
+    checkpointer.save(state.state_dict(), facts(1))
     checkpointer.wait_for_staging()
     with torch.no_grad():
         for tensor in live_tensors(state).values():
@@ -159,12 +169,12 @@ def test_staging_isolation_mutations_after_wait_are_not_written(tmp_path):
 @pytest.mark.parametrize("surfaced_by", ["save", "wait_for_staging", "finalize"])
 def test_background_failure_is_raised_at_the_next_call(tmp_path, surfaced_by):
     store = GenerationStore(tmp_path / "checkpoints")
-    checkpointer = AsyncCheckpointer(store, "test", lambda point: None, CPU, writer_factory=DiskFullWriter)
+    checkpointer = WithWriter(store, DiskFullWriter)
     state = small_state()
-    assert checkpointer.save(state.state_dict(), 1, manifest(1)) == []
+    assert checkpointer.save(state.state_dict(), facts(1)) == []
     with pytest.raises(StorageFailure, match="writing generation step-00000001 failed: No space left") as raised:
         if surfaced_by == "save":
-            checkpointer.save(state.state_dict(), 2, manifest(2))
+            checkpointer.save(state.state_dict(), facts(2))
         elif surfaced_by == "wait_for_staging":
             while not checkpointer._in_flight.published.done():
                 threading.Event().wait(0.01)
@@ -181,9 +191,9 @@ def test_at_most_one_save_in_flight(tmp_path):
     tracker = {"lock": threading.Lock(), "running": 0, "peak": 0}
     store, checkpointer = gated_checkpointer(tmp_path, gate, tracker)
     state = small_state()
-    assert checkpointer.save(state.state_dict(), 1, manifest(1)) == []
+    assert checkpointer.save(state.state_dict(), facts(1)) == []
     second: list = []
-    saver = threading.Thread(target=lambda: second.append(checkpointer.save(state.state_dict(), 2, manifest(2))))
+    saver = threading.Thread(target=lambda: second.append(checkpointer.save(state.state_dict(), facts(2))))
     saver.start()
     saver.join(0.5)
     assert saver.is_alive(), "a second save started while the first was still writing"
@@ -199,7 +209,7 @@ def test_at_most_one_save_in_flight(tmp_path):
 def test_finalize_drains_and_publishes_the_save_in_flight(tmp_path):
     gate = threading.Event()
     store, checkpointer = gated_checkpointer(tmp_path, gate)
-    checkpointer.save(small_state().state_dict(), 3, manifest(3))
+    checkpointer.save(small_state().state_dict(), facts(3))
     assert store.names() == [] and len(store.temporaries()) == 1
     threading.Timer(0.2, gate.set).start()
     [published] = checkpointer.finalize()
@@ -210,10 +220,10 @@ def test_finalize_drains_and_publishes_the_save_in_flight(tmp_path):
 def test_sync_and_async_publish_the_same_state_and_verified_digests(tmp_path):
     state = small_state(hidden=256)
     sync_store = GenerationStore(tmp_path / "sync")
-    [sync] = SyncCheckpointer(sync_store, "test", lambda point: None).save(state.state_dict(), 5, manifest(5))
+    [sync] = SyncCheckpointer(sync_store, "test").save(state.state_dict(), facts(5))
     async_store = GenerationStore(tmp_path / "async")
-    checkpointer = AsyncCheckpointer(async_store, "test", lambda point: None, CPU)
-    checkpointer.save(state.state_dict(), 5, manifest(5))
+    checkpointer = AsyncCheckpointer(async_store, "test", CPU)
+    checkpointer.save(state.state_dict(), facts(5))
     [async_] = checkpointer.finalize()
     a, b = load_flat(sync_store.path(sync.name)), load_flat(async_store.path(async_.name))
     assert a.keys() == b.keys()

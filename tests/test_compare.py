@@ -11,19 +11,21 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import compare, generation
 from trainer.compare import value_difference
-from trainer.recovery.atomic import publish_directory, temporary_sibling
-from trainer.recovery.manifest import read_manifest
+from trainer.recovery.manifest import Manifest, read_manifest
 from trainer.recovery.snapshot import load_flat
+from trainer.recovery.store import GenerationStore
 
 
 def plant(source, target_root, key, change):
     """A sealed copy of generation `source` whose flat field `key` was altered by `change`."""
     flat = load_flat(source)
     flat[key] = change(flat[key])
-    temporary = temporary_sibling(target_root, source.name, "test")
+    original = read_manifest(source)
+    store = GenerationStore(target_root)
+    temporary = store.begin(original.step, "test")
     dcp.save(flat, checkpoint_id=str(temporary), no_dist=True)
-    manifest = {k: v for k, v in read_manifest(source).items() if k not in ("files", "digest")}
-    publish_directory(temporary, target_root / source.name, manifest)
+    store.publish(temporary, original.step,
+                  lambda files: Manifest.for_generation(original.facts, original.attempt, dict(original.timings), files))
     return target_root / source.name
 
 

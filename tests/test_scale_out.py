@@ -291,7 +291,7 @@ def test_launch_environment_reads_the_launcher_variables():
 
 
 def test_rank_slices_together_are_exactly_the_global_batch():
-    from trainer.workload.data import EpochBatchOrder, uneven_split
+    from trainer.batching import EpochBatchOrder, uneven_split
 
     whole = list(EpochBatchOrder(128, 16, 1234, epoch=3, start_batch=5))
     slices = [list(EpochBatchOrder(128, 16, 1234, 3, 5, rank, 2)) for rank in (0, 1)]

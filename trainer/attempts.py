@@ -5,6 +5,9 @@ as the attempt progresses and ends. An attempt that held the output but refused 
 (a damaged generation or a changed environment, 65; a crash loop, 70) leaves one `refused`
 record, so an orchestrator's retries show up too. Records are informational: the newest
 verified generation, not an attempt record, decides where training resumes.
+
+The record is changed only through `AttemptRecorder`'s methods, each named for the event it
+records (`restored`, `published`, `set_aside`, `reached`, `ended`, `refused`).
 """
 
 from __future__ import annotations
@@ -18,11 +21,22 @@ import time
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from trainer.errors import CrashLoop
 from trainer.recovery.atomic import atomic_write_bytes, atomic_write_json
+from trainer.run_dir import ATTEMPT_RECORD, ATTEMPT_REQUIREMENTS, ATTEMPT_SUMMARY, PROGRESS_MARKER, RunDirectory
 
-ATTEMPTS_DIR = "attempts"
+if TYPE_CHECKING:  # `list` and `report` read records without importing torch
+    from trainer.recovery.restore import Restored
+    from trainer.recovery.store import Published
+
 log = logging.getLogger("trainer")
+
+RUNNING, COMPLETED, INTERRUPTED, PREEMPTED, FAILED = "running", "completed", "interrupted", "preempted", "failed"
+REFUSED = "refused"
+UNFINISHED = (FAILED, RUNNING)  # "running" in a record nobody holds: the process was killed
+GENERATIONS, EXPORTS = "generations_published", "exports_published"
 
 
 def new_attempt_id(now: datetime | None = None) -> str:
@@ -40,21 +54,22 @@ def resolved_requirements() -> str:
     return "\n".join(sorted(pins, key=str.lower)) + "\n"
 
 
+# ----------------------------------------------------------------------------- reading
 def read_attempts(output: Path) -> list[dict]:
     """All readable attempt records, oldest first (ids start with the UTC start time)."""
-    root = output / ATTEMPTS_DIR
+    root = RunDirectory(output).attempts
     records = []
     if root.is_dir():
         for folder in sorted(root.iterdir()):
             try:
-                record = json.loads((folder / "attempt.json").read_text())
+                record = json.loads((folder / ATTEMPT_RECORD).read_text())
             except (OSError, ValueError):
                 continue
             if not is_well_formed(record):
-                log.warning("ignoring %s: not an attempt record this trainer wrote", folder / "attempt.json")
+                log.warning("ignoring %s: not an attempt record this trainer wrote", folder / ATTEMPT_RECORD)
                 continue
             marker = read_progress_marker(folder)
-            if record.get("status") == "running" and marker is not None:
+            if record.get("status") == RUNNING and marker is not None:
                 # Killed: its record is only as fresh as its last publish; the marker is per step.
                 record["last_step"] = max(record.get("last_step") or 0, marker)
             records.append(record)
@@ -64,7 +79,7 @@ def read_attempts(output: Path) -> list[dict]:
 OPTIONAL_INT = (int, type(None))
 RECORD_SHAPE = {"id": (str,), "status": (str,), "exit_code": OPTIONAL_INT, "restored": (dict, type(None)),
                 "last_step": OPTIONAL_INT, "steps_replayed": OPTIONAL_INT, "wall_s": (int, float, type(None)),
-                "reason": (str, type(None)), "generations_published": (list,), "exports_published": (list,)}
+                "reason": (str, type(None)), GENERATIONS: (list,), EXPORTS: (list,)}
 """The fields whose types readers rely on (the crash-loop guard, `list`, steps replayed)."""
 
 
@@ -77,11 +92,8 @@ def is_well_formed(record) -> bool:
     restored = record["restored"]
     if restored is not None and not isinstance(restored.get("name"), str):
         return False
-    published = record["generations_published"] + record["exports_published"]
+    published = record[GENERATIONS] + record[EXPORTS]
     return all(isinstance(entry, dict) and isinstance(entry.get("name"), str) for entry in published)
-
-
-PROGRESS_MARKER = "last_step"
 
 
 def read_progress_marker(folder: Path) -> int | None:
@@ -91,25 +103,27 @@ def read_progress_marker(folder: Path) -> int | None:
         return None
 
 
+# ----------------------------------------------------------------------------- decisions
 def steps_replayed(previous: dict | None, restored_step: int | None) -> int | None:
     """Work the previous attempt did beyond the generation now restored (lost and redone).
 
-    A killed attempt's `last_step` is only as fresh as its last record update (each publish),
-    so for it this is a lower bound.
+    A killed attempt's `last_step` is only as fresh as its progress marker (every step, in
+    the page cache), so for a node loss this is a lower bound.
     """
     if previous is None or previous.get("last_step") is None:
         return None
     return max(0, previous["last_step"] - (restored_step or 0))
 
 
-UNFINISHED = ("failed", "running")  # "running" in a record nobody holds: the process was killed
-REFUSED = "refused"
-
-
 def attempts_that_trained(records: list[dict]) -> list[dict]:
     """The records of attempts that went ahead: a refused one restored nothing and did no
     work, so it is neither the "previous attempt" of the next one nor part of a crash loop."""
     return [record for record in records if record.get("status") != REFUSED]
+
+
+def previous_attempt(records: list[dict]) -> dict | None:
+    trained = attempts_that_trained(records)
+    return trained[-1] if trained else None
 
 
 def is_crash_loop(records: list[dict], restoring: str | None, limit: int) -> bool:
@@ -120,30 +134,111 @@ def is_crash_loop(records: list[dict], restoring: str | None, limit: int) -> boo
     if limit <= 0 or len(records) < limit:
         return False
     recent = records[-limit:]
-    return all((r.get("restored") or {}).get("name") == restoring and not r.get("generations_published")
+    return all((r.get("restored") or {}).get("name") == restoring and not r.get(GENERATIONS)
                and r.get("status") in UNFINISHED for r in recent)
 
 
+def refuse_crash_loop(records: list[dict], restoring: str | None, limit: int, attempts_dir: Path) -> None:
+    if is_crash_loop(records, restoring, limit):
+        raise CrashLoop(f"the last {limit} attempts all started from {restoring or 'scratch'} and died "
+                        f"before publishing a newer generation; inspect {attempts_dir}, fix the "
+                        f"cause, then rerun (or pass --max-failed-attempts 0)")
+
+
+def world_size_change(stored_world_size: int | None, world_size: int) -> dict:
+    """Record fields for a resume at a different world size (allowed only with
+    --allow-drift world_size): what changed, and that exactness is not promised across it."""
+    if stored_world_size in (None, world_size):
+        return {}
+    return {"world_size_change": {
+        "from": stored_world_size, "to": world_size, "exact": False,
+        "note": "exactness across a world-size change is not promised: the global batch order and "
+                "position continue unchanged, but each rank's random streams (dropout, noise) now "
+                "cover a different slice of every batch, ranks that did not exist start from fresh "
+                "per-rank seeds, and gradients are summed in a different order"}}
+
+
+# ----------------------------------------------------------------------------- writing
 def initial_record(attempt_id: str, argv: list[str], fields: dict) -> dict:
     return {
-        "id": attempt_id, "status": "running", "exit_code": None, "reason": None,
+        "id": attempt_id, "status": RUNNING, "exit_code": None, "reason": None,
         "started_utc": utc_now(), "ended_utc": None, "wall_s": None,
         "host": socket.gethostname(), "pid": os.getpid(), "argv": argv,
-        "last_step": None, "generations_published": [], "exports_published": [],
+        "last_step": None, GENERATIONS: [], EXPORTS: [],
         "costs": {"restore_s": 0.0, "save_s": 0.0, "blocked_s": 0.0, "saves": 0},
         **fields,
     }
 
 
 class AttemptRecorder:
-    def __init__(self, output: Path, attempt_id: str, record: dict, persist: bool = True):
-        self.folder = output / ATTEMPTS_DIR / attempt_id
-        self.record = record
+    """This attempt's record. `persist` is False on ranks other than 0 of a multi-process
+    run: they keep the same record in memory (the loop reports the same events everywhere)
+    but only rank 0 writes it."""
+
+    def __init__(self, run: RunDirectory, attempt_id: str, record: dict, persist: bool = True,
+                 started: float | None = None):
+        self.folder = run.attempt_folder(attempt_id)
+        self._record = record
         self.persist = persist
-        """False on ranks other than 0 of a multi-process run: they keep the same record in
-        memory (the loop updates it the same way everywhere) but only rank 0 writes it."""
-        self._started = time.monotonic()
+        self._started = time.monotonic() if started is None else started
         self._marker: int | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def start(cls, run: RunDirectory, attempt_id: str, argv: list[str], fields: dict,
+              persist: bool = True) -> "AttemptRecorder":
+        """Write the `running` record; its wall time counts from here."""
+        recorder = cls(run, attempt_id, initial_record(attempt_id, argv, fields), persist)
+        recorder._create_folder()
+        recorder._flush()
+        return recorder
+
+    @classmethod
+    def refused_before_start(cls, run: RunDirectory, attempt_id: str, argv: list[str], exit_code: int,
+                             reason: str, fields: dict, started: float) -> None:
+        """One write: this attempt held the output and refused to train. `started` is the
+        monotonic time the attempt began, for its wall time."""
+        recorder = cls(run, attempt_id, initial_record(attempt_id, argv, fields), started=started)
+        recorder._create_folder()
+        recorder.ended(REFUSED, exit_code, reason)
+
+    def refused(self, exit_code: int, reason: str, considered: str | None) -> None:
+        """A refusal found after the record started (while restoring): nothing was restored."""
+        self._record.update(restored=None, steps_replayed=None, considered_generation=considered)
+        self.ended(REFUSED, exit_code, reason)
+
+    def ended(self, status: str, exit_code: int, reason: str | None = None, summary: dict | None = None) -> None:
+        if self._marker is not None:
+            os.close(self._marker)
+            self._marker = None
+        self._record.update(status=status, exit_code=exit_code, reason=reason, ended_utc=utc_now(),
+                            wall_s=round(time.monotonic() - self._started, 3))
+        if summary is not None and self.persist:
+            atomic_write_json(self.folder / ATTEMPT_SUMMARY, summary)
+        try:
+            self._flush()
+        except OSError as error:
+            if exit_code == 0:
+                raise
+            # Failing because the disk is full must not hide the original error behind this one.
+            log.warning("could not record the end of attempt %s: %s", self._record["id"], error.strerror)
+
+    # ------------------------------------------------------------------ events
+    def restored(self, restored: "Restored", verify_s: float) -> None:
+        """Restore cost: verifying the generation (before the record existed) plus loading it."""
+        self._add_cost(restore_s=restored.load_s + verify_s, verify_s=verify_s)
+
+    def set_aside(self, names: list[str]) -> None:
+        if names:
+            self._record["set_aside"] = names
+            self._flush()
+
+    def reached(self, step: int, first: bool = False) -> None:
+        """Training stands at `step` (with `first`, the step this attempt starts from)."""
+        if first:
+            self._record["first_step"] = step
+        self._record["last_step"] = step
+        self._flush()
 
     def mark_step(self, step: int) -> None:
         """Per-step progress for `steps_replayed` after a kill -9: one pwrite into the page
@@ -154,54 +249,45 @@ class AttemptRecorder:
             self._marker = os.open(self.folder / PROGRESS_MARKER, os.O_WRONLY | os.O_CREAT, 0o644)
         os.pwrite(self._marker, f"{step:>12}\n".encode(), 0)
 
-    @classmethod
-    def start(cls, output: Path, attempt_id: str, argv: list[str], fields: dict,
-              persist: bool = True) -> "AttemptRecorder":
-        recorder = cls(output, attempt_id, initial_record(attempt_id, argv, fields), persist)
-        recorder._create_folder()
-        recorder.flush()
-        return recorder
+    def waited(self, blocked_s: float) -> None:
+        """The loop waited for async staging before a step."""
+        if blocked_s:
+            self._add_cost(blocked_s=blocked_s)
 
-    @classmethod
-    def record_refusal(cls, output: Path, attempt_id: str, argv: list[str], exit_code: int, reason: str,
-                       fields: dict, started: float) -> None:
-        """One write: this attempt held the output and refused to train. `started` is the
-        monotonic time the attempt began, for its wall time."""
-        recorder = cls(output, attempt_id, initial_record(attempt_id, argv, fields))
-        recorder._started = started
-        recorder._create_folder()
-        recorder.finish(REFUSED, exit_code, reason)
+    def published(self, kind: str, published: "Published", step: int | None = None) -> None:
+        """A generation (GENERATIONS) or export (EXPORTS) was published while training stood
+        at `step` (None: where it last stood)."""
+        self._record[kind].append({"name": published.name, "step": published.step,
+                                   "save_s": round(published.save_s, 6), "blocked_s": round(published.blocked_s, 6)})
+        self._add_cost(save_s=published.save_s, blocked_s=published.blocked_s)
+        self._record["costs"]["saves"] += 1
+        self.reached(step if step is not None else (self._record["last_step"] or 0))
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def record(self) -> dict:
+        """A copy of the record as it stands (for observers and the exit line)."""
+        return json.loads(json.dumps(self._record))
+
+    @property
+    def reason(self) -> str | None:
+        return self._record["reason"]
+
+    @property
+    def restore_s(self) -> float:
+        return self._record["costs"]["restore_s"]
+
+    # ------------------------------------------------------------------ private
+    def _add_cost(self, **seconds: float) -> None:
+        costs = self._record["costs"]
+        for name, value in seconds.items():
+            costs[name] = round(costs.get(name, 0.0) + value, 6)
 
     def _create_folder(self) -> None:
         if self.persist:
             self.folder.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(self.folder / "requirements.txt", resolved_requirements().encode())
+            atomic_write_bytes(self.folder / ATTEMPT_REQUIREMENTS, resolved_requirements().encode())
 
-    def flush(self) -> None:
+    def _flush(self) -> None:
         if self.persist:
-            atomic_write_json(self.folder / "attempt.json", self.record)
-
-    def update(self, **fields) -> None:
-        self.record.update(fields)
-        self.flush()
-
-    def add_cost(self, **seconds: float) -> None:
-        costs = self.record["costs"]
-        for name, value in seconds.items():
-            costs[name] = round(costs.get(name, 0.0) + value, 6)
-
-    def finish(self, status: str, exit_code: int, reason: str | None = None, summary: dict | None = None) -> None:
-        if self._marker is not None:
-            os.close(self._marker)
-            self._marker = None
-        self.record.update(status=status, exit_code=exit_code, reason=reason, ended_utc=utc_now(),
-                           wall_s=round(time.monotonic() - self._started, 3))
-        if summary is not None and self.persist:
-            atomic_write_json(self.folder / "summary.json", summary)
-        try:
-            self.flush()
-        except OSError as error:
-            if exit_code == 0:
-                raise
-            # Failing because the disk is full must not hide the original error behind this one.
-            log.warning("could not record the end of attempt %s: %s", self.record["id"], error.strerror)
+            atomic_write_json(self.folder / ATTEMPT_RECORD, self._record)

@@ -10,25 +10,19 @@ reported for every rank. Ranks other than 0 log only warnings, prefixed with the
 from __future__ import annotations
 
 import argparse
-import atexit
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import NoReturn
 
-from trainer.config import CadenceConfig, RetentionConfig, RunConfig, WorkloadConfig
-from trainer.errors import TrainerError, UsageError
-from trainer.recovery.atomic import storage_failure
+from trainer import compat, seams
+from trainer.config import CHECKPOINT_MODES, CadenceConfig, RetentionConfig, RunConfig, WorkloadConfig
+from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_failure
 from trainer.fingerprint import FIELDS
 from trainer.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
 
-FAULT_ENV = "TRAINER_FAULT_POINT"
-FAULT_RANK_ENV = "TRAINER_FAULT_RANK"
 EXIT_STATUS_ENV = "TRAINER_EXIT_STATUS_FILE"
-SKIP_RNG_ENV = "TRAINER_DEBUG_SKIP_RNG_RESTORE"
-RNG_NAMES = ("python", "numpy", "torch", "cuda")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -97,7 +91,7 @@ def train_parser() -> OneLineParser:
                      help="simulate a lost worker: exit 75 right after step N, without saving")
     run.add_argument("--allow-drift", action="append", default=[], choices=FIELDS, metavar="FIELD",
                      help=f"accept a fingerprint difference in FIELD ({', '.join(FIELDS)}); repeatable")
-    run.add_argument("--checkpoint-mode", default="auto", choices=("auto", "sync", "async"),
+    run.add_argument("--checkpoint-mode", default="auto", choices=CHECKPOINT_MODES,
                      help="how recovery snapshots are written (sync: in the loop; async: staged to host "
                           "memory and written in the background; auto: async on CUDA, sync on CPU)")
     run.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -183,47 +177,31 @@ def config_from_args(args: argparse.Namespace, argv: list[str], output: Path) ->
         max_failed_attempts=args.max_failed_attempts, argv=tuple(argv))
 
 
-def hooks_from_environment():
-    """Test-only seams: a named crash point (kill -9 of ourselves there; with
-    TRAINER_FAULT_RANK, only in that rank of a multi-process run) and RNGs whose restore is
-    skipped. Unknown values are a usage error, so a typo cannot go unnoticed."""
-    from trainer.loop import Hooks
-
-    point = os.environ.get(FAULT_ENV)
-    fault_rank = os.environ.get(FAULT_RANK_ENV)
-    if fault_rank is not None and not fault_rank.isdigit():
-        raise UsageError(f"{FAULT_RANK_ENV}={fault_rank!r} is not a rank number")
-    if fault_rank is not None and int(fault_rank) != rank_of(os.environ):
-        point = None
-    skip = frozenset(filter(None, os.environ.get(SKIP_RNG_ENV, "").split(",")))
-    if skip - set(RNG_NAMES):
-        raise UsageError(f"{SKIP_RNG_ENV} names unknown RNGs {sorted(skip - set(RNG_NAMES))}; use {RNG_NAMES}")
-
-    def fault(name: str) -> None:
-        if name == point:
-            sys.stderr.write(f"trainer: fault injection: killing at {name}\n")
-            sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return Hooks(fault=fault, skip_rng_restore=skip)
-
-
 def run_train(argv: list[str]) -> int:
     launch = LaunchEnvironment.from_environ(os.environ)
     args = train_parser().parse_args(argv)
     check_option_combinations(args, launch)
-    hooks = hooks_from_environment()
+    seams.install(seams.Seams.from_environment(os.environ, launch.rank))
     if not args.tracked or launch.rank != 0:
         # Under torchrun only rank 0 talks to Polyaxon; the others learn its outputs path.
-        from trainer.loop import run_training  # imports torch: after cheap validation
-
-        return run_training(config_from_args(args, argv, args.output), hooks, launch)
+        return train_in(args.output, args, argv, launch)
     from trainer.tracking import PolyaxonEvents  # imports polyaxon: only with --tracked
 
     events = PolyaxonEvents.start()
-    from trainer.loop import run_training
+    return events.track(lambda outputs: train_in(outputs, args, argv, launch, events))
 
-    return events.track(lambda outputs: run_training(config_from_args(args, argv, outputs), hooks, launch, events))
+
+def train_in(output: Path | None, args: argparse.Namespace, argv: list[str], launch: LaunchEnvironment,
+             events=None) -> int:
+    from trainer.events import TrainingEvents
+    from trainer.loop import run_training  # imports torch: after cheap validation
+
+    outcome = run_training(config_from_args(args, argv, output), launch, events or TrainingEvents())
+    if outcome.status == EXIT_INTERRUPTED and launch.is_primary:
+        # Resumable, not an error; one line on stderr all the same, where operators look.
+        print(f"trainer: stopped, resumable (exit 75): {outcome.reason}; continue with --resume auto",
+              file=sys.stderr, flush=True)
+    return outcome.status
 
 
 def run_list(argv: list[str]) -> int:
@@ -305,7 +283,7 @@ def exit_process(status: int) -> NoReturn:
     if not is_multi_process(os.environ):
         sys.exit(status)
     try:
-        atexit._run_exitfuncs()  # private, but unchanged since Python 3.0: the handlers a normal exit runs
+        compat.run_exit_handlers()  # the handlers a normal exit runs
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

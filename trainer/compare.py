@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from trainer.errors import UsageError
-from trainer.recovery.manifest import verify_directory
+from trainer.recovery.manifest import RECOVERY, verify_directory
 from trainer.recovery.snapshot import load_flat
 
 
@@ -94,8 +94,8 @@ def load_generation(path: Path) -> dict:
     verification = verify_directory(path)
     if not verification.ok:
         raise UsageError(f"{path} cannot be compared: {verification.problem}")
-    if verification.manifest.get("kind") != "recovery":
-        raise UsageError(f"{path} is a {verification.manifest.get('kind')}, not a recovery generation")
+    if verification.manifest.kind != RECOVERY:
+        raise UsageError(f"{path} is a {verification.manifest.kind}, not a recovery generation")
     return load_flat(path)
 
 

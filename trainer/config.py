@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+CHECKPOINT_MODES = ("auto", "sync", "async")
+
 
 @dataclass(frozen=True)
 class WorkloadConfig:
@@ -71,9 +73,6 @@ class CadenceConfig:
     every_epochs: int | None = None
     every_steps: int | None = None
     every_secs: float | None = None
-
-    def is_empty(self) -> bool:
-        return self.every_epochs is None and self.every_steps is None and self.every_secs is None
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,9 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageError
+from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageError, root_cause
 from trainer.launch import PRIMARY, LaunchEnvironment
-from trainer.lock import LOCK_NAME
-from trainer.recovery.atomic import root_cause
-from trainer.recovery.manifest import Verification
+from trainer.run_dir import RunDirectory
 
 T = TypeVar("T")
 
@@ -82,26 +80,11 @@ def unshared_output(output: Path, is_primary: bool) -> str | None:
     """Why this rank cannot use the output rank 0 claimed, or None. Every rank writes shards
     into the same temporary generation, so --output must be one shared directory (the same
     path on every node); a rank that cannot see rank 0's lock file would write elsewhere."""
-    if is_primary or (output / LOCK_NAME).is_file():
+    lock = RunDirectory(output).lock
+    if is_primary or lock.is_file():
         return None
-    return (f"{output / LOCK_NAME}, created by rank 0, is not visible here: --output must be on "
+    return (f"{lock}, created by rank 0, is not visible here: --output must be on "
             f"storage every rank mounts at the same path")
-
-
-def world_size_change(restored: Verification | None, world_size: int) -> dict:
-    """Attempt-record fields for a resume at a different world size (allowed only with
-    --allow-drift world_size): what changed, and that exactness is not promised across it."""
-    if restored is None:
-        return {}
-    before = restored.manifest["fingerprint"].get("world_size")
-    if before in (None, world_size):
-        return {}
-    return {"world_size_change": {
-        "from": before, "to": world_size, "exact": False,
-        "note": "exactness across a world-size change is not promised: the global batch order and "
-                "position continue unchanged, but each rank's random streams (dropout, noise) now "
-                "cover a different slice of every batch, ranks that did not exist start from fresh "
-                "per-rank seeds, and gradients are summed in a different order"}}
 
 
 @dataclass(frozen=True)

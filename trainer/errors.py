@@ -6,6 +6,9 @@ it; `cli.py` alone turns them into a line on stderr and an exit status.
 
 from __future__ import annotations
 
+import errno
+import os
+
 
 class TrainerError(Exception):
     """Base class: a failure the user or operator can act on (never a traceback)."""
@@ -87,3 +90,47 @@ class DecidedOnPrimary(TrainerError):
 
 EXIT_OK = 0
 EXIT_INTERRUPTED = 75
+
+
+# ----------------------------------------------------------------- storage errors, in one line
+_STORAGE_ADVICE = {errno.ENOSPC: "free disk space", errno.EDQUOT: "free space or raise the quota",
+                   errno.EFBIG: "raise the file-size limit (ulimit -f)", errno.EACCES: "fix the permissions",
+                   errno.EPERM: "fix the permissions", errno.EROFS: "make the filesystem writable"}
+
+
+def storage_failure(error: OSError, what: str) -> StorageFailure:
+    """One line for an I/O error: what failed, where, and what to do about it."""
+    reason = os.strerror(error.errno) if error.errno else str(error)
+    where = f" ({error.filename})" if getattr(error, "filename", None) else ""
+    advice = _STORAGE_ADVICE.get(error.errno, "check the storage")
+    return StorageFailure(f"{what} failed: {reason}{where}; {advice}, then rerun with --resume auto")
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """DCP wraps each rank's error in a CheckpointException (a BaseException whose str()
+    holds tracebacks); dig out the original so it can be reported in one line."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        inner = first[0] if isinstance(first, tuple) else first
+        return root_cause(inner)
+    cause = error.__cause__ or error.__context__
+    if not isinstance(error, OSError) and isinstance(cause, BaseException):
+        return root_cause(cause)
+    return error
+
+
+def as_storage_failure(error: BaseException, what: str) -> StorageFailure | None:
+    """Any OS-level I/O error (disk full, limits, permissions, a stale network mount…) is the
+    storage's problem, not a bug: it becomes one line and exit 74. None for anything else."""
+    cause = root_cause(error)
+    return storage_failure(cause, what) if isinstance(cause, OSError) else None
+
+
+def reraise_as_storage_failure(error: BaseException, what: str):
+    """Inside an `except`: raise a storage error as one-line StorageFailure (exit 74), and
+    anything else unchanged."""
+    failure = as_storage_failure(error, what)
+    if failure is not None:
+        raise failure from None
+    raise error

@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import shutil
 import time
-from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from trainer.recovery.atomic import encode_json, manifest_digest, reraise_as_storage_failure, write_file_durably
-from trainer.recovery.checkpointer import Published
-from trainer.recovery.manifest import FORMAT, FORMAT_VERSION
-from trainer.recovery.resume import generation_name
-from trainer.recovery.store import GenerationStore
+from trainer.errors import reraise_as_storage_failure
+from trainer.recovery.atomic import encode_json, write_file_durably
+from trainer.recovery.manifest import Manifest
+from trainer.recovery.store import GenerationStore, Published
+from trainer.run_dir import EXPORT_CONFIG, EXPORT_WEIGHTS, generation_name
 
-EXPORTS_DIR = "exports"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -48,7 +46,7 @@ def export_tensors(weights: dict[str, torch.Tensor], dtype: torch.dtype | None) 
 
 
 def write_export(store: GenerationStore, weights: dict[str, torch.Tensor], step: int, epoch: int, architecture: dict,
-                 dtype_name: str | None, source_digest: str, attempt_id: str, fault_hook) -> Published:
+                 dtype_name: str | None, source_digest: str, attempt_id: str) -> Published:
     started = time.monotonic()
     dtype = DTYPES[dtype_name] if dtype_name else None
     tensors = export_tensors(weights, dtype)
@@ -57,19 +55,12 @@ def write_export(store: GenerationStore, weights: dict[str, torch.Tensor], step:
     temporary = None
     try:
         temporary = store.begin(step, attempt_id)
-        save_file(tensors, str(temporary / "model.safetensors"), metadata={"step": str(step)})
-        write_file_durably(temporary / "config.json", encode_json(config))
-        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": "export",
-                    "name": generation_name(step), "step": step, "epoch": epoch, "attempt": attempt_id}
-        store.publish(temporary, step, manifest, fault_hook)
+        save_file(tensors, str(temporary / EXPORT_WEIGHTS), metadata={"step": str(step)})
+        write_file_durably(temporary / EXPORT_CONFIG, encode_json(config))
+        digest = store.publish(temporary, step, lambda files: Manifest.for_export(step, epoch, attempt_id, files))
     except BaseException as error:
         if temporary is not None:
             shutil.rmtree(temporary, ignore_errors=True)
         reraise_as_storage_failure(error, f"writing export {generation_name(step)}")
     elapsed = time.monotonic() - started
-    name = generation_name(step)
-    return Published(name, step, manifest_digest(store.path(name)), elapsed, elapsed)
-
-
-def export_store(output: Path) -> GenerationStore:
-    return GenerationStore(output / EXPORTS_DIR)
+    return Published(generation_name(step), step, digest, elapsed, elapsed)

@@ -7,12 +7,9 @@ from pathlib import Path
 
 from trainer.attempts import read_attempts
 from trainer.errors import CorruptGeneration, NothingToResume
-from trainer.recovery.atomic import MANIFEST
 from trainer.recovery.manifest import verify_directory
-from trainer.recovery.resume import generation_step
 from trainer.recovery.store import GenerationStore
-
-SECTIONS = {"generations": "checkpoints", "exports": "exports"}
+from trainer.run_dir import MANIFEST, SECTIONS, generation_step
 
 
 def directory_bytes(path: Path) -> int:
@@ -37,15 +34,16 @@ def describe_run(output: Path) -> dict:
         rows = []
         for name in store.names():
             verification = store.verify(name)
-            manifest = verification.manifest or {}
+            manifest = verification.manifest
+            facts = manifest.facts if manifest else None
             try:
                 size = directory_bytes(store.path(name))
             except FileNotFoundError:  # removed by a live trainer's retention meanwhile
                 continue
-            rows.append({"name": name, "step": generation_step(name), "epoch": manifest.get("epoch"),
-                         "position": manifest.get("position"), "bytes": size,
+            rows.append({"name": name, "step": generation_step(name), "epoch": manifest and manifest.epoch,
+                         "position": facts and facts.position, "bytes": size,
                          "verified": verification.ok, "problem": verification.problem,
-                         "attempt": manifest.get("attempt"),
+                         "attempt": manifest and manifest.attempt,
                          "save_s": costs.get(name, {}).get("save_s")})
         described[section] = rows
         described[f"{section}_temporary"] = [p.name for p in store.temporaries()]

@@ -15,13 +15,12 @@ import socket
 from pathlib import Path
 
 from trainer.errors import OutputLocked
-
-LOCK_NAME = ".trainer.lock"
+from trainer.run_dir import RunDirectory
 
 
 class OutputLock:
     def __init__(self, output: Path):
-        self.path = output / LOCK_NAME
+        self.path = RunDirectory(output).lock
         self._fd: int | None = None
 
     def acquire(self) -> "OutputLock":

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.recovery.resume import generation_step
 from trainer.recovery.store import GenerationStore
+from trainer.run_dir import generation_step
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from trainer import seams
 from trainer.errors import CorruptGeneration
 
-RNG_KINDS = ("python", "numpy", "torch", "cuda")
 RNG_BY_RANK = "rng_by_rank"
 DATA_BY_RANK = "data_by_rank"
 log = logging.getLogger("trainer")
@@ -172,7 +172,7 @@ class TrainingState:
             _nest(template, (DATA_BY_RANK, str(self.rank)), self._data_position())
         return template
 
-    def load_state_dict(self, stored: dict, skip_rng: frozenset[str] = frozenset()) -> None:
+    def load_state_dict(self, stored: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=stored["model"],
                        optim_state_dict=stored["optim"])
         self.scheduler.load_state_dict(stored["scheduler"])
@@ -189,7 +189,7 @@ class TrainingState:
             log.warning("no RNG state stored for rank %d (the generation was written by fewer processes); "
                         "it continues from its fresh per-rank seed", self.rank)
             return
-        restore_rng(rng, skip_rng)  # last: everything above may consume randomness
+        restore_rng(rng, seams.skip_rng_restore())  # last: everything above may consume randomness
 
 
 def _nest(tree: dict, key: tuple[str, ...], value) -> None:

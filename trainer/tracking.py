@@ -70,10 +70,11 @@ def cloning_kind(original_kind: str | None, run_uuid: str, previous_attempt: dic
 def last_logged_step(artifacts_path: str, metric: str) -> int | None:
     """The highest step of `metric` already in the run's event history (restored with the run
     on resume, or left by an earlier offline process), read with Polyaxon's own reader."""
-    path = Path(artifacts_path) / "events" / "metric" / f"{metric}.plx"
+    from traceml.events import V1Events, get_event_path
+
+    path = Path(get_event_path(artifacts_path, kind="metric", name=metric))
     if not path.is_file():
         return None
-    from traceml.events import V1Events
 
     frame = V1Events.read(kind="metric", name=metric, data=str(path)).df
     return None if frame.empty else int(frame["step"].max())

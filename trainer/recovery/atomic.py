@@ -1,69 +1,25 @@
 """Durable, atomic filesystem operations (the only place that calls fsync and rename).
 
-The publish protocol (DESIGN.md §5.3): write into a unique temporary sibling, fsync every
-file, write and fsync the manifest last, fsync the directory, rename it to its final name,
-fsync the parent. A crash at any instant leaves the old set of directories, or the old set
-plus one complete new one. Exports and recovery generations share this one implementation.
+The publish protocol: write into a unique temporary sibling, fsync every file, write and
+fsync the manifest last, fsync the directory, rename it to its final name, fsync the parent.
+A crash at any instant leaves the old set of directories, or the old set plus one complete
+new one (README, "What survives what"). Exports and recovery generations share this one
+implementation.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
-import secrets
 from pathlib import Path
 
-from trainer.errors import RefuseOverwrite, StorageFailure
+from trainer import seams
+from trainer.errors import RefuseOverwrite
+from trainer.run_dir import (MANIFEST, REPLACED, REPLACING, file_temporary, hidden_name, split_hidden,
+                             temporary_name)
 
-MANIFEST = "manifest.json"
 _CHUNK = 8 << 20
-_ADVICE = {errno.ENOSPC: "free disk space", errno.EDQUOT: "free space or raise the quota",
-           errno.EFBIG: "raise the file-size limit (ulimit -f)", errno.EACCES: "fix the permissions",
-           errno.EPERM: "fix the permissions", errno.EROFS: "make the filesystem writable"}
-
-
-def storage_failure(error: OSError, what: str) -> StorageFailure:
-    """One line for an I/O error: what failed, where, and what to do about it."""
-    reason = os.strerror(error.errno) if error.errno else str(error)
-    where = f" ({error.filename})" if getattr(error, "filename", None) else ""
-    advice = _ADVICE.get(error.errno, "check the storage")
-    return StorageFailure(f"{what} failed: {reason}{where}; {advice}, then rerun with --resume auto")
-
-
-def is_storage_error(error: BaseException) -> bool:
-    """Any OS-level I/O error (disk full, limits, permissions, a stale network mount…) is the
-    storage's problem, not a bug: it becomes one line and exit 74."""
-    return isinstance(error, OSError)
-
-
-def root_cause(error: BaseException) -> BaseException:
-    """DCP wraps each rank's error in a CheckpointException (a BaseException whose str()
-    holds tracebacks); dig out the original so it can be reported in one line."""
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        inner = first[0] if isinstance(first, tuple) else first
-        return root_cause(inner)
-    cause = error.__cause__ or error.__context__
-    if not isinstance(error, OSError) and isinstance(cause, BaseException):
-        return root_cause(cause)
-    return error
-
-
-def reraise_as_storage_failure(error: BaseException, what: str):
-    """Inside an `except`: raise a storage error as one-line StorageFailure (exit 74), and
-    anything else unchanged."""
-    failure = as_storage_failure(error, what)
-    if failure is not None:
-        raise failure from None
-    raise error
-
-
-def as_storage_failure(error: BaseException, what: str) -> StorageFailure | None:
-    cause = root_cause(error)
-    return storage_failure(cause, what) if is_storage_error(cause) else None
 
 
 def fsync_dir(path: Path) -> None:
@@ -100,7 +56,7 @@ def write_file_durably(path: Path, data: bytes) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Replace `path` with `data` so readers see the old or the new content, never a mix."""
-    temporary = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    temporary = file_temporary(path)
     try:
         write_file_durably(temporary, data)
         os.replace(temporary, path)
@@ -120,15 +76,15 @@ def atomic_write_json(path: Path, value: dict) -> None:
 
 def temporary_sibling(parent: Path, name: str, tag: str) -> Path:
     """A fresh hidden directory next to where `name` will be published (`.NAME.tmp-TAG-RAND`)."""
-    path = parent / f".{name}.tmp-{tag}-{secrets.token_hex(3)}"
+    path = parent / temporary_name(name, tag)
     path.mkdir(parents=True)
     return path
 
 
-def seal_directory(temporary: Path, manifest: dict, fault_hook=lambda point: None,
-                   known: dict[str, dict] | None = None) -> dict:
+def seal_directory(temporary: Path, describe, known: dict[str, dict] | None = None):
     """Write into `temporary` a manifest listing every file's size and sha256, and make it
-    all durable. Returns the manifest as written (with `files`).
+    all durable. `describe(files)` makes the manifest (a `Manifest`) from the file list;
+    returns it as written.
 
     `known` holds {bytes, sha256} of files whose writer hashed them while writing and has
     already fsynced them; they are not read back (only their size is re-checked). Every
@@ -144,23 +100,15 @@ def seal_directory(temporary: Path, manifest: dict, fault_hook=lambda point: Non
             files[entry.name] = {"bytes": recorded["bytes"], "sha256": recorded["sha256"]}
         else:
             files[entry.name] = file_digest(entry, sync=True)
-    fault_hook("after-files-fsync")
-    sealed = {**manifest, "digest": "sha256", "files": files}
-    write_file_durably(temporary / MANIFEST, encode_json(sealed))
+    seams.crash_point("after-files-fsync")
+    sealed = describe(files)
+    write_file_durably(temporary / MANIFEST, encode_json(sealed.to_json()))
     fsync_dir(temporary)
-    fault_hook("after-manifest")
+    seams.crash_point("after-manifest")
     return sealed
 
 
-def publish_directory(temporary: Path, final: Path, manifest: dict, fault_hook=lambda point: None,
-                      known: dict[str, dict] | None = None) -> dict:
-    """Seal `temporary` and rename it to `final`, which must not exist yet."""
-    sealed = seal_directory(temporary, manifest, fault_hook, known)
-    rename_into_place(temporary, final, fault_hook)
-    return sealed
-
-
-def rename_into_place(temporary: Path, final: Path, fault_hook=lambda point: None) -> None:
+def rename_into_place(temporary: Path, final: Path) -> None:
     """Rename a sealed `temporary` to `final` and make the rename durable.
 
     If `final` already exists (an export replayed after a resume that came out different,
@@ -172,30 +120,24 @@ def rename_into_place(temporary: Path, final: Path, fault_hook=lambda point: Non
     """
     if not final.exists() and not final.is_symlink():
         os.rename(temporary, final)
-        fault_hook("after-rename")
+        seams.crash_point("after-rename")
         fsync_dir(final.parent)
         return
     if final.is_symlink() or not final.is_dir():
         raise RefuseOverwrite(f"{final} exists and is not a directory this trainer wrote; move it away, "
                               f"then rerun with --resume auto")
-    token = secrets.token_hex(3)
-    replacing = final.with_name(f".{final.name}{REPLACING}{token}")
+    replacing = final.with_name(hidden_name(final.name, REPLACING))
+    _, token = split_hidden(replacing.name, REPLACING)
     os.rename(final, replacing)
     os.rename(temporary, final)
-    fault_hook("after-rename")
-    os.rename(replacing, final.with_name(f".{final.name}{REPLACED}{token}"))
+    seams.crash_point("after-rename")
+    os.rename(replacing, final.with_name(hidden_name(final.name, REPLACED, token)))
     fsync_dir(final.parent)
-
-
-REPLACING = ".replacing-"
-"""Suffix of a directory being replaced (its name is about to be taken over)."""
-REPLACED = ".replaced-"
-"""Suffix of a superseded directory kept for inspection; never selected or restored."""
 
 
 def set_aside(directory: Path) -> Path:
     """Retire a published directory under its `.NAME.replaced-R` name (kept, never selected)."""
-    aside = directory.with_name(f".{directory.name}{REPLACED}{secrets.token_hex(3)}")
+    aside = directory.with_name(hidden_name(directory.name, REPLACED))
     os.rename(directory, aside)
     return aside
 
@@ -208,12 +150,13 @@ def finish_interrupted_replacements(root: Path) -> list[str]:
         return []
     restored, changed = [], False
     for entry in sorted(root.iterdir()):
-        if not entry.name.startswith(".") or REPLACING not in entry.name:
+        parts = split_hidden(entry.name, REPLACING)
+        if parts is None:
             continue
-        name, token = entry.name[1:].split(REPLACING, 1)
+        name, token = parts
         final = root / name
         if final.exists():
-            os.rename(entry, root / f".{name}{REPLACED}{token}")
+            os.rename(entry, root / hidden_name(name, REPLACED, token))
         else:
             os.rename(entry, final)
             restored.append(name)

@@ -23,65 +23,45 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainer.distributed import Ranks
-from trainer.errors import TrainerError, UsageError
-from trainer.launch import LaunchEnvironment
-from trainer.recovery.atomic import (as_storage_failure, manifest_digest, reraise_as_storage_failure, root_cause,
-                                     storage_failure)
-from trainer.recovery.manifest import FORMAT, FORMAT_VERSION
-from trainer.recovery.resume import generation_name
+from trainer import seams
+from trainer.errors import TrainerError, as_storage_failure, reraise_as_storage_failure, root_cause, storage_failure
+from trainer.recovery.coordination import Coordinator, SingleProcess
+from trainer.recovery.manifest import GenerationFacts, Manifest
 from trainer.recovery.snapshot import single_process, write_snapshot
 from trainer.recovery.staging import ReusableStager
-from trainer.recovery.store import GenerationStore
+from trainer.recovery.store import GenerationStore, Published
 from trainer.recovery.writer import HashingFileSystemWriter, WriterConfig
+from trainer.run_dir import generation_name
 
 log = logging.getLogger("trainer")
-MODES = ("auto", "sync", "async")
-
-
-@dataclass(frozen=True)
-class Published:
-    name: str
-    step: int
-    manifest_sha256: str
-    save_s: float
-    """Wall time of the whole save, write + hash/fsync + publish."""
-    blocked_s: float
-    """Time the training loop was blocked by it (all of it, in sync mode)."""
 
 
 def effective_mode(requested: str, device: torch.device, world_size: int = 1) -> str:
-    """`auto` is async on CUDA, where staging is a DMA into pinned memory that runs beside
-    the GPU's work, and sync on CPU, where staging is a memcpy on the same cores the loop
-    needs, so async saves little there (bench/loop_overhead.py measures it).
+    """The mode a requested `--checkpoint-mode` (auto | sync | async, validated by the CLI)
+    runs as. `auto` is async on CUDA, where staging is a DMA into pinned memory that runs
+    beside the GPU's work, and sync on CPU, where staging is a memcpy on the same cores the
+    loop needs, so async saves little there (bench/loop_overhead.py measures it).
 
     Multi-process runs write sync: the async path publishes from a background thread of one
     process, and the cross-rank protocol (rank 0 creates, all write, barrier, rank 0
-    publishes) is not built for it yet. An explicit `async` there is refused, not ignored."""
-    if requested not in MODES:
-        raise UsageError(f"--checkpoint-mode {requested!r} is not one of {', '.join(MODES)}")
+    publishes) is not built for it yet; the CLI refuses an explicit `async` there."""
     if world_size > 1:
-        if requested == "async":
-            raise UsageError("--checkpoint-mode async is single-process only; under torchrun use "
-                             "--checkpoint-mode sync (or auto)")
         return "sync"
     if requested == "auto":
         return "async" if device.type == "cuda" else "sync"
     return requested
 
 
-def build_checkpointer(mode: str, store: GenerationStore, attempt_id: str, fault_hook: Callable[[str], None],
-                       device: torch.device, ranks, config: WriterConfig = WriterConfig()):
-    """The checkpointer for an effective mode ("sync" or "async"); `ranks` is the run's
-    `trainer.distributed.Ranks` (which rank this is and how ranks agree)."""
+def build_checkpointer(mode: str, store: GenerationStore, attempt_id: str, device: torch.device,
+                       coordinator: Coordinator = SingleProcess(), config: WriterConfig = WriterConfig()):
+    """The checkpointer for an effective mode ("sync" or "async")."""
     if mode == "async":
-        return AsyncCheckpointer(store, attempt_id, fault_hook, device, config)
-    return SyncCheckpointer(store, attempt_id, fault_hook, config, ranks)
+        return AsyncCheckpointer(store, attempt_id, device, config)
+    return SyncCheckpointer(store, attempt_id, config, coordinator)
 
 
 class _Checkpointer:
@@ -89,11 +69,9 @@ class _Checkpointer:
 
     mode = ""
 
-    def __init__(self, store: GenerationStore, attempt_id: str, fault_hook: Callable[[str], None],
-                 config: WriterConfig):
+    def __init__(self, store: GenerationStore, attempt_id: str, config: WriterConfig):
         self.store = store
         self.attempt_id = attempt_id
-        self.fault_hook = fault_hook
         self.config = config
         self._unreported: list[Published] = []
         """Published generations not yet returned to the loop (a save failed right after
@@ -105,12 +83,11 @@ class _Checkpointer:
         except OSError as error:
             raise storage_failure(error, f"creating generation {generation_name(step)}") from None
 
-    def _publish(self, temporary: Path, step: int, manifest: dict, timings: dict, digests: dict) -> str:
-        sealed = {**manifest, "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "recovery",
-                  "name": generation_name(step), "attempt": self.attempt_id,
-                  "timings": {"mode": self.mode, **{k: round(v, 6) for k, v in timings.items()}}}
-        self.store.publish(temporary, step, sealed, self.fault_hook, digests)
-        return manifest_digest(self.store.path(generation_name(step)))
+    def _publish(self, temporary: Path, facts: GenerationFacts, timings: dict, digests: dict | None) -> str:
+        timings = {"mode": self.mode, **timings}
+        return self.store.publish(temporary, facts.step,
+                                  lambda files: Manifest.for_generation(facts, self.attempt_id, timings, files),
+                                  digests)
 
     @staticmethod
     def _failure(error: BaseException, step: int) -> BaseException:
@@ -147,28 +124,28 @@ class SyncCheckpointer(_Checkpointer):
 
     mode = "sync"
 
-    def __init__(self, store: GenerationStore, attempt_id: str, fault_hook: Callable[[str], None],
-                 config: WriterConfig = WriterConfig(), ranks=None):
-        super().__init__(store, attempt_id, fault_hook, config)
-        self.ranks = ranks or Ranks(LaunchEnvironment(), torch.device("cpu"))
-        """`trainer.distributed.Ranks`; by default a single process."""
+    def __init__(self, store: GenerationStore, attempt_id: str, config: WriterConfig = WriterConfig(),
+                 coordinator: Coordinator = SingleProcess()):
+        super().__init__(store, attempt_id, config)
+        self.coordinator = coordinator
 
-    def save(self, state_dict: dict, step: int, manifest: dict) -> list[Published]:
+    def save(self, state_dict: dict, facts: GenerationFacts) -> list[Published]:
         started = time.monotonic()
+        step, coordinator = facts.step, self.coordinator
         name = generation_name(step)
-        temporary = self.ranks.decide_on_primary(lambda: self._begin(step), f"creating generation {name}")
+        temporary = coordinator.decide_on_primary(lambda: self._begin(step), f"creating generation {name}")
         try:
             digests = write_snapshot(state_dict, temporary, self.config)
-            self.fault_hook("after-write")
-            self.ranks.barrier(f"writing generation {name}")
+            seams.crash_point("after-write")
+            coordinator.barrier(f"writing generation {name}")
             timings = {"write_s": time.monotonic() - started}
             # Rank 0 knows the digests of its own shards only; with several ranks it hashes
             # the others' (already fsynced by their writers) while sealing.
-            known = digests if not self.ranks.distributed else None
-            digest = self.ranks.decide_on_primary(lambda: self._publish_or_fail(temporary, step, manifest, timings, known),
-                                                  f"publishing generation {name}")
+            known = digests if not coordinator.distributed else None
+            digest = coordinator.decide_on_primary(lambda: self._publish_or_fail(temporary, facts, timings, known),
+                                                   f"publishing generation {name}")
         except BaseException as error:
-            if self.ranks.is_primary:
+            if coordinator.is_primary:
                 shutil.rmtree(temporary, ignore_errors=True)
             if isinstance(error, TrainerError):
                 raise
@@ -176,13 +153,13 @@ class SyncCheckpointer(_Checkpointer):
         elapsed = time.monotonic() - started
         return [Published(name, step, digest, elapsed, elapsed)]
 
-    def _publish_or_fail(self, temporary: Path, step: int, manifest: dict, timings: dict, known) -> str:
+    def _publish_or_fail(self, temporary: Path, facts: GenerationFacts, timings: dict, known) -> str:
         """Seal and rename (rank 0); a storage error becomes StorageFailure here, so every
         rank exits with its status (74), not just rank 0."""
         try:
-            return self._publish(temporary, step, manifest, timings, known)
+            return self._publish(temporary, facts, timings, known)
         except BaseException as error:
-            reraise_as_storage_failure(error, f"writing generation {generation_name(step)}")
+            reraise_as_storage_failure(error, f"writing generation {generation_name(facts.step)}")
 
 
 @dataclass(frozen=True)
@@ -204,12 +181,9 @@ class AsyncCheckpointer(_Checkpointer):
 
     mode = "async"
 
-    def __init__(self, store: GenerationStore, attempt_id: str, fault_hook: Callable[[str], None],
-                 device: torch.device, config: WriterConfig = WriterConfig(),
-                 writer_factory: Callable[[Path], HashingFileSystemWriter] | None = None):
-        super().__init__(store, attempt_id, fault_hook, config)
-        self.writer_factory = writer_factory or (lambda path: HashingFileSystemWriter(path, config))
-        """Makes the DCP storage writer for one generation (a seam for tests)."""
+    def __init__(self, store: GenerationStore, attempt_id: str, device: torch.device,
+                 config: WriterConfig = WriterConfig()):
+        super().__init__(store, attempt_id, config)
         self.stager = ReusableStager(device)
         # One thread that waits for each background write and then publishes it, so a
         # generation becomes durable as soon as it is written, not at the next save.
@@ -217,14 +191,19 @@ class AsyncCheckpointer(_Checkpointer):
         self._in_flight: _InFlight | None = None
         self._closed = False
 
-    def save(self, state_dict: dict, step: int, manifest: dict) -> list[Published]:
+    def new_writer(self, directory: Path) -> HashingFileSystemWriter:
+        """The DCP storage writer for one generation."""
+        return HashingFileSystemWriter(directory, self.config)
+
+    def save(self, state_dict: dict, facts: GenerationFacts) -> list[Published]:
         if self._closed:
             raise RuntimeError("AsyncCheckpointer.save() after finalize()")
         started = time.monotonic()
+        step = facts.step
         self._unreported += self.drain()
         temporary = self._begin(step)
         try:
-            writer = self.writer_factory(temporary)
+            writer = self.new_writer(temporary)
             response = dcp.async_save(state_dict, storage_writer=writer, async_stager=self.stager,
                                       no_dist=single_process())
         except BaseException as error:
@@ -232,24 +211,24 @@ class AsyncCheckpointer(_Checkpointer):
             raise self._failure(error, step) from None
         blocked = time.monotonic() - started
         published = self._publisher.submit(self._publish_when_written, response.upload_completion, writer,
-                                           temporary, step, manifest, started, blocked)
+                                           temporary, facts, started, blocked)
         self._in_flight = _InFlight(step, response.staging_completion, published)
         done, self._unreported = self._unreported, []
         return done
 
-    def _publish_when_written(self, upload: Future, writer: HashingFileSystemWriter, temporary: Path, step: int,
-                              manifest: dict, started: float, blocked: float) -> Published:
+    def _publish_when_written(self, upload: Future, writer: HashingFileSystemWriter, temporary: Path,
+                              facts: GenerationFacts, started: float, blocked: float) -> Published:
         """Runs on the publisher thread: the atomic publish, only after the write completed."""
         try:
             upload.result()
-            self.fault_hook("after-write")
+            seams.crash_point("after-write")
             timings = {"write_s": time.monotonic() - started, "save_blocked_s": blocked,
                        "staging_s": self.stager.last_staging_s or 0.0}
-            digest = self._publish(temporary, step, manifest, timings, writer.digests)
+            digest = self._publish(temporary, facts, timings, writer.digests)
         except BaseException:
             shutil.rmtree(temporary, ignore_errors=True)
             raise
-        return Published(generation_name(step), step, digest, time.monotonic() - started, blocked)
+        return Published(generation_name(facts.step), facts.step, digest, time.monotonic() - started, blocked)
 
     def drain(self) -> list[Published]:
         """Wait for the save in flight to be published; raise its failure if it failed."""

@@ -1,26 +1,16 @@
-"""Resume policy (DESIGN.md §3): which generation, if any, a new process starts from.
+"""Resume policy (README, "Resume policy and exit codes"): which generation, if any, a new process starts from.
 
-Pure decisions over names and verification results; the caller does the I/O.
+`choose_candidate` is a pure decision over names; `verify_candidate` verifies the choice and
+refuses a damaged one, naming the newest earlier generation that verifies.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Callable
 
 from trainer.errors import CorruptGeneration, NothingToResume, RefuseOverwrite
 from trainer.recovery.manifest import Verification
-
-GENERATION_NAME = re.compile(r"^step-(\d{8})$")
-
-
-def generation_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def generation_step(name: str) -> int | None:
-    match = GENERATION_NAME.match(name)
-    return int(match.group(1)) if match else None
+from trainer.recovery.store import GenerationStore
 
 
 def choose_candidate(names: list[str], resume: str | None, from_generation: str | None,
@@ -56,4 +46,25 @@ def require_verified(candidate: Verification, earlier: list[str],
     fallback = next((name for name in reversed(earlier) if verify(name).ok), None)
     advice = (f"newest earlier generation that verifies: {fallback}; resume from it with "
               f"--from-generation {fallback}") if fallback else "no earlier generation verifies"
-    raise CorruptGeneration(f"generation {candidate.path.name} is damaged: {candidate.problem}; {advice}")
+    raise CorruptGeneration(f"generation {candidate.name} is damaged: {candidate.problem}; {advice}")
+
+
+def verify_candidate(store: GenerationStore, candidate: str) -> Verification:
+    """The verified candidate, or CorruptGeneration (exit 65) with the way back."""
+    verification = store.verify(candidate)
+    require_verified(verification, [name for name in store.names() if name < candidate], store.verify)
+    return verification
+
+
+def set_aside_later_line(generations: GenerationStore, exports: GenerationStore, step: int) -> list[str]:
+    """An operator went back to the generation at `step`: every later generation and export
+    belongs to an abandoned line. Set them aside as superseded copies (kept, never selected),
+    so a later plain --resume cannot pick the abandoned line up again, and the new line never
+    has to replace them. Returns them as "SECTION/NAME".
+
+    Exports go first, then generations oldest first: a crash part way leaves the abandoned
+    line's newest generation in place, so a plain --resume continues that line as if the
+    operator had not gone back, and nothing newer than `step` is left in exports to outrank
+    the new line's exports under retention."""
+    return [f"{store.root.name}/{name}" for store in (exports, generations)
+            for name in store.set_aside_later_than(step)]

@@ -1,23 +1,33 @@
-"""The generation store: published generations under `checkpoints/`, their temporary
-siblings, and publishing through the shared atomic protocol."""
+"""The generation store: published `step-%08d` directories under one root (recovery
+generations under `checkpoints/`, exports under `exports/`), their hidden siblings, and
+publishing through the shared atomic protocol."""
 
 from __future__ import annotations
 
 import os
-import re
-import secrets
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from trainer.recovery.atomic import (MANIFEST, REPLACED, REPLACING, finish_interrupted_replacements, fsync_dir,
-                                     rename_into_place, seal_directory, set_aside, temporary_sibling)
-from trainer.recovery.manifest import Verification, verify_directory
-from trainer.recovery.resume import generation_name, generation_step
+from trainer.recovery.atomic import (finish_interrupted_replacements, fsync_dir, manifest_digest, rename_into_place,
+                                     seal_directory, set_aside, temporary_sibling)
+from trainer.recovery.manifest import Manifest, Verification, verify_directory
+from trainer.run_dir import (DELETING, MANIFEST, REMOVABLE, REPLACED, REPLACING, generation_name, generation_step,
+                             hidden_name)
 
-# Only directories matching these were created by us and may be removed: temporaries being
-# written, and generations being deleted (renamed aside first, so a crash mid-delete never
-# leaves a published generation with missing files).
-TEMPORARY_NAME = re.compile(r"^\.step-\d{8}\.(tmp|deleting)-[0-9A-Za-z-]+$")
+
+@dataclass(frozen=True)
+class Published:
+    """A directory that became published, and what it cost."""
+
+    name: str
+    step: int
+    manifest_sha256: str
+    save_s: float
+    """Wall time of the whole save, write + hash/fsync + publish."""
+    blocked_s: float
+    """Time the training loop was blocked by it (all of it, in sync mode)."""
 
 
 class GenerationStore:
@@ -51,13 +61,10 @@ class GenerationStore:
             self._verified[key] = verify_directory(self.path(name))
         return self._verified[key]
 
-    def newest_verified(self) -> str | None:
-        return next((n for n in reversed(self.names()) if self.verify(n).ok), None)
-
     def temporaries(self) -> list[Path]:
         if not self.root.is_dir():
             return []
-        return sorted(p for p in self.root.iterdir() if p.is_dir() and TEMPORARY_NAME.match(p.name))
+        return sorted(p for p in self.root.iterdir() if p.is_dir() and REMOVABLE.match(p.name))
 
     def recover_interrupted_replacements(self) -> list[str]:
         """Finish replacements a crash cut short (see `rename_into_place`); the names put back."""
@@ -65,11 +72,14 @@ class GenerationStore:
 
     def replaced(self) -> list[str]:
         """Superseded copies kept for inspection: never selected, never deleted by us."""
-        return sorted(p.name for p in self.root.glob(f".step-*{REPLACED}*")) if self.root.is_dir() else []
+        return self._hidden(REPLACED)
 
     def interrupted_replacements(self) -> list[str]:
         """`.replacing-` leftovers of a crash, which the next trainer puts back or retires."""
-        return sorted(p.name for p in self.root.glob(f".step-*{REPLACING}*")) if self.root.is_dir() else []
+        return self._hidden(REPLACING)
+
+    def _hidden(self, suffix: str) -> list[str]:
+        return sorted(p.name for p in self.root.glob(f".step-*{suffix}*")) if self.root.is_dir() else []
 
     def set_aside_later_than(self, step: int) -> list[str]:
         """Retire every published directory after `step`, oldest first: an operator went back
@@ -85,7 +95,7 @@ class GenerationStore:
     def remove(self, name: str) -> None:
         """Delete a published generation atomically: rename it to a hidden `.deleting-`
         sibling (never selected), make the rename durable, then delete the files."""
-        doomed = self.root / f".{name}.deleting-{secrets.token_hex(3)}"
+        doomed = self.root / hidden_name(name, DELETING)
         os.rename(self.path(name), doomed)
         fsync_dir(self.root)
         shutil.rmtree(doomed, ignore_errors=True)
@@ -103,22 +113,24 @@ class GenerationStore:
         self.root.mkdir(parents=True, exist_ok=True)
         return temporary_sibling(self.root, generation_name(step), tag)
 
-    def publish(self, temporary: Path, step: int, manifest: dict, fault_hook,
-                known: dict[str, dict] | None = None) -> dict:
-        """Seal and rename `temporary`; `known` are digests its writer computed while writing.
+    def publish(self, temporary: Path, step: int, describe: Callable[[dict], Manifest],
+                known: dict[str, dict] | None = None) -> str:
+        """Seal `temporary` with the manifest `describe(files)` makes, and rename it into
+        place; `known` are digests its writer computed while writing. Returns the sha256 of
+        the manifest now under the name.
 
         When the name is already published with exactly these files (an export replayed
         after a resume), the existing directory stays and the new copy is dropped: replays
-        do not pile up superseded copies. Returns the manifest now under the name."""
+        do not pile up superseded copies."""
         name = generation_name(step)
-        sealed = seal_directory(temporary, manifest, fault_hook, known)
+        sealed = seal_directory(temporary, describe, known)
         if self.path(name).is_dir() and not self.path(name).is_symlink():
             existing = self.verify(name, cached=True)
-            if existing.ok and existing.manifest["files"] == sealed["files"]:
+            if existing.ok and existing.manifest.files == sealed.files:
                 shutil.rmtree(temporary, ignore_errors=True)
-                return existing.manifest
-        rename_into_place(temporary, self.path(name), fault_hook)
+                return manifest_digest(self.path(name))
+        rename_into_place(temporary, self.path(name))
         stat = (self.path(name) / MANIFEST).stat()
         # Sealing just hashed every file: remember it as verified instead of re-reading.
         self._verified[(name, stat.st_ino, stat.st_mtime_ns)] = Verification(self.path(name), sealed, None)
-        return sealed
+        return manifest_digest(self.path(name))

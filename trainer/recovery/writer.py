@@ -34,11 +34,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.utils.serialization.config as serialization_config
 from torch.futures import Future
-from torch.distributed.checkpoint.filesystem import _StorageInfo  # DCP's own record of (file, offset, length)
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-SHARD_SUFFIX = ".distcp"
+from trainer import compat
+from trainer.run_dir import SNAPSHOT_SHARD_SUFFIX
+
 _CHUNK = 8 << 20
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages, do not wait
 
@@ -112,7 +113,7 @@ class _HashingFile(io.RawIOBase):
 def _item_bytes(item: WriteItem) -> int:
     if item.tensor_data is None:
         return 0
-    return item.tensor_data.size.numel() * torch._utils._element_size(item.tensor_data.properties.dtype)
+    return item.tensor_data.size.numel() * compat.element_size(item.tensor_data.properties.dtype)
 
 
 def split_items(items: list[WriteItem], files: int) -> list[list[WriteItem]]:
@@ -150,7 +151,7 @@ class HashingFileSystemWriter(dcp.FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
         buckets = split_items(plan.items, self.config.threads)
-        jobs = [(f"{prefix}{index}{SHARD_SUFFIX}", bucket) for index, bucket in enumerate(buckets)]
+        jobs = [(f"{prefix}{index}{SNAPSHOT_SHARD_SUFFIX}", bucket) for index, bucket in enumerate(buckets)]
         results: list[list[WriteResult]] = [[] for _ in jobs]
         errors: list[BaseException] = []
 
@@ -192,7 +193,7 @@ class HashingFileSystemWriter(dcp.FileSystemWriter):
                     torch.save(_tensor_for_write(planner, item), stream)
                 length = stream.tell() - offset
                 written.append(WriteResult(index=item.index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(name, offset, length)))
+                                           storage_data=compat.storage_info(name, offset, length)))
             os.fsync(fd)
         finally:
             os.close(fd)

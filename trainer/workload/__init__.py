@@ -1,77 +1,18 @@
-"""The workload: the part of the trainer a user replaces with their own model and data.
+"""Workloads: the part of the trainer a user replaces with their own model and data.
 
-The training loop only talks to a `Workload` through these few methods. To bring your own
-model, keep this interface: build the dataset, model, optimizer and LR scheduler, and compute
-the loss of one batch. Randomness in the main process may use the global Python, NumPy and
-torch RNGs (they are saved and restored); per-sample randomness inside the dataset must derive
-from (seed, epoch, index) so DataLoader workers do not change it.
+`protocol.Workload` is the interface the loop talks to; `example.ExampleWorkload` (an MLP on
+generated data) is the default one.
 """
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
-
-import numpy as np
-import torch
-from torch import nn
-
 from trainer.config import WorkloadConfig
-from trainer.workload.data import EpochBatchOrder, SyntheticClassification
-from trainer.workload.model import MLP
+from trainer.workload.protocol import Workload
 
-__all__ = ["Workload", "EpochBatchOrder"]
-
-
-@dataclass(frozen=True)
-class Workload:
-    config: WorkloadConfig
-
-    def build_dataset(self) -> SyntheticClassification:
-        c = self.config
-        return SyntheticClassification(c.samples, c.features, c.classes, c.seed)
-
-    def build_model(self) -> nn.Module:
-        c = self.config
-        return MLP(c.features, c.hidden_size, c.layers, c.classes, c.dropout)
-
-    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.SGD(model.parameters(), lr=self.config.lr, momentum=0.9, weight_decay=1e-4)
-
-    def build_scheduler(self, optimizer: torch.optim.Optimizer):
-        # Decays per optimizer step and never looks at the epoch count, so extending a run
-        # with a larger --epochs continues the same schedule.
-        return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.98)
-
-    def adopt_config(self, optimizer: torch.optim.Optimizer, scheduler) -> None:
-        """After a restore under an allowed `config` drift. The restored optimizer and
-        scheduler carry the learning rate they were built with, which would silently win
-        over a changed `--lr`: rescale the schedule to the configured rate, keeping the
-        decay it has reached (lr = new base × the factor so far)."""
-        for index, group in enumerate(optimizer.param_groups):
-            base = scheduler.base_lrs[index]
-            if base != self.config.lr:
-                group["lr"] = group["lr"] * (self.config.lr / base)
-                group["initial_lr"] = self.config.lr
-                scheduler.base_lrs[index] = self.config.lr
-        # What get_last_lr() reports until the next scheduler step (no public setter).
-        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-
-    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        inputs, labels = batch
-        # Batch-level augmentation in the main process, deliberately using the global RNGs so
-        # that an exact resume has to restore them: NumPy noise and a Python-random scale.
-        noise = torch.from_numpy(np.random.normal(0.0, 0.02, tuple(inputs.shape)).astype(np.float32))
-        scale = random.uniform(0.9, 1.1)
-        inputs = (inputs + noise.to(inputs.device)) * scale
-        return nn.functional.cross_entropy(model(inputs), labels)
-
-    def architecture(self) -> dict:
-        """What an export's config.json needs to rebuild the model without this package."""
-        c = self.config
-        return {"architecture": "MLP", "features": c.features, "hidden_size": c.hidden_size,
-                "layers": c.layers, "classes": c.classes, "dropout": c.dropout}
+__all__ = ["Workload", "build_workload"]
 
 
 def build_workload(config: WorkloadConfig) -> Workload:
-    return Workload(config)
+    from trainer.workload.example import ExampleWorkload
+
+    return ExampleWorkload(config)

@@ -1,4 +1,4 @@
-"""A generated, deterministic classification dataset and a resumable batch order.
+"""The example workload's data: a generated, deterministic classification dataset.
 
 Per-sample randomness (the augmentation noise) is drawn from a generator seeded by
 (seed, epoch, index), never from worker or global state, so any number of DataLoader workers
@@ -42,47 +42,3 @@ class SyntheticClassification(Dataset):
         digest.update(self.inputs.numpy().tobytes())
         digest.update(self.labels.numpy().tobytes())
         return digest.hexdigest()
-
-
-class EpochBatchOrder:
-    """This rank's share of the batches of (epoch, index) keys for one epoch, starting at a
-    batch position.
-
-    The permutation, and so every global batch, is a pure function of (seed, epoch): the
-    data-order "generator" is re-created from those two numbers, so the saved position alone
-    restores it exactly. With several processes each rank takes every `world_size`-th sample
-    of each global batch, starting at its rank, so together the ranks consume exactly the
-    global batch a single process would, and any world size resumes from the same position.
-    """
-
-    def __init__(self, samples: int, batch_size: int, seed: int, epoch: int, start_batch: int,
-                 rank: int = 0, world_size: int = 1):
-        self.samples, self.batch_size = samples, batch_size
-        self.seed, self.epoch, self.start_batch = seed, epoch, start_batch
-        self.rank, self.world_size = rank, world_size
-
-    def permutation(self) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return torch.randperm(self.samples, generator=generator)
-
-    def __iter__(self):
-        order = self.permutation().tolist()
-        for start in range(self.start_batch * self.batch_size, self.samples, self.batch_size):
-            batch = order[start:start + self.batch_size]
-            yield [(self.epoch, index) for index in batch[self.rank::self.world_size]]
-
-    def __len__(self) -> int:
-        return max(0, -(-self.samples // self.batch_size) - self.start_batch)
-
-
-def uneven_split(samples: int, batch_size: int, world_size: int) -> str | None:
-    """Why the global batches cannot be split evenly across `world_size` ranks, or None.
-
-    Every batch, the last one of an epoch included, must divide evenly: gradients are
-    averaged per rank, so unequal slices would weigh samples unequally (and an empty slice
-    would leave a rank with nothing to train on)."""
-    last = samples % batch_size or batch_size
-    if batch_size % world_size == 0 and last % world_size == 0:
-        return None
-    return (f"--batch-size {batch_size} (last batch of an epoch: {last} of --samples {samples}) does not "
-            f"divide evenly across {world_size} processes; choose sizes that are multiples of {world_size}")

@@ -1,0 +1,93 @@
+"""Every private API the trainer relies on, in one place, each checked against one version.
+
+Upstream may move or rename a private name in any release. Each use is wrapped here with the
+version it was last checked against, and tests/test_compat.py resolves every one of them, so
+an upgrade that breaks one fails a fast unit test naming the name and this file, instead of
+a save or a restore failing deep in a run. Nothing here is imported at module load: torch
+is imported only by the wrappers that need it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from trainer.errors import TrainerError
+
+
+class PrivateApiMoved(TrainerError):
+    """A private name we depend on is gone: the installed version differs from the checked
+    one. One line naming the name and this file, never a traceback deep inside a save."""
+
+
+@dataclass(frozen=True)
+class PrivateName:
+    module: str
+    name: str
+    package: str
+    checked: str
+    """The `package` version this use was checked against."""
+    why: str
+
+    def resolve(self):
+        try:
+            return getattr(importlib.import_module(self.module), self.name)
+        except (ImportError, AttributeError):
+            raise PrivateApiMoved(
+                f"{self.module}.{self.name} is gone ({self.package} {installed_version(self.package)} installed, "
+                f"checked against {self.checked}); it is used for {self.why}: update trainer/compat.py") from None
+
+
+def installed_version(package: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+DCP_STORAGE_INFO = PrivateName(
+    "torch.distributed.checkpoint.filesystem", "_StorageInfo", "torch", "2.13.0",
+    "recording where each tensor lies in a shard, in the format stock DCP readers expect")
+DCP_FLATTEN_STATE_DICT = PrivateName(
+    "torch.distributed.checkpoint._nested_dict", "flatten_state_dict", "torch", "2.13.0",
+    "naming a state dict's tensors by the flat keys DCP stores them under")
+TORCH_ELEMENT_SIZE = PrivateName(
+    "torch._utils", "_element_size", "torch", "2.13.0",
+    "the byte size of a dtype when spreading tensors across shard files")
+RUN_EXIT_HANDLERS = PrivateName(
+    "atexit", "_run_exitfuncs", "python", "3.11",
+    "running exit handlers (Polyaxon's event flush) before a multi-process rank's os._exit")
+SCHEDULER_LAST_LR = "_last_lr"
+"""Attribute of every torch LRScheduler (checked against torch 2.13.0) behind
+`get_last_lr()`; it has no public setter."""
+
+PRIVATE_NAMES = (DCP_STORAGE_INFO, DCP_FLATTEN_STATE_DICT, TORCH_ELEMENT_SIZE, RUN_EXIT_HANDLERS)
+
+
+def storage_info(relative_path: str, offset: int, length: int):
+    return DCP_STORAGE_INFO.resolve()(relative_path, offset, length)
+
+
+def flatten_state_dict(state_dict: dict) -> dict:
+    """The state dict's leaves by DCP's flat keys ("model.net.0.weight")."""
+    flat, _ = DCP_FLATTEN_STATE_DICT.resolve()(state_dict)
+    return flat
+
+
+def element_size(dtype) -> int:
+    return TORCH_ELEMENT_SIZE.resolve()(dtype)
+
+
+def run_exit_handlers() -> None:
+    RUN_EXIT_HANDLERS.resolve()()
+
+
+def set_scheduler_last_lr(scheduler, learning_rates: list[float]) -> None:
+    """What `get_last_lr()` reports until the scheduler's next step."""
+    if not hasattr(scheduler, SCHEDULER_LAST_LR):
+        raise PrivateApiMoved(f"{type(scheduler).__name__} has no {SCHEDULER_LAST_LR} (torch "
+                              f"{installed_version('torch')} installed, checked against 2.13.0); it is used "
+                              f"for an allowed --lr drift: update trainer/compat.py")
+    setattr(scheduler, SCHEDULER_LAST_LR, list(learning_rates))

@@ -1,0 +1,121 @@
+"""Saving on cadence: after each optimizer step, which save paths fire, and what every
+publish leaves behind (the attempt record, an observer event, retention).
+
+The loop calls `after_step()` once per step with what the ranks agreed, `wait_for_staging()`
+right before the next optimizer step, and `finalize()` before it ends, so every blocking
+point of checkpointing stays visible in the loop. Async saves are published later than they
+are taken: generations are recorded and pruned only once the checkpointer reports them
+published.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch import nn
+
+from trainer.attempts import EXPORTS, GENERATIONS, AttemptRecorder, utc_now
+from trainer.cadence import StepPoint, build_policy
+from trainer.config import RunConfig
+from trainer.distributed import Ranks, StepAgreement
+from trainer.events import TrainingEvents
+from trainer.export import full_weights, write_export
+from trainer.recovery.manifest import GenerationFacts
+from trainer.recovery.store import GenerationStore, Published
+from trainer.retention import apply_retention
+from trainer.run_dir import RunDirectory
+from trainer.state import TrainingState
+from trainer.workload import Workload
+
+log = logging.getLogger("trainer")
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """What every generation this attempt publishes carries in its manifest."""
+
+    fingerprint: dict
+    allowed_drift: tuple[str, ...]
+    protected: frozenset[str]
+    """Generations retention must keep (the one restored)."""
+
+
+class CadencedSaves:
+    def __init__(self, config: RunConfig, run: RunDirectory, checkpointer, lineage: Lineage, ranks: Ranks,
+                 recorder: AttemptRecorder, events: TrainingEvents, attempt_id: str):
+        self.config, self.ranks, self.recorder, self.events = config, ranks, recorder, events
+        self.checkpointer = checkpointer
+        self.generations = checkpointer.store
+        self.exports = GenerationStore(run.exports)
+        self.lineage = lineage
+        self.attempt_id = attempt_id
+        self.recover_policy = build_policy(config.recover)
+        self.export_policy = build_policy(config.export)
+        self.sharded = ranks.distributed and config.workload.data_parallel == "fsdp"
+
+    def load_cadence(self, cadence: dict) -> None:
+        """Continue the cadence counters a restored generation carried."""
+        self.recover_policy.load_state(cadence.get("recover", {}))
+        self.export_policy.load_state(cadence.get("export", {}))
+
+    def agree(self, point: StepPoint, loss, preempted: bool) -> StepAgreement:
+        """Every rank learns rank 0's cadence decisions and whether any rank was signalled."""
+        return self.ranks.agree_after_step(loss, lambda: self.recover_policy.due(point),
+                                           lambda: self.export_policy.due(point), preempted)
+
+    def wait_for_staging(self) -> None:
+        self.recorder.waited(self.checkpointer.wait_for_staging())
+
+    def after_step(self, state: TrainingState, model: nn.Module, workload: Workload, agreed: StepAgreement,
+                   final: bool) -> None:
+        if agreed.recover or final or agreed.preempt:
+            self.save_generation(state)
+        if (agreed.export or final) and (self.ranks.is_primary or self.sharded):
+            self.save_export(state, model, workload)
+
+    def save_generation(self, state: TrainingState) -> None:
+        progress = state.progress
+        facts = GenerationFacts(progress.global_step, progress.epoch, progress.position, self.lineage.fingerprint,
+                                self.lineage.allowed_drift, {"recover": {}, "export": self.export_policy.state()},
+                                utc_now())
+        self.record_generations(self.checkpointer.save(state.state_dict(), facts), progress.global_step)
+        self.recover_policy.saved()
+
+    def save_export(self, state: TrainingState, model: nn.Module, workload: Workload) -> None:
+        weights = full_weights(model, self.sharded)  # under FSDP a collective: every rank gathers
+        if not self.ranks.is_primary:
+            return
+        progress = state.progress
+        published = write_export(self.exports, weights, progress.global_step, progress.epoch,
+                                 workload.architecture(), self.config.export_dtype,
+                                 self.lineage.fingerprint["source"], self.attempt_id)
+        self.export_policy.saved()
+        self._published(EXPORTS, self.exports, published, progress.global_step)
+        for name in apply_retention(self.exports, self.config.retention.keep_exports, None, frozenset()):
+            log.info("retention removed export %s", name)
+
+    def finalize(self, step: int) -> None:
+        """Drain the save in flight (it publishes) before the attempt ends."""
+        self.record_generations(self.checkpointer.finalize(), step)
+
+    def close_after_failure(self) -> None:
+        """After a failure: finish what is in flight and record it; never raises."""
+        self.record_generations(self.checkpointer.close_after_failure(), None, prune=False)
+
+    def record_generations(self, published_now: list[Published], step: int | None, prune: bool = True) -> None:
+        retention = self.config.retention
+        for published in published_now:
+            self._published(GENERATIONS, self.generations, published, step)
+            if not prune or not self.ranks.is_primary:  # retention is the lock holder's job
+                continue
+            for name in apply_retention(self.generations, retention.keep_last, retention.keep_every,
+                                        self.lineage.protected):
+                log.info("retention removed generation %s", name)
+
+    def _published(self, kind: str, store: GenerationStore, published: Published, step: int | None) -> None:
+        self.recorder.published(kind, published, step)
+        log.info("published %s %s in %.3fs", "generation" if kind == GENERATIONS else "export",
+                 published.name, published.save_s)
+        self.events.published("generation" if kind == GENERATIONS else "export", store.path(published.name),
+                              published)

@@ -1,0 +1,84 @@
+"""Test seams, in one place: switches that exist only so tests can prove crash safety.
+
+The CLI installs them once, from the environment, before any work starts; library code asks
+`crash_point(name)` at each point of the publish protocol where a crash is worth proving
+survivable, and `skip_rng_restore()` when restoring RNGs. With no seam installed (every
+real run, every in-process use of the library) both are no-ops, so product code reads and
+behaves the same with the seams off.
+
+This is the one piece of process-wide state in the package, on purpose: threading a test
+hook through every constructor on the save path made nine signatures carry it. It is
+written once, before training, and only read afterwards.
+
+Environment variables (read by `from_environment`; an unknown value is a usage error, so a
+typo cannot silently disable a fault test):
+- `TRAINER_FAULT_POINT=NAME` kills this process with SIGKILL at crash point NAME;
+- `TRAINER_FAULT_RANK=R` limits that to rank R of a multi-process run;
+- `TRAINER_DEBUG_SKIP_RNG_RESTORE=python,numpy` leaves those RNGs unrestored (the test that
+  proves each RNG matters).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Mapping
+
+from trainer.errors import UsageError
+
+FAULT_ENV = "TRAINER_FAULT_POINT"
+FAULT_RANK_ENV = "TRAINER_FAULT_RANK"
+SKIP_RNG_ENV = "TRAINER_DEBUG_SKIP_RNG_RESTORE"
+
+CRASH_POINTS = ("after-write", "after-files-fsync", "after-manifest", "after-rename")
+"""Where a crash can be injected, in publish order: shards written, every file hashed and
+fsynced, manifest written, directory renamed into place."""
+RNG_KINDS = ("python", "numpy", "torch", "cuda")
+"""The global RNGs a snapshot holds (trainer/state.py); named here so the CLI can validate
+the skip list without importing torch."""
+
+
+@dataclass(frozen=True)
+class Seams:
+    crash_at: str | None = None
+    """Crash point at which this process kills itself (None: never)."""
+    skip_rng: frozenset[str] = frozenset()
+    """RNG kinds whose restore is skipped (empty: restore all)."""
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str], rank: int) -> "Seams":
+        point = env.get(FAULT_ENV) or None
+        if point is not None and point not in CRASH_POINTS:
+            raise UsageError(f"{FAULT_ENV}={point!r} is not a crash point; use one of {', '.join(CRASH_POINTS)}")
+        fault_rank = env.get(FAULT_RANK_ENV)
+        if fault_rank is not None and not fault_rank.isdigit():
+            raise UsageError(f"{FAULT_RANK_ENV}={fault_rank!r} is not a rank number")
+        if fault_rank is not None and int(fault_rank) != rank:
+            point = None
+        skip = frozenset(filter(None, env.get(SKIP_RNG_ENV, "").split(",")))
+        if skip - set(RNG_KINDS):
+            raise UsageError(f"{SKIP_RNG_ENV} names unknown RNGs {sorted(skip - set(RNG_KINDS))}; "
+                             f"use {', '.join(RNG_KINDS)}")
+        return cls(point, skip)
+
+
+_installed: list[Seams] = [Seams()]
+
+
+def install(seams: Seams) -> None:
+    """Called once by the CLI, before any work."""
+    _installed[0] = seams
+
+
+def crash_point(name: str) -> None:
+    """Kill this process here (SIGKILL, no clean-up) if a test asked for a crash at `name`."""
+    if _installed[0].crash_at == name:
+        sys.stderr.write(f"trainer: fault injection: killing at {name}\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def skip_rng_restore() -> frozenset[str]:
+    return _installed[0].skip_rng
