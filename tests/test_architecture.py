@@ -1,0 +1,85 @@
+"""The package's layering, read from the source: dependencies point one way
+(cli → loop → recovery/export → storage), and `trainer/recovery/` never reaches up."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+PACKAGE = REPO / "trainer"
+
+LAYERS = [
+    # Leaves: names, errors, configuration, test seams, private-API wrappers.
+    {"trainer.errors", "trainer.run_dir", "trainer.config", "trainer.launch", "trainer.seams", "trainer.compat"},
+    # Storage and recovery: generations, manifests, the publish protocol, save and restore.
+    {"trainer.recovery"},
+    # What a run is made of, each usable on its own.
+    {"trainer.state", "trainer.cadence", "trainer.retention", "trainer.export", "trainer.lock",
+     "trainer.preemption", "trainer.events", "trainer.batching", "trainer.fingerprint", "trainer.workload",
+     "trainer.attempts", "trainer.distributed", "trainer.runtime", "trainer.compare", "trainer.listing"},
+    # Saving on cadence, then the loop that runs one attempt.
+    {"trainer.saving"},
+    {"trainer.loop"},
+    # The edges: Polyaxon tracking, the command line.
+    {"trainer.tracking"},
+    {"trainer.cli", "trainer.__main__"},
+]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int:
+    for index, members in enumerate(LAYERS):
+        if any(module == member or module.startswith(member + ".") for member in members):
+            return index
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS in {Path(__file__).name}")
+
+
+def trainer_imports(path: Path) -> set[str]:
+    """Every trainer module the file imports, at any depth (lazy imports count too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trainer"):
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+            # `from trainer import seams` imports a module; `from trainer.x import Y` a name in x.
+            found |= {name if (PACKAGE / Path(*name.split(".")[1:])).with_suffix(".py").exists() else node.module
+                      for name in names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("trainer")}
+    return found
+
+
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_module_imports_a_higher_layer(path):
+    module = module_name(path)
+    upward = sorted(imported for imported in trainer_imports(path) if layer_of(imported) > layer_of(module))
+    assert not upward, f"{module} (layer {layer_of(module)}) imports {upward} from a higher layer"
+
+
+def test_recovery_imports_nothing_from_the_run_around_it():
+    forbidden = {"trainer.loop", "trainer.cli", "trainer.distributed", "trainer.tracking", "trainer.attempts"}
+    for path in sorted((PACKAGE / "recovery").glob("*.py")):
+        assert not trainer_imports(path) & forbidden, path
+
+
+def test_the_layer_check_can_fail():
+    """The checker sees an upward import when there is one (so the tests above can fail)."""
+    assert "trainer.loop" in trainer_imports(PACKAGE / "cli.py")
+    assert layer_of("trainer.loop") > layer_of("trainer.recovery.checkpointer")
+    assert layer_of("trainer.recovery.store") > layer_of("trainer.run_dir")
+
+
+def test_the_loop_depends_on_the_workload_protocol_not_the_example():
+    imported = trainer_imports(PACKAGE / "loop.py") | trainer_imports(PACKAGE / "saving.py")
+    assert not any(name.startswith("trainer.workload.example") or name.startswith("trainer.workload.data")
+                   for name in imported), imported

@@ -1,0 +1,39 @@
+"""Every private API we use still exists in the installed versions: an upgrade that moves one
+fails here, naming it, instead of deep inside a save or a restore."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer import compat
+
+
+@pytest.mark.parametrize("private", compat.PRIVATE_NAMES, ids=lambda p: f"{p.module}.{p.name}")
+def test_private_name_resolves(private):
+    assert private.resolve() is not None
+
+
+def test_a_moved_name_fails_with_one_line_naming_it_and_the_checked_version():
+    moved = compat.PrivateName("torch.distributed.checkpoint.filesystem", "_NoSuchThing", "torch", "2.13.0",
+                               "a test")
+    with pytest.raises(compat.PrivateApiMoved) as raised:
+        moved.resolve()
+    message = str(raised.value)
+    assert "_NoSuchThing is gone" in message and "checked against 2.13.0" in message
+    assert "trainer/compat.py" in message and "\n" not in message
+
+
+def test_the_wrappers_do_what_the_writer_and_restore_rely_on():
+    assert compat.element_size(torch.float16) == 2
+    info = compat.storage_info("__0_0.distcp", 7, 11)
+    assert (info.relative_path, info.offset, info.length) == ("__0_0.distcp", 7, 11)
+    flat = compat.flatten_state_dict({"model": {"w": torch.zeros(2)}, "step": 3})
+    assert set(flat) == {"model.w", "step"}
+
+
+def test_the_schedulers_last_lr_can_be_set():
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)
+    compat.set_scheduler_last_lr(scheduler, [0.25])
+    assert scheduler.get_last_lr() == [0.25]
