@@ -355,6 +355,7 @@ class TrainingRun:
                 for name in apply_retention(store, config.retention.keep_last, config.retention.keep_every,
                                             protected):
                     log.info("retention removed generation %s", name)
+                    self.events.removed("generation", name)
 
         def save_generation() -> None:
             progress = state.progress
@@ -377,6 +378,7 @@ class TrainingRun:
             self.events.published("export", exports.path(published.name), published)
             for name in apply_retention(exports, config.retention.keep_exports, None, frozenset()):
                 log.info("retention removed export %s", name)
+                self.events.removed("export", name)
 
         preemption = self.preemption
         if preemption.requested and not ranks.distributed:  # signalled while claiming or restoring
