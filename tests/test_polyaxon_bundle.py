@@ -131,6 +131,7 @@ def test_invalid_params_and_presets_are_rejected(cli_env, tmp_path):
     cases = {  # through the real CLI: what a user sees
         "bad type": (([JOB_FILE], ("epochs=eight",)), "Cannot convert value `eight`"),
         "not an option": (([JOB_FILE], ("checkpoint_mode=eventually",)), "must be one of the values"),
+        "no null from -P": (([JOB_FILE], ("resume=null",)), "Value `null` must be one of the values"),
         "unknown param": (([JOB_FILE], ("epochz=3",)), "undeclared param `epochz`"),
         "unknown param in a preset": (([JOB_FILE, typo], ()), "undeclared param `resum`"),
     }
