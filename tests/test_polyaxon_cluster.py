@@ -192,6 +192,10 @@ def test_documented_polyaxon_commands_are_accepted_by_the_cli(tmp_path, monkeypa
         if argv[1] == "ops":
             # What `ops resume/restart -f ...` sends: the files merged and read as one preset.
             read_polyaxonfile(ConfigSpec.read_from(files), is_preset=True)
+            if ctx.params["recompile"]:  # the files are the whole operation: a polyaxonfile and presets
+                assert Path(files[0]).parent.name == "polyaxonfiles", argv
+                checks.append(([REPO / f for f in files], ()))
+                continue
             targets = [f for f in POLYAXONFILES if all(Path(f) in preset_targets(REPO / p) for p in files)]
             assert targets, f"{argv}: no polyaxonfile takes these presets"
             checks += [([t] + [REPO / p for p in files], ()) for t in targets]
@@ -276,34 +280,60 @@ def test_save_on_sigterm_fits_well_inside_the_grace(tmp_path):
 
 
 # ------------------------------------------------------------------------------- server path
-def test_what_ops_resume_presets_change_on_the_public_server_path(tmp_path):
-    """`ops resume -f P` sends P as an override. The public server (haupt 2.16.1,
-    operations/service.py resume_run → init_run) compiles the run's original operation with
-    that override, but stores `params = op_spec.params` of the *original* operation, and the
-    scheduler applies those params. Reconstructed here with the 2.18 client's own functions:
-    a preset's runPatch reaches the container, its params do not. docs/polyaxon.md says so;
-    if this starts failing, the server path changed and the docs must follow."""
+def server_resume(original: dict, files: list[str], recompile: bool) -> list[str]:
+    """The trainer argv of a run started with `-P original` and then given `ops resume -f FILES`
+    (`--recompile` or not), on the public server's path, rebuilt with the 2.18 client's own
+    functions. CLI (`_cli/operations.py` resume/restart): the files are merged and read as one
+    preset. Server (haupt 2.16.1 `orchestration/operations/service.py` resume_run/_clone_run →
+    init_run): without --recompile the run's original operation is compiled with that content as
+    override, but `params = op_spec.params` keeps the *original* params, which the scheduler
+    applies; with --recompile the content itself is the operation, params included."""
     from polyaxon._config.spec import ConfigSpec
     from polyaxon._polyaxonfile import read_polyaxonfile
     from polyaxon.polyaxonfile import CompiledOperationSpecification, OperationSpecification, check_polyaxonfile
     from polyaxon.schemas import V1Operation
 
-    preset = tmp_path / "preset.yaml"
-    preset.write_text("version: 1.1\nkind: operation\nparams:\n  resume: latest\nrunPatch:\n  container:\n"
-                      "    env:\n      - name: PRESET_SEEN\n        value: 'yes'\n")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        started = check_polyaxonfile(polyaxonfile=[str(JOB_FILE)], params={"interrupt_at_step": 27},
-                                     is_cli=False, strict_params=True, verbose=False)
-        content = read_polyaxonfile(ConfigSpec.read_from([str(preset)]), is_preset=True).to_source_json()
-        op_spec = V1Operation.read(started.to_json())  # the run's raw_content
-        compiled = OperationSpecification.compile_operation(op_spec, override=content,
-                                                            use_override_patch_strategy=True)
-        params = {name: param.to_dict() for name, param in op_spec.params.items()}  # run.params
+        started = check_polyaxonfile(polyaxonfile=[str(JOB_FILE)], params=original, is_cli=False,
+                                     strict_params=True, verbose=False)
+        content = read_polyaxonfile(ConfigSpec.read_from(files), is_preset=True).to_source_json()
+        if recompile:
+            op_spec = V1Operation.read(content)
+            compiled = OperationSpecification.compile_operation(op_spec)
+        else:
+            op_spec = V1Operation.read(started.to_json())  # the run's raw_content
+            compiled = OperationSpecification.compile_operation(op_spec, override=content,
+                                                                use_override_patch_strategy=True)
+        params = {name: param.to_dict() for name, param in (op_spec.params or {}).items()}  # run.params
         compiled = CompiledOperationSpecification.apply_params(compiled, params=params, context={})
         compiled = CompiledOperationSpecification.apply_operation_contexts(compiled)
         compiled = CompiledOperationSpecification.apply_runtime_contexts(compiled)
-    argv = trainer_argv(compiled.run.container.args[0])
-    env = [e if isinstance(e, dict) else e.to_dict() for e in compiled.run.container.env]
-    assert {"name": "PRESET_SEEN", "value": "yes"} in env
+    env = [e if isinstance(e, dict) else e.to_dict() for e in compiled.run.container.env or []]
+    return trainer_argv(compiled.run.container.args[0]) + [f"ENV {e['name']}={e['value']}" for e in env]
+
+
+def test_ops_resume_with_presets_applies_their_runpatch_but_not_their_params(tmp_path):
+    """The override form: docs/polyaxon.md says so; if this starts failing, the server path
+    changed and the docs must follow."""
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("version: 1.1\nkind: operation\nparams:\n  resume: latest\nrunPatch:\n  container:\n"
+                      "    env:\n      - name: PRESET_SEEN\n        value: 'yes'\n")
+    argv = server_resume({"interrupt_at_step": 27}, [str(preset)], recompile=False)
+    assert "ENV PRESET_SEEN=yes" in argv
     assert "--resume=auto" in argv and "--interrupt-at-step=27" in argv  # the preset's params: not applied
+
+
+@pytest.mark.parametrize("presets, expected", [
+    (["resume"], {"--resume=latest"}),
+    (["from-generation"], {"--from-generation=step-00000016"}),
+    (["resume", "allow-drift-torch"], {"--resume=latest", "--allow-drift=torch"}),
+])
+def test_ops_resume_recompile_with_the_polyaxonfile_applies_the_presets(presets, expected):
+    """The recompile form documented for going back and accepting a drift: the whole operation
+    is replaced, so the presets' params apply (and the original -P do not: repeat them)."""
+    files = [str(JOB_FILE)] + [str(PRESET[name]) for name in presets]
+    argv = server_resume({"interrupt_at_step": 27, "keep_last": 5}, files, recompile=True)
+    assert expected <= set(argv)
+    assert not any(a.startswith(("--interrupt-at-step", "--keep-last=5")) for a in argv)
+    assert not ({"--resume=latest", "--resume=auto"} & set(argv) and "--from-generation=step-00000016" in argv)
