@@ -2,10 +2,10 @@
 
 The loop calls these at a few fixed points: once the attempt record exists, after every
 optimizer step, after every published generation or export, and after retention removed one.
-The default does nothing, so an untracked run pays one method call per step and imports nothing. `trainer.tracking`
-implements them for Polyaxon; ending the tracked run (succeeded / stopped / failed) happens
-in the CLI, which is the one place that knows the final exit status of every path, including
-failures before the loop starts.
+The default does nothing, so an untracked run pays one method call per step and imports
+nothing. `trainer.tracking` implements them for Polyaxon; ending the tracked run (offline:
+succeeded / stopped / failed) happens in the CLI, which is the one place that knows the final
+exit status of every path, including failures before the loop starts.
 
 Observers must not change training: they receive plain values and return nothing the loop
 uses, except `run_identity`, which only goes into the attempt record.
