@@ -1,5 +1,6 @@
 """The Polyaxon bundle: every polyaxonfile and preset combination is what the real `polyaxon`
 CLI accepts, renders to a trainer command line our parser accepts, and uploads only code.
+What the agent renders for the cluster (k8s converter) is in test_polyaxon_cluster.py.
 
 `polyaxon check` runs offline with HOME in a temporary directory (no CLI config, no server).
 Each CLI start costs about a second, so the checks run a few at a time in parallel.
@@ -130,6 +131,7 @@ def test_invalid_params_and_presets_are_rejected(cli_env, tmp_path):
     cases = {  # through the real CLI: what a user sees
         "bad type": (([JOB_FILE], ("epochs=eight",)), "Cannot convert value `eight`"),
         "not an option": (([JOB_FILE], ("checkpoint_mode=eventually",)), "must be one of the values"),
+        "no null from -P": (([JOB_FILE], ("resume=null",)), "Value `null` must be one of the values"),
         "unknown param": (([JOB_FILE], ("epochz=3",)), "undeclared param `epochz`"),
         "unknown param in a preset": (([JOB_FILE, typo], ()), "undeclared param `resum`"),
     }
@@ -165,7 +167,7 @@ def test_rendered_container_runs_the_tracked_trainer_with_options_our_parser_acc
     for script in scripts:
         argv = trainer_argv(script)
         assert "--tracked" in argv and not any(a.startswith("--output") for a in argv)
-        assert "pip install" in script and "-r requirements.txt" in script
+        assert "pip" not in script  # the image (docker/Dockerfile) holds the requirements and the code
         args = train_parser().parse_args(argv)  # every rendered flag is a real trainer option
         if "interrupt_at_step" in declared:
             assert args.interrupt_at_step == 27
@@ -178,7 +180,7 @@ def test_rendered_container_runs_the_tracked_trainer_with_options_our_parser_acc
 def test_job_renders_defaults_unset_options_and_presets_as_documented(tmp_path):
     compiled = render([JOB_FILE])
     container = compiled.run.container
-    assert container.working_dir == "/plx-context/artifacts/0123abcd/uploads"
+    assert container.working_dir == "/opt/training-recovery"  # where docker/Dockerfile puts the code
     assert compiled.run.environment.restart_policy == "Never"
     assert re.fullmatch(r"[a-z0-9.-]+:[0-9][0-9a-z.-]+", container.image), "the image must be pinned to a version"
     (script,) = container_scripts(compiled)

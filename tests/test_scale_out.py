@@ -204,11 +204,10 @@ def test_pytorchjob_polyaxonfile_is_valid_and_its_launcher_reports_the_trainer_s
     assert "--allow-drift=world_size" in master and "--keep-last" not in master  # unset → not passed
     assert '--nnodes="${PET_NNODES:-$(( 0 + 1 ))}"' in master
 
-    # Run the rendered launcher as the master pod would, without PET_* (the fallback path).
-    # The trainer here may predate --tracked and the test image has no network, so those two
-    # lines are swapped for a local output directory and an installed environment.
-    script = master.replace("python -m pip install --no-cache-dir --quiet -r requirements.txt", ":")
-    script = script.replace("--tracked", f"--output {tmp_path / 'run'}")
+    # Run the rendered launcher as the master pod would, without PET_* (the fallback path), in
+    # this checkout instead of the image, with a local output directory instead of --tracked.
+    assert "pip" not in master  # the image holds the requirements (docker/Dockerfile)
+    script = master.replace("--tracked", f"--output {tmp_path / 'run'}")
     env = clean_environment(RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                             PATH=f"{TORCHRUN.parent}{os.pathsep}{os.environ['PATH']}")
     launched = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)

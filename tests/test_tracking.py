@@ -77,14 +77,23 @@ def test_offline_tracked_run_interrupted_and_resumed_in_the_same_run_matches_bas
     assert [i["run_uuid"] for i in identities] == [run_uuid, run_uuid]
     assert [i["cloning"] for i in identities] == [None, "resume"]
 
-    # Lineage: every published generation and the export, carrying our manifest digest.
+    # Lineage: the generations and the export that still exist, carrying our manifest digest.
+    # Retention (keep_last 3; the restored step 24 is protected) deleted the others in both
+    # attempts, and their references went with them.
     lineage = {a["name"]: a for a in json.loads((folder / "lineages.plx.json").read_text())}
     final = lineage["generation-step-00000064"]
     assert final["kind"] == "dir"
     manifest = outputs / "checkpoints" / "step-00000064" / "manifest.json"
     assert final["summary"]["hash"] == hashlib.sha256(manifest.read_bytes()).hexdigest()
     assert lineage["export-step-00000064"]["kind"] == "model"
-    assert {f"generation-step-{s:08d}" for s in (8, 16, 24, 32, 40, 48, 56, 64)} <= set(lineage)
+    live = {f"generation-{g.name}" for g in (outputs / "checkpoints").glob("step-*")}
+    assert live == {f"generation-step-{s:08d}" for s in (24, 48, 56, 64)}
+    assert {name for name in lineage if name.startswith("generation-")} == live
+
+    # The outputs the polyaxonfiles declare for pipelines.
+    assert record["outputs"]["newest_generation"] == "step-00000064"
+    assert record["outputs"]["export_path"] == "exports/step-00000064"
+    assert record["outputs"]["final_loss"] == baseline_history["loss"][-1]
 
 
 def test_plain_restart_has_nothing_to_resume_and_says_how_to_continue(tmp_path):

@@ -95,8 +95,9 @@ def train_parser() -> OneLineParser:
                      help="how recovery snapshots are written (sync: in the loop; async: staged to host "
                           "memory and written in the background; auto: async on CUDA, sync on CPU)")
     run.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    run.add_argument("--preempt-grace-secs", type=positive_float, default=30.0,
-                     help="on SIGTERM/SIGINT, time allowed to save before exiting 75 without publishing")
+    run.add_argument("--preempt-grace-secs", type=positive_float, default=20.0,
+                     help="on SIGTERM/SIGINT, time allowed to save before exiting 75 without publishing "
+                          "(default 20: below Kubernetes' default 30 s termination grace)")
     run.add_argument("--max-failed-attempts", type=non_negative_int, default=3, metavar="N",
                      help="exit 70 instead of retrying when the last N attempts restored the same "
                           "generation and died before publishing a newer one (0 = never)")

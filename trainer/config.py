@@ -104,7 +104,7 @@ class RunConfig:
     export: CadenceConfig = field(default_factory=CadenceConfig)
     export_dtype: str | None = None
     retention: RetentionConfig = field(default_factory=RetentionConfig)
-    preempt_grace_secs: float = 30.0
+    preempt_grace_secs: float = 20.0
     max_failed_attempts: int = 3
     """Stop (exit 70) when this many attempts in a row restored the same generation and died
     before publishing a newer one; 0 disables the check."""

@@ -1,11 +1,11 @@
 """What the training loop tells an outside observer (experiment tracking), and nothing more.
 
 The loop calls these at a few fixed points: once the attempt record exists, after every
-optimizer step, and after every published generation or export. The default does nothing,
-so an untracked run pays one method call per step and imports nothing. `trainer.tracking`
-implements them for Polyaxon; ending the tracked run (succeeded / stopped / failed) happens
-in the CLI, which is the one place that knows the final exit status of every path, including
-failures before the loop starts.
+optimizer step, after every published generation or export, and after retention removed one.
+The default does nothing, so an untracked run pays one method call per step and imports
+nothing. `trainer.tracking` implements them for Polyaxon; ending the tracked run (offline:
+succeeded / stopped / failed) happens in the CLI, which is the one place that knows the final
+exit status of every path, including failures before the loop starts.
 
 Observers must not change training: they receive plain values and return nothing the loop
 uses, except `run_identity`, which only goes into the attempt record.
@@ -37,3 +37,6 @@ class TrainingEvents:
 
     def published(self, kind: str, path: Path, published: "Published") -> None:
         """A `generation` or `export` was atomically published at `path`."""
+
+    def removed(self, kind: str, name: str) -> None:
+        """Retention deleted the `generation` or `export` called `name`: it is no longer an artifact."""

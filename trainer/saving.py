@@ -94,6 +94,7 @@ class CadencedSaves:
         self._published(EXPORTS, self.exports, published, progress.global_step)
         for name in apply_retention(self.exports, self.config.retention.keep_exports, None, frozenset()):
             log.info("retention removed export %s", name)
+            self.events.removed("export", name)
 
     def finalize(self, step: int) -> None:
         """Drain the save in flight (it publishes) before the attempt ends."""
@@ -112,6 +113,7 @@ class CadencedSaves:
             for name in apply_retention(self.generations, retention.keep_last, retention.keep_every,
                                         self.lineage.protected):
                 log.info("retention removed generation %s", name)
+                self.events.removed("generation", name)
 
     def _published(self, kind: str, store: GenerationStore, published: Published, step: int | None) -> None:
         self.recorder.published(kind, published, step)

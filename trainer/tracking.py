@@ -21,10 +21,20 @@ What is recorded:
   not logged again, so a resumed run appends and every step appears once.
 - Each published generation (`dir`) and export (`model`) as a lineage *reference* carrying our
   manifest digest; Polyaxon does not re-hash the files. A reference is not proof that the
-  artifacts store has received the files: the sidecar uploads them later.
-- Attempt facts as run outputs: attempt id, restored generation and step, steps replayed.
-- The final status, from the exit code: 0 succeeded, 75 stopped (resumable; without it an
-  offline run would be closed as succeeded), anything else failed.
+  artifacts store has received the files: the sidecar uploads them later. When retention
+  deletes a generation or export, its reference is deleted too (offline: from the run's
+  lineage; managed: the API's delete_run_artifact_lineage), so the lineage lists live artifacts.
+- Attempt facts as run outputs: attempt id, restored generation and step, steps replayed; and
+  the outputs the polyaxonfiles declare for pipelines: newest_generation, export_path
+  (relative to the outputs path), final_loss.
+- The final status, *offline only*, from the exit code: 0 succeeded, 75 stopped (resumable;
+  without it an offline run would be closed as succeeded), anything else failed. A managed run
+  posts no status: the agent derives it from the container's exit and the Job's retries. The
+  2.18 client says so itself (`log_succeeded`/`log_stopped`/`log_failed`/`log_status`: "If you
+  are executing a managed run, you don't need to call this method manually"; its managed exit
+  handler only flushes, it never calls `log_succeeded`), and the server keeps the first final
+  status it receives (haupt `db/managers/statuses.py` `new_status`: "Do not override final
+  status"): a `failed` posted from the pod would end the run while maxRetries retries the pod.
 """
 
 from __future__ import annotations
@@ -88,6 +98,7 @@ class PolyaxonEvents(TrainingEvents):
         self.mode = mode
         self.logged_through = logged_through
         self.outputs_path = Path(run.get_outputs_path())
+        self.last_loss: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -122,7 +133,7 @@ class PolyaxonEvents(TrainingEvents):
             outputs = run.get_outputs_path()
             if not outputs or not run.run_uuid:
                 raise RuntimeError("no outputs path was assigned")
-            if run.status in DONE_STATUSES:
+            if mode == "offline" and run.status in DONE_STATUSES:
                 # An offline run reopened after it ended (stopped at exit 75): Polyaxon would
                 # otherwise ignore this attempt's final status. Managed runs are moved by the agent.
                 run.log_status("resuming", reason="TrainerResume", message="a new attempt continues this run")
@@ -141,7 +152,7 @@ class PolyaxonEvents(TrainingEvents):
     def track(self, train: Callable[[Path], int]) -> int:
         """Run `train(outputs_path)` and record how it ended; re-raise what it raised.
 
-        Every path ends the Polyaxon run exactly once, including errors before the loop starts
+        Every path goes through `close` exactly once, including errors before the loop starts
         (a plain restart asked to `--resume`, a foreign generation, a held directory)."""
         try:
             exit_code = train(self.outputs_path)
@@ -159,10 +170,16 @@ class PolyaxonEvents(TrainingEvents):
         return exit_code
 
     def close(self, exit_code: int, message: str | None) -> None:
-        """Final status. 75 must be `stopped`: closing an offline run without a status marks it
-        succeeded, and a managed run would look finished rather than resumable."""
+        """The final loss as an output; offline, the final status. 75 must be `stopped`: closing
+        an offline run without a status marks it succeeded. Managed: the exit code is the status
+        (module docstring), so only a log line says how the attempt ended."""
         try:
-            if exit_code == EXIT_OK:
+            if self.last_loss is not None:
+                self.run.log_outputs(final_loss=self.last_loss)
+            if self.mode == "managed":
+                log.info("tracking: exit %d; the Polyaxon agent sets run %s's status from it",
+                         exit_code, self.run.run_uuid)
+            elif exit_code == EXIT_OK:
                 self.run.log_succeeded(message="training completed")
             elif exit_code == EXIT_INTERRUPTED:
                 self.run.log_stopped(reason="Exit75",
@@ -186,6 +203,7 @@ class PolyaxonEvents(TrainingEvents):
                              restored_step=restored.get("step"), steps_replayed=record.get("steps_replayed"))
 
     def step_completed(self, step: int, metrics: dict[str, float]) -> None:
+        self.last_loss = metrics.get("loss", self.last_loss)
         if self.logged_through is not None and step <= self.logged_through:
             return  # replayed after an older generation: the history already has this step
         self.run.log_metrics(step=step, **metrics)
@@ -193,9 +211,32 @@ class PolyaxonEvents(TrainingEvents):
     def published(self, kind: str, path: Path, published) -> None:
         summary = {"hash": published.manifest_sha256, "hash_of": "manifest.json (sha256)", "step": published.step}
         if kind == "export":
-            self.run.log_model_ref(str(path), name=f"export-{published.name}", framework="safetensors",
+            self.run.log_model_ref(str(path), name=lineage_name(kind, published.name), framework="safetensors",
                                    summary=summary, skip_hash_calculation=True)
+            self.run.log_outputs(export_path=path.relative_to(self.outputs_path).as_posix())
         else:
-            self.run.log_artifact_ref(str(path), kind="dir", name=f"generation-{published.name}",
+            self.run.log_artifact_ref(str(path), kind="dir", name=lineage_name(kind, published.name),
                                       hash=published.manifest_sha256, summary=summary,
                                       skip_hash_calculation=True)
+            self.run.log_outputs(newest_generation=published.name)
+
+    def removed(self, kind: str, name: str) -> None:
+        """Drop the lineage reference of a generation or export retention deleted. Offline the
+        client keeps the references in `artifacts_lineage` (written to lineages.plx.json when
+        the run ends); managed, the API deletes the row. A failure is logged, never fatal."""
+        reference = lineage_name(kind, name)
+        try:
+            if self.mode == "offline":
+                self.run.artifacts_lineage.pop(reference, None)
+            else:
+                self.run.client.runs_v1.delete_run_artifact_lineage(
+                    self.run.owner, self.run.project, self.run.run_uuid, reference)
+        except Exception as error:  # noqa: BLE001 - the deletion stands; say what the lineage still shows
+            log.warning("tracking: %s was deleted, but its lineage reference %s stays: %s", name, reference, error)
+            return
+        log.info("tracking: lineage reference %s removed", reference)
+
+
+def lineage_name(kind: str, name: str) -> str:
+    """The lineage reference of a published generation or export."""
+    return f"{'export' if kind == 'export' else 'generation'}-{name}"
