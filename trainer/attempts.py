@@ -145,6 +145,11 @@ class AttemptRecorder:
         self._started = time.monotonic()
         self._marker: int | None = None
 
+    def elapsed_s(self) -> float:
+        """Seconds since this attempt started: its wall time at the end, and when each
+        publish happened (`at_s`), for the recovery report's timeline."""
+        return round(time.monotonic() - self._started, 3)
+
     def mark_step(self, step: int) -> None:
         """Per-step progress for `steps_replayed` after a kill -9: one pwrite into the page
         cache (survives the process, not the node; no fsync on the hot path)."""
@@ -195,7 +200,7 @@ class AttemptRecorder:
             os.close(self._marker)
             self._marker = None
         self.record.update(status=status, exit_code=exit_code, reason=reason, ended_utc=utc_now(),
-                           wall_s=round(time.monotonic() - self._started, 3))
+                           wall_s=self.elapsed_s())
         if summary is not None and self.persist:
             atomic_write_json(self.folder / "summary.json", summary)
         try:

@@ -83,7 +83,7 @@ def _number(text: str, kind: type):
 def train_parser() -> OneLineParser:
     parser = OneLineParser(prog="python -m trainer",
                            description="Train with exact, crash-safe recovery. "
-                                       "Other commands: `list DIR`, `verify DIR|GEN`.")
+                                       "Other commands: `list DIR`, `report DIR`, `verify DIR|GEN`.")
     parser.add_argument("--output", type=path_argument, help="run directory (generations, exports, attempt records)")
     parser.add_argument("--tracked", action="store_true",
                         help="track with Polyaxon: the run directory is the run's outputs path (in a Polyaxon "
@@ -247,7 +247,21 @@ def run_verify(argv: list[str]) -> int:
     return verify_path(args.path, args.json)
 
 
-COMMANDS = {"list": run_list, "verify": run_verify}
+def run_report(argv: list[str]) -> int:
+    parser = OneLineParser(prog="python -m trainer report",
+                           description="Recovery report: per attempt, steps computed, replayed and lost and what "
+                                       "restores and saves cost; goodput and time lost for the run.")
+    parser.add_argument("directory", type=path_argument)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--png", type=path_argument, metavar="FILE",
+                        help="also draw the timeline of the attempts into FILE (PNG, 1600x900)")
+    args = parser.parse_args(argv)
+    from trainer.listing import report_command
+
+    return report_command(args.directory, args.json, args.png)
+
+
+COMMANDS = {"list": run_list, "report": run_report, "verify": run_verify}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -459,7 +459,7 @@ class TrainingRun:
     def _record_publish(recorder: AttemptRecorder, kind: str, published: Published, step: int) -> None:
         recorder.record[kind].append({"name": published.name, "step": published.step,
                                       "save_s": round(published.save_s, 6),
-                                      "blocked_s": round(published.blocked_s, 6)})
+                                      "blocked_s": round(published.blocked_s, 6), "at_s": recorder.elapsed_s()})
         recorder.add_cost(save_s=published.save_s, blocked_s=published.blocked_s)
         recorder.record["costs"]["saves"] += 1
         recorder.update(last_step=step)
