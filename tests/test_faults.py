@@ -31,7 +31,8 @@ def short_baseline(tmp_path_factory):
 def start(output, *args, env=None):
     """The trainer as a live process whose progress lines arrive unbuffered."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "trainer", "--output", str(output), *map(str, args)],
+    return subprocess.Popen([sys.executable, "-m", "trainer", "--output", str(output), "--log-every-steps", "1",
+                             *map(str, args)],
                             cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

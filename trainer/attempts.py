@@ -102,6 +102,12 @@ def steps_replayed(previous: dict | None, restored_step: int | None) -> int | No
     return max(0, previous["last_step"] - (restored_step or 0))
 
 
+def newest_generation(record: dict) -> str | None:
+    """The generation an attempt would fall back to now: its newest publish, else what it restored."""
+    published = record.get("generations_published") or [record.get("restored") or {}]
+    return published[-1].get("name")
+
+
 UNFINISHED = ("failed", "running")  # "running" in a record nobody holds: the process was killed
 REFUSED = "refused"
 

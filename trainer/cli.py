@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from trainer.config import CadenceConfig, RetentionConfig, RunConfig, WorkloadConfig
+from trainer.config import CadenceConfig, ProgressConfig, RetentionConfig, RunConfig, WorkloadConfig
 from trainer.errors import TrainerError, UsageError
 from trainer.recovery.atomic import storage_failure
 from trainer.fingerprint import FIELDS
@@ -126,6 +126,14 @@ def train_parser() -> OneLineParser:
                       help="also keep generations whose step is a multiple of M")
     keep.add_argument("--keep-exports", type=positive_int, metavar="K", help="newest exports kept (default all)")
 
+    shown = parser.add_argument_group("progress (when stdout is not a terminal; a terminal gets a status line)")
+    shown.add_argument("--log-every-steps", type=positive_int, default=ProgressConfig.every_steps, metavar="N",
+                       help=f"a progress line every N global steps (1 = every step; default "
+                            f"{ProgressConfig.every_steps}), and always the first and last step of an attempt")
+    shown.add_argument("--log-every-secs", type=positive_float, default=ProgressConfig.every_secs, metavar="S",
+                       help=f"also a line when S seconds passed since the previous one (default "
+                            f"{ProgressConfig.every_secs:g})")
+
     work = parser.add_argument_group("workload")
     defaults = WorkloadConfig()
     work.add_argument("--epochs", type=positive_int, default=defaults.epochs)
@@ -180,6 +188,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str], output: Path) ->
         export_dtype=args.export_dtype,
         retention=RetentionConfig(args.keep_last, args.keep_every, args.keep_exports),
         preempt_grace_secs=args.preempt_grace_secs,
+        progress=ProgressConfig(args.log_every_steps, args.log_every_secs),
         max_failed_attempts=args.max_failed_attempts, argv=tuple(argv))
 
 

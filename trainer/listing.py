@@ -122,11 +122,12 @@ def live_attempts(output: Path, records: list[dict]) -> frozenset[str]:
         holder = json.loads((output / LOCK_NAME).read_text() or "{}")
     except (OSError, ValueError):
         return frozenset()
+    if not isinstance(holder, dict) or holder.get("host") != socket.gethostname():
+        return frozenset()
     live = set()
     for record in records:
-        if record.get("status") != "running" or record.get("host") != socket.gethostname():
-            continue
-        if not isinstance(holder, dict) or (holder.get("host"), holder.get("pid")) != (record["host"], record.get("pid")):
+        if record.get("status") != "running" or (record.get("host"), record.get("pid")) != \
+                (holder["host"], holder.get("pid")):
             continue
         try:
             os.kill(record["pid"], 0)

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainer.attempts import (ATTEMPTS_DIR, REFUSED, AttemptRecorder, attempts_that_trained, is_crash_loop,
-                              new_attempt_id, read_attempts, steps_replayed, utc_now)
+                              new_attempt_id, newest_generation, read_attempts, steps_replayed, utc_now)
 from trainer.cadence import StepPoint, build_policy
 from trainer.config import RunConfig
 from trainer.distributed import Ranks, process_group, rank_seed, unshared_output, world_size_change
@@ -39,6 +39,7 @@ from trainer.fingerprint import check_fingerprint, current_fingerprint
 from trainer.launch import LaunchEnvironment
 from trainer.lock import LOCK_NAME, OutputLock
 from trainer.preemption import PreemptionGuard, ignore_late_stop_requests
+from trainer.progress import Progress
 from trainer.recovery.atomic import manifest_digest, storage_failure
 from trainer.recovery.checkpointer import Published, build_checkpointer, effective_mode
 from trainer.recovery.manifest import Verification
@@ -160,6 +161,8 @@ class TrainingRun:
         self.verify_s = 0.0
         """Seconds spent verifying the generation to restore (part of the restore cost)."""
         self.preemption: PreemptionGuard | None = None
+        self.progress = Progress.for_stdout(config.progress, config.workload.total_steps, ranks.is_primary)
+        """Progress lines, or a status line on a terminal: rank 0 only."""
 
     # ----------------------------------------------------------------- top level
     def run(self) -> int:
@@ -167,6 +170,7 @@ class TrainingRun:
         # a preemption at any moment ends as exit 75 with a `preempted` record.
         with contextlib.ExitStack() as held, PreemptionGuard(self.config.preempt_grace_secs) as preemption:
             self.preemption = preemption
+            held.callback(self.progress.close)  # clears a terminal's status line on every way out
             # Rank 0's output wins: under --tracked only rank 0 opens the Polyaxon run and
             # knows its outputs path (other ranks start with output None).
             try:
@@ -413,8 +417,9 @@ class TrainingRun:
                 state.history.loss.append(agreed.loss)
                 state.history.lr.append(float(lr))
                 recorder.mark_step(step)
-                log.info("step=%d epoch=%d loss=%.4f lr=%.5g", step, state.progress.epoch,
-                         state.history.loss[-1], lr)
+                self.progress.step(step, state.progress.epoch, state.history.loss[-1], lr,
+                                   newest_generation(recorder.record), last=step in (interrupt, total_steps)
+                                   or agreed.preempt)
                 self.events.step_completed(step, {"loss": state.history.loss[-1], "lr": state.history.lr[-1]})
 
                 if step == interrupt:
