@@ -133,7 +133,7 @@ def is_crash_loop(records: list[dict], restoring: str | None, limit: int) -> boo
 def initial_record(attempt_id: str, argv: list[str], fields: dict) -> dict:
     return {
         "id": attempt_id, "status": "running", "exit_code": None, "reason": None,
-        "started_utc": utc_now(), "ended_utc": None, "wall_s": None,
+        "started_utc": utc_now(), "started_unix": round(time.time(), 3), "ended_utc": None, "wall_s": None,
         "host": socket.gethostname(), "pid": os.getpid(), "argv": argv,
         "last_step": None, "generations_published": [], "exports_published": [],
         "costs": {"restore_s": 0.0, "save_s": 0.0, "blocked_s": 0.0, "saves": 0},
@@ -180,6 +180,7 @@ class AttemptRecorder:
         monotonic time the attempt began, for its wall time."""
         recorder = cls(output, attempt_id, initial_record(attempt_id, argv, fields))
         recorder._started = started
+        recorder.record["started_unix"] = round(time.time() - (time.monotonic() - started), 3)
         recorder._create_folder()
         recorder.finish(REFUSED, exit_code, reason)
 

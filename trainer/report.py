@@ -99,9 +99,13 @@ class Report:
         return asdict(self)
 
 
-def parse_utc(text) -> float | None:
+def start_time(record: dict) -> float | None:
+    """Unix time the attempt started: `started_unix` (ms), else `started_utc` (whole seconds,
+    in records written before `started_unix` was kept)."""
+    if isinstance(record.get("started_unix"), (int, float)):
+        return float(record["started_unix"])
     try:
-        return datetime.fromisoformat(text).timestamp()
+        return datetime.fromisoformat(record.get("started_utc")).timestamp()
     except (TypeError, ValueError):
         return None
 
@@ -142,7 +146,7 @@ def attempt_row(record: dict, live: frozenset[str], marker_unix: float | None, o
     lost = 0 if outcome in ("completed", "running") else max(0, last - durable)
     generations = tuple(Publish(e["name"], e.get("step"), e.get("at_s"))
                         for e in record.get("generations_published", []))
-    start = parse_utc(record.get("started_utc"))
+    start = start_time(record)
     wall, estimated = record.get("wall_s"), False
     if not isinstance(wall, (int, float)) and outcome in ("killed", "running"):
         # Never ended: up to its last per-step marker, else its last publish.
@@ -182,7 +186,7 @@ def build_report(records: list[dict], live: frozenset[str] = frozenset(),
     """`records` oldest first; `live`: ids of attempts whose process is alive; `markers`:
     id -> unix time of the attempt's last per-step marker (only used for killed ones)."""
     markers = markers or {}
-    starts = [s for s in (parse_utc(r.get("started_utc")) for r in records) if s is not None]
+    starts = [s for s in map(start_time, records) if s is not None]
     origin = min(starts) if starts else None
     rows = tuple(attempt_row(r, live, markers.get(r.get("id")), origin) for r in records)
     trained = [row for row in rows if row.outcome != "refused"]
@@ -213,14 +217,14 @@ def format_report(report: Report, output: str) -> str:
     lines = [f"recovery report {output}", ""]
     lines.append(f"  {'#':>3} {'attempt':<24} {'outcome':<11} {'exit':>4} {'restored':<15} {'steps':>11} "
                  f"{'computed':>8} {'replayed':>8} {'lost':>5} {'restore s':>9} {'verify s':>8} {'save s':>7} "
-                 f"{'blocked s':>9} {'durable s':>9} {'wall s':>8}")
+                 f"{'blocked s':>9} {'to durable s':>12} {'wall s':>8}")
     for number, row in enumerate(report.rows, 1):
         wall = _cell(row.wall_s, "{:.1f}") + ("~" if row.wall_estimated else "")
         lines.append(
             f"  {number:>3} {row.id:<24} {row.outcome:<11} {_cell(row.exit_code):>4} {_cell(row.restored):<15} "
             f"{f'{row.first_step}..{row.last_step}':>11} {row.computed:>8} {row.replayed:>8} {row.lost:>5} "
             f"{row.restore_s:>9.3f} {row.verify_s:>8.3f} {row.save_s:>7.3f} {row.blocked_s:>9.3f} "
-            f"{_cell(row.time_to_durable_s, '{:.2f}'):>9} {wall:>8}")
+            f"{_cell(row.time_to_durable_s, '{:.2f}'):>12} {wall:>8}")
     t = report.totals
     outcomes = ", ".join(f"{count} {name}" for name, count in t.outcomes.items()) or "none"
     lines += ["", f"  attempts           {t.attempts} ({outcomes})",
