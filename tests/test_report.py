@@ -210,3 +210,17 @@ def test_report_errors_are_one_line(storm, tmp_path):
     assert unwritable.returncode == 74 and "choose a writable path for --png" in one_error_line(unwritable)
     usage = run_cli("report")
     assert usage.returncode == 2 and "python -m trainer report" in one_error_line(usage)
+
+
+def test_a_trainer_that_is_still_running_is_shown_running_then_killed(tmp_path):
+    run = tmp_path / "run"
+    process = start(run, "--epochs", 400)
+    try:
+        wait_for_line(process, "step=3 ")
+        live = json.loads(run_cli("report", run, "--json").stdout)["rows"]
+        assert [row["outcome"] for row in live] == ["running"] and live[0]["lost"] == 0
+    finally:
+        process.kill()
+        process.wait()
+    dead = json.loads(run_cli("report", run, "--json").stdout)["rows"]
+    assert [row["outcome"] for row in dead] == ["killed"] and dead[0]["wall_estimated"]
