@@ -20,6 +20,7 @@ demo: $(STAMP)
 	$(PY) -m trainer --output outputs/baseline
 	$(PY) compare.py outputs/baseline/checkpoints/step-00000064 outputs/recovery/checkpoints/step-00000064
 	$(PY) -m trainer list outputs/recovery
+	$(PY) -m trainer report outputs/recovery
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 tests

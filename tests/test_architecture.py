@@ -20,7 +20,8 @@ LAYERS = [
     # What a run is made of, each usable on its own.
     {"trainer.state", "trainer.cadence", "trainer.retention", "trainer.export", "trainer.lock",
      "trainer.preemption", "trainer.events", "trainer.batching", "trainer.fingerprint", "trainer.workload",
-     "trainer.attempts", "trainer.distributed", "trainer.runtime", "trainer.compare", "trainer.listing"},
+     "trainer.attempts", "trainer.distributed", "trainer.runtime", "trainer.compare", "trainer.listing",
+     "trainer.report", "trainer.timeline", "trainer.progress"},
     # Saving on cadence, then the loop that runs one attempt.
     {"trainer.saving"},
     {"trainer.loop"},

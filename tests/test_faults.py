@@ -31,7 +31,8 @@ def short_baseline(tmp_path_factory):
 def start(output, *args, env=None):
     """The trainer as a live process whose progress lines arrive unbuffered."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "trainer", "--output", str(output), *map(str, args)],
+    return subprocess.Popen([sys.executable, "-m", "trainer", "--output", str(output), "--log-every-steps", "1",
+                             *map(str, args)],
                             cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -184,8 +185,8 @@ def test_crash_loop_stops_instead_of_burning_the_allocation(tmp_path):
 def test_process_group_sigterm_with_dataloader_workers_is_a_clean_preemption(tmp_path):
     run = tmp_path / "run"
     process = subprocess.Popen([sys.executable, "-m", "trainer", "--output", str(run), "--epochs", "40",
-                                "--num-workers", "2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True,
+                                "--num-workers", "2", "--log-every-steps", "1"], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True,
                                env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
     wait_for_line(process, "step=12 ")
     os.killpg(process.pid, signal.SIGTERM)  # the whole group, workers included (scancel, kill -TERM -PGID)

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from conftest import attempts, compare, generation, one_error_line, run_cli
+from test_report import png_size
 
 from trainer.errors import TrackingUnavailable
-from trainer.tracking import cloning_kind, parse_run_instance
+from trainer.tracking import PolyaxonEvents, cloning_kind, parse_run_instance
 
 
 def offline_env(root: Path, run_uuid: str | None = None) -> dict:
@@ -95,6 +96,17 @@ def test_offline_tracked_run_interrupted_and_resumed_in_the_same_run_matches_bas
     assert record["outputs"]["export_path"] == "exports/step-00000064"
     assert record["outputs"]["final_loss"] == baseline_history["loss"][-1]
 
+    # The recovery report at the end of each attempt: the timeline as an image (one per
+    # attempt, step = attempts so far) and the run's totals as outputs.
+    images = [json.loads(line.split("|", 2)[2])["path"]
+              for line in (folder / "events" / "image" / "recovery-timeline.plx").read_text().splitlines()[1:]]
+    assert images == ["assets/image/recovery-timeline_1.png", "assets/image/recovery-timeline_2.png"]
+    assert all(png_size(folder / image) == (1600, 900) for image in images)
+    outputs = record["outputs"]
+    assert (outputs["attempts"], outputs["useful_steps"], outputs["computed_steps"]) == (2, 64, 27 + 64 - 24)
+    assert (outputs["replayed_steps"], outputs["lost_steps"]) == (3, 3)
+    assert outputs["goodput"] == pytest.approx(64 / 67) and 0 < outputs["checkpoint_overhead"] < 1
+
 
 def test_plain_restart_has_nothing_to_resume_and_says_how_to_continue(tmp_path):
     run_uuid = uuid.uuid4().hex  # a plain `ops restart`: a new run with empty outputs
@@ -127,3 +139,34 @@ def test_run_instance_is_parsed_or_refused():
     assert parse_run_instance("acme.mnist.runs.abc") == ("acme", "mnist", "abc")
     with pytest.raises(TrackingUnavailable):
         parse_run_instance("acme.mnist.abc")
+
+
+class BrokenRun:
+    """A Polyaxon run whose image logging fails."""
+
+    run_uuid = "u1"
+
+    def __init__(self, outputs: Path):
+        self.outputs = outputs
+        self.statuses = []
+
+    def get_outputs_path(self) -> str:
+        return str(self.outputs)
+
+    def log_image(self, **kwargs):
+        raise RuntimeError("artifacts store unreachable")
+
+    def log_succeeded(self, message):
+        self.statuses.append("succeeded")
+
+
+def test_a_failing_report_hook_is_a_warning_and_the_status_is_still_logged(tmp_path, caplog):
+    record = {"id": "a1", "status": "completed", "exit_code": 0, "restored": None, "last_step": 8, "first_step": 0,
+              "steps_replayed": None, "wall_s": 1.0, "reason": None, "started_utc": "2026-01-01T00:00:00+00:00",
+              "generations_published": [], "exports_published": []}
+    (tmp_path / "attempts" / "a1").mkdir(parents=True)
+    (tmp_path / "attempts" / "a1" / "attempt.json").write_text(json.dumps(record))
+    run = BrokenRun(tmp_path)
+    PolyaxonEvents(run, "offline", None).close(0, None)
+    assert run.statuses == ["succeeded"]
+    assert "could not log the recovery report of run u1: RuntimeError: artifacts store unreachable" in caplog.text

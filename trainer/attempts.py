@@ -115,6 +115,12 @@ def steps_replayed(previous: dict | None, restored_step: int | None) -> int | No
     return max(0, previous["last_step"] - (restored_step or 0))
 
 
+def newest_generation(record: dict) -> str | None:
+    """The generation an attempt would fall back to now: its newest publish, else what it restored."""
+    published = record.get(GENERATIONS) or [record.get("restored") or {}]
+    return published[-1].get("name")
+
+
 def attempts_that_trained(records: list[dict]) -> list[dict]:
     """The records of attempts that went ahead: a refused one restored nothing and did no
     work, so it is neither the "previous attempt" of the next one nor part of a crash loop."""
@@ -162,7 +168,7 @@ def world_size_change(stored_world_size: int | None, world_size: int) -> dict:
 def initial_record(attempt_id: str, argv: list[str], fields: dict) -> dict:
     return {
         "id": attempt_id, "status": RUNNING, "exit_code": None, "reason": None,
-        "started_utc": utc_now(), "ended_utc": None, "wall_s": None,
+        "started_utc": utc_now(), "started_unix": round(time.time(), 3), "ended_utc": None, "wall_s": None,
         "host": socket.gethostname(), "pid": os.getpid(), "argv": argv,
         "last_step": None, GENERATIONS: [], EXPORTS: [],
         "costs": {"restore_s": 0.0, "save_s": 0.0, "blocked_s": 0.0, "saves": 0},
@@ -199,6 +205,7 @@ class AttemptRecorder:
         """One write: this attempt held the output and refused to train. `started` is the
         monotonic time the attempt began, for its wall time."""
         recorder = cls(run, attempt_id, initial_record(attempt_id, argv, fields), started=started)
+        recorder._record["started_unix"] = round(time.time() - (time.monotonic() - started), 3)
         recorder._create_folder()
         recorder.ended(REFUSED, exit_code, reason)
 
@@ -212,7 +219,7 @@ class AttemptRecorder:
             os.close(self._marker)
             self._marker = None
         self._record.update(status=status, exit_code=exit_code, reason=reason, ended_utc=utc_now(),
-                            wall_s=round(time.monotonic() - self._started, 3))
+                            wall_s=self.elapsed_s())
         if summary is not None and self.persist:
             atomic_write_json(self.folder / ATTEMPT_SUMMARY, summary)
         try:
@@ -258,16 +265,26 @@ class AttemptRecorder:
         """A generation (GENERATIONS) or export (EXPORTS) was published while training stood
         at `step` (None: where it last stood)."""
         self._record[kind].append({"name": published.name, "step": published.step,
-                                   "save_s": round(published.save_s, 6), "blocked_s": round(published.blocked_s, 6)})
+                                   "save_s": round(published.save_s, 6), "blocked_s": round(published.blocked_s, 6),
+                                   "at_s": self.elapsed_s()})
         self._add_cost(save_s=published.save_s, blocked_s=published.blocked_s)
         self._record["costs"]["saves"] += 1
         self.reached(step if step is not None else (self._record["last_step"] or 0))
 
     # ------------------------------------------------------------------ reading
+    def elapsed_s(self) -> float:
+        """Seconds since this attempt started: its wall time at the end, and when each
+        publish happened (`at_s`), for the recovery report's timeline."""
+        return round(time.monotonic() - self._started, 3)
+
     @property
     def record(self) -> dict:
         """A copy of the record as it stands (for observers and the exit line)."""
         return json.loads(json.dumps(self._record))
+
+    @property
+    def newest_generation(self) -> str | None:
+        return newest_generation(self._record)
 
     @property
     def reason(self) -> str | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from trainer import compat, seams
-from trainer.config import CHECKPOINT_MODES, CadenceConfig, RetentionConfig, RunConfig, WorkloadConfig
+from trainer.config import CHECKPOINT_MODES, CadenceConfig, ProgressConfig, RetentionConfig, RunConfig, WorkloadConfig
 from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_failure
 from trainer.fingerprint import FIELDS
 from trainer.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
@@ -77,7 +77,7 @@ def _number(text: str, kind: type):
 def train_parser() -> OneLineParser:
     parser = OneLineParser(prog="python -m trainer",
                            description="Train with exact, crash-safe recovery. "
-                                       "Other commands: `list DIR`, `verify DIR|GEN`.")
+                                       "Other commands: `list DIR`, `report DIR`, `verify DIR|GEN`.")
     parser.add_argument("--output", type=path_argument, help="run directory (generations, exports, attempt records)")
     parser.add_argument("--tracked", action="store_true",
                         help="track with Polyaxon: the run directory is the run's outputs path (in a Polyaxon "
@@ -120,6 +120,14 @@ def train_parser() -> OneLineParser:
     keep.add_argument("--keep-every", type=positive_int, metavar="M",
                       help="also keep generations whose step is a multiple of M")
     keep.add_argument("--keep-exports", type=positive_int, metavar="K", help="newest exports kept (default all)")
+
+    shown = parser.add_argument_group("progress (when stdout is not a terminal; a terminal gets a status line)")
+    shown.add_argument("--log-every-steps", type=positive_int, default=ProgressConfig.every_steps, metavar="N",
+                       help=f"a progress line every N global steps (1 = every step; default "
+                            f"{ProgressConfig.every_steps}), and always the first and last step of an attempt")
+    shown.add_argument("--log-every-secs", type=positive_float, default=ProgressConfig.every_secs, metavar="S",
+                       help=f"also a line when S seconds passed since the previous one (default "
+                            f"{ProgressConfig.every_secs:g})")
 
     work = parser.add_argument_group("workload")
     defaults = WorkloadConfig()
@@ -175,6 +183,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str], output: Path) ->
         export_dtype=args.export_dtype,
         retention=RetentionConfig(args.keep_last, args.keep_every, args.keep_exports),
         preempt_grace_secs=args.preempt_grace_secs,
+        progress=ProgressConfig(args.log_every_steps, args.log_every_secs),
         max_failed_attempts=args.max_failed_attempts, argv=tuple(argv))
 
 
@@ -226,7 +235,21 @@ def run_verify(argv: list[str]) -> int:
     return verify_path(args.path, args.json)
 
 
-COMMANDS = {"list": run_list, "verify": run_verify}
+def run_report(argv: list[str]) -> int:
+    parser = OneLineParser(prog="python -m trainer report",
+                           description="Recovery report: per attempt, steps computed, replayed and lost and what "
+                                       "restores and saves cost; goodput and time lost for the run.")
+    parser.add_argument("directory", type=path_argument)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--png", type=path_argument, metavar="FILE",
+                        help="also draw the timeline of the attempts into FILE (PNG, 1600x900)")
+    args = parser.parse_args(argv)
+    from trainer.listing import report_command
+
+    return report_command(args.directory, args.json, args.png)
+
+
+COMMANDS = {"list": run_list, "report": run_report, "verify": run_verify}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,6 +76,17 @@ class CadenceConfig:
 
 
 @dataclass(frozen=True)
+class ProgressConfig:
+    """How often a progress line is logged when stdout is not a terminal (on a terminal a
+    status line is redrawn instead). Not training-relevant: never fingerprinted."""
+
+    every_steps: int = 10
+    """A line every N global steps (1: every step)."""
+    every_secs: float = 60.0
+    """Also a line when this many seconds passed since the previous one (slow steps)."""
+
+
+@dataclass(frozen=True)
 class RetentionConfig:
     keep_last: int = 3
     """Newest verified recovery generations kept. Keep at least 2 on a cluster: the newest
@@ -105,6 +116,7 @@ class RunConfig:
     export_dtype: str | None = None
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     preempt_grace_secs: float = 20.0
+    progress: ProgressConfig = field(default_factory=ProgressConfig)
     max_failed_attempts: int = 3
     """Stop (exit 70) when this many attempts in a row restored the same generation and died
     before publishing a newer one; 0 disables the check."""

@@ -1,15 +1,18 @@
-"""`list` and `verify`: a run directory at a glance, and an offline integrity check."""
+"""`list`, `report` and `verify`: a run directory at a glance, what its attempts cost, and an
+offline integrity check."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 from pathlib import Path
 
-from trainer.attempts import read_attempts
-from trainer.errors import CorruptGeneration, NothingToResume
+from trainer.attempts import RUNNING, read_attempts
+from trainer.errors import CorruptGeneration, NothingToResume, StorageFailure
 from trainer.recovery.manifest import verify_directory
 from trainer.recovery.store import GenerationStore
-from trainer.run_dir import MANIFEST, SECTIONS, generation_step
+from trainer.run_dir import MANIFEST, PROGRESS_MARKER, SECTIONS, RunDirectory, generation_step
 
 
 def directory_bytes(path: Path) -> int:
@@ -96,11 +99,84 @@ def format_run(described: dict) -> str:
     return "\n".join(lines)
 
 
-def list_run(output: Path, as_json: bool) -> int:
+def require_run_directory(output: Path) -> None:
     if not output.is_dir():
         raise NothingToResume(f"{output} is not a run directory; pass the --output of a run")
+
+
+def list_run(output: Path, as_json: bool) -> int:
+    require_run_directory(output)
     described = describe_run(output)
     print(json.dumps(described, indent=2) if as_json else format_run(described))
+    return 0
+
+
+def live_attempts(output: Path, records: list[dict]) -> frozenset[str]:
+    """Ids of `running` records whose process is alive: it holds the output lock (the lock
+    file names it) and runs on this host. A trainer on another host cannot be seen from here,
+    so its record reads as killed."""
+    try:
+        holder = json.loads(RunDirectory(output).lock.read_text() or "{}")
+    except (OSError, ValueError):
+        return frozenset()
+    if not isinstance(holder, dict) or holder.get("host") != socket.gethostname():
+        return frozenset()
+    live = set()
+    for record in records:
+        if record.get("status") != RUNNING or (record.get("host"), record.get("pid")) != \
+                (holder["host"], holder.get("pid")):
+            continue
+        try:
+            os.kill(record["pid"], 0)
+        except (OSError, TypeError, OverflowError):
+            continue
+        live.add(record["id"])
+    return frozenset(live)
+
+
+def marker_times(output: Path, records: list[dict]) -> dict[str, float]:
+    """id -> when a record still `running` last marked a step (its marker file's mtime)."""
+    times = {}
+    for record in records:
+        if record.get("status") == RUNNING:
+            try:
+                times[record["id"]] = (RunDirectory(output).attempt_folder(record["id"]) / PROGRESS_MARKER).stat().st_mtime
+            except (OSError, ValueError):
+                pass
+    return times
+
+
+def run_report(output: Path):
+    """The report of a run directory (trainer.report.Report); 66 if it has no attempt records."""
+    from trainer.report import build_report
+
+    require_run_directory(output)
+    records = read_attempts(output)
+    if not records:
+        raise NothingToResume(f"no attempt records under {RunDirectory(output).attempts}; pass the --output of "
+                              f"a run that has trained")
+    return build_report(records, live_attempts(output, records), marker_times(output, records))
+
+
+def write_timeline(report, png: Path) -> None:
+    from trainer.timeline import render_timeline, timeline_title
+
+    try:
+        render_timeline(report, png, timeline_title(report))
+    except OSError as error:
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        raise StorageFailure(f"writing the timeline to {png} failed: {reason}; choose a writable path "
+                             f"for --png") from None
+
+
+def report_command(output: Path, as_json: bool, png: Path | None) -> int:
+    from trainer.report import format_report
+
+    report = run_report(output)
+    if png is not None:
+        write_timeline(report, png)
+    print(json.dumps({"output": str(output), **report.as_dict()}, indent=2) if as_json
+          else format_report(report, str(output)))
     return 0
 
 

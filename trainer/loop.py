@@ -36,6 +36,7 @@ from trainer.fingerprint import check_fingerprint, current_fingerprint
 from trainer.launch import LaunchEnvironment
 from trainer.lock import OutputLock
 from trainer.preemption import PreemptionGuard, ignore_late_stop_requests
+from trainer.progress import Progress
 from trainer.recovery.atomic import manifest_digest
 from trainer.recovery.checkpointer import build_checkpointer, effective_mode
 from trainer.recovery.manifest import Verification
@@ -85,12 +86,15 @@ class TrainingRun:
         """The generation chosen for restore, before it verified."""
         self.recorder: AttemptRecorder | None = None
         """This attempt's record once started (it then records its own end)."""
+        self.progress = Progress.for_stdout(config.progress, config.workload.total_steps, ranks.is_primary)
+        """Progress lines, or a status line on a terminal: rank 0 only."""
 
     # ----------------------------------------------------------------- top level
     def run(self) -> Outcome:
         # Signals are caught for the whole attempt (claim, restore, training, final drain), so
         # a preemption at any moment ends as exit 75 with a `preempted` record.
         with contextlib.ExitStack() as held, PreemptionGuard(self.config.preempt_grace_secs) as preemption:
+            held.callback(self.progress.close)  # clears a terminal's status line on every way out
             try:
                 # Rank 0's output wins: under --tracked only rank 0 opens the Polyaxon run and
                 # knows its outputs path (other ranks start with output None).
@@ -270,7 +274,8 @@ class TrainingRun:
                 step = state.progress.global_step
                 agreed = saves.agree(StepPoint(step, state.progress.epoch, epoch_completed), loss,
                                      preemption.requested)
-                self.step_completed(state, step, agreed.loss, float(lr))
+                last = step in (config.interrupt_at_step, total_steps) or agreed.preempt
+                self.step_completed(state, step, agreed.loss, float(lr), last)
                 if step == config.interrupt_at_step:
                     return self.end(INTERRUPTED, f"--interrupt-at-step {step}: stopped without saving", saves, state,
                                     f"interrupted after step {step} without saving (exit 75)")
@@ -291,11 +296,12 @@ class TrainingRun:
         return DataLoader(dataset, batch_sampler=order, num_workers=config.num_workers,
                           generator=torch.Generator().manual_seed(0), worker_init_fn=ignore_stop_signals)
 
-    def step_completed(self, state: TrainingState, step: int, loss: float, lr: float) -> None:
+    def step_completed(self, state: TrainingState, step: int, loss: float, lr: float, last: bool) -> None:
+        """`last`: this attempt's final step (always shown)."""
         state.history.loss.append(loss)
         state.history.lr.append(lr)
         self.recorder.mark_step(step)
-        log.info("step=%d epoch=%d loss=%.4f lr=%.5g", step, state.progress.epoch, loss, lr)
+        self.progress.step(step, state.progress.epoch, loss, lr, self.recorder.newest_generation, last=last)
         self.events.step_completed(step, {"loss": loss, "lr": lr})
 
     def warn_if_interrupt_cannot_fire(self, first_step: int, total_steps: int) -> None:

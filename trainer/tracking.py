@@ -27,6 +27,10 @@ What is recorded:
 - Attempt facts as run outputs: attempt id, restored generation and step, steps replayed; and
   the outputs the polyaxonfiles declare for pipelines: newest_generation, export_path
   (relative to the outputs path), final_loss.
+- At the end of every attempt, the run's recovery report: its totals as outputs (goodput,
+  steps computed, replayed and lost, time lost to restarts, checkpoint overhead) and the
+  timeline of all attempts so far as an image (`recovery-timeline`, step = number of
+  attempts). Best effort: a failure is a warning and never changes the exit status.
 - The final status, *offline only*, from the exit code: 0 succeeded, 75 stopped (resumable;
   without it an offline run would be closed as succeeded), anything else failed. A managed run
   posts no status: the agent derives it from the container's exit and the Job's retries. The
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -52,6 +57,7 @@ log = logging.getLogger("trainer")
 RUN_INSTANCE_ENV = "POLYAXON_RUN_INSTANCE"
 OFFLINE_ENV = "POLYAXON_IS_OFFLINE"
 METRICS = ("loss", "lr")
+TIMELINE = "recovery-timeline"
 DONE_STATUSES = frozenset({"succeeded", "failed", "stopped", "skipped", "upstream_failed"})
 PLAIN_RESTART_HINT = ("on Polyaxon, a plain `ops restart` starts with empty outputs: continue with "
                       "`ops resume -uid UUID -f presets/resume.yaml` or `ops restart -uid UUID --copy "
@@ -173,6 +179,7 @@ class PolyaxonEvents(TrainingEvents):
         """The final loss as an output; offline, the final status. 75 must be `stopped`: closing
         an offline run without a status marks it succeeded. Managed: the exit code is the status
         (module docstring), so only a log line says how the attempt ended."""
+        self.log_recovery_report()
         try:
             if self.last_loss is not None:
                 self.run.log_outputs(final_loss=self.last_loss)
@@ -188,6 +195,28 @@ class PolyaxonEvents(TrainingEvents):
                 self.run.log_failed(reason=f"Exit{exit_code}", message=message)
         except Exception as error:  # noqa: BLE001 - the training outcome stands; say what was not recorded
             log.warning("tracking: could not record the final status of run %s: %s", self.run.run_uuid, error)
+
+    def log_recovery_report(self) -> None:
+        """The report's totals as outputs and its timeline as an image, so the run's page shows
+        what every restart so far cost. Never raises: the training outcome stands."""
+        try:
+            from trainer.listing import run_report, write_timeline
+
+            try:
+                report = run_report(self.outputs_path)
+            except NothingToResume:  # refused before any record was written (66, 73): nothing to show
+                return
+            with tempfile.TemporaryDirectory() as folder:
+                image = Path(folder) / f"{TIMELINE}.png"
+                write_timeline(report, image)
+                self.run.log_image(data=str(image), name=TIMELINE, step=report.totals.attempts)
+            t = report.totals
+            self.run.log_outputs(attempts=t.attempts, useful_steps=t.useful, computed_steps=t.computed,
+                                 replayed_steps=t.replayed, lost_steps=t.lost, goodput=t.goodput,
+                                 wall_lost_s=t.wall_lost_s, checkpoint_overhead=t.checkpoint_share)
+        except Exception as error:  # noqa: BLE001 - a picture must never change how the attempt ended
+            log.warning("tracking: could not log the recovery report of run %s: %s: %s", self.run.run_uuid,
+                        error.__class__.__name__, error)
 
     # ------------------------------------------------------------------ TrainingEvents
     def run_identity(self, previous_attempt: dict | None) -> dict:

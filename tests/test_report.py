@@ -1,0 +1,226 @@
+"""`python -m trainer report`: numbers derived from attempt records, the timeline PNG.
+
+The pure computation is checked on hand-built records; the command on one real run with a
+known history (an interrupt, a kill -9 after a known step, a refused start, a preemption,
+then completion), whose expected numbers are derived here from that history."""
+
+from __future__ import annotations
+
+import json
+import signal
+import struct
+
+import pytest
+
+from conftest import attempts, one_error_line, run_cli, train
+from test_faults import start, wait_for_line
+
+from trainer.report import build_report, format_report
+from trainer.timeline import HEIGHT, WIDTH, render_timeline, timeline_title
+
+
+def png_size(path) -> tuple[int, int]:
+    """Width and height from the PNG header (signature, then the IHDR chunk)."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def record(id, status, first, last, restored=None, replayed=None, published=(), wall=10.0, exit_code=None,
+           costs=None, started="2026-01-01T00:00:00+00:00"):
+    return {"id": id, "status": status, "exit_code": exit_code, "reason": None, "started_utc": started,
+            "wall_s": wall,
+            "restored": None if restored is None else {"name": f"step-{restored:08d}", "step": restored},
+            "first_step": first, "last_step": last, "steps_replayed": replayed,
+            "generations_published": [{"name": f"step-{s:08d}", "step": s, "save_s": 0.5, "blocked_s": 0.5,
+                                       "at_s": at} for s, at in published],
+            "exports_published": [], "costs": costs or {"restore_s": 0.0, "save_s": 0.0, "blocked_s": 0.0, "saves": 0}}
+
+
+def history() -> list[dict]:
+    """interrupted at 27 (published 8, 16, 24), killed at 34 (marker; published 32), refused,
+    preempted at 37 (published 37), completed at 64."""
+    return [
+        record("a1", "interrupted", 0, 27, published=[(8, 2.0), (16, 4.0), (24, 6.0)], wall=7.0, exit_code=75,
+               costs={"restore_s": 0.0, "save_s": 1.5, "blocked_s": 1.5, "saves": 3},
+               started="2026-01-01T00:00:00+00:00"),
+        record("a2", "running", 24, 32, restored=24, replayed=3, published=[(32, 3.0)], wall=None,
+               costs={"restore_s": 1.0, "verify_s": 0.4, "save_s": 0.5, "blocked_s": 0.5, "saves": 1},
+               started="2026-01-01T00:00:10+00:00"),
+        record("a3", "refused", None, None, wall=0.5, exit_code=65, started="2026-01-01T00:00:20+00:00"),
+        record("a4", "preempted", 32, 37, restored=32, replayed=2, published=[(37, 2.0)], wall=3.0, exit_code=75,
+               costs={"restore_s": 1.0, "verify_s": 0.4, "save_s": 0.5, "blocked_s": 0.5, "saves": 1},
+               started="2026-01-01T00:00:30+00:00"),
+        record("a5", "completed", 37, 64, restored=37, replayed=0, published=[(40, 2.0), (48, 4.0), (64, 8.0)],
+               wall=9.0, exit_code=0,
+               costs={"restore_s": 1.0, "verify_s": 0.4, "save_s": 1.5, "blocked_s": 1.5, "saves": 3},
+               started="2026-01-01T00:00:40+00:00"),
+    ]
+
+
+def test_rows_and_totals_of_a_known_history():
+    records = history()
+    records[1]["last_step"] = 34  # read_attempts takes a killed attempt's last step from its marker
+    marker = 1767225600.0 + 10 + 5.0  # its last step was marked 5 s after it started
+    report = build_report(records, markers={"a2": marker})
+    rows = {row.id: row for row in report.rows}
+    assert [r.outcome for r in report.rows] == ["interrupted", "killed", "refused", "preempted", "completed"]
+    assert (rows["a1"].computed, rows["a1"].replayed, rows["a1"].lost, rows["a1"].durable_step) == (27, 0, 3, 24)
+    assert (rows["a2"].computed, rows["a2"].replayed, rows["a2"].lost) == (10, 3, 2)
+    assert rows["a2"].wall_s == 5.0 and rows["a2"].wall_estimated  # from the marker's time
+    assert (rows["a3"].computed, rows["a3"].lost, rows["a3"].replayed) == (0, 0, 0)
+    assert (rows["a4"].computed, rows["a4"].replayed, rows["a4"].lost) == (5, 2, 0)
+    assert (rows["a5"].computed, rows["a5"].lost, rows["a5"].time_to_durable_s) == (27, 0, 2.0)
+    assert [r.start_s for r in report.rows] == [0, 10, 20, 30, 40]
+
+    t = report.totals
+    assert (t.attempts, t.useful, t.computed, t.replayed, t.lost) == (5, 64, 69, 5, 5)
+    assert t.computed == t.useful + t.lost  # every attempt restored its predecessor's newest generation
+    assert t.goodput == pytest.approx(64 / 69)
+    assert t.wall_s == pytest.approx(7 + 5 + 0.5 + 3 + 9)
+    assert t.span_s == pytest.approx(40 + 9)
+    # lost steps x seconds per step (wall - restore - blocked) / computed, + restores, + refused wall
+    per_step_a1 = (7.0 - 0 - 1.5) / 27
+    per_step_a2 = (5.0 - 1.0 - 0.5) / 10
+    assert t.wall_lost_s == pytest.approx(3 * per_step_a1 + 2 * per_step_a2 + 3 * 1.0 + 0.5, abs=1e-3)
+    assert t.checkpoint_s == pytest.approx(1.5 + 0.5 + 0.5 + 1.5)
+    assert t.checkpoint_share == pytest.approx(4.0 / 24.5)
+    assert t.outcomes == {"completed": 1, "interrupted": 1, "preempted": 1, "killed": 1, "refused": 1}
+    table = format_report(report, "RUN")
+    assert "goodput            92.8%" in table and "killed" in table and "5.0~" in table
+
+
+def test_a_live_running_attempt_is_running_and_loses_nothing_yet():
+    records = [record("a1", "running", 0, 12, published=[(8, 1.0)], wall=None)]
+    assert build_report(records).rows[0].outcome == "killed"
+    live = build_report(records, live=frozenset({"a1"}))
+    assert live.rows[0].outcome == "running" and live.rows[0].lost == 0
+    assert live.rows[0].wall_s == 1.0 and live.rows[0].wall_estimated  # no marker: its last publish
+    assert live.totals.useful == 8 and live.totals.goodput == pytest.approx(8 / 12)
+
+
+def test_odd_records_do_not_break_the_report():
+    records = [{"id": "x", "status": "running", "exit_code": None, "restored": None, "last_step": None,
+                "steps_replayed": None, "wall_s": None, "reason": None, "generations_published": [],
+                "exports_published": [], "started_utc": "garbage"}]
+    report = build_report(records)
+    assert report.rows[0].outcome == "killed" and report.rows[0].computed == 0 and report.totals.goodput is None
+    assert report.rows[0].start_s is None and report.rows[0].wall_s is None
+    format_report(report, "RUN")
+    assert build_report([]).totals.attempts == 0
+
+
+@pytest.mark.parametrize("count", [1, 100])
+def test_timeline_png_has_the_stated_size_for_1_and_100_attempts(tmp_path, count):
+    outcomes = ["interrupted", "preempted", "running", "refused", "failed"]
+    records, step = [], 0
+    for i in range(count):
+        status = "completed" if i == count - 1 else outcomes[i % len(outcomes)]
+        last = step if status == "refused" else step + 7
+        records.append(record(f"a{i:03d}", status, None if status == "refused" else step,
+                              None if status == "refused" else last, restored=step or None, replayed=2 if i else 0,
+                              published=[(step + 4, 1.0)] if status != "refused" else [],
+                              wall=None if status == "running" else 3.0,
+                              started=f"2026-01-01T{i // 60:02d}:{i % 60:02d}:00+00:00"))
+        step = step + 4 if status != "refused" else step
+    report = build_report(records)
+    path = tmp_path / "timeline.png"
+    render_timeline(report, path, timeline_title(report))
+    assert path.stat().st_size > 10_000
+    assert png_size(path) == (WIDTH, HEIGHT) == (1600, 900)
+
+
+# ---------------------------------------------------------------- the command, on a real run
+EPOCHS = ("--epochs", 8)
+
+
+@pytest.fixture(scope="module")
+def storm(tmp_path_factory):
+    """A run with a known history: interrupt at 27, kill -9 after step 34 was logged (it
+    published step 32 first), a refused start, a SIGTERM after step 36 was logged, then
+    completion at 64. Steps take milliseconds, so the kill and the signal land a few steps
+    after the line: the test reads where from the records."""
+    run = tmp_path_factory.mktemp("storm") / "run"
+    train(run, *EPOCHS, "--interrupt-at-step", 27, expect=75)
+    process = start(run, *EPOCHS, "--resume")
+    wait_for_line(process, "step=34 ")
+    process.kill()
+    process.wait()
+    refused = run_cli("--output", run, *EPOCHS, "--resume", "--hidden-size", 7, "--allow-drift", "config")
+    assert refused.returncode == 65
+    process = start(run, *EPOCHS, "--resume")
+    wait_for_line(process, "step=36 ")
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 75
+    train(run, *EPOCHS, "--resume")
+    return run
+
+
+def test_report_numbers_equal_those_derived_from_the_known_history(storm, tmp_path):
+    records = attempts(storm)
+    assert [r["status"] for r in records] == ["interrupted", "running", "refused", "preempted", "completed"]
+    killed_at = int((storm / "attempts" / records[1]["id"] / "last_step").read_text())  # the per-step marker
+    killed_durable = max(g["step"] for g in records[1]["generations_published"])  # 32, or later if it ran on
+    preempted_at = records[3]["last_step"]
+    assert killed_at >= 34 and killed_durable >= 32 and preempted_at >= 36
+
+    png = tmp_path / "storm.png"
+    result = run_cli("report", storm, "--json", "--png", png)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    rows = report["rows"]
+    assert [r["outcome"] for r in rows] == ["interrupted", "killed", "refused", "preempted", "completed"]
+    expected = [  # restored, computed, replayed, lost
+        (None, 27, 0, 27 - 24),
+        ("step-00000024", killed_at - 24, 27 - 24, killed_at - killed_durable),
+        (None, 0, 0, 0),
+        (f"step-{killed_durable:08d}", preempted_at - killed_durable,
+         min(killed_at, preempted_at) - killed_durable, 0),
+        (f"step-{preempted_at:08d}", 64 - preempted_at, 0, 0),
+    ]
+    assert [(r["restored"], r["computed"], r["replayed"], r["lost"]) for r in rows] == expected
+    assert [r["exit_code"] for r in rows] == [75, None, 65, 75, 0]
+    assert rows[1]["wall_estimated"] and rows[1]["wall_s"] > 0
+    computed = sum(e[1] for e in expected)
+    totals = report["totals"]
+    assert (totals["useful"], totals["computed"], totals["lost"]) == (64, computed, 3 + killed_at - killed_durable)
+    assert totals["goodput"] == pytest.approx(64 / computed)
+    restores = sum(r["costs"]["restore_s"] for r in records)
+    assert totals["restore_s"] == pytest.approx(restores, abs=1e-3)
+    assert totals["wall_lost_s"] >= totals["restore_s"] + records[2]["wall_s"] - 1e-3
+    assert totals["checkpoint_s"] == pytest.approx(sum(r["costs"]["blocked_s"] for r in records), abs=1e-3)
+    # every publish has its time; the first durable point of an attempt is its first publish
+    assert rows[0]["time_to_durable_s"] == records[0]["generations_published"][0]["at_s"] > 0
+    assert png_size(png) == (1600, 900)
+
+    table = run_cli("report", storm)
+    assert table.returncode == 0
+    lines = [line.split() for line in table.stdout.splitlines() if line.startswith(("    1", "    2", "    5"))]
+    assert [line[2] for line in lines] == ["interrupted", "killed", "completed"]
+    assert f"goodput            {64 / computed:.1%}" in table.stdout
+
+
+def test_report_errors_are_one_line(storm, tmp_path):
+    missing = run_cli("report", tmp_path / "nope")
+    assert missing.returncode == 66 and "not a run directory" in one_error_line(missing)
+    (tmp_path / "empty").mkdir()
+    empty = run_cli("report", tmp_path / "empty")
+    assert empty.returncode == 66 and "no attempt records" in one_error_line(empty)
+    unwritable = run_cli("report", storm, "--png", tmp_path / "no" / "such" / "dir.png")
+    assert unwritable.returncode == 74 and "choose a writable path for --png" in one_error_line(unwritable)
+    usage = run_cli("report")
+    assert usage.returncode == 2 and "python -m trainer report" in one_error_line(usage)
+
+
+def test_a_trainer_that_is_still_running_is_shown_running_then_killed(tmp_path):
+    run = tmp_path / "run"
+    process = start(run, "--epochs", 400)
+    try:
+        wait_for_line(process, "step=3 ")
+        live = json.loads(run_cli("report", run, "--json").stdout)["rows"]
+        assert [row["outcome"] for row in live] == ["running"] and live[0]["lost"] == 0
+    finally:
+        process.kill()
+        process.wait()
+    dead = json.loads(run_cli("report", run, "--json").stdout)["rows"]
+    assert [row["outcome"] for row in dead] == ["killed"] and dead[0]["wall_estimated"]
