@@ -259,12 +259,14 @@ def test_save_on_sigterm_fits_well_inside_the_grace(tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen([sys.executable, "-m", "trainer", "--output", str(run), "--epochs", "400",
-                                "--hidden-size", "1024", "--layers", "4"],
+                                "--hidden-size", "1024", "--layers", "4", "--log-every-steps", "1"],
                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         for line in process.stdout:
             if line.startswith("step=3 "):
                 break
+        else:
+            pytest.fail("the trainer ended before logging step 3")
         signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
         out, err = process.communicate(timeout=KUBERNETES_DEFAULT_GRACE_S)
