@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 tests
 
 # Quick checkpoint benchmarks (ratios against raw disk, torch.save and stock dcp.save measured
-# in the same run); see README "Checkpoint modes and speed" for the full-size commands.
+# in the same run); see docs/checkpoint-modes.md for the full-size commands.
 bench: $(STAMP)
 	$(PY) bench/checkpoint_bench.py --quick
 	$(PY) bench/loop_overhead.py --quick

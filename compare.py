@@ -8,6 +8,7 @@ only the command.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -30,10 +31,12 @@ def compare(argv: list[str] | None) -> int:
     except TrainerError as error:
         print(f"compare: error: {error}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(as_json(args.a, args.b, results), indent=2))
-    else:
-        print(format_table(results))
+    try:
+        print(json.dumps(as_json(args.a, args.b, results), indent=2) if args.json else format_table(results),
+              flush=True)
+    except BrokenPipeError:
+        # `compare.py A B | head`: the reader left; the verdict is still the exit status.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if all(r.equal for r in results) else 1
 
 

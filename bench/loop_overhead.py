@@ -6,7 +6,7 @@ with sync saves and with async saves every N steps, and their ratios.
 
 The loop is the trainer's own order of blocking points: wait_for_staging() before each step,
 save() after the steps the cadence picks, finalize() at the end (counted: a run is not done
-before its last generation is published). Target (issue 4): async keeps >= 97% of the
+before its last generation is published). Target: async keeps >= 97% of the
 checkpoint-free throughput at a cadence where sync costs >= 20%.
 """
 

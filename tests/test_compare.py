@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import compare, generation
+from conftest import REPO, compare, generation
 from trainer.compare import value_difference
 from trainer.recovery.manifest import Manifest, read_manifest
 from trainer.recovery.snapshot import load_flat
@@ -87,3 +90,13 @@ def test_equal_means_equal_bits():
     assert value_difference(torch.zeros(2), torch.zeros(2, dtype=torch.float64)).startswith("dtype")
     assert value_difference(torch.zeros(2), torch.zeros(3)).startswith("shape")
     assert "at [1]" in value_difference(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0]))
+
+
+def test_a_reader_that_leaves_early_does_not_change_the_verdict(baseline):
+    """`compare.py A B | head -1`: no traceback, and the exit status is still the verdict."""
+    process = subprocess.Popen([sys.executable, str(REPO / "compare.py"), "--json", generation(baseline),
+                                generation(baseline)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    process.stdout.close()  # the reader is gone before compare writes
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 0 and "Traceback" not in stderr, stderr

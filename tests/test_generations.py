@@ -137,3 +137,23 @@ def test_manifest_records_what_it_promises(interrupted):
         assert len(entry["sha256"]) == 64
     assert manifest["attempt"] == attempts(interrupted)[0]["id"]
     assert manifest["fingerprint"]["world_size"] == 1 and "write_s" in manifest["timings"]
+
+
+def test_a_copied_or_renamed_generation_is_damage_not_a_newer_one(tmp_path, interrupted):
+    """A generation copied to a later name would be restored as the newest, and every later
+    resume would replay from its real step: its manifest must describe the name it is under."""
+    run = fresh_copy(interrupted, tmp_path)
+    shutil.copytree(generation(run, "step-00000024"), generation(run, "step-00000099"))
+    refused = train(run, "--resume", expect=65)
+    line = one_error_line(refused)
+    assert "step-00000099 is damaged: manifest.json: describes step-00000024 (step 24)" in line
+    assert "--from-generation step-00000024" in line
+    # Renamed with a manifest edited to match: the snapshot itself still holds step 24.
+    shutil.rmtree(generation(run, "step-00000099"))
+    manifest_path = generation(run, "step-00000024") / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest.update(name="step-00000099", step=99)
+    manifest_path.write_text(json.dumps(manifest))
+    generation(run, "step-00000024").rename(generation(run, "step-00000099"))
+    refused = train(run, "--resume", expect=65)
+    assert "step-00000099 holds step 24, but its manifest says 99" in one_error_line(refused)

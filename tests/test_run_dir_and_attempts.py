@@ -100,3 +100,28 @@ def test_world_size_change_is_recorded_only_when_it_changed():
     assert world_size_change(None, 2) == {} and world_size_change(2, 2) == {}
     change = world_size_change(1, 2)["world_size_change"]
     assert (change["from"], change["to"], change["exact"]) == (1, 2, False)
+
+
+def test_a_section_or_a_generation_is_not_a_run_directory(tmp_path):
+    for part in ("checkpoints", "exports", "step-00000024"):
+        with pytest.raises(UsageError, match="is part of a run directory"):
+            RunDirectory(tmp_path / "run" / part).prepare(must_exist=False)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "manifest.json").write_text("{}")
+    with pytest.raises(UsageError, match="is part of a run directory"):
+        RunDirectory(tmp_path / "elsewhere").prepare(must_exist=False)
+    assert not (tmp_path / "run").exists()  # refused before anything was created
+
+
+def test_an_attempt_that_ends_between_publishes_records_the_step_it_reached(tmp_path):
+    """A failure or a grace timeout ends without `reached()`: the per-step marker decides, so
+    the next attempt counts the steps it redoes."""
+    from trainer.attempts import AttemptRecorder, read_attempts
+
+    recorder = AttemptRecorder.start(RunDirectory(tmp_path), "20261201T000000Z-abcdef", [], {"restored": None})
+    recorder.reached(10, first=True)
+    for step in range(11, 16):
+        recorder.mark_step(step)
+    recorder.ended("failed", 74, "disk full")
+    [record] = read_attempts(tmp_path)
+    assert (record["status"], record["first_step"], record["last_step"]) == ("failed", 10, 15)

@@ -7,7 +7,8 @@ record, so an orchestrator's retries show up too. Records are informational: the
 verified generation, not an attempt record, decides where training resumes.
 
 The record is changed only through `AttemptRecorder`'s methods, each named for the event it
-records (`restored`, `published`, `set_aside`, `reached`, `ended`, `refused`).
+records (`start`, `restored`, `set_aside`, `reached`, `mark_step`, `waited`, `published`,
+`ended`, `refused`).
 """
 
 from __future__ import annotations
@@ -188,6 +189,9 @@ class AttemptRecorder:
         self.persist = persist
         self._started = time.monotonic() if started is None else started
         self._marker: int | None = None
+        self._marked: int | None = None
+        """The last step `mark_step` recorded: where training stood if it ends without a
+        `reached()` (a failure, a grace timeout)."""
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -218,6 +222,8 @@ class AttemptRecorder:
         if self._marker is not None:
             os.close(self._marker)
             self._marker = None
+        if self._marked is not None and self._marked > (self._record["last_step"] or 0):
+            self._record["last_step"] = self._marked  # ended between publishes: the work it did counts
         self._record.update(status=status, exit_code=exit_code, reason=reason, ended_utc=utc_now(),
                             wall_s=self.elapsed_s())
         if summary is not None and self.persist:
@@ -255,6 +261,7 @@ class AttemptRecorder:
         if self._marker is None:
             self._marker = os.open(self.folder / PROGRESS_MARKER, os.O_WRONLY | os.O_CREAT, 0o644)
         os.pwrite(self._marker, f"{step:>12}\n".encode(), 0)
+        self._marked = step
 
     def waited(self, blocked_s: float) -> None:
         """The loop waited for async staging before a step."""
@@ -285,10 +292,6 @@ class AttemptRecorder:
     @property
     def newest_generation(self) -> str | None:
         return newest_generation(self._record)
-
-    @property
-    def reason(self) -> str | None:
-        return self._record["reason"]
 
     @property
     def restore_s(self) -> float:

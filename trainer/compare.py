@@ -95,7 +95,7 @@ def load_generation(path: Path) -> dict:
     if not verification.ok:
         raise UsageError(f"{path} cannot be compared: {verification.problem}")
     if verification.manifest.kind != RECOVERY:
-        raise UsageError(f"{path} is a {verification.manifest.kind}, not a recovery generation")
+        raise UsageError(f"{path} is an {verification.manifest.kind}, not a recovery generation")
     return load_flat(path)
 
 

@@ -102,6 +102,8 @@ def format_run(described: dict) -> str:
 def require_run_directory(output: Path) -> None:
     if not output.is_dir():
         raise NothingToResume(f"{output} is not a run directory; pass the --output of a run")
+    if problem := RunDirectory(output).inner_part():
+        raise NothingToResume(problem)
 
 
 def list_run(output: Path, as_json: bool) -> int:

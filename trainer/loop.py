@@ -216,10 +216,13 @@ class TrainingRun:
                               world_size=self.ranks.world_size)
         return state, trained
 
-    def restore(self, claim: Claim, state: TrainingState, drift: list[str], saves: CadencedSaves) -> None:
+    def restore_state(self, claim: Claim, state: TrainingState, drift: list[str], saves: CadencedSaves) -> None:
         """The mirror of a save, then what continues across processes: an allowed config
         change, the cadence counters, and (going back) the abandoned later line."""
         restored = restore(claim.generation, state)
+        if state.progress.global_step != restored.step:
+            raise CorruptGeneration(f"generation {restored.name} holds step {state.progress.global_step}, but its "
+                                    f"manifest says {restored.step}; restore another one with --from-generation")
         if any(change.startswith("config.") for change in drift):
             self.workload.adopt_config(state.optimizer, state.scheduler)  # an allowed --lr change takes effect
         saves.load_cadence(restored.manifest.cadence)
@@ -248,7 +251,7 @@ class TrainingRun:
         config, workload, ranks, device = self.config, self.workload, self.ranks, self.ranks.device
         state, trained = self.build()
         if claim.generation is not None:
-            self.restore(claim, state, drift, saves)
+            self.restore_state(claim, state, drift, saves)
         self.recorder.reached(state.progress.global_step, first=True)
         total_steps = config.workload.total_steps
         autocast_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16

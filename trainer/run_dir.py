@@ -127,6 +127,8 @@ class RunDirectory:
         root = self.root
         if root.exists() and not root.is_dir():
             raise UsageError(f"--output {root} is a file, not a directory; choose a directory path")
+        if problem := self.inner_part():
+            raise UsageError(f"--output {problem}")
         if not root.exists() and must_exist:
             raise NothingToResume(f"nothing to resume: {root} does not exist; "
                                   f"check --output, or start without --resume")
@@ -141,3 +143,12 @@ class RunDirectory:
         if problem := self.misplaced_entry():
             raise RefuseOverwrite(f"{problem}; this is not a run directory of ours, so nothing was changed: "
                                   f"move it away or choose another --output")
+
+    def inner_part(self) -> str | None:
+        """Why this directory looks like a part of a run directory (its `checkpoints/`, or one
+        generation) rather than one: training there would nest a second run inside the first."""
+        if self.root.name in SECTIONS.values() or generation_step(self.root.name) is not None \
+                or (self.root / MANIFEST).exists():
+            return (f"{self.root} is part of a run directory (a section or a generation), not one; "
+                    f"pass the run directory that contains it")
+        return None

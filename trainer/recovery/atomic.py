@@ -1,4 +1,5 @@
-"""Durable, atomic filesystem operations (the only place that calls fsync and rename).
+"""Durable, atomic filesystem operations: every rename and directory fsync of the publish
+protocol (the DCP writer fsyncs the shards it writes itself, recovery/writer.py).
 
 The publish protocol: write into a unique temporary sibling, fsync every file, write and
 fsync the manifest last, fsync the directory, rename it to its final name, fsync the parent.
@@ -135,11 +136,17 @@ def rename_into_place(temporary: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
-def set_aside(directory: Path) -> Path:
-    """Retire a published directory under its `.NAME.replaced-R` name (kept, never selected)."""
-    aside = directory.with_name(hidden_name(directory.name, REPLACED))
+def rename_aside(directory: Path, suffix: str) -> Path:
+    """Rename a directory to a hidden `.NAME<suffix>R` sibling (never taken for a published
+    one); the caller makes the rename durable with `fsync_dir` once it has done all it renames."""
+    aside = directory.with_name(hidden_name(directory.name, suffix))
     os.rename(directory, aside)
     return aside
+
+
+def set_aside(directory: Path) -> Path:
+    """Retire a published directory under its `.NAME.replaced-R` name (kept, never selected)."""
+    return rename_aside(directory, REPLACED)
 
 
 def finish_interrupted_replacements(root: Path) -> list[str]:

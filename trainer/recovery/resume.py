@@ -45,7 +45,8 @@ def require_verified(candidate: Verification, earlier: list[str],
         return
     fallback = next((name for name in reversed(earlier) if verify(name).ok), None)
     advice = (f"newest earlier generation that verifies: {fallback}; resume from it with "
-              f"--from-generation {fallback}") if fallback else "no earlier generation verifies"
+              f"--from-generation {fallback}") if fallback else \
+        "no earlier generation verifies: move the damaged one aside to start over, or choose a new --output"
     raise CorruptGeneration(f"generation {candidate.name} is damaged: {candidate.problem}; {advice}")
 
 

@@ -10,11 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from trainer.recovery.atomic import (finish_interrupted_replacements, fsync_dir, manifest_digest, rename_into_place,
-                                     seal_directory, set_aside, temporary_sibling)
+from trainer.recovery.atomic import (finish_interrupted_replacements, fsync_dir, manifest_digest, rename_aside,
+                                     rename_into_place, seal_directory, set_aside, temporary_sibling)
 from trainer.recovery.manifest import Manifest, Verification, verify_directory
-from trainer.run_dir import (DELETING, MANIFEST, REMOVABLE, REPLACED, REPLACING, generation_name, generation_step,
-                             hidden_name)
+from trainer.run_dir import DELETING, MANIFEST, REMOVABLE, REPLACED, REPLACING, generation_name, generation_step
 
 
 @dataclass(frozen=True)
@@ -58,8 +57,20 @@ class GenerationStore:
         except OSError:
             return verify_directory(self.path(name))
         if not cached or key not in self._verified:
-            self._verified[key] = verify_directory(self.path(name))
+            self._verified[key] = self._verify_named(name)
         return self._verified[key]
+
+    def _verify_named(self, name: str) -> Verification:
+        """A directory verifies under its name only if its manifest describes that name: a
+        generation copied or renamed to another step would otherwise be restored as a newer
+        one, and every later resume would replay from its real step."""
+        verification = verify_directory(self.path(name))
+        manifest = verification.manifest
+        if verification.ok and (manifest.name != name or manifest.step != generation_step(name)):
+            return Verification(verification.path, manifest,
+                                f"{MANIFEST}: describes {manifest.name} (step {manifest.step}), not {name}; "
+                                f"a copied or renamed directory")
+        return verification
 
     def temporaries(self) -> list[Path]:
         if not self.root.is_dir():
@@ -95,8 +106,7 @@ class GenerationStore:
     def remove(self, name: str) -> None:
         """Delete a published generation atomically: rename it to a hidden `.deleting-`
         sibling (never selected), make the rename durable, then delete the files."""
-        doomed = self.root / hidden_name(name, DELETING)
-        os.rename(self.path(name), doomed)
+        doomed = rename_aside(self.path(name), DELETING)
         fsync_dir(self.root)
         shutil.rmtree(doomed, ignore_errors=True)
 
