@@ -19,7 +19,8 @@ LAYERS = [
     {"trainer.recovery"},
     # What a run is made of, each usable on its own.
     {"trainer.state", "trainer.cadence", "trainer.retention", "trainer.export", "trainer.lock",
-     "trainer.preemption", "trainer.events", "trainer.batching", "trainer.fingerprint", "trainer.workload",
+     "trainer.preemption", "trainer.events", "trainer.batching", "trainer.fetching", "trainer.fingerprint",
+     "trainer.workload",
      "trainer.attempts", "trainer.distributed", "trainer.runtime", "trainer.compare", "trainer.listing"},
     # Saving on cadence, then the loop that runs one attempt.
     {"trainer.saving"},

@@ -32,6 +32,7 @@ from trainer.distributed import Ranks, process_group, unshared_output
 from trainer.errors import (EXIT_INTERRUPTED, EXIT_OK, CorruptGeneration, CrashLoop, FingerprintMismatch,
                             TrainerError, UsageError)
 from trainer.events import TrainingEvents
+from trainer.fetching import KeyedSeeding, epoch_loader
 from trainer.fingerprint import check_fingerprint, current_fingerprint
 from trainer.launch import LaunchEnvironment
 from trainer.lock import OutputLock
@@ -43,7 +44,7 @@ from trainer.recovery.restore import restore
 from trainer.recovery.resume import choose_candidate, set_aside_later_line, verify_candidate
 from trainer.recovery.store import GenerationStore
 from trainer.run_dir import RunDirectory
-from trainer.runtime import configure_determinism, ignore_stop_signals, resolve_device
+from trainer.runtime import configure_determinism, resolve_device
 from trainer.saving import CadencedSaves, Lineage
 from trainer.state import TrainingState
 from trainer.workload import Workload, build_workload
@@ -166,7 +167,7 @@ class TrainingRun:
         preemption.last_words = lambda reason: recorder.ended(PREEMPTED, EXIT_INTERRUPTED, reason)
         try:
             self.events.attempt_started(recorder.record)
-            return self.train(claim, dataset, drift, saves, preemption)
+            return self.train(claim, KeyedSeeding(dataset, config.workload.seed), drift, saves, preemption)
         except (CorruptGeneration, FingerprintMismatch) as refusal:
             # Found while restoring, before the first step (a shape-changing drift, stored
             # data that disagrees with its rank): a refusal, like the ones found earlier.
@@ -239,7 +240,7 @@ class TrainingRun:
         return abandoned
 
     # ----------------------------------------------------------------- training
-    def train(self, claim: Claim, dataset, drift: list[str], saves: CadencedSaves,
+    def train(self, claim: Claim, dataset: KeyedSeeding, drift: list[str], saves: CadencedSaves,
               preemption: PreemptionGuard) -> Outcome:
         config, workload, ranks, device = self.config, self.workload, self.ranks, self.ranks.device
         state, trained = self.build()
@@ -281,15 +282,12 @@ class TrainingRun:
                                     f"preempted by {signal_name}: saved step {step} (exit 75)")
         return self.end(COMPLETED, None, saves, state)
 
-    def batches(self, dataset, state: TrainingState) -> DataLoader:
+    def batches(self, dataset: KeyedSeeding, state: TrainingState) -> DataLoader:
         """This rank's batches for the rest of the current epoch."""
         config, progress = self.config.workload, state.progress
         order = EpochBatchOrder(config.samples, config.batch_size, config.seed, progress.epoch, progress.position,
                                 self.ranks.rank, self.ranks.world_size)
-        # A private generator keeps the DataLoader from drawing on the global torch RNG
-        # (it seeds workers from it on every new iterator, which a resume would repeat).
-        return DataLoader(dataset, batch_sampler=order, num_workers=config.num_workers,
-                          generator=torch.Generator().manual_seed(0), worker_init_fn=ignore_stop_signals)
+        return epoch_loader(dataset, order, config.num_workers)
 
     def step_completed(self, state: TrainingState, step: int, loss: float, lr: float) -> None:
         state.history.loss.append(loss)

@@ -27,11 +27,13 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer import seams
+from trainer import compat, seams
 from trainer.errors import CorruptGeneration
 
 RNG_BY_RANK = "rng_by_rank"
 DATA_BY_RANK = "data_by_rank"
+PER_RANK = ("rng", RNG_BY_RANK, DATA_BY_RANK)
+"""Top-level keys of per-rank entries: the template takes this rank's, if stored."""
 log = logging.getLogger("trainer")
 
 
@@ -154,8 +156,11 @@ class TrainingState:
 
     def template(self, stored_entries: dict) -> dict:
         """A state dict shaped like the stored one, for DCP to load into: model and
-        optimizer tensors from the live objects (which initializes optimizer state), and
-        history sized from the snapshot's metadata."""
+        optimizer tensors from the live objects, and history sized from the snapshot's
+        metadata. Optimizer state is materialised first (a zero-learning-rate step on zero
+        gradients): most optimizers create it lazily, and a template without it would leave
+        the stored state unread."""
+        compat.init_optimizer_state(self.optimizer)
         template = self.state_dict()
         for name in template["history"]:
             size = stored_entries[f"history.{name}"].size
@@ -171,6 +176,11 @@ class TrainingState:
         if self.world_size > 1 and stored_world_size(stored_entries) == self.world_size:
             _nest(template, (DATA_BY_RANK, str(self.rank)), self._data_position())
         return template
+
+    def unread_by_design(self, stored_key: str) -> bool:
+        """Per-rank entries the template did not take: other ranks' RNG streams and data
+        positions, a CUDA RNG on a machine without CUDA (see the module docstring)."""
+        return stored_key.split(".", 1)[0] in PER_RANK
 
     def load_state_dict(self, stored: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=stored["model"],

@@ -1,0 +1,63 @@
+"""Global-RNG augmentation inside a dataset is a pure function of (seed, epoch, index): the
+same for any number of DataLoader workers and any resume position, different across epochs,
+and fetching in the main process leaves its own RNG streams where they were."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from trainer.batching import EpochBatchOrder
+from trainer.fetching import KeyedSeeding, epoch_loader
+from trainer.state import capture_rng
+
+SAMPLES, BATCH, SEED = 12, 4, 7
+
+
+class GlobalRngAugmentation(Dataset):
+    """The torchvision habit: augmentation that draws from all three global RNGs."""
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, key):
+        _, index = key
+        return torch.tensor([float(index), torch.rand(()).item(), np.random.rand(), random.random()],
+                            dtype=torch.float64)
+
+
+def epoch(number: int, num_workers: int, position: int = 0) -> list[torch.Tensor]:
+    order = EpochBatchOrder(SAMPLES, BATCH, SEED, number, position)
+    return list(epoch_loader(KeyedSeeding(GlobalRngAugmentation(), SEED), order, num_workers))
+
+
+def test_worker_count_does_not_change_the_samples():
+    in_process = epoch(0, num_workers=0)
+    assert all(torch.equal(a, b) for a, b in zip(in_process, epoch(0, num_workers=2), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(in_process, epoch(0, num_workers=1), strict=True))
+
+
+def test_every_epoch_draws_different_randomness_for_the_same_sample():
+    by_index = [{int(row[0]): row[1:] for batch in epoch(number, num_workers=2) for row in batch}
+                for number in (0, 1)]
+    assert all(not torch.equal(by_index[0][i], by_index[1][i]) for i in range(SAMPLES))
+
+
+def test_a_mid_epoch_resume_fetches_the_rest_of_the_epoch_unchanged():
+    whole = epoch(1, num_workers=0)
+    resumed = epoch(1, num_workers=2, position=2)
+    assert all(torch.equal(a, b) for a, b in zip(whole[2:], resumed, strict=True))
+
+
+def test_fetching_in_process_leaves_the_main_rng_streams_alone():
+    torch.manual_seed(3), np.random.seed(3), random.seed(3)
+    before = capture_rng()
+    epoch(0, num_workers=0)
+    after = capture_rng()
+    assert torch.equal(before["torch"], after["torch"])
+    assert torch.equal(before["python"]["internal"], after["python"]["internal"])
+    assert torch.equal(before["numpy"]["keys"], after["numpy"]["keys"])
+    assert before["numpy"]["pos"] == after["numpy"]["pos"]

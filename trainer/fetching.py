@@ -1,0 +1,68 @@
+"""Fetching samples: randomness a dataset draws from the global RNGs becomes a pure function
+of (seed, epoch, index), whichever process fetches the sample.
+
+Users bring the torchvision habit: augmentation that calls `random`, `np.random` or
+`torch.rand*` inside `__getitem__`. Left alone, those draws depend on which DataLoader worker
+fetched the sample (workers are seeded per iterator, not per sample) and, with no workers,
+on how far the main process's streams have advanced, so `--num-workers` and the resume point
+would change training. Here every fetch runs with the three global RNGs seeded from
+(seed, epoch, index), and the fetching process's own streams are put back afterwards: with
+`--num-workers 0` the main process's dropout, noise and shuffling draws are exactly what they
+would be had the dataset drawn nothing.
+"""
+
+from __future__ import annotations
+
+import random
+from contextlib import contextmanager
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from trainer.batching import EpochBatchOrder
+from trainer.runtime import ignore_stop_signals
+
+
+@contextmanager
+def seeded_globals(seed: int, epoch: int, index: int) -> Iterator[None]:
+    """Python's, NumPy's and torch's (CPU) global RNGs seeded from (seed, epoch, index) for
+    the duration, then restored. CUDA generators are left alone: a dataset runs on the CPU,
+    and seeding them would disturb the main process's GPU dropout."""
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    words = np.random.SeedSequence([seed, epoch, index]).generate_state(4)
+    random.seed(int.from_bytes(words.tobytes(), "little"))
+    np.random.seed(words)
+    torch.default_generator.manual_seed(int(words[0]) << 32 | int(words[1]))
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
+
+
+class KeyedSeeding(Dataset):
+    """The workload's dataset, fetched by (epoch, index) keys under `seeded_globals`."""
+
+    def __init__(self, dataset, seed: int):
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, index = key
+        with seeded_globals(self.seed, epoch, index):
+            return self.dataset[key]
+
+
+def epoch_loader(dataset: KeyedSeeding, order: EpochBatchOrder, num_workers: int) -> DataLoader:
+    """The batches `order` names, fetched by `num_workers` processes (0: this one).
+    A private generator keeps the DataLoader from drawing on the global torch RNG (it seeds
+    workers from it on every new iterator, which a resume would repeat); worker seeds do not
+    reach the samples, `KeyedSeeding` reseeds every fetch."""
+    return DataLoader(dataset, batch_sampler=order, num_workers=num_workers,
+                      generator=torch.Generator().manual_seed(0), worker_init_fn=ignore_stop_signals)
