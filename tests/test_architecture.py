@@ -14,7 +14,8 @@ PACKAGE = REPO / "trainer"
 
 LAYERS = [
     # Leaves: names, errors, configuration, test seams, private-API wrappers.
-    {"trainer.errors", "trainer.run_dir", "trainer.config", "trainer.launch", "trainer.seams", "trainer.compat"},
+    {"trainer.errors", "trainer.run_dir", "trainer.config", "trainer.launch", "trainer.seams", "trainer.compat",
+     "trainer.options"},
     # Storage and recovery: generations, manifests, the publish protocol, save and restore.
     {"trainer.recovery"},
     # What a run is made of, each usable on its own.

@@ -23,8 +23,7 @@ class GlobalRngAugmentation(Dataset):
     def __len__(self) -> int:
         return SAMPLES
 
-    def __getitem__(self, key):
-        _, index = key
+    def __getitem__(self, index: int):
         return torch.tensor([float(index), torch.rand(()).item(), np.random.rand(), random.random()],
                             dtype=torch.float64)
 
@@ -61,3 +60,25 @@ def test_fetching_in_process_leaves_the_main_rng_streams_alone():
     assert torch.equal(before["python"]["internal"], after["python"]["internal"])
     assert torch.equal(before["numpy"]["keys"], after["numpy"]["keys"])
     assert before["numpy"]["pos"] == after["numpy"]["pos"]
+
+
+def test_batches_of_any_structure_reach_the_device():
+    from collections import namedtuple
+    from dataclasses import dataclass
+
+    from trainer.fetching import to_device
+
+    @dataclass
+    class Pair:
+        image: torch.Tensor
+        tags: list
+
+    Named = namedtuple("Named", "a b")
+    meta = torch.device("meta")  # a device every build has: proves the move without a GPU
+    batch = {"pair": Pair(torch.ones(2), [torch.zeros(1), "label"]), "named": Named(torch.ones(1), 3),
+             "tuple": (torch.ones(1),)}
+    moved = to_device(batch, meta)
+    assert moved["pair"].image.device == meta and moved["pair"].tags[0].device == meta
+    assert moved["pair"].tags[1] == "label" and isinstance(moved["pair"], Pair)
+    assert isinstance(moved["named"], Named) and moved["named"].a.device == meta and moved["named"].b == 3
+    assert moved["tuple"][0].device == meta and batch["pair"].image.device.type == "cpu"

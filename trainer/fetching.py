@@ -1,5 +1,6 @@
 """Fetching samples: randomness a dataset draws from the global RNGs becomes a pure function
-of (seed, epoch, index), whichever process fetches the sample.
+of (seed, epoch, index), whichever process fetches the sample; and batches of any structure
+reach the device.
 
 Users bring the torchvision habit: augmentation that calls `random`, `np.random` or
 `torch.rand*` inside `__getitem__`. Left alone, those draws depend on which DataLoader worker
@@ -13,7 +14,9 @@ would be had the dataset drawn nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -44,11 +47,13 @@ def seeded_globals(seed: int, epoch: int, index: int) -> Iterator[None]:
 
 
 class KeyedSeeding(Dataset):
-    """The workload's dataset, fetched by (epoch, index) keys under `seeded_globals`."""
+    """The workload's dataset, fetched by (epoch, index) keys under `seeded_globals`:
+    `dataset.sample_at(epoch, index)` when it has one, else `dataset[index]`."""
 
     def __init__(self, dataset, seed: int):
         self.dataset = dataset
         self.seed = seed
+        self.keyed = callable(getattr(dataset, "sample_at", None))
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -56,7 +61,7 @@ class KeyedSeeding(Dataset):
     def __getitem__(self, key: tuple[int, int]):
         epoch, index = key
         with seeded_globals(self.seed, epoch, index):
-            return self.dataset[key]
+            return self.dataset.sample_at(epoch, index) if self.keyed else self.dataset[index]
 
 
 def epoch_loader(dataset: KeyedSeeding, order: EpochBatchOrder, num_workers: int) -> DataLoader:
@@ -65,4 +70,22 @@ def epoch_loader(dataset: KeyedSeeding, order: EpochBatchOrder, num_workers: int
     workers from it on every new iterator, which a resume would repeat); worker seeds do not
     reach the samples, `KeyedSeeding` reseeds every fetch."""
     return DataLoader(dataset, batch_sampler=order, num_workers=num_workers,
+                      collate_fn=getattr(dataset.dataset, "collate", None),
                       generator=torch.Generator().manual_seed(0), worker_init_fn=ignore_stop_signals)
+
+
+def to_device(batch, device: torch.device):
+    """A batch of any structure with every tensor on `device`: tensors, and tuples
+    (named ones too), lists, dicts and dataclasses of them, nested; other values as they are."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: to_device(getattr(batch, f.name), device)
+                                             for f in dataclasses.fields(batch) if f.init})
+    if isinstance(batch, Mapping):
+        return type(batch)({key: to_device(value, device) for key, value in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(to_device(value, device) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(value, device) for value in batch)
+    return batch

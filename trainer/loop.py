@@ -32,7 +32,7 @@ from trainer.distributed import Ranks, process_group, unshared_output
 from trainer.errors import (EXIT_INTERRUPTED, EXIT_OK, CorruptGeneration, CrashLoop, FingerprintMismatch,
                             TrainerError, UsageError)
 from trainer.events import TrainingEvents
-from trainer.fetching import KeyedSeeding, epoch_loader
+from trainer.fetching import KeyedSeeding, epoch_loader, to_device
 from trainer.fingerprint import check_fingerprint, current_fingerprint
 from trainer.launch import LaunchEnvironment
 from trainer.lock import OutputLock
@@ -47,7 +47,7 @@ from trainer.run_dir import RunDirectory
 from trainer.runtime import configure_determinism, resolve_device
 from trainer.saving import CadencedSaves, Lineage
 from trainer.state import TrainingState
-from trainer.workload import Workload, build_workload
+from trainer.workload import BoundWorkload, build_workload, dataset_fingerprint
 
 log = logging.getLogger("trainer")
 REFUSALS = (CorruptGeneration, FingerprintMismatch, CrashLoop)
@@ -77,7 +77,7 @@ class TrainingRun:
         self.config = config
         self.ranks = ranks
         self.events = events
-        self.workload: Workload = build_workload(config.workload)
+        self.workload: BoundWorkload = build_workload(config.workload)
         self.attempt_id = new_attempt_id()
         self.started = time.monotonic()
         self.claimed: RunDirectory | None = None
@@ -107,8 +107,6 @@ class TrainingRun:
     def claim(self, held: contextlib.ExitStack) -> Claim:
         """Rank 0 only: take the output lock, clean up, choose and verify what to restore."""
         config = self.config
-        if problem := uneven_split(config.workload.samples, config.workload.batch_size, self.ranks.world_size):
-            raise UsageError(problem)
         run = RunDirectory(config.output)
         run.prepare(must_exist=config.resume == "latest" or config.from_generation is not None)
         held.enter_context(OutputLock(run.root))
@@ -148,8 +146,11 @@ class TrainingRun:
         config, ranks = self.config, self.ranks
         configure_determinism(config, ranks.rank)
         dataset = self.workload.build_dataset()
-        fingerprint = current_fingerprint(config.workload.training_relevant(), dataset.fingerprint(),
-                                          ranks.device, world_size=ranks.world_size)
+        ranks.decide_on_primary(lambda: refuse_uneven_split(len(dataset), config.workload.batch_size,
+                                                            ranks.world_size), "checking the batch split")
+        fingerprint = current_fingerprint(config.workload.training_relevant(), dataset_fingerprint(dataset),
+                                          ranks.device, world_size=ranks.world_size,
+                                          workload_sources=self.workload.source_files)
         generation = claim.generation
         drift = [] if generation is None else ranks.decide_on_primary(lambda: check_fingerprint(
             generation.name, generation.manifest.fingerprint, fingerprint, config.allow_drift),
@@ -210,7 +211,7 @@ class TrainingRun:
         scheduler = workload.build_scheduler(optimizer)
         scaler = torch.amp.GradScaler(device.type, enabled=config.workload.amp and device.type == "cuda")
         state = TrainingState(model, optimizer, scheduler, scaler, rank=self.ranks.rank,
-                              world_size=self.ranks.world_size)
+                              world_size=self.ranks.world_size, extras=workload.stateful())
         return state, trained
 
     def restore(self, claim: Claim, state: TrainingState, drift: list[str], saves: CadencedSaves) -> None:
@@ -247,7 +248,8 @@ class TrainingRun:
         if claim.generation is not None:
             self.restore(claim, state, drift, saves)
         self.recorder.reached(state.progress.global_step, first=True)
-        total_steps = config.workload.total_steps
+        batches_per_epoch = len(EpochBatchOrder(len(dataset), config.workload.batch_size, config.workload.seed, 0, 0))
+        total_steps = config.workload.epochs * batches_per_epoch
         autocast_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
         self.warn_if_interrupt_cannot_fire(state.progress.global_step, total_steps)
         if preemption.requested and not ranks.distributed:  # signalled while claiming or restoring
@@ -255,19 +257,22 @@ class TrainingRun:
             return self.end(PREEMPTED, f"{signal_name} before training resumed; nothing to save", saves, state,
                             f"preempted by {signal_name} before the first step (exit 75)")
         while state.progress.global_step < total_steps:
-            for inputs, labels in self.batches(dataset, state):
+            for batch in self.batches(dataset, state):
                 saves.wait_for_staging()
-                inputs, labels = inputs.to(device), labels.to(device)
+                batch = to_device(batch, device)
                 state.model.train()
                 with torch.autocast(device.type, dtype=autocast_dtype, enabled=config.workload.amp):
-                    loss = workload.loss(trained, (inputs, labels))
+                    loss = workload.loss(trained, batch)
                 state.optimizer.zero_grad(set_to_none=True)
                 state.scaler.scale(loss).backward()
+                state.scaler.unscale_(state.optimizer)  # the hook sees true gradients (a no-op without AMP)
+                workload.after_backward(state.model, state.optimizer)
                 state.scaler.step(state.optimizer)
                 state.scaler.update()
+                workload.after_step(state.model, state.optimizer)
                 lr = state.scheduler.get_last_lr()[0]
                 state.scheduler.step()
-                epoch_completed = state.progress.advance(config.workload.batches_per_epoch)
+                epoch_completed = state.progress.advance(batches_per_epoch)
                 step = state.progress.global_step
                 agreed = saves.agree(StepPoint(step, state.progress.epoch, epoch_completed), loss,
                                      preemption.requested)
@@ -285,7 +290,7 @@ class TrainingRun:
     def batches(self, dataset: KeyedSeeding, state: TrainingState) -> DataLoader:
         """This rank's batches for the rest of the current epoch."""
         config, progress = self.config.workload, state.progress
-        order = EpochBatchOrder(config.samples, config.batch_size, config.seed, progress.epoch, progress.position,
+        order = EpochBatchOrder(len(dataset), config.batch_size, config.seed, progress.epoch, progress.position,
                                 self.ranks.rank, self.ranks.world_size)
         return epoch_loader(dataset, order, config.num_workers)
 
@@ -320,6 +325,11 @@ class TrainingRun:
         self.recorder.ended(status, exit_code, reason, summary)
         log.info("%s", said)
         return Outcome(exit_code, reason)
+
+
+def refuse_uneven_split(samples: int, batch_size: int, world_size: int) -> None:
+    if problem := uneven_split(samples, batch_size, world_size):
+        raise UsageError(problem)
 
 
 def run_training(config: RunConfig, launch: LaunchEnvironment = LaunchEnvironment(),

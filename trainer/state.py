@@ -129,6 +129,9 @@ class TrainingState:
     history: History = field(default_factory=History)
     rank: int = 0
     world_size: int = 1
+    extras: dict = field(default_factory=dict)
+    """The workload's own stateful objects (`Workload.stateful()`), saved under `workload`;
+    absent when it has none, so such generations keep their layout."""
 
     def state_dict(self) -> dict:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
@@ -140,6 +143,7 @@ class TrainingState:
             "progress": {"global_step": self.progress.global_step, "epoch": self.progress.epoch,
                          "position": self.progress.position},
             "history": self.history.state_dict(),
+            **({"workload": {name: kept.state_dict() for name, kept in self.extras.items()}} if self.extras else {}),
             **self._per_rank_state(),
         }
 
@@ -190,6 +194,8 @@ class TrainingState:
             self.scaler.load_state_dict(stored["scaler"])
         self.progress = Progress(**stored["progress"])
         self.history.load_state_dict(stored["history"])
+        for name, kept in self.extras.items():
+            kept.load_state_dict(stored["workload"][name])
         position = stored.get(DATA_BY_RANK, {}).get(str(self.rank))
         if position is not None and position != self._data_position():
             raise CorruptGeneration(f"rank {self.rank}'s stored data position {position} disagrees with the "
