@@ -30,9 +30,9 @@ JOB_FILE = REPO / "polyaxonfiles" / "polyaxonfile.yaml"
 COMBINES = re.compile(r"^# Combines with: (.+)$", re.MULTILINE)
 FLAG = re.compile(r"^(--[a-z0-9-]+)=")
 NOT_INPUTS = {"--output", "--tracked", "--help"}  # set by the bundle itself, not by the user
-PENDING_INPUTS = {"--workload"}
+PENDING_INPUTS = {"--workload", "--grad-accum"}
 """Trainer options whose polyaxonfile input is still to be added: polyaxonfiles/ is being
-rewritten elsewhere, and the `workload` input joins it at that merge. Empty this set then."""
+rewritten elsewhere, and the `workload` and `grad_accum` inputs join it at that merge. Empty this set then."""
 
 
 def preset_targets(preset: Path) -> list[Path]:

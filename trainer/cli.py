@@ -113,7 +113,11 @@ def trainer_parser() -> OneLineParser:
                            "importable (current directory or PYTHONPATH) or a path to a .py file "
                            f"(default {DEFAULT_WORKLOAD}); its options are listed below")
     work.add_argument("--epochs", type=positive_int, default=defaults.epochs)
-    work.add_argument("--batch-size", type=positive_int, default=defaults.batch_size)
+    work.add_argument("--batch-size", type=positive_int, default=defaults.batch_size,
+                      help="samples per (micro-)batch, across all processes")
+    work.add_argument("--grad-accum", type=positive_int, default=defaults.grad_accum, metavar="N",
+                      help="micro-batches per optimizer step; steps, cadence and the LR schedule count "
+                           "optimizer steps, and saves happen only between them (default 1)")
     work.add_argument("--seed", type=non_negative_int, default=defaults.seed)
     work.add_argument("--num-workers", type=non_negative_int, default=defaults.num_workers)
     work.add_argument("--amp", action="store_true", help="mixed precision (bf16 on CPU, fp16+GradScaler on CUDA)")
@@ -147,7 +151,8 @@ def config_from_args(args: argparse.Namespace, argv: list[str], output: Path,
                      workload_options: tuple[str, ...]) -> RunConfig:
     workload = WorkloadConfig(
         epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers,
-        amp=args.amp, threads=args.threads, data_parallel=args.data_parallel, workload=args.workload,
+        amp=args.amp, threads=args.threads, data_parallel=args.data_parallel, grad_accum=args.grad_accum,
+        workload=args.workload,
         options=tuple((name, getattr(args, name)) for name in workload_options))
     return RunConfig(
         output=output, workload=workload, interrupt_at_step=args.interrupt_at_step,

@@ -42,6 +42,10 @@ class WorkloadConfig:
     gradients by reduce-scatter instead of all-reduce, and each rank holds and saves only its
     shard of every parameter and optimizer buffer. A resume must keep the choice (or allow
     `config` drift, giving up exactness)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step. Steps, cadence and the LR schedule count optimizer
+    steps; saves and preemption stops happen only between them, so no generation holds
+    partial gradients. An epoch's last window may be shorter (windows never span epochs)."""
     workload: str = DEFAULT_WORKLOAD
     """MODULE:FACTORY of the workload (see trainer/workload/protocol.py)."""
     options: tuple[tuple[str, object], ...] = ()
@@ -55,7 +59,7 @@ class WorkloadConfig:
                                                                                          "options")}
         # Leaving a default out keeps the fingerprints of generations written before the
         # option existed equal, so they still resume without drift.
-        for name, default in (("data_parallel", "ddp"), ("workload", DEFAULT_WORKLOAD)):
+        for name, default in (("data_parallel", "ddp"), ("grad_accum", 1), ("workload", DEFAULT_WORKLOAD)):
             if values[name] == default:
                 values.pop(name)
         return {**values, **dict(self.options)}

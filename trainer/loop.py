@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from trainer import seams
 from trainer.attempts import (COMPLETED, FAILED, INTERRUPTED, PREEMPTED, AttemptRecorder, new_attempt_id,
                               previous_attempt, read_attempts, refuse_crash_loop, steps_replayed, world_size_change)
 from trainer.batching import EpochBatchOrder, uneven_split
@@ -86,6 +87,8 @@ class TrainingRun:
         """The generation chosen for restore, before it verified."""
         self.recorder: AttemptRecorder | None = None
         """This attempt's record once started (it then records its own end)."""
+        self.micro_batches = 0
+        """Micro-batches this attempt has trained on (for a test seam)."""
 
     # ----------------------------------------------------------------- top level
     def run(self) -> Outcome:
@@ -243,28 +246,34 @@ class TrainingRun:
     # ----------------------------------------------------------------- training
     def train(self, claim: Claim, dataset: KeyedSeeding, drift: list[str], saves: CadencedSaves,
               preemption: PreemptionGuard) -> Outcome:
-        config, workload, ranks, device = self.config, self.workload, self.ranks, self.ranks.device
+        config, workload, ranks = self.config, self.workload, self.ranks
         state, trained = self.build()
         if claim.generation is not None:
             self.restore(claim, state, drift, saves)
         self.recorder.reached(state.progress.global_step, first=True)
         batches_per_epoch = len(EpochBatchOrder(len(dataset), config.workload.batch_size, config.workload.seed, 0, 0))
-        total_steps = config.workload.epochs * batches_per_epoch
-        autocast_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+        accumulate = config.workload.grad_accum
+        total_steps = config.workload.epochs * -(-batches_per_epoch // accumulate)
         self.warn_if_interrupt_cannot_fire(state.progress.global_step, total_steps)
         if preemption.requested and not ranks.distributed:  # signalled while claiming or restoring
             signal_name = preemption.signal_name
             return self.end(PREEMPTED, f"{signal_name} before training resumed; nothing to save", saves, state,
                             f"preempted by {signal_name} before the first step (exit 75)")
         while state.progress.global_step < total_steps:
+            # Micro-batches accumulate into windows of --grad-accum; an epoch's last window may
+            # be shorter. Everything below the `continue` runs once per optimizer step, so
+            # saves and stops never see partial gradients.
+            window, seen, loss = 0, 0, None
             for batch in self.batches(dataset, state):
-                saves.wait_for_staging()
-                batch = to_device(batch, device)
-                state.model.train()
-                with torch.autocast(device.type, dtype=autocast_dtype, enabled=config.workload.amp):
-                    loss = workload.loss(trained, batch)
-                state.optimizer.zero_grad(set_to_none=True)
-                state.scaler.scale(loss).backward()
+                if seen == 0:
+                    saves.wait_for_staging()
+                    state.optimizer.zero_grad(set_to_none=True)
+                    window = min(accumulate, batches_per_epoch - state.progress.position)
+                part = self.backward(state, trained, batch, window)
+                loss = part if loss is None else loss + part
+                seen += 1
+                if seen < window:
+                    continue
                 state.scaler.unscale_(state.optimizer)  # the hook sees true gradients (a no-op without AMP)
                 workload.after_backward(state.model, state.optimizer)
                 state.scaler.step(state.optimizer)
@@ -272,10 +281,11 @@ class TrainingRun:
                 workload.after_step(state.model, state.optimizer)
                 lr = state.scheduler.get_last_lr()[0]
                 state.scheduler.step()
-                epoch_completed = state.progress.advance(batches_per_epoch)
+                epoch_completed = state.progress.advance(window, batches_per_epoch)
                 step = state.progress.global_step
                 agreed = saves.agree(StepPoint(step, state.progress.epoch, epoch_completed), loss,
                                      preemption.requested)
+                seen, loss = 0, None
                 self.step_completed(state, step, agreed.loss, float(lr))
                 if step == config.interrupt_at_step:
                     return self.end(INTERRUPTED, f"--interrupt-at-step {step}: stopped without saving", saves, state,
@@ -286,6 +296,22 @@ class TrainingRun:
                     return self.end(PREEMPTED, f"{signal_name} after step {step}; generation saved", saves, state,
                                     f"preempted by {signal_name}: saved step {step} (exit 75)")
         return self.end(COMPLETED, None, saves, state)
+
+    def backward(self, state: TrainingState, trained: nn.Module, batch, window: int) -> torch.Tensor:
+        """Forward and backward of one micro-batch, its loss weighted 1/window so a window's
+        gradients are the mean over its micro-batches; returns that weighted loss."""
+        device, config = self.ranks.device, self.config.workload
+        batch = to_device(batch, device)
+        state.model.train()
+        autocast_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=config.amp):
+            loss = self.workload.loss(trained, batch)
+        if window > 1:
+            loss = loss / window
+        state.scaler.scale(loss).backward()
+        self.micro_batches += 1
+        seams.micro_batch_done(self.micro_batches)
+        return loss.detach()
 
     def batches(self, dataset: KeyedSeeding, state: TrainingState) -> DataLoader:
         """This rank's batches for the rest of the current epoch."""

@@ -39,16 +39,16 @@ log = logging.getLogger("trainer")
 
 @dataclass
 class Progress:
-    """Where training stands: optimizer steps done, current epoch, batches done in it."""
+    """Where training stands: optimizer steps done, current epoch, (micro-)batches done in it."""
 
     global_step: int = 0
     epoch: int = 0
     position: int = 0
 
-    def advance(self, batches_per_epoch: int) -> bool:
-        """Count one optimizer step; True when it completed an epoch."""
+    def advance(self, batches: int, batches_per_epoch: int) -> bool:
+        """Count one optimizer step over `batches` micro-batches; True when it completed an epoch."""
         self.global_step += 1
-        self.position += 1
+        self.position += batches
         if self.position < batches_per_epoch:
             return False
         self.epoch += 1

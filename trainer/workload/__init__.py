@@ -22,7 +22,8 @@ __all__ = ["BoundWorkload", "Workload", "build_workload"]
 def build_workload(config: WorkloadConfig) -> BoundWorkload:
     found = find_factory(config.workload)
     options = {**found.defaults(), **dict(config.options)}
-    trainer = {"seed": config.seed, "batch_size": config.batch_size, "amp": config.amp}
+    trainer = {"seed": config.seed, "batch_size": config.batch_size, "grad_accum": config.grad_accum,
+               "amp": config.amp}
     return BoundWorkload(found.factory(argparse.Namespace(**options, **trainer)), found.source_files())
 
 

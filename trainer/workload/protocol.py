@@ -4,7 +4,8 @@ workload is brought with `--workload MODULE:FACTORY` without touching the traine
 
 The factory is called with an `argparse.Namespace`: the options the workload declared with
 `FACTORY.add_options(group)` (optional; argparse's `add_argument` on the group, and
-`set_defaults` for fixed settings), plus the trainer's `seed`, `batch_size` and `amp`. Every declared option enters the fingerprint's `config`; its module (or its top-level
+`set_defaults` for fixed settings), plus the trainer's `seed`, `batch_size`, `grad_accum` and
+`amp`. Every declared option enters the fingerprint's `config`; its module (or its top-level
 package) enters `source`.
 
 What the trainer owns (and a workload must not do itself): seeding, the batch order and the
