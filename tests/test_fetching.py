@@ -82,3 +82,21 @@ def test_batches_of_any_structure_reach_the_device():
     assert moved["pair"].tags[1] == "label" and isinstance(moved["pair"], Pair)
     assert isinstance(moved["named"], Named) and moved["named"].a.device == meta and moved["named"].b == 3
     assert moved["tuple"][0].device == meta and batch["pair"].image.device.type == "cpu"
+
+
+def test_a_datasets_own_collate_builds_the_batch():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Batch:
+        values: torch.Tensor
+
+    class WithCollate(GlobalRngAugmentation):
+        @staticmethod
+        def collate(samples):
+            return Batch(torch.stack(samples))
+
+    order = EpochBatchOrder(SAMPLES, BATCH, SEED, 0, 0)
+    batches = list(epoch_loader(KeyedSeeding(WithCollate(), SEED), order, 0))
+    assert all(isinstance(b, Batch) and b.values.shape == (BATCH, 4) for b in batches)
+    assert all(torch.equal(a, b.values) for a, b in zip(epoch(0, num_workers=0), batches, strict=True))
