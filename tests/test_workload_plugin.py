@@ -104,3 +104,24 @@ def test_a_workload_option_that_shadows_the_trainers_is_refused(tmp_path):
                       "        group.add_argument('--epochs', type=int, default=1)\n")
     result = run_cli("--output", tmp_path / "run", "--workload", f"{module}:Shadowing")
     assert result.returncode == 2 and "--epochs" in one_error_line(result)
+
+
+def test_source_covers_the_workloads_whole_package_or_its_module(tmp_path, monkeypatch):
+    from trainer.config import DEFAULT_WORKLOAD
+    from trainer.fingerprint import source_digest
+    from trainer.workload.loading import find_factory
+
+    (tmp_path / "mypkg" / "models").mkdir(parents=True)
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "models" / "__init__.py").write_text("WIDTH = 8\n")
+    (tmp_path / "mypkg" / "factory.py").write_text("class Factory:\n    pass\n")
+    (tmp_path / "single.py").write_text("class Factory:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    packaged = find_factory("mypkg.factory:Factory").source_files()
+    assert packaged == ((tmp_path / "mypkg").resolve(),)
+    assert find_factory("single:Factory").source_files() == ((tmp_path / "single.py").resolve(),)
+    assert find_factory(DEFAULT_WORKLOAD).source_files() == ()  # inside the trainer: its digest alone
+    before = source_digest(workload=packaged)
+    assert before != source_digest()
+    (tmp_path / "mypkg" / "models" / "__init__.py").write_text("WIDTH = 9\n")  # a sibling module changed
+    assert source_digest(workload=packaged) != before
