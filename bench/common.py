@@ -35,8 +35,8 @@ def hidden_size_for(size_mb: float, layers: int = LAYERS) -> int:
 
 def training_state(size_mb: float, device: torch.device, batch_size: int = 16) -> tuple[TrainingState, object]:
     """The example workload at a size, after one optimizer step (so momentum exists)."""
-    config = WorkloadConfig(hidden_size=hidden_size_for(size_mb), layers=LAYERS, batch_size=batch_size,
-                            samples=batch_size * 8)
+    config = WorkloadConfig(batch_size=batch_size, options=(("hidden_size", hidden_size_for(size_mb)),
+                                                            ("layers", LAYERS), ("samples", batch_size * 8)))
     workload = build_workload(config)
     torch.manual_seed(0)
     model = workload.build_model().to(device)
@@ -49,9 +49,9 @@ def training_state(size_mb: float, device: torch.device, batch_size: int = 16) -
 
 
 def train_step(state: TrainingState, workload, device: torch.device, batch_size: int = 16) -> None:
-    features = workload.config.features
+    features = workload.workload.config.features
     inputs = torch.randn(batch_size, features, device=device)
-    labels = torch.randint(0, workload.config.classes, (batch_size,), device=device)
+    labels = torch.randint(0, workload.workload.config.classes, (batch_size,), device=device)
     loss = torch.nn.functional.cross_entropy(state.model(inputs), labels)
     state.optimizer.zero_grad(set_to_none=True)
     loss.backward()

@@ -59,13 +59,13 @@ class DiskFullWriter(HashingFileSystemWriter):
 
 
 def small_state(hidden: int = 64) -> TrainingState:
-    workload = build_workload(WorkloadConfig(hidden_size=hidden))
+    workload = build_workload(WorkloadConfig(options=(("hidden_size", hidden),)))
     torch.manual_seed(0)
     model = workload.build_model()
     optimizer = workload.build_optimizer(model)
     state = TrainingState(model, optimizer, workload.build_scheduler(optimizer),
                           torch.amp.GradScaler("cpu", enabled=False))
-    loss = model(torch.randn(8, workload.config.features)).square().mean()
+    loss = model(torch.randn(8, workload.workload.config.features)).square().mean()
     loss.backward()
     optimizer.step()  # creates the momentum buffers
     return state

@@ -37,3 +37,12 @@ def test_the_schedulers_last_lr_can_be_set():
     scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)
     compat.set_scheduler_last_lr(scheduler, [0.25])
     assert scheduler.get_last_lr() == [0.25]
+
+
+def test_optimizer_state_is_materialised_without_moving_the_parameters():
+    parameter = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([parameter], lr=0.1, weight_decay=0.5)
+    compat.init_optimizer_state(optimizer)
+    assert set(optimizer.state[parameter]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert torch.equal(parameter.detach(), torch.ones(3)) and parameter.grad is None
+    assert optimizer.param_groups[0]["lr"] == 0.1

@@ -100,3 +100,21 @@ def test_an_allowed_lr_change_takes_effect_from_the_restored_step(tmp_path):
     train(run, "--epochs", 2, "--resume", "--lr", "0.1", "--allow-drift", "config")
     assert lr_history(run)[8:] == lr_history(baseline)[8:]
     assert lr_history(run)[7] == lr_history(baseline)[7] / 2
+
+
+def test_the_default_workloads_config_fingerprint_is_what_it_always_was():
+    """Generations written before --workload and --grad-accum existed must still resume: the
+    example's options moved into the workload, and defaults of the new options stay out."""
+    from pathlib import Path
+
+    from trainer.cli import config_from_args, workload_parser
+    from trainer.config import DEFAULT_WORKLOAD
+
+    parser, names = workload_parser(DEFAULT_WORKLOAD)
+    config = config_from_args(parser.parse_args(["--output", "unused"]), [], Path("unused"), names)
+    assert config.workload.training_relevant() == {
+        "samples": 128, "batch_size": 16, "lr": 0.05, "seed": 1234, "hidden_size": 64, "layers": 2,
+        "dropout": 0.1, "features": 16, "classes": 4, "amp": False, "threads": 1}
+    changed = config_from_args(parser.parse_args(["--output", "unused", "--grad-accum", "2"]), [], Path("unused"),
+                               names)
+    assert changed.workload.training_relevant()["grad_accum"] == 2

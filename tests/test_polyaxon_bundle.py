@@ -212,6 +212,9 @@ def test_job_renders_defaults_unset_options_and_presets_as_documented(tmp_path):
 def test_job_inputs_cover_every_trainer_option_with_its_default():
     """Drift guard: a new trainer option needs an input, and input defaults are the CLI's."""
     parser = train_parser()
+    workload_options = {option for group in parser._action_groups if group.title.startswith("options of the workload")
+                        for action in group._group_actions for option in action.option_strings}
+    assert workload_options, "the example workload declares its options in its own group"
     declared = inputs_of(JOB_FILE)
     by_flag = {}
     for name, io in declared.items():
@@ -230,6 +233,9 @@ def test_job_inputs_cover_every_trainer_option_with_its_default():
         if flag == "--resume":
             continue  # the bundle's default is `auto` (retries resume), the CLI's is no resume
         default = None if action.default == [] else action.default
+        if flag in workload_options:  # null: the workload's own default, and nothing for another workload
+            assert io["value"] is None, f"{flag}: the example workload's option must default to null"
+            continue
         assert io["value"] == default, f"{flag}: input default {io['value']!r}, trainer default {default!r}"
 
 
@@ -246,3 +252,18 @@ def test_polyaxonignore_keeps_uploads_to_code(tmp_path, monkeypatch):
     uploaded = sorted(p.removeprefix("./") for p in IgnoreConfigManager.get_unignored_filepaths("."))
     assert uploaded == [".polyaxonignore", "polyaxonfiles/polyaxonfile.yaml", "presets/resume.yaml",
                         "requirements.txt", "trainer/cli.py"]
+
+
+def test_a_plug_in_workload_and_its_own_options_reach_the_trainer_from_the_polyaxonfile():
+    """`-P workload=… -P workload_args=…` renders to arguments the trainer's two-phase parser
+    accepts, and the example workload's options (null) are not handed to another workload."""
+    from trainer.cli import chosen_workload, workload_parser
+
+    compiled = render([JOB_FILE], {"workload": "examples/char_gpt.py:CharGPT", "workload_args": "--block-size 32",
+                                   "grad_accum": 2})
+    argv = [arg for arg in trainer_argv(container_scripts(compiled)[0]) if arg != "--tracked"]
+    assert {"--workload=examples/char_gpt.py:CharGPT", "--grad-accum=2", "--block-size", "32"} <= set(argv)
+    assert not any(arg.startswith(("--samples", "--hidden-size", "--lr=")) for arg in argv)
+    parser, _ = workload_parser(chosen_workload(argv))
+    parsed = parser.parse_args(argv + ["--output", "unused"])
+    assert (parsed.block_size, parsed.grad_accum) == (32, 2)

@@ -246,7 +246,9 @@ def test_dockerfile_installs_exactly_the_requirements_and_the_code():
         assert result.returncode == status, result.stderr
     assert "is not the cu128 build" in result.stderr
     ignored = (REPO / ".dockerignore").read_text().splitlines()
-    assert ignored[ignored.index("*"):ignored.index("*") + 4] == ["*", "!requirements.txt", "!trainer/", "!compare.py"]
+    assert ignored[ignored.index("*"):ignored.index("*") + 5] == ["*", "!requirements.txt", "!trainer/", "!compare.py",
+                                                                  "!examples/"]
+    assert "COPY examples/ examples/" in instructions  # the example workloads run in the image too
 
 
 # ------------------------------------------------------------------------------- preemption

@@ -50,5 +50,5 @@ def uneven_split(samples: int, batch_size: int, world_size: int) -> str | None:
     last = samples % batch_size or batch_size
     if batch_size % world_size == 0 and last % world_size == 0:
         return None
-    return (f"--batch-size {batch_size} (last batch of an epoch: {last} of --samples {samples}) does not "
+    return (f"--batch-size {batch_size} (last batch of an epoch: {last} of {samples} samples) does not "
             f"divide evenly across {world_size} processes; choose sizes that are multiples of {world_size}")

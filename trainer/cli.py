@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import NoReturn
 
 from trainer import compat, seams
-from trainer.config import CHECKPOINT_MODES, CadenceConfig, ProgressConfig, RetentionConfig, RunConfig, WorkloadConfig
+from trainer.config import CHECKPOINT_MODES, DEFAULT_WORKLOAD, CadenceConfig, ProgressConfig, RetentionConfig, RunConfig, WorkloadConfig
 from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_failure
 from trainer.fingerprint import FIELDS
 from trainer.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
+from trainer.options import non_negative_int, path_argument, positive_float, positive_int
 
 EXIT_STATUS_ENV = "TRAINER_EXIT_STATUS_FILE"
 
@@ -32,49 +33,34 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
-def positive_int(text: str) -> int:
-    value = _number(text, int)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+def train_parser(workload: str = DEFAULT_WORKLOAD) -> OneLineParser:
+    """Every option of a training run, the chosen workload's own included (so `--help`
+    lists them)."""
+    return workload_parser(workload)[0]
 
 
-def non_negative_int(text: str) -> int:
-    value = _number(text, int)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
+def workload_parser(workload: str) -> tuple[OneLineParser, tuple[str, ...]]:
+    """The training parser with `workload`'s options, and their names."""
+    from trainer.workload.loading import find_factory  # imports the workload (and torch)
+
+    parser = trainer_parser()
+    trainer_names = set(vars(parser.parse_known_args([])[0]))
+    found = find_factory(workload)
+    declared = found.add_options(parser.add_argument_group(f"options of the workload {workload}"))
+    if clashes := sorted(set(declared) & trainer_names):
+        raise UsageError(f"--workload {workload} declares {', '.join(clashes)}, which the trainer already has; "
+                         f"rename them in its add_options")
+    return parser, tuple(declared)
 
 
-def positive_float(text: str) -> float:
-    value = _number(text, float)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
+def chosen_workload(argv: list[str]) -> str:
+    """Phase one of parsing: only `--workload`, so its options can join the parser."""
+    finder = OneLineParser(add_help=False)
+    finder.add_argument("--workload", default=DEFAULT_WORKLOAD)
+    return finder.parse_known_args(argv)[0].workload
 
 
-def unit_interval(text: str) -> float:
-    value = _number(text, float)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
-
-
-def path_argument(text: str) -> Path:
-    """A path that is not empty: `--output "$UNSET"` must not mean the current directory."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("must not be empty (an unset variable?); give a directory path")
-    return Path(text)
-
-
-def _number(text: str, kind: type):
-    try:
-        return kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a valid {kind.__name__}: {text!r}") from None
-
-
-def train_parser() -> OneLineParser:
+def trainer_parser() -> OneLineParser:
     parser = OneLineParser(prog="python -m trainer",
                            description="Train with exact, crash-safe recovery. "
                                        "Other commands: `list DIR`, `report DIR`, `verify DIR|GEN`.")
@@ -129,16 +115,19 @@ def train_parser() -> OneLineParser:
                        help=f"also a line when S seconds passed since the previous one (default "
                             f"{ProgressConfig.every_secs:g})")
 
-    work = parser.add_argument_group("workload")
+    work = parser.add_argument_group("training")
     defaults = WorkloadConfig()
+    work.add_argument("--workload", default=DEFAULT_WORKLOAD, metavar="MODULE:FACTORY",
+                      help="what to train: a factory returning a trainer.workload.protocol.Workload; MODULE is "
+                           "importable (current directory or PYTHONPATH) or a path to a .py file "
+                           f"(default {DEFAULT_WORKLOAD}); its options are listed below")
     work.add_argument("--epochs", type=positive_int, default=defaults.epochs)
-    work.add_argument("--samples", type=positive_int, default=defaults.samples)
-    work.add_argument("--batch-size", type=positive_int, default=defaults.batch_size)
-    work.add_argument("--lr", type=positive_float, default=defaults.lr)
+    work.add_argument("--batch-size", type=positive_int, default=defaults.batch_size,
+                      help="samples per (micro-)batch, across all processes")
+    work.add_argument("--grad-accum", type=positive_int, default=defaults.grad_accum, metavar="N",
+                      help="micro-batches per optimizer step; steps, cadence and the LR schedule count "
+                           "optimizer steps, and saves happen only between them (default 1)")
     work.add_argument("--seed", type=non_negative_int, default=defaults.seed)
-    work.add_argument("--hidden-size", type=positive_int, default=defaults.hidden_size)
-    work.add_argument("--layers", type=positive_int, default=defaults.layers)
-    work.add_argument("--dropout", type=unit_interval, default=defaults.dropout)
     work.add_argument("--num-workers", type=non_negative_int, default=defaults.num_workers)
     work.add_argument("--amp", action="store_true", help="mixed precision (bf16 on CPU, fp16+GradScaler on CUDA)")
     work.add_argument("--threads", type=positive_int, default=defaults.threads)
@@ -167,12 +156,13 @@ def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironmen
         raise UsageError("--resume and --from-generation are exclusive; --from-generation already resumes")
 
 
-def config_from_args(args: argparse.Namespace, argv: list[str], output: Path) -> RunConfig:
+def config_from_args(args: argparse.Namespace, argv: list[str], output: Path,
+                     workload_options: tuple[str, ...]) -> RunConfig:
     workload = WorkloadConfig(
-        epochs=args.epochs, samples=args.samples, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-        hidden_size=args.hidden_size, layers=args.layers, dropout=args.dropout,
-        num_workers=args.num_workers, amp=args.amp, threads=args.threads,
-        data_parallel=args.data_parallel)
+        epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers,
+        amp=args.amp, threads=args.threads, data_parallel=args.data_parallel, grad_accum=args.grad_accum,
+        workload=args.workload,
+        options=tuple((name, getattr(args, name)) for name in workload_options))
     return RunConfig(
         output=output, workload=workload, interrupt_at_step=args.interrupt_at_step,
         resume=args.resume, from_generation=args.from_generation,
@@ -189,24 +179,25 @@ def config_from_args(args: argparse.Namespace, argv: list[str], output: Path) ->
 
 def run_train(argv: list[str]) -> int:
     launch = LaunchEnvironment.from_environ(os.environ)
-    args = train_parser().parse_args(argv)
+    parser, workload_options = workload_parser(chosen_workload(argv))
+    args = parser.parse_args(argv)
     check_option_combinations(args, launch)
     seams.install(seams.Seams.from_environment(os.environ, launch.rank))
     if not args.tracked or launch.rank != 0:
         # Under torchrun only rank 0 talks to Polyaxon; the others learn its outputs path.
-        return train_in(args.output, args, argv, launch)
+        return train_in(config_from_args(args, argv, args.output, workload_options), launch)
     from trainer.tracking import PolyaxonEvents  # imports polyaxon: only with --tracked
 
     events = PolyaxonEvents.start()
-    return events.track(lambda outputs: train_in(outputs, args, argv, launch, events))
+    return events.track(lambda outputs: train_in(config_from_args(args, argv, outputs, workload_options),
+                                                 launch, events))
 
 
-def train_in(output: Path | None, args: argparse.Namespace, argv: list[str], launch: LaunchEnvironment,
-             events=None) -> int:
+def train_in(config: RunConfig, launch: LaunchEnvironment, events=None) -> int:
     from trainer.events import TrainingEvents
     from trainer.loop import run_training  # imports torch: after cheap validation
 
-    outcome = run_training(config_from_args(args, argv, output), launch, events or TrainingEvents())
+    outcome = run_training(config, launch, events or TrainingEvents())
     if outcome.status == EXIT_INTERRUPTED and launch.is_primary:
         # Resumable, not an error; one line on stderr all the same, where operators look.
         print(f"trainer: stopped, resumable (exit 75): {outcome.reason}; continue with --resume auto",

@@ -59,11 +59,14 @@ TORCH_ELEMENT_SIZE = PrivateName(
 RUN_EXIT_HANDLERS = PrivateName(
     "atexit", "_run_exitfuncs", "python", "3.11",
     "running exit handlers (Polyaxon's event flush) before a multi-process rank's os._exit")
+DCP_INIT_OPTIM_STATE = PrivateName(
+    "torch.distributed.checkpoint.state_dict", "_init_optim_state", "torch", "2.13.0",
+    "materialising lazily created optimizer state (a zero-lr step on zero gradients) before a restore template")
 SCHEDULER_LAST_LR = "_last_lr"
 """Attribute of every torch LRScheduler (checked against torch 2.13.0) behind
 `get_last_lr()`; it has no public setter."""
 
-PRIVATE_NAMES = (DCP_STORAGE_INFO, DCP_FLATTEN_STATE_DICT, TORCH_ELEMENT_SIZE, RUN_EXIT_HANDLERS)
+PRIVATE_NAMES = (DCP_STORAGE_INFO, DCP_FLATTEN_STATE_DICT, TORCH_ELEMENT_SIZE, RUN_EXIT_HANDLERS, DCP_INIT_OPTIM_STATE)
 
 
 def storage_info(relative_path: str, offset: int, length: int):
@@ -78,6 +81,13 @@ def flatten_state_dict(state_dict: dict) -> dict:
 
 def element_size(dtype) -> int:
     return TORCH_ELEMENT_SIZE.resolve()(dtype)
+
+
+def init_optimizer_state(optimizer) -> None:
+    """DCP's own materialisation: if the optimizer has no state and no gradients, one step
+    with zero gradients at learning rate 0, then the gradients are cleared. A no-op once
+    state exists."""
+    DCP_INIT_OPTIM_STATE.resolve()(optimizer)
 
 
 def run_exit_handlers() -> None:

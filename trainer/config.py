@@ -13,28 +13,25 @@ from pathlib import Path
 CHECKPOINT_MODES = ("auto", "sync", "async")
 
 
+DEFAULT_WORKLOAD = "trainer.workload.example:ExampleWorkload"
+"""`--workload MODULE:FACTORY` when none is given: the example MLP."""
+
+
 @dataclass(frozen=True)
 class WorkloadConfig:
-    """The example workload. Every field except `epochs` and `num_workers` changes what is
+    """What is trained and how: the trainer's own training options, and the workload with the
+    options it declared. Every field except `epochs` and `num_workers` changes what is
     trained, so they are fingerprinted; those two may change between attempts."""
 
     epochs: int = 8
     """Total epochs. Extending a finished run with a larger value is allowed on resume."""
-    samples: int = 128
-    """Size of the generated dataset; with batch_size 16 that is 8 batches per epoch."""
     batch_size: int = 16
-    lr: float = 0.05
-    """Initial learning rate (SGD with momentum, decayed per step, independent of epochs)."""
+    """Samples per batch (per micro-batch under --grad-accum), across all processes."""
     seed: int = 1234
-    hidden_size: int = 64
-    """Width of the hidden layers; raise it (with `layers`) to make checkpoints bigger."""
-    layers: int = 2
-    dropout: float = 0.1
-    features: int = 16
-    classes: int = 4
     num_workers: int = 0
-    """DataLoader worker processes. Per-sample randomness derives from (seed, epoch, index),
-    so this does not change training and may differ between attempts."""
+    """DataLoader worker processes. Every fetch runs with the global RNGs seeded from
+    (seed, epoch, index) (trainer/fetching.py), so this does not change training and may
+    differ between attempts."""
     amp: bool = False
     """Mixed precision (bfloat16 autocast on CPU, float16 + GradScaler on CUDA)."""
     threads: int = 1
@@ -45,25 +42,27 @@ class WorkloadConfig:
     gradients by reduce-scatter instead of all-reduce, and each rank holds and saves only its
     shard of every parameter and optimizer buffer. A resume must keep the choice (or allow
     `config` drift, giving up exactness)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step. Steps, cadence and the LR schedule count optimizer
+    steps; saves and preemption stops happen only between them, so no generation holds
+    partial gradients. An epoch's last window may be shorter (windows never span epochs)."""
+    workload: str = DEFAULT_WORKLOAD
+    """MODULE:FACTORY of the workload (see trainer/workload/protocol.py)."""
+    options: tuple[tuple[str, object], ...] = ()
+    """The workload's own options (name, value), as it declared and the command line set
+    them; empty means the workload's defaults."""
 
     def training_relevant(self) -> dict:
-        """The options whose change alters the trained bits (fingerprint `config`)."""
-        values = asdict(self)
-        for name in ("epochs", "num_workers"):
-            values.pop(name)
-        if values["data_parallel"] == "ddp":
-            # The layout of every generation written before the option existed: leaving the
-            # default out keeps their fingerprints equal, so they still resume without drift.
-            values.pop("data_parallel")
-        return values
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return -(-self.samples // self.batch_size)
-
-    @property
-    def total_steps(self) -> int:
-        return self.epochs * self.batches_per_epoch
+        """The options whose change alters the trained bits (fingerprint `config`): the
+        trainer's and every option the workload declared."""
+        values = {name: value for name, value in asdict(self).items() if name not in ("epochs", "num_workers",
+                                                                                         "options")}
+        # Leaving a default out keeps the fingerprints of generations written before the
+        # option existed equal, so they still resume without drift.
+        for name, default in (("data_parallel", "ddp"), ("grad_accum", 1), ("workload", DEFAULT_WORKLOAD)):
+            if values[name] == default:
+                values.pop(name)
+        return {**values, **dict(self.options)}
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,21 @@ FIELDS = ("source", "dataset", "config", "python", "torch", "numpy", "os", "arch
 PACKAGE_ROOT = Path(__file__).resolve().parent
 
 
-def source_digest(root: Path = PACKAGE_ROOT) -> str:
-    """sha256 over every .py file of the trainer package (relative path and content)."""
+def source_digest(root: Path = PACKAGE_ROOT, workload: tuple[Path, ...] = ()) -> str:
+    """sha256 over every .py file of the trainer package (relative path and content), then
+    over the workload's source outside it (each package directory's .py files, or a module
+    file). With the default workload (inside the package) this is the trainer's digest
+    alone, as it always was."""
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0")
         digest.update(path.read_bytes() + b"\0")
+    for source in workload:
+        files = sorted(source.rglob("*.py")) if source.is_dir() else [source]
+        for path in files:
+            name = path.relative_to(source.parent).as_posix()
+            digest.update(b"workload\0" + name.encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
@@ -34,9 +43,10 @@ def device_kind(device: torch.device) -> str:
     return device.type
 
 
-def current_fingerprint(config: dict, dataset_digest: str, device: torch.device, world_size: int) -> dict:
+def current_fingerprint(config: dict, dataset_digest: str, device: torch.device, world_size: int,
+                        workload_sources: tuple[Path, ...] = ()) -> dict:
     return {
-        "source": source_digest(),
+        "source": source_digest(workload=workload_sources),
         "dataset": dataset_digest,
         "config": dict(sorted(config.items())),
         "python": platform.python_version(),

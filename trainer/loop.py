@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from trainer import seams
 from trainer.attempts import (COMPLETED, FAILED, INTERRUPTED, PREEMPTED, AttemptRecorder, new_attempt_id,
                               previous_attempt, read_attempts, refuse_crash_loop, steps_replayed, world_size_change)
 from trainer.batching import EpochBatchOrder, uneven_split
@@ -32,6 +33,7 @@ from trainer.distributed import Ranks, process_group, unshared_output
 from trainer.errors import (EXIT_INTERRUPTED, EXIT_OK, CorruptGeneration, CrashLoop, FingerprintMismatch,
                             TrainerError, UsageError)
 from trainer.events import TrainingEvents
+from trainer.fetching import KeyedSeeding, epoch_loader, to_device
 from trainer.fingerprint import check_fingerprint, current_fingerprint
 from trainer.launch import LaunchEnvironment
 from trainer.lock import OutputLock
@@ -44,10 +46,10 @@ from trainer.recovery.restore import restore
 from trainer.recovery.resume import choose_candidate, set_aside_later_line, verify_candidate
 from trainer.recovery.store import GenerationStore
 from trainer.run_dir import RunDirectory
-from trainer.runtime import configure_determinism, ignore_stop_signals, resolve_device
+from trainer.runtime import configure_determinism, resolve_device
 from trainer.saving import CadencedSaves, Lineage
 from trainer.state import TrainingState
-from trainer.workload import Workload, build_workload
+from trainer.workload import BoundWorkload, build_workload, dataset_fingerprint
 
 log = logging.getLogger("trainer")
 REFUSALS = (CorruptGeneration, FingerprintMismatch, CrashLoop)
@@ -77,7 +79,7 @@ class TrainingRun:
         self.config = config
         self.ranks = ranks
         self.events = events
-        self.workload: Workload = build_workload(config.workload)
+        self.workload: BoundWorkload = build_workload(config.workload)
         self.attempt_id = new_attempt_id()
         self.started = time.monotonic()
         self.claimed: RunDirectory | None = None
@@ -86,8 +88,10 @@ class TrainingRun:
         """The generation chosen for restore, before it verified."""
         self.recorder: AttemptRecorder | None = None
         """This attempt's record once started (it then records its own end)."""
-        self.progress = Progress.for_stdout(config.progress, config.workload.total_steps, ranks.is_primary)
+        self.progress = Progress.for_stdout(config.progress, ranks.is_primary)
         """Progress lines, or a status line on a terminal: rank 0 only."""
+        self.micro_batches = 0
+        """Micro-batches this attempt has trained on (for a test seam)."""
 
     # ----------------------------------------------------------------- top level
     def run(self) -> Outcome:
@@ -110,8 +114,6 @@ class TrainingRun:
     def claim(self, held: contextlib.ExitStack) -> Claim:
         """Rank 0 only: take the output lock, clean up, choose and verify what to restore."""
         config = self.config
-        if problem := uneven_split(config.workload.samples, config.workload.batch_size, self.ranks.world_size):
-            raise UsageError(problem)
         run = RunDirectory(config.output)
         run.prepare(must_exist=config.resume == "latest" or config.from_generation is not None)
         held.enter_context(OutputLock(run.root))
@@ -151,8 +153,11 @@ class TrainingRun:
         config, ranks = self.config, self.ranks
         configure_determinism(config, ranks.rank)
         dataset = self.workload.build_dataset()
-        fingerprint = current_fingerprint(config.workload.training_relevant(), dataset.fingerprint(),
-                                          ranks.device, world_size=ranks.world_size)
+        ranks.decide_on_primary(lambda: refuse_uneven_split(len(dataset), config.workload.batch_size,
+                                                            ranks.world_size), "checking the batch split")
+        fingerprint = current_fingerprint(config.workload.training_relevant(), dataset_fingerprint(dataset),
+                                          ranks.device, world_size=ranks.world_size,
+                                          workload_sources=self.workload.source_files)
         generation = claim.generation
         drift = [] if generation is None else ranks.decide_on_primary(lambda: check_fingerprint(
             generation.name, generation.manifest.fingerprint, fingerprint, config.allow_drift),
@@ -170,7 +175,7 @@ class TrainingRun:
         preemption.last_words = lambda reason: recorder.ended(PREEMPTED, EXIT_INTERRUPTED, reason)
         try:
             self.events.attempt_started(recorder.record)
-            return self.train(claim, dataset, drift, saves, preemption)
+            return self.train(claim, KeyedSeeding(dataset, config.workload.seed), drift, saves, preemption)
         except (CorruptGeneration, FingerprintMismatch) as refusal:
             # Found while restoring, before the first step (a shape-changing drift, stored
             # data that disagrees with its rank): a refusal, like the ones found earlier.
@@ -213,7 +218,7 @@ class TrainingRun:
         scheduler = workload.build_scheduler(optimizer)
         scaler = torch.amp.GradScaler(device.type, enabled=config.workload.amp and device.type == "cuda")
         state = TrainingState(model, optimizer, scheduler, scaler, rank=self.ranks.rank,
-                              world_size=self.ranks.world_size)
+                              world_size=self.ranks.world_size, extras=workload.stateful())
         return state, trained
 
     def restore_state(self, claim: Claim, state: TrainingState, drift: list[str], saves: CadencedSaves) -> None:
@@ -246,37 +251,49 @@ class TrainingRun:
         return abandoned
 
     # ----------------------------------------------------------------- training
-    def train(self, claim: Claim, dataset, drift: list[str], saves: CadencedSaves,
+    def train(self, claim: Claim, dataset: KeyedSeeding, drift: list[str], saves: CadencedSaves,
               preemption: PreemptionGuard) -> Outcome:
-        config, workload, ranks, device = self.config, self.workload, self.ranks, self.ranks.device
+        config, workload, ranks = self.config, self.workload, self.ranks
         state, trained = self.build()
         if claim.generation is not None:
             self.restore_state(claim, state, drift, saves)
         self.recorder.reached(state.progress.global_step, first=True)
-        total_steps = config.workload.total_steps
-        autocast_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+        batches_per_epoch = len(EpochBatchOrder(len(dataset), config.workload.batch_size, config.workload.seed, 0, 0))
+        accumulate = config.workload.grad_accum
+        total_steps = config.workload.epochs * -(-batches_per_epoch // accumulate)
+        self.progress.begin(total_steps)
         self.warn_if_interrupt_cannot_fire(state.progress.global_step, total_steps)
         if preemption.requested and not ranks.distributed:  # signalled while claiming or restoring
             signal_name = preemption.signal_name
             return self.end(PREEMPTED, f"{signal_name} before training resumed; nothing to save", saves, state,
                             f"preempted by {signal_name} before the first step (exit 75)")
         while state.progress.global_step < total_steps:
-            for inputs, labels in self.batches(dataset, state):
-                saves.wait_for_staging()
-                inputs, labels = inputs.to(device), labels.to(device)
-                state.model.train()
-                with torch.autocast(device.type, dtype=autocast_dtype, enabled=config.workload.amp):
-                    loss = workload.loss(trained, (inputs, labels))
-                state.optimizer.zero_grad(set_to_none=True)
-                state.scaler.scale(loss).backward()
+            # Micro-batches accumulate into windows of --grad-accum; an epoch's last window may
+            # be shorter. Everything below the `continue` runs once per optimizer step, so
+            # saves and stops never see partial gradients.
+            window, seen, loss = 0, 0, None
+            for batch in self.batches(dataset, state):
+                if seen == 0:
+                    saves.wait_for_staging()
+                    state.optimizer.zero_grad(set_to_none=True)
+                    window = min(accumulate, batches_per_epoch - state.progress.position)
+                part = self.backward(state, trained, batch, window)
+                loss = part if loss is None else loss + part
+                seen += 1
+                if seen < window:
+                    continue
+                state.scaler.unscale_(state.optimizer)  # the hook sees true gradients (a no-op without AMP)
+                workload.after_backward(state.model, state.optimizer)
                 state.scaler.step(state.optimizer)
                 state.scaler.update()
+                workload.after_step(state.model, state.optimizer)
                 lr = state.scheduler.get_last_lr()[0]
                 state.scheduler.step()
-                epoch_completed = state.progress.advance(config.workload.batches_per_epoch)
+                epoch_completed = state.progress.advance(window, batches_per_epoch)
                 step = state.progress.global_step
                 agreed = saves.agree(StepPoint(step, state.progress.epoch, epoch_completed), loss,
                                      preemption.requested)
+                seen, loss = 0, None
                 last = step in (config.interrupt_at_step, total_steps) or agreed.preempt
                 self.step_completed(state, step, agreed.loss, float(lr), last)
                 if step == config.interrupt_at_step:
@@ -289,15 +306,28 @@ class TrainingRun:
                                     f"preempted by {signal_name}: saved step {step} (exit 75)")
         return self.end(COMPLETED, None, saves, state)
 
-    def batches(self, dataset, state: TrainingState) -> DataLoader:
+    def backward(self, state: TrainingState, trained: nn.Module, batch, window: int) -> torch.Tensor:
+        """Forward and backward of one micro-batch, its loss weighted 1/window so a window's
+        gradients are the mean over its micro-batches; returns that weighted loss."""
+        device, config = self.ranks.device, self.config.workload
+        batch = to_device(batch, device)
+        state.model.train()
+        autocast_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=config.amp):
+            loss = self.workload.loss(trained, batch)
+        if window > 1:
+            loss = loss / window
+        state.scaler.scale(loss).backward()
+        self.micro_batches += 1
+        seams.micro_batch_done(self.micro_batches)
+        return loss.detach()
+
+    def batches(self, dataset: KeyedSeeding, state: TrainingState) -> DataLoader:
         """This rank's batches for the rest of the current epoch."""
         config, progress = self.config.workload, state.progress
-        order = EpochBatchOrder(config.samples, config.batch_size, config.seed, progress.epoch, progress.position,
+        order = EpochBatchOrder(len(dataset), config.batch_size, config.seed, progress.epoch, progress.position,
                                 self.ranks.rank, self.ranks.world_size)
-        # A private generator keeps the DataLoader from drawing on the global torch RNG
-        # (it seeds workers from it on every new iterator, which a resume would repeat).
-        return DataLoader(dataset, batch_sampler=order, num_workers=config.num_workers,
-                          generator=torch.Generator().manual_seed(0), worker_init_fn=ignore_stop_signals)
+        return epoch_loader(dataset, order, config.num_workers)
 
     def step_completed(self, state: TrainingState, step: int, loss: float, lr: float, last: bool) -> None:
         """`last`: this attempt's final step (always shown)."""
@@ -331,6 +361,11 @@ class TrainingRun:
         self.recorder.ended(status, exit_code, reason, summary)
         log.info("%s", said)
         return Outcome(exit_code, reason)
+
+
+def refuse_uneven_split(samples: int, batch_size: int, world_size: int) -> None:
+    if problem := uneven_split(samples, batch_size, world_size):
+        raise UsageError(problem)
 
 
 def run_training(config: RunConfig, launch: LaunchEnvironment = LaunchEnvironment(),

@@ -129,9 +129,14 @@ class Progress:
         """The logging handlers the status line is attached to (None: not yet)."""
 
     @classmethod
-    def for_stdout(cls, config: ProgressConfig, total_steps: int, enabled: bool) -> "Progress":
+    def for_stdout(cls, config: ProgressConfig, enabled: bool) -> "Progress":
+        """Progress on this process's stdout; the total is known once the dataset is (`begin`)."""
         terminal = sys.stdout if sys.stdout.isatty() else None
-        return cls(config, total_steps, terminal, enabled)
+        return cls(config, 0, terminal, enabled)
+
+    def begin(self, total_steps: int) -> None:
+        """The attempt trains up to `total_steps` (for the ETA and the status bar)."""
+        self.total_steps = total_steps
 
     def info(self, step: int, epoch: int, loss: float, lr: float, newest: str | None) -> StepInfo:
         now = self.clock()

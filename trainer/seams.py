@@ -15,7 +15,9 @@ typo cannot silently disable a fault test):
 - `TRAINER_FAULT_POINT=NAME` kills this process with SIGKILL at crash point NAME;
 - `TRAINER_FAULT_RANK=R` limits that to rank R of a multi-process run;
 - `TRAINER_DEBUG_SKIP_RNG_RESTORE=python,numpy` leaves those RNGs unrestored (the test that
-  proves each RNG matters).
+  proves each RNG matters);
+- `TRAINER_SIGNAL_AT_MICRO_BATCH=N` sends this process SIGTERM right after the backward of
+  its N-th micro-batch (a preemption that lands inside a --grad-accum window).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from trainer.errors import UsageError
 FAULT_ENV = "TRAINER_FAULT_POINT"
 FAULT_RANK_ENV = "TRAINER_FAULT_RANK"
 SKIP_RNG_ENV = "TRAINER_DEBUG_SKIP_RNG_RESTORE"
+SIGNAL_ENV = "TRAINER_SIGNAL_AT_MICRO_BATCH"
 
 CRASH_POINTS = ("after-write", "after-files-fsync", "after-manifest", "after-rename")
 """Where a crash can be injected, in publish order: shards written, every file hashed and
@@ -46,6 +49,8 @@ class Seams:
     """Crash point at which this process kills itself (None: never)."""
     skip_rng: frozenset[str] = frozenset()
     """RNG kinds whose restore is skipped (empty: restore all)."""
+    signal_at: int | None = None
+    """Micro-batch of this attempt after whose backward this process sends itself SIGTERM."""
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str], rank: int) -> "Seams":
@@ -61,7 +66,10 @@ class Seams:
         if skip - set(RNG_KINDS):
             raise UsageError(f"{SKIP_RNG_ENV} names unknown RNGs {sorted(skip - set(RNG_KINDS))}; "
                              f"use {', '.join(RNG_KINDS)}")
-        return cls(point, skip)
+        signal_at = env.get(SIGNAL_ENV)
+        if signal_at is not None and not signal_at.isdigit():
+            raise UsageError(f"{SIGNAL_ENV}={signal_at!r} is not a micro-batch number")
+        return cls(point, skip, int(signal_at) if signal_at else None)
 
 
 _installed: list[Seams] = [Seams()]
@@ -78,6 +86,12 @@ def crash_point(name: str) -> None:
         sys.stderr.write(f"trainer: fault injection: killing at {name}\n")
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def micro_batch_done(count: int) -> None:
+    """SIGTERM to this process after its `count`-th micro-batch, if a test asked for it."""
+    if _installed[0].signal_at == count:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def skip_rng_restore() -> frozenset[str]:

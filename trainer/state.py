@@ -27,26 +27,28 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer import seams
+from trainer import compat, seams
 from trainer.errors import CorruptGeneration
 
 RNG_BY_RANK = "rng_by_rank"
 DATA_BY_RANK = "data_by_rank"
+PER_RANK = ("rng", RNG_BY_RANK, DATA_BY_RANK)
+"""Top-level keys of per-rank entries: the template takes this rank's, if stored."""
 log = logging.getLogger("trainer")
 
 
 @dataclass
 class Progress:
-    """Where training stands: optimizer steps done, current epoch, batches done in it."""
+    """Where training stands: optimizer steps done, current epoch, (micro-)batches done in it."""
 
     global_step: int = 0
     epoch: int = 0
     position: int = 0
 
-    def advance(self, batches_per_epoch: int) -> bool:
-        """Count one optimizer step; True when it completed an epoch."""
+    def advance(self, batches: int, batches_per_epoch: int) -> bool:
+        """Count one optimizer step over `batches` micro-batches; True when it completed an epoch."""
         self.global_step += 1
-        self.position += 1
+        self.position += batches
         if self.position < batches_per_epoch:
             return False
         self.epoch += 1
@@ -127,6 +129,9 @@ class TrainingState:
     history: History = field(default_factory=History)
     rank: int = 0
     world_size: int = 1
+    extras: dict = field(default_factory=dict)
+    """The workload's own stateful objects (`Workload.stateful()`), saved under `workload`;
+    absent when it has none, so such generations keep their layout."""
 
     def state_dict(self) -> dict:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
@@ -138,6 +143,7 @@ class TrainingState:
             "progress": {"global_step": self.progress.global_step, "epoch": self.progress.epoch,
                          "position": self.progress.position},
             "history": self.history.state_dict(),
+            **({"workload": {name: kept.state_dict() for name, kept in self.extras.items()}} if self.extras else {}),
             **self._per_rank_state(),
         }
 
@@ -154,8 +160,11 @@ class TrainingState:
 
     def template(self, stored_entries: dict) -> dict:
         """A state dict shaped like the stored one, for DCP to load into: model and
-        optimizer tensors from the live objects (which initializes optimizer state), and
-        history sized from the snapshot's metadata."""
+        optimizer tensors from the live objects, and history sized from the snapshot's
+        metadata. Optimizer state is materialised first (a zero-learning-rate step on zero
+        gradients): most optimizers create it lazily, and a template without it would leave
+        the stored state unread."""
+        compat.init_optimizer_state(self.optimizer)
         template = self.state_dict()
         for name in template["history"]:
             size = stored_entries[f"history.{name}"].size
@@ -172,6 +181,11 @@ class TrainingState:
             _nest(template, (DATA_BY_RANK, str(self.rank)), self._data_position())
         return template
 
+    def unread_by_design(self, stored_key: str) -> bool:
+        """Per-rank entries the template did not take: other ranks' RNG streams and data
+        positions, a CUDA RNG on a machine without CUDA (see the module docstring)."""
+        return stored_key.split(".", 1)[0] in PER_RANK
+
     def load_state_dict(self, stored: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=stored["model"],
                        optim_state_dict=stored["optim"])
@@ -180,6 +194,8 @@ class TrainingState:
             self.scaler.load_state_dict(stored["scaler"])
         self.progress = Progress(**stored["progress"])
         self.history.load_state_dict(stored["history"])
+        for name, kept in self.extras.items():
+            kept.load_state_dict(stored["workload"][name])
         position = stored.get(DATA_BY_RANK, {}).get(str(self.rank))
         if position is not None and position != self._data_position():
             raise CorruptGeneration(f"rank {self.rank}'s stored data position {position} disagrees with the "

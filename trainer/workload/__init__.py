@@ -1,18 +1,82 @@
-"""Workloads: the part of the trainer a user replaces with their own model and data.
+"""Workloads: the part of the trainer a user brings with `--workload MODULE:FACTORY`.
 
-`protocol.Workload` is the interface the loop talks to; `example.ExampleWorkload` (an MLP on
-generated data) is the default one.
+`protocol.Workload` is the interface; `example.ExampleWorkload` (an MLP on generated data) is
+the default one; `loading` finds a factory. `build_workload` calls the factory and binds the
+result: the optional hooks get their no-op defaults here, so the loop calls every hook
+unconditionally and never asks what a workload implements.
 """
 
 from __future__ import annotations
 
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
 from trainer.config import WorkloadConfig
+from trainer.workload.loading import find_factory
 from trainer.workload.protocol import Workload
 
-__all__ = ["Workload", "build_workload"]
+__all__ = ["BoundWorkload", "Workload", "build_workload"]
 
 
-def build_workload(config: WorkloadConfig) -> Workload:
-    from trainer.workload.example import ExampleWorkload
+def build_workload(config: WorkloadConfig) -> BoundWorkload:
+    found = find_factory(config.workload)
+    options = {**found.defaults(), **dict(config.options)}
+    trainer = {"seed": config.seed, "batch_size": config.batch_size, "grad_accum": config.grad_accum,
+               "amp": config.amp}
+    return BoundWorkload(found.factory(argparse.Namespace(**options, **trainer)), found.source_files())
 
-    return ExampleWorkload(config)
+
+@dataclass(frozen=True)
+class BoundWorkload:
+    """A workload with every optional hook present."""
+
+    workload: Workload
+    source_files: tuple[Path, ...]
+    """The workload's source outside the trainer package (hashed into `source`)."""
+
+    def build_dataset(self):
+        return self.workload.build_dataset()
+
+    def build_model(self):
+        return self.workload.build_model()
+
+    def build_optimizer(self, model):
+        return self.workload.build_optimizer(model)
+
+    def build_scheduler(self, optimizer):
+        return self.workload.build_scheduler(optimizer)
+
+    def loss(self, model, batch):
+        return self.workload.loss(model, batch)
+
+    def architecture(self) -> dict:
+        return self.workload.architecture()
+
+    def after_backward(self, model, optimizer) -> None:
+        self._optional("after_backward", model, optimizer)
+
+    def after_step(self, model, optimizer) -> None:
+        self._optional("after_step", model, optimizer)
+
+    def adopt_config(self, optimizer, scheduler) -> None:
+        self._optional("adopt_config", optimizer, scheduler)
+
+    def stateful(self) -> dict:
+        hook = getattr(self.workload, "stateful", None)
+        return dict(hook()) if hook is not None else {}
+
+    def _optional(self, name: str, *args) -> None:
+        hook = getattr(self.workload, name, None)
+        if hook is not None:
+            hook(*args)
+
+
+def dataset_fingerprint(dataset) -> str:
+    """The fingerprint's `dataset` field: the dataset's own `fingerprint()`, or, without one,
+    its class and length (changed data of the same length then goes unnoticed)."""
+    own = getattr(dataset, "fingerprint", None)
+    if own is not None:
+        return own()
+    kind = type(dataset)
+    return f"unfingerprinted:{kind.__module__}.{kind.__qualname__}:len={len(dataset)}"

@@ -17,7 +17,8 @@ from torch.utils.data import Dataset
 class SyntheticClassification(Dataset):
     """Gaussian features labelled by a fixed random "teacher" network.
 
-    Items are addressed by (epoch, index) so the per-epoch augmentation is reproducible.
+    Samples are fetched by (epoch, index) (`sample_at`) so the per-epoch augmentation is
+    reproducible with its own keyed generator.
     """
 
     def __init__(self, samples: int, features: int, classes: int, seed: int):
@@ -30,8 +31,11 @@ class SyntheticClassification(Dataset):
     def __len__(self) -> int:
         return len(self.inputs)
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        epoch, index = key
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Epoch 0's sample (for inspection); the trainer calls `sample_at`."""
+        return self.sample_at(0, index)
+
+    def sample_at(self, epoch: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         noise_rng = np.random.default_rng([self.seed, epoch, index])
         noise = torch.from_numpy(noise_rng.normal(0.0, 0.1, self.inputs.shape[1]).astype(np.float32))
         return self.inputs[index] + noise, self.labels[index]

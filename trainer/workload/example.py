@@ -1,29 +1,60 @@
-"""The example workload: an MLP on a generated classification dataset (no download).
+"""The example workload: an MLP on a generated classification dataset (no download), the
+default `--workload`.
 
 It implements `trainer.workload.protocol.Workload`. Randomness in the main process uses the
 global Python, NumPy and torch RNGs on purpose (they are saved and restored, and the test
 that skips one of them proves each matters); per-sample randomness inside the dataset
-derives from (seed, epoch, index) so DataLoader workers do not change it.
+derives from (seed, epoch, index) through `sample_at`.
 """
 
 from __future__ import annotations
 
+import argparse
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 from torch import nn
 
 from trainer import compat
-from trainer.config import WorkloadConfig
+from trainer.options import positive_float, positive_int, unit_interval
 from trainer.workload.data import SyntheticClassification
 from trainer.workload.model import MLP
 
 
 @dataclass(frozen=True)
+class ExampleOptions:
+    samples: int = 128
+    """Size of the generated dataset; with batch_size 16 that is 8 batches per epoch."""
+    lr: float = 0.05
+    """Initial learning rate (SGD with momentum, decayed per step, independent of epochs)."""
+    hidden_size: int = 64
+    """Width of the hidden layers; raise it (with `layers`) to make checkpoints bigger."""
+    layers: int = 2
+    dropout: float = 0.1
+    features: int = 16
+    classes: int = 4
+    seed: int = 1234
+
+    @classmethod
+    def of(cls, options: argparse.Namespace) -> ExampleOptions:
+        return cls(**{f.name: getattr(options, f.name) for f in fields(cls) if hasattr(options, f.name)})
+
+
 class ExampleWorkload:
-    config: WorkloadConfig
+    @staticmethod
+    def add_options(group) -> None:
+        defaults = ExampleOptions()
+        group.add_argument("--samples", type=positive_int, default=defaults.samples)
+        group.add_argument("--lr", type=positive_float, default=defaults.lr)
+        group.add_argument("--hidden-size", type=positive_int, default=defaults.hidden_size)
+        group.add_argument("--layers", type=positive_int, default=defaults.layers)
+        group.add_argument("--dropout", type=unit_interval, default=defaults.dropout)
+        group.set_defaults(features=defaults.features, classes=defaults.classes)
+
+    def __init__(self, options: argparse.Namespace):
+        self.config = ExampleOptions.of(options)
 
     def build_dataset(self) -> SyntheticClassification:
         c = self.config
@@ -68,4 +99,3 @@ class ExampleWorkload:
         c = self.config
         return {"architecture": "MLP", "features": c.features, "hidden_size": c.hidden_size,
                 "layers": c.layers, "classes": c.classes, "dropout": c.dropout}
-

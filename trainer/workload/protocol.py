@@ -1,11 +1,21 @@
 """The `Workload` protocol: everything the training loop asks of a model, its data and its
-optimizer. The loop depends on this protocol only, never on the example workload, so a
-workload can be swapped without touching the loop.
+optimizer. The loop depends on this protocol only, never on a particular workload, so a
+workload is brought with `--workload MODULE:FACTORY` without touching the trainer.
+
+The factory is called with an `argparse.Namespace`: the options the workload declared with
+`FACTORY.add_options(group)` (optional; argparse's `add_argument` on the group, and
+`set_defaults` for fixed settings), plus the trainer's `seed`, `batch_size`, `grad_accum` and
+`amp`. Every declared option enters the fingerprint's `config`; its module (or its top-level
+package) enters `source`.
 
 What the trainer owns (and a workload must not do itself): seeding, the batch order and the
-position inside an epoch (`trainer.batching`), device placement, mixed precision, saving and
-restoring everything, including the global Python, NumPy and torch RNGs the workload may use
-in the main process.
+position inside an epoch (`trainer.batching`), fetching (every sample is fetched with the
+global RNGs seeded from (seed, epoch, index): `trainer.fetching`), moving batches to the
+device, mixed precision, gradient accumulation, and saving and restoring everything,
+including the global Python, NumPy and torch RNGs the workload may use in the main process.
+A workload must not keep randomness or state the trainer cannot see: a private
+`random.Random`/`np.random.Generator`/`torch.Generator` that advances during training, a
+counter, a moving average, unless it is returned by `stateful()`.
 """
 
 from __future__ import annotations
@@ -16,33 +26,56 @@ import torch
 from torch import nn
 
 
-class FingerprintedDataset(Protocol):
-    """A map-style dataset addressed by (epoch, index) keys, whose per-sample randomness
-    derives from (seed, epoch, index) so DataLoader workers and resumes do not change it."""
+class Dataset(Protocol):
+    """A map-style dataset. One epoch is `ceil(len(dataset) / batch_size)` batches in a
+    permutation that is a pure function of (seed, epoch); the last batch of an epoch may be
+    smaller (drop_last=False). Batches are collated by the default collate function, so an
+    item may be a tensor, a tuple, a dict or a dataclass of tensors.
+
+    Optional:
+    - `fingerprint() -> str`: a digest of the data (the fingerprint's `dataset` field).
+      Without it the trainer records the class and length only, so changed data with the
+      same length would go unnoticed.
+    - `sample_at(epoch, index)`: called instead of `dataset[index]` when present, for a
+      dataset that derives its randomness from the epoch itself (the example does).
+    """
 
     def __len__(self) -> int: ...
 
-    def __getitem__(self, key: tuple[int, int]) -> Any: ...
+    def __getitem__(self, index: int) -> Any: ...
 
-    def fingerprint(self) -> str:
-        """A digest of the data: the fingerprint's `dataset` field."""
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 class Workload(Protocol):
-    def build_dataset(self) -> FingerprintedDataset: ...
+    """Required methods. Optional ones (the trainer supplies a no-op when absent):
+
+    - `after_backward(model, optimizer)`: after the last backward of an optimizer step, before
+      the step; gradients are unscaled (after `GradScaler.unscale_` under AMP), so gradient
+      clipping goes here.
+    - `after_step(model, optimizer)`: after each optimizer step (an EMA update).
+    - `stateful() -> dict[str, Stateful]`: extra state the workload keeps (EMA weights, a
+      curriculum, a sampler), saved under `workload.<name>`, restored and compared like the
+      rest; called once, after the model, optimizer and scheduler are built.
+    - `adopt_config(optimizer, scheduler)`: after a restore under an allowed `config` drift,
+      make changed options that restored state holds (the learning rate) take effect.
+    """
+
+    def build_dataset(self) -> Dataset: ...
 
     def build_model(self) -> nn.Module: ...
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer: ...
 
-    def build_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler: ...
+    def build_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        """Stepped once per optimizer step (not per micro-batch, not per epoch)."""
 
-    def adopt_config(self, optimizer: torch.optim.Optimizer, scheduler) -> None:
-        """After a restore under an allowed `config` drift: make the changed options take
-        effect on the restored optimizer and scheduler."""
-
-    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The loss of one batch (already on the device) through `model`."""
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The loss of one (micro-)batch, already on the device, through `model`."""
 
     def architecture(self) -> dict:
         """What an export's config.json needs to rebuild the model without this package."""

@@ -1,0 +1,127 @@
+"""`--workload MODULE:FACTORY`: a user's module outside the trainer package, with its own
+options (in --help and in the fingerprint), its source in `source`, batches of any
+structure, an after-backward hook, extra state saved and compared, and the silent failures
+of issue #13 made loud or impossible, end to end through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import REPO, attempts, compare, generation, one_error_line, run_cli, train
+
+TOY = "tests/workloads/toy.py:ToyWorkload"
+RUN = ("--workload", TOY, "--epochs", 3, "--batch-size", 8)  # 3 batches per epoch, 9 steps
+FINAL = "step-00000009"
+
+
+def manifest(output, name=FINAL) -> dict:
+    return json.loads((generation(output, name) / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def toy_baseline(tmp_path_factory):
+    output = tmp_path_factory.mktemp("toy") / "run"
+    train(output, *RUN, "--num-workers", 1)
+    return output
+
+
+def test_the_workloads_options_are_listed_and_parsed():
+    shown = run_cli("--workload", TOY, "--help")
+    assert shown.returncode == 0 and "--width" in shown.stdout and "--toy-lr" in shown.stdout
+    assert "--hidden-size" not in shown.stdout  # the default workload's options are not the toy's
+    assert "--hidden-size" in run_cli("--help").stdout
+    wrong = run_cli("--output", "unused", "--workload", TOY, "--width", "0")
+    assert wrong.returncode == 2 and "--width" in one_error_line(wrong)
+
+
+def test_fingerprint_holds_the_workload_its_options_and_its_source(toy_baseline):
+    fingerprint = manifest(toy_baseline)["fingerprint"]
+    assert fingerprint["config"] == {"amp": False, "batch_size": 8, "features": 4, "optimizer": "sgd",
+                                     "seed": 1234, "threads": 1, "toy_lr": 0.05, "toy_samples": 24, "width": 8,
+                                     "workload": TOY}
+    assert fingerprint["dataset"] == "unfingerprinted:toy.NoisyRegression:len=24"  # no fingerprint(): documented
+    config = json.loads((toy_baseline / "exports" / FINAL / "config.json").read_text())
+    assert config["architecture"] == "toy-mlp" and config["width"] == 8
+
+
+def test_resume_mid_epoch_with_other_worker_counts_equals_the_baseline(tmp_path, toy_baseline):
+    """Global-RNG augmentation in the dataset, fetched by 2 workers, then by the main process,
+    against a baseline fetched by 1 worker (issue #13, silent failure 1)."""
+    run = tmp_path / "run"
+    train(run, *RUN, "--num-workers", 2, "--recover-every-steps", 2, "--interrupt-at-step", 5, expect=75)
+    resumed = train(run, *RUN, "--resume", "--num-workers", 0)
+    assert "restored step-00000004 (step=4 epoch=1 position=1)" in resumed.stdout
+    result = compare(generation(toy_baseline, FINAL), generation(run, FINAL), "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    fields = {f["field"]: f["equal"] for f in json.loads(result.stdout)["fields"]}
+    assert fields["workload.counter.steps"] and fields["workload.counter.norm"]  # extra state compared
+
+
+def test_a_changed_option_or_workload_source_is_refused(tmp_path):
+    run = tmp_path / "run"
+    source = tmp_path / "mine" / "toy_copy.py"
+    source.parent.mkdir()
+    shutil.copy(REPO / "tests" / "workloads" / "toy.py", source)
+    mine = ("--workload", f"{source}:ToyWorkload", "--epochs", 2, "--batch-size", 8)
+    train(run, *mine, "--interrupt-at-step", 4, expect=75)
+    drift = run_cli("--output", run, *mine, "--resume", "--width", 9)
+    assert drift.returncode == 65 and "config.width 8 → 9" in one_error_line(drift)
+    source.write_text(source.read_text().replace("nn.Dropout(0.1)", "nn.Dropout(0.2)"))
+    edited = run_cli("--output", run, *mine, "--resume")
+    assert edited.returncode == 65 and "source" in one_error_line(edited)
+
+
+def test_an_optimizer_with_lazily_created_state_is_refused_not_restored_fresh(tmp_path):
+    """Issue #13, silent failure 2: the restore left the optimizer state unread; now exit 65."""
+    run = tmp_path / "run"
+    lazy = (*RUN, "--optimizer", "accumulating")
+    train(run, *lazy, "--interrupt-at-step", 7, expect=75)
+    refused = run_cli("--output", run, *lazy, "--resume")
+    assert refused.returncode == 65
+    line = one_error_line(refused)
+    assert "4 stored entries" in line and "optim.state.0.weight.momentum_buffer" in line and "lazily" in line
+    assert attempts(run)[-1]["status"] == "refused"
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("no_such_module:Factory", "cannot import no_such_module"),
+    ("tests/workloads/toy.py:NoSuchFactory", "has no callable 'NoSuchFactory'"),
+    ("tests/workloads/toy.py", "give MODULE:FACTORY"),
+    ("tests/workloads/missing.py:ToyWorkload", "no such file"),
+])
+def test_a_workload_that_cannot_be_loaded_is_one_line_and_exit_2(tmp_path, spec, says):
+    result = run_cli("--output", tmp_path / "run", "--workload", spec)
+    assert result.returncode == 2 and says in one_error_line(result)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_workload_option_that_shadows_the_trainers_is_refused(tmp_path):
+    module = tmp_path / "shadowing.py"
+    module.write_text("class Shadowing:\n    @staticmethod\n    def add_options(group):\n"
+                      "        group.add_argument('--epochs', type=int, default=1)\n")
+    result = run_cli("--output", tmp_path / "run", "--workload", f"{module}:Shadowing")
+    assert result.returncode == 2 and "--epochs" in one_error_line(result)
+
+
+def test_source_covers_the_workloads_whole_package_or_its_module(tmp_path, monkeypatch):
+    from trainer.config import DEFAULT_WORKLOAD
+    from trainer.fingerprint import source_digest
+    from trainer.workload.loading import find_factory
+
+    (tmp_path / "mypkg" / "models").mkdir(parents=True)
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "models" / "__init__.py").write_text("WIDTH = 8\n")
+    (tmp_path / "mypkg" / "factory.py").write_text("class Factory:\n    pass\n")
+    (tmp_path / "single.py").write_text("class Factory:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    packaged = find_factory("mypkg.factory:Factory").source_files()
+    assert packaged == ((tmp_path / "mypkg").resolve(),)
+    assert find_factory("single:Factory").source_files() == ((tmp_path / "single.py").resolve(),)
+    assert find_factory(DEFAULT_WORKLOAD).source_files() == ()  # inside the trainer: its digest alone
+    before = source_digest(workload=packaged)
+    assert before != source_digest()
+    (tmp_path / "mypkg" / "models" / "__init__.py").write_text("WIDTH = 9\n")  # a sibling module changed
+    assert source_digest(workload=packaged) != before

@@ -1,0 +1,50 @@
+"""Option value types for argparse, shared by the command line and by workloads declaring
+their own options (`from trainer.options import positive_int`): a bad value is one line and
+exit 2, like every other usage mistake."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def positive_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _number(text, float)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def unit_interval(text: str) -> float:
+    value = _number(text, float)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def path_argument(text: str) -> Path:
+    """A path that is not empty: `--output "$UNSET"` must not mean the current directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty (an unset variable?); give a directory path")
+    return Path(text)
+
+
+def _number(text: str, kind: type):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a valid {kind.__name__}: {text!r}") from None

@@ -1,0 +1,124 @@
+"""Finding a workload from `--workload MODULE:FACTORY`: importing it, the options it
+declares, and the source files the fingerprint hashes.
+
+MODULE is a dotted module name importable from `sys.path` (the current directory, or
+PYTHONPATH), or a path to a `.py` file. Every failure is one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+from trainer.errors import UsageError
+
+TRAINER_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class WorkloadFactory:
+    spec: str
+    """MODULE:FACTORY as given."""
+    module: ModuleType
+    factory: Callable
+
+    def add_options(self, group) -> dict[str, object]:
+        """Let the workload declare its options on `group` (`FACTORY.add_options(group)`,
+        optional); returns every declared name with its default."""
+        declare = getattr(self.factory, "add_options", None)
+        recording = RecordingGroup(group)
+        if declare is not None:
+            try:
+                declare(recording)
+            except (argparse.ArgumentError, TypeError, ValueError) as error:
+                raise UsageError(f"--workload {self.spec}: its add_options failed: {_first_line(error)}") from None
+        return recording.declared
+
+    def defaults(self) -> dict[str, object]:
+        """The declared options at their defaults (a workload built without the CLI)."""
+        return self.add_options(argparse.ArgumentParser(add_help=False).add_argument_group())
+
+    def source_files(self) -> tuple[Path, ...]:
+        """What `source` hashes besides the trainer: the workload's whole top-level package,
+        or its module file when it is in none; nothing when it lives in the trainer."""
+        module_file = Path(self.module.__file__).resolve()
+        if module_file.is_relative_to(TRAINER_ROOT):
+            return ()
+        top = self.module.__name__.split(".")[0]
+        package = sys.modules.get(top)
+        if top != self.module.__name__ and package is not None and hasattr(package, "__path__"):
+            return tuple(sorted(Path(path).resolve() for path in package.__path__))
+        return (module_file,)
+
+
+class RecordingGroup:
+    """An argparse argument group that remembers what the workload declared on it: the names
+    become the workload's options (fingerprinted, handed to its factory)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.declared: dict[str, object] = {}
+
+    def add_argument(self, *args, **kwargs):
+        action = self.group.add_argument(*args, **kwargs)
+        self.declared[action.dest] = action.default
+        return action
+
+    def set_defaults(self, **settings) -> None:
+        """Fixed settings without a flag: fingerprinted all the same."""
+        self.group.set_defaults(**settings)
+        self.declared.update(settings)
+
+    def __getattr__(self, name):
+        return getattr(self.group, name)
+
+
+def find_factory(spec: str) -> WorkloadFactory:
+    module_name, separator, factory_name = spec.rpartition(":")
+    if not separator or not module_name or not factory_name:
+        raise UsageError(f"--workload {spec!r}: give MODULE:FACTORY, e.g. examples.gpt.workload:GPTWorkload "
+                         f"or path/to/my_workload.py:MyWorkload")
+    module = _import(spec, module_name)
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise UsageError(f"--workload {spec}: {module_name} has no callable {factory_name!r}")
+    return WorkloadFactory(spec, module, factory)
+
+
+def _import(spec: str, module_name: str) -> ModuleType:
+    try:
+        if module_name.endswith(".py"):
+            return _import_file(Path(module_name))
+        return importlib.import_module(module_name)
+    except UsageError:
+        raise
+    except ModuleNotFoundError as error:
+        raise UsageError(f"--workload {spec}: cannot import {module_name} ({error}); run from the directory "
+                         f"that holds it or add that directory to PYTHONPATH") from None
+    except Exception as error:  # the user's module failed while importing: still one line
+        raise UsageError(f"--workload {spec}: importing {module_name} failed: "
+                         f"{error.__class__.__name__}: {_first_line(error)}") from None
+
+
+def _import_file(path: Path) -> ModuleType:
+    if not path.is_file():
+        raise UsageError(f"--workload {path}: no such file")
+    name = path.stem
+    if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(path.resolve()):
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path.resolve())
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # DataLoader workers and pickling find it by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else error.__class__.__name__
