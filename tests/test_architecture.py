@@ -23,8 +23,8 @@ LAYERS = [
      "trainer.preemption", "trainer.events", "trainer.batching", "trainer.fetching", "trainer.fingerprint",
      "trainer.workload", "trainer.attempts", "trainer.distributed", "trainer.runtime", "trainer.compare",
      "trainer.listing", "trainer.report", "trainer.timeline", "trainer.progress"},
-    # Saving on cadence, then the loop that runs one attempt.
-    {"trainer.saving"},
+    # Saving on cadence and stepping the optimizer, then the loop that runs one attempt.
+    {"trainer.saving", "trainer.stepping"},
     {"trainer.loop"},
     # The edges: Polyaxon tracking, the command line.
     {"trainer.tracking"},

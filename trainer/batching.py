@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from trainer.errors import UsageError
+
 
 class EpochBatchOrder:
     """This rank's share of the batches of (epoch, index) keys for one epoch, starting at a
@@ -52,3 +54,9 @@ def uneven_split(samples: int, batch_size: int, world_size: int) -> str | None:
         return None
     return (f"--batch-size {batch_size} (last batch of an epoch: {last} of {samples} samples) does not "
             f"divide evenly across {world_size} processes; choose sizes that are multiples of {world_size}")
+
+
+def require_even_split(samples: int, batch_size: int, world_size: int) -> None:
+    """Refuse (exit 2) a batch size the ranks cannot share evenly (see `uneven_split`)."""
+    if problem := uneven_split(samples, batch_size, world_size):
+        raise UsageError(problem)

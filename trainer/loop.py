@@ -21,19 +21,17 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
-from trainer import seams
 from trainer.attempts import (COMPLETED, FAILED, INTERRUPTED, PREEMPTED, AttemptRecorder, new_attempt_id,
                               previous_attempt, read_attempts, refuse_crash_loop, steps_replayed, world_size_change)
-from trainer.batching import EpochBatchOrder, uneven_split
+from trainer.batching import EpochBatchOrder, require_even_split
 from trainer.cadence import StepPoint
 from trainer.config import RunConfig
 from trainer.distributed import Ranks, process_group, unshared_output
 from trainer.errors import (EXIT_INTERRUPTED, EXIT_OK, CorruptGeneration, CrashLoop, FingerprintMismatch,
-                            TrainerError, UsageError)
+                            TrainerError)
 from trainer.events import TrainingEvents
-from trainer.fetching import KeyedSeeding, epoch_loader, to_device
+from trainer.fetching import KeyedSeeding, epoch_loader
 from trainer.fingerprint import check_fingerprint, current_fingerprint
 from trainer.launch import LaunchEnvironment
 from trainer.lock import OutputLock
@@ -49,6 +47,7 @@ from trainer.run_dir import RunDirectory
 from trainer.runtime import configure_determinism, resolve_device
 from trainer.saving import CadencedSaves, Lineage
 from trainer.state import TrainingState
+from trainer.stepping import OptimizerSteps
 from trainer.workload import BoundWorkload, build_workload, dataset_fingerprint
 
 log = logging.getLogger("trainer")
@@ -90,8 +89,6 @@ class TrainingRun:
         """This attempt's record once started (it then records its own end)."""
         self.progress = Progress.for_stdout(config.progress, ranks.is_primary)
         """Progress lines, or a status line on a terminal: rank 0 only."""
-        self.micro_batches = 0
-        """Micro-batches this attempt has trained on (for a test seam)."""
 
     # ----------------------------------------------------------------- top level
     def run(self) -> Outcome:
@@ -153,7 +150,7 @@ class TrainingRun:
         config, ranks = self.config, self.ranks
         configure_determinism(config, ranks.rank)
         dataset = self.workload.build_dataset()
-        ranks.decide_on_primary(lambda: refuse_uneven_split(len(dataset), config.workload.batch_size,
+        ranks.decide_on_primary(lambda: require_even_split(len(dataset), config.workload.batch_size,
                                                             ranks.world_size), "checking the batch split")
         fingerprint = current_fingerprint(config.workload.training_relevant(), dataset_fingerprint(dataset),
                                           ranks.device, world_size=ranks.world_size,
@@ -253,8 +250,9 @@ class TrainingRun:
     # ----------------------------------------------------------------- training
     def train(self, claim: Claim, dataset: KeyedSeeding, drift: list[str], saves: CadencedSaves,
               preemption: PreemptionGuard) -> Outcome:
-        config, workload, ranks = self.config, self.workload, self.ranks
+        config, ranks = self.config, self.ranks
         state, trained = self.build()
+        steps = OptimizerSteps(self.workload, state, trained, ranks.device, config.workload.amp)
         if claim.generation is not None:
             self.restore_state(claim, state, drift, saves)
         self.recorder.reached(state.progress.global_step, first=True)
@@ -272,23 +270,16 @@ class TrainingRun:
             # be shorter. Everything below the `continue` runs once per optimizer step, so
             # saves and stops never see partial gradients.
             window, seen, loss = 0, 0, None
-            for batch in self.batches(dataset, state):
+            for batch in epoch_loader(dataset, self.batch_order(len(dataset), state), config.workload.num_workers):
                 if seen == 0:
-                    saves.wait_for_staging()
-                    state.optimizer.zero_grad(set_to_none=True)
-                    window = min(accumulate, batches_per_epoch - state.progress.position)
-                part = self.backward(state, trained, batch, window)
+                    saves.wait_for_staging()  # the staged copy must be complete before parameters change
+                    window = steps.open_window(min(accumulate, batches_per_epoch - state.progress.position))
+                part = steps.micro_batch(batch, window)
                 loss = part if loss is None else loss + part
                 seen += 1
                 if seen < window:
                     continue
-                state.scaler.unscale_(state.optimizer)  # the hook sees true gradients (a no-op without AMP)
-                workload.after_backward(state.model, state.optimizer)
-                state.scaler.step(state.optimizer)
-                state.scaler.update()
-                workload.after_step(state.model, state.optimizer)
-                lr = state.scheduler.get_last_lr()[0]
-                state.scheduler.step()
+                lr = steps.step()
                 epoch_completed = state.progress.advance(window, batches_per_epoch)
                 step = state.progress.global_step
                 agreed = saves.agree(StepPoint(step, state.progress.epoch, epoch_completed), loss,
@@ -299,35 +290,18 @@ class TrainingRun:
                 if step == config.interrupt_at_step:
                     return self.end(INTERRUPTED, f"--interrupt-at-step {step}: stopped without saving", saves, state,
                                     f"interrupted after step {step} without saving (exit 75)")
-                saves.after_step(state, state.model, workload, agreed, final=step == total_steps)
+                saves.after_step(state, state.model, self.workload, agreed, final=step == total_steps)
                 if agreed.preempt:
                     signal_name = preemption.signal_name or "a signal to another rank"
                     return self.end(PREEMPTED, f"{signal_name} after step {step}; generation saved", saves, state,
                                     f"preempted by {signal_name}: saved step {step} (exit 75)")
         return self.end(COMPLETED, None, saves, state)
 
-    def backward(self, state: TrainingState, trained: nn.Module, batch, window: int) -> torch.Tensor:
-        """Forward and backward of one micro-batch, its loss weighted 1/window so a window's
-        gradients are the mean over its micro-batches; returns that weighted loss."""
-        device, config = self.ranks.device, self.config.workload
-        batch = to_device(batch, device)
-        state.model.train()
-        autocast_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=config.amp):
-            loss = self.workload.loss(trained, batch)
-        if window > 1:
-            loss = loss / window
-        state.scaler.scale(loss).backward()
-        self.micro_batches += 1
-        seams.micro_batch_done(self.micro_batches)
-        return loss.detach()
-
-    def batches(self, dataset: KeyedSeeding, state: TrainingState) -> DataLoader:
+    def batch_order(self, samples: int, state: TrainingState) -> EpochBatchOrder:
         """This rank's batches for the rest of the current epoch."""
         config, progress = self.config.workload, state.progress
-        order = EpochBatchOrder(len(dataset), config.batch_size, config.seed, progress.epoch, progress.position,
-                                self.ranks.rank, self.ranks.world_size)
-        return epoch_loader(dataset, order, config.num_workers)
+        return EpochBatchOrder(samples, config.batch_size, config.seed, progress.epoch, progress.position,
+                               self.ranks.rank, self.ranks.world_size)
 
     def step_completed(self, state: TrainingState, step: int, loss: float, lr: float, last: bool) -> None:
         """`last`: this attempt's final step (always shown)."""
@@ -361,11 +335,6 @@ class TrainingRun:
         self.recorder.ended(status, exit_code, reason, summary)
         log.info("%s", said)
         return Outcome(exit_code, reason)
-
-
-def refuse_uneven_split(samples: int, batch_size: int, world_size: int) -> None:
-    if problem := uneven_split(samples, batch_size, world_size):
-        raise UsageError(problem)
 
 
 def run_training(config: RunConfig, launch: LaunchEnvironment = LaunchEnvironment(),

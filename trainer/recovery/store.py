@@ -4,7 +4,6 @@ publishing through the shared atomic protocol."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
