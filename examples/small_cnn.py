@@ -19,6 +19,7 @@ import random
 import torch
 from torch import nn
 
+from trainer.errors import UsageError
 from trainer.options import positive_float, positive_int, unit_interval
 
 
@@ -84,6 +85,13 @@ class SmallCNN:
 
     def __init__(self, options):
         self.options = options
+        # OneCycleLR cannot step past its end: refuse a run longer than the schedule up front
+        # (epochs are not fingerprinted, so a run may be extended; the schedule length is).
+        steps = options.epochs * -(-(-(-options.images // options.batch_size)) // options.grad_accum)
+        if steps > options.total_steps:
+            raise UsageError(f"--epochs {options.epochs} needs {steps} optimizer steps, but the one-cycle "
+                             f"schedule has --total-steps {options.total_steps}; lower --epochs, or raise "
+                             f"--total-steps in a new run (it changes training)")
 
     def build_dataset(self) -> Stripes:
         return Stripes(self.options.images, self.options.classes, self.options.seed)

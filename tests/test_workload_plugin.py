@@ -119,9 +119,44 @@ def test_source_covers_the_workloads_whole_package_or_its_module(tmp_path, monke
     monkeypatch.syspath_prepend(str(tmp_path))
     packaged = find_factory("mypkg.factory:Factory").source_files()
     assert packaged == ((tmp_path / "mypkg").resolve(),)
-    assert find_factory("single:Factory").source_files() == ((tmp_path / "single.py").resolve(),)
+    (tmp_path / "helpers.py").write_text("CLIP = 1.0\n")  # a helper beside a lone module
+    lone = find_factory("single:Factory").source_files()
+    assert lone == ((tmp_path / "helpers.py").resolve(), (tmp_path / "single.py").resolve())
+    before_helper = source_digest(workload=lone)
+    (tmp_path / "helpers.py").write_text("CLIP = 0.01\n")
+    assert source_digest(workload=lone) != before_helper
     assert find_factory(DEFAULT_WORKLOAD).source_files() == ()  # inside the trainer: its digest alone
     before = source_digest(workload=packaged)
     assert before != source_digest()
     (tmp_path / "mypkg" / "models" / "__init__.py").write_text("WIDTH = 9\n")  # a sibling module changed
     assert source_digest(workload=packaged) != before
+
+
+def test_a_factory_that_returns_no_workload_is_one_line_and_exit_2(tmp_path):
+    """A factory returning None, or a class that is not a workload (the dataset, by a typo),
+    is refused before the output is touched, naming what is missing."""
+    module = tmp_path / "wrong.py"
+    module.write_text("def returns_none(options):\n    return None\n\n"
+                      "class NotAWorkload:\n    def __init__(self, options):\n        pass\n"
+                      "    def build_model(self):\n        pass\n")
+    for factory, lacks in (("returns_none", "NoneType, which lacks build_dataset"),
+                           ("NotAWorkload", "NotAWorkload, which lacks build_dataset, build_optimizer")):
+        result = run_cli("--output", tmp_path / "run", "--workload", f"{module}:{factory}")
+        line = one_error_line(result)
+        assert result.returncode == 2 and lacks in line and "trainer/workload/protocol.py" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_accepted_config_drift_without_adopt_config_is_said(tmp_path):
+    """The toy has no adopt_config: an allowed --toy-lr change cannot reach the restored
+    optimizer, and the run says so instead of silently keeping the old rate."""
+    run = tmp_path / "run"
+    train(run, *RUN, "--interrupt-at-step", 4, expect=75)
+    resumed = train(run, *RUN, "--toy-lr", "0.01", "--resume", "--allow-drift", "config")
+    assert "config drift accepted, but the workload has no adopt_config" in resumed.stdout
+
+
+def test_the_cnn_example_refuses_a_run_longer_than_its_schedule(tmp_path):
+    result = run_cli("--output", tmp_path / "run", "--workload", "examples/small_cnn.py:SmallCNN", "--epochs", "30")
+    assert result.returncode == 2 and "--total-steps 64" in one_error_line(result)
+    assert not (tmp_path / "run").exists()

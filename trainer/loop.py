@@ -227,6 +227,9 @@ class TrainingRun:
                                     f"manifest says {restored.step}; restore another one with --from-generation")
         if any(change.startswith("config.") for change in drift):
             self.workload.adopt_config(state.optimizer, state.scheduler)  # an allowed --lr change takes effect
+            if not self.workload.adopts_config:
+                log.warning("config drift accepted, but the workload has no adopt_config: the restored optimizer "
+                            "and scheduler keep the values they were saved with (e.g. the learning rate)")
         saves.load_cadence(restored.manifest.cadence)
         self.recorder.restored(restored, claim.verify_s)
         self.recorder.set_aside(self.ranks.decide_on_primary(lambda: self.abandon_later_line(claim.run, restored.step),

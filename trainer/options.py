@@ -39,7 +39,7 @@ def unit_interval(text: str) -> float:
 def path_argument(text: str) -> Path:
     """A path that is not empty: `--output "$UNSET"` must not mean the current directory."""
     if not text.strip():
-        raise argparse.ArgumentTypeError("must not be empty (an unset variable?); give a directory path")
+        raise argparse.ArgumentTypeError("must not be empty (an unset variable?); give a path")
     return Path(text)
 
 

@@ -13,18 +13,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.config import WorkloadConfig
+from trainer.errors import UsageError
 from trainer.workload.loading import find_factory
 from trainer.workload.protocol import Workload
 
 __all__ = ["BoundWorkload", "Workload", "build_workload"]
+
+REQUIRED = ("build_dataset", "build_model", "build_optimizer", "build_scheduler", "loss", "architecture")
+"""The protocol's methods without a default; the others are optional hooks."""
 
 
 def build_workload(config: WorkloadConfig) -> BoundWorkload:
     found = find_factory(config.workload)
     options = {**found.defaults(), **dict(config.options)}
     trainer = {"seed": config.seed, "batch_size": config.batch_size, "grad_accum": config.grad_accum,
-               "amp": config.amp}
-    return BoundWorkload(found.factory(argparse.Namespace(**options, **trainer)), found.source_files())
+               "amp": config.amp, "epochs": config.epochs}
+    workload = found.factory(argparse.Namespace(**options, **trainer))
+    if missing := [name for name in REQUIRED if not callable(getattr(workload, name, None))]:
+        raise UsageError(f"--workload {config.workload} returned a {type(workload).__name__}, which lacks "
+                         f"{', '.join(missing)}: the factory must return a Workload (trainer/workload/protocol.py)")
+    return BoundWorkload(workload, found.source_files())
+
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,11 @@ class BoundWorkload:
 
     def adopt_config(self, optimizer, scheduler) -> None:
         self._optional("adopt_config", optimizer, scheduler)
+
+    @property
+    def adopts_config(self) -> bool:
+        """Whether the workload makes an allowed config change take effect on restored state."""
+        return callable(getattr(self.workload, "adopt_config", None))
 
     def stateful(self) -> dict:
         hook = getattr(self.workload, "stateful", None)

@@ -46,7 +46,8 @@ class WorkloadFactory:
 
     def source_files(self) -> tuple[Path, ...]:
         """What `source` hashes besides the trainer: the workload's whole top-level package,
-        or its module file when it is in none; nothing when it lives in the trainer."""
+        or, for a module in none, every .py file beside it (the helper modules it imports from
+        its own folder change training too); nothing when it lives in the trainer."""
         module_file = Path(self.module.__file__).resolve()
         if module_file.is_relative_to(TRAINER_ROOT):
             return ()
@@ -54,7 +55,7 @@ class WorkloadFactory:
         package = sys.modules.get(top)
         if top != self.module.__name__ and package is not None and hasattr(package, "__path__"):
             return tuple(sorted(Path(path).resolve() for path in package.__path__))
-        return (module_file,)
+        return tuple(sorted(module_file.parent.glob("*.py")))
 
 
 class RecordingGroup:

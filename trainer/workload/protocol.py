@@ -4,9 +4,11 @@ workload is brought with `--workload MODULE:FACTORY` without touching the traine
 
 The factory is called with an `argparse.Namespace`: the options the workload declared with
 `FACTORY.add_options(group)` (optional; argparse's `add_argument` on the group, and
-`set_defaults` for fixed settings), plus the trainer's `seed`, `batch_size`, `grad_accum` and
-`amp`. Every declared option enters the fingerprint's `config`; its module (or its top-level
-package) enters `source`.
+`set_defaults` for fixed settings), plus the trainer's `seed`, `batch_size`, `grad_accum`,
+`amp` and `epochs`. Every declared option enters the fingerprint's `config`; its module (or
+its top-level package, or the .py files beside a lone module) enters `source`. `epochs` is
+not fingerprinted (a run may be extended): use it to refuse a run your schedule cannot cover,
+never to shape training.
 
 What the trainer owns (and a workload must not do itself): seeding, the batch order and the
 position inside an epoch (`trainer.batching`), fetching (every sample is fetched with the
