@@ -15,14 +15,15 @@ PACKAGE = REPO / "trainer"
 LAYERS = [
     # Leaves: names, errors, configuration, test seams, private-API wrappers.
     {"trainer.errors", "trainer.run_dir", "trainer.config", "trainer.launch", "trainer.seams", "trainer.compat",
-     "trainer.options"},
-    # Storage and recovery: generations, manifests, the publish protocol, save and restore.
-    {"trainer.recovery"},
+     "trainer.options", "trainer.remote.location"},
+    # Storage and recovery: generations, manifests, the publish protocol, save and restore;
+    # the same sealed directories in an object store, and its lease.
+    {"trainer.recovery", "trainer.remote"},
     # What a run is made of, each usable on its own.
     {"trainer.state", "trainer.cadence", "trainer.retention", "trainer.export", "trainer.lock",
      "trainer.preemption", "trainer.events", "trainer.batching", "trainer.fetching", "trainer.fingerprint",
      "trainer.workload", "trainer.attempts", "trainer.distributed", "trainer.runtime", "trainer.compare",
-     "trainer.listing", "trainer.report", "trainer.timeline", "trainer.progress"},
+     "trainer.listing", "trainer.report", "trainer.timeline", "trainer.progress", "trainer.tiering"},
     # Saving on cadence and stepping the optimizer, then the loop that runs one attempt.
     {"trainer.saving", "trainer.stepping"},
     {"trainer.loop"},

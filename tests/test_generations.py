@@ -43,6 +43,25 @@ def test_leftover_temporary_is_never_selected_and_is_cleaned(tmp_path, interrupt
     assert compare(generation(baseline), generation(run)).returncode == 0
 
 
+def test_a_copy_without_its_manifest_is_uncommitted_not_damage(tmp_path, interrupted, baseline):
+    """An interrupted `aws s3 sync` or sidecar copy leaves a generation directory without its
+    manifest (written last): never selected, never a reason for 65, listed and kept."""
+    run = fresh_copy(interrupted, tmp_path)
+    cut_short = generation(run, "step-00000032")
+    shutil.copytree(generation(run, "step-00000024"), cut_short)
+    (cut_short / "manifest.json").unlink()
+    listed = run_cli("list", run)
+    assert "uncommitted copy without a manifest (never selected, kept): step-00000032" in listed.stdout
+    assert "step-00000032  " not in listed.stdout  # not a row of the table
+    resumed = train(run, "--resume", "--interrupt-at-step", 30, expect=75)
+    assert "restored step-00000024" in resumed.stdout
+    assert "step-00000032 has no manifest: an uncommitted copy (kept, never selected)" in resumed.stdout
+    assert cut_short.is_dir() and not (cut_short / "manifest.json").exists()
+    train(run, "--resume")  # publishes its own step-00000032 over the copy
+    assert compare(generation(baseline), generation(run)).returncode == 0
+    assert len(list((run / "checkpoints").glob(".step-00000032.replaced-*"))) == 1
+
+
 def damage_flip(path):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -76,7 +95,6 @@ DAMAGE = {
     "truncated file": ("__0_0.distcp", damage_truncate, "size"),
     "missing file": (".metadata", damage_remove, "missing"),
     "damaged manifest": ("manifest.json", damage_truncate, "manifest.json: unreadable"),
-    "missing manifest": ("manifest.json", damage_remove, "manifest.json: missing"),
 }
 
 

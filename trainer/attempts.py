@@ -263,6 +263,21 @@ class AttemptRecorder:
         os.pwrite(self._marker, f"{step:>12}\n".encode(), 0)
         self._marked = step
 
+    def downloaded(self, download_s: float, size: int) -> None:
+        """The restored generation came from the store (no matching local-tier copy)."""
+        self._add_cost(download_s=download_s, restore_s=download_s)
+        self._record["downloaded_bytes"] = size
+
+    def durable(self, kind: str, name: str, upload_s: float, durable_s: float) -> None:
+        """A published generation (GENERATIONS) or export (EXPORTS) was committed in the store."""
+        for entry in reversed(self._record[kind]):
+            if entry["name"] == name:
+                entry.update(durable_s=round(durable_s, 6), upload_s=round(upload_s, 6))
+                break
+        self._record.setdefault("durable", {})[kind] = name
+        self._add_cost(upload_s=upload_s)
+        self._flush()
+
     def waited(self, blocked_s: float) -> None:
         """The loop waited for async staging before a step."""
         if blocked_s:

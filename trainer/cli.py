@@ -17,11 +17,14 @@ from pathlib import Path
 from typing import NoReturn
 
 from trainer import compat, seams
-from trainer.config import CHECKPOINT_MODES, DEFAULT_WORKLOAD, CadenceConfig, ProgressConfig, RetentionConfig, RunConfig, WorkloadConfig
+from trainer.config import (CHECKPOINT_MODES, DEFAULT_WORKLOAD, CadenceConfig, ProgressConfig, RetentionConfig,
+                            RunConfig, StoreConfig, WorkloadConfig)
 from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_failure
 from trainer.fingerprint import FIELDS
 from trainer.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
-from trainer.options import non_negative_int, path_argument, positive_float, positive_int
+from trainer.options import (location_argument, non_negative_float, non_negative_int, path_argument, positive_float,
+                             positive_int)
+from trainer.remote.location import parse_store_url
 
 EXIT_STATUS_ENV = "TRAINER_EXIT_STATUS_FILE"
 
@@ -64,10 +67,31 @@ def trainer_parser() -> OneLineParser:
     parser = OneLineParser(prog="python -m trainer",
                            description="Train with exact, crash-safe recovery. "
                                        "Other commands: `list DIR`, `report DIR`, `verify DIR|GEN`.")
-    parser.add_argument("--output", type=path_argument, help="run directory (generations, exports, attempt records)")
+    parser.add_argument("--output", type=location_argument,
+                        help="run directory (generations, exports, attempt records): a local path, or a store "
+                             "URL s3://BUCKET/PREFIX (gs://, az://) to make every generation durable there")
     parser.add_argument("--tracked", action="store_true",
                         help="track with Polyaxon: the run directory is the run's outputs path (in a Polyaxon "
                              "job, or anywhere with POLYAXON_IS_OFFLINE=true); replaces --output")
+    store = parser.add_argument_group("object store (with --output s3://…, gs://…, az://…)")
+    store.add_argument("--local-tier", type=path_argument, metavar="DIR",
+                       help="this machine's working copy of the run (default: "
+                            "$TRAINER_LOCAL_TIER or the temp dir, /training-recovery/SCHEME/BUCKET/PREFIX)")
+    store.add_argument("--max-pending-uploads", type=non_negative_int, default=StoreConfig.max_pending_uploads,
+                       metavar="N", help="saves published locally but not yet durable before a save waits "
+                                         "(default %(default)s; 0: every save waits until durable)")
+    store.add_argument("--store-retries", type=non_negative_int, default=StoreConfig.retries, metavar="N",
+                       help="retries of a failed store request before exit 74 (default %(default)s)")
+    store.add_argument("--store-backoff-secs", type=positive_float, default=StoreConfig.backoff_s, metavar="S",
+                       help="first wait between retries, doubled each time, at most 8 s (default %(default)s)")
+    store.add_argument("--store-timeout-secs", type=positive_float, default=StoreConfig.timeout_s, metavar="S",
+                       help="connect and read timeout of one store request (default %(default)s)")
+    store.add_argument("--lease-ttl-secs", type=positive_float, default=StoreConfig.lease_ttl_s, metavar="S",
+                       help="the single-writer lease expires this long after its last renewal (default "
+                            "%(default)s)")
+    store.add_argument("--lease-wait-secs", type=non_negative_float, metavar="S",
+                       help="how long to wait for a held lease to expire before exit 73 (default: the "
+                            "holder's ttl + 5 s)")
     run = parser.add_argument_group("recovery")
     run.add_argument("--resume", nargs="?", const="latest", choices=("latest", "auto"),
                      help="continue from the newest verified generation (latest: one must exist; "
@@ -152,18 +176,38 @@ def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironmen
     if not args.tracked and args.output is None:
         raise UsageError("--output DIR is required (the run directory); e.g. --output outputs/run1, "
                          "or --tracked to use Polyaxon's outputs path")
+    in_store = isinstance(args.output, str)
+    store_options = [f"--{name.replace('_', '-')}" for name, default in STORE_DEFAULTS.items()
+                     if getattr(args, name) != default]
+    if store_options and not in_store:
+        raise UsageError(f"{', '.join(store_options)} only apply to a run directory in a store; "
+                         f"pass --output s3://BUCKET/PREFIX, or drop them")
     if args.resume is not None and args.from_generation is not None:
         raise UsageError("--resume and --from-generation are exclusive; --from-generation already resumes")
 
 
-def config_from_args(args: argparse.Namespace, argv: list[str], output: Path,
+STORE_DEFAULTS = {"local_tier": None, "max_pending_uploads": StoreConfig.max_pending_uploads,
+                  "store_retries": StoreConfig.retries, "store_backoff_secs": StoreConfig.backoff_s,
+                  "store_timeout_secs": StoreConfig.timeout_s, "lease_ttl_secs": StoreConfig.lease_ttl_s,
+                  "lease_wait_secs": None}
+
+
+def config_from_args(args: argparse.Namespace, argv: list[str], output: Path | str | None,
                      workload_options: tuple[str, ...]) -> RunConfig:
     workload = WorkloadConfig(
         epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers,
         amp=args.amp, threads=args.threads, data_parallel=args.data_parallel, grad_accum=args.grad_accum,
         workload=args.workload,
         options=tuple((name, getattr(args, name)) for name in workload_options))
+    store = None
+    if isinstance(output, str):  # a store URL: `output` becomes this machine's local tier of it
+        store = output
+        output = args.local_tier or parse_store_url(store).default_local_tier()
     return RunConfig(
+        store=store, store_config=StoreConfig(
+            retries=args.store_retries, backoff_s=args.store_backoff_secs, timeout_s=args.store_timeout_secs,
+            max_pending_uploads=args.max_pending_uploads, lease_ttl_s=args.lease_ttl_secs,
+            lease_wait_s=args.lease_wait_secs),
         output=output, workload=workload, interrupt_at_step=args.interrupt_at_step,
         resume=args.resume, from_generation=args.from_generation,
         allow_drift=tuple(dict.fromkeys(args.allow_drift)), checkpoint_mode=args.checkpoint_mode,
@@ -248,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = rank_of(os.environ)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(message)s" if rank == 0 else f"rank {rank}: %(message)s", stream=sys.stdout)
+    for chatty in ("botocore", "aiobotocore", "s3fs", "fsspec"):  # credential lookups at INFO
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     command = COMMANDS.get(argv[0]) if argv else None
     try:
         status = command(argv[1:]) if command else run_train(argv)

@@ -97,6 +97,34 @@ class RetentionConfig:
 
 
 @dataclass(frozen=True)
+class StoreConfig:
+    """How hard to try before a store operation fails the run (exit 74), and how far the
+    background uploads may fall behind the saves."""
+
+    retries: int = 4
+    """Retries of one operation after its first try (so 5 tries in all)."""
+    backoff_s: float = 0.5
+    """First wait between tries; doubles each retry, capped at 8 s."""
+    timeout_s: float = 20.0
+    """Connect and read timeout of one request."""
+    max_pending_uploads: int = 2
+    """Generations published locally and not yet committed in the store (uploading or
+    queued). A save that would exceed it waits (back-pressure, counted as blocked time);
+    0 makes every save wait until it is durable."""
+    lease_ttl_s: float = 30.0
+    """How long the single-writer lease lasts without a renewal (renewed every third of it)."""
+    lease_wait_s: float | None = None
+    """How long a new trainer waits for a held lease to expire before exit 73 (None: the
+    holder's ttl plus a margin, so a dead holder's lease is taken over unattended)."""
+
+    def bound_s(self) -> float:
+        """The longest one operation may take before it fails: every try timing out, plus
+        every backoff."""
+        waits = sum(min(self.backoff_s * 2 ** n, 8.0) for n in range(self.retries))
+        return (self.retries + 1) * 2 * self.timeout_s + waits
+
+
+@dataclass(frozen=True)
 class RunConfig:
     output: Path | None
     """The run directory. None on the non-primary ranks of a tracked multi-process run: they
@@ -119,4 +147,8 @@ class RunConfig:
     max_failed_attempts: int = 3
     """Stop (exit 70) when this many attempts in a row restored the same generation and died
     before publishing a newer one; 0 disables the check."""
+    store: str | None = None
+    """The run directory's store URL (s3://…) when it lives in an object store; `output` is
+    then this machine's local tier of it."""
+    store_config: StoreConfig = field(default_factory=StoreConfig)
     argv: tuple[str, ...] = ()

@@ -49,6 +49,7 @@ def describe_run(output: Path) -> dict:
                          "attempt": manifest and manifest.attempt,
                          "save_s": costs.get(name, {}).get("save_s")})
         described[section] = rows
+        described[f"{section}_uncommitted"] = store.uncommitted()
         described[f"{section}_temporary"] = [p.name for p in store.temporaries()]
         described[f"{section}_replaced"] = store.replaced()
         described[f"{section}_replacing"] = store.interrupted_replacements()
@@ -66,7 +67,9 @@ def _cell(value, fmt: str = "{}") -> str:
 
 def side_entries(described: dict, section: str) -> list[str]:
     """The hidden directories of one section, listed under its own table."""
-    return ([f"  unpublished temporary (never selected, removed by the next trainer): {name}"
+    return ([f"  uncommitted copy without a manifest (never selected, kept): {name}"
+             for name in described.get(f"{section}_uncommitted", [])] +
+            [f"  unpublished temporary (never selected, removed by the next trainer): {name}"
              for name in described[f"{section}_temporary"]] +
             [f"  superseded copy kept for inspection (never selected; delete when done): {name}"
              for name in described[f"{section}_replaced"]] +

@@ -43,11 +43,16 @@ from trainer.recovery.manifest import Verification
 from trainer.recovery.restore import restore
 from trainer.recovery.resume import choose_candidate, set_aside_later_line, verify_candidate
 from trainer.recovery.store import GenerationStore
+from trainer.remote.lease import StoreLease
+from trainer.remote.location import parse_store_url
+from trainer.remote.objects import ObjectStore
+from trainer.remote.sections import Transfer
 from trainer.run_dir import RunDirectory
 from trainer.runtime import configure_determinism, resolve_device
 from trainer.saving import CadencedSaves, Lineage
 from trainer.state import TrainingState
 from trainer.stepping import OptimizerSteps
+from trainer.tiering import RemoteRun, StoreRetention, Uploader
 from trainer.workload import BoundWorkload, build_workload, dataset_fingerprint
 
 log = logging.getLogger("trainer")
@@ -71,6 +76,8 @@ class Claim:
     generation: Verification | None
     """The verified generation to restore (None: a fresh start)."""
     verify_s: float
+    download: Transfer = Transfer(0, 0.0)
+    """What restoring from a store downloaded (nothing when the local tier had it)."""
 
 
 class TrainingRun:
@@ -89,6 +96,9 @@ class TrainingRun:
         """This attempt's record once started (it then records its own end)."""
         self.progress = Progress.for_stdout(config.progress, ranks.is_primary)
         """Progress lines, or a status line on a terminal: rank 0 only."""
+        self.remote: RemoteRun | None = None
+        """Rank 0, when the run directory lives in a store: the store and the local tier."""
+        self.lease: StoreLease | None = None
 
     # ----------------------------------------------------------------- top level
     def run(self) -> Outcome:
@@ -107,27 +117,63 @@ class TrainingRun:
             except REFUSALS as refusal:
                 self.record_refusal(refusal)
                 raise
+            finally:
+                self.push_record()
 
     def claim(self, held: contextlib.ExitStack) -> Claim:
         """Rank 0 only: take the output lock, clean up, choose and verify what to restore."""
         config = self.config
         run = RunDirectory(config.output)
-        run.prepare(must_exist=config.resume == "latest" or config.from_generation is not None)
+        asked_to_resume = config.resume == "latest" or config.from_generation is not None
+        run.prepare(must_exist=asked_to_resume and config.store is None)
         held.enter_context(OutputLock(run.root))
         self.claimed = run
+        if config.store is not None:
+            self.remote = self.claim_store(run, held)
         stores = (GenerationStore(run.checkpoints), GenerationStore(run.exports))
         for store in stores:
             for name in store.recover_interrupted_replacements():
                 log.warning("restored %s/%s: a crash interrupted its replacement", store.root.name, name)
+            for name in store.uncommitted() if self.remote is None else ():
+                log.warning("%s has no manifest: an uncommitted copy (kept, never selected)", store.path(name))
         started = time.monotonic()
-        self.considered = choose_candidate(stores[0].names(), config.resume, config.from_generation,
-                                           str(stores[0].root))
-        generation = verify_candidate(stores[0], self.considered) if self.considered else None
-        verify_s = time.monotonic() - started
+        if self.remote is not None:
+            names, where = self.remote.reconcile(), self.remote.generations.url("").rstrip("/")
+        else:
+            names, where = stores[0].names(), str(stores[0].root)
+        self.considered = choose_candidate(names, config.resume, config.from_generation, where)
+        generation, download = None, Transfer(0, 0.0)
+        if self.considered and self.remote is not None:
+            generation, download = self.remote.restorable(self.considered, names)
+        elif self.considered:
+            generation = verify_candidate(stores[0], self.considered)
+        verify_s = time.monotonic() - started - download.seconds
         for store in stores:
             for name in store.remove_stale_temporaries():  # only once this attempt goes ahead
                 log.info("removed stale temporary %s/%s", store.root.name, name)
-        return Claim(run, self.attempt_id, generation, verify_s)
+        return Claim(run, self.attempt_id, generation, verify_s, download)
+
+    def claim_store(self, run: RunDirectory, held: contextlib.ExitStack) -> RemoteRun:
+        """Rank 0, the run directory in a store: reach it, take its lease, bring the attempt
+        history to the local tier."""
+        settings = self.config.store_config
+        objects = ObjectStore(parse_store_url(self.config.store), settings)
+        objects.check_reachable()
+        self.lease = held.enter_context(StoreLease(objects, self.attempt_id, settings.lease_ttl_s,
+                                                   settings.lease_wait_s))
+        remote = RemoteRun(objects, run)
+        remote.pull_attempts()
+        return remote
+
+    def push_record(self) -> None:
+        """Copy this attempt's record to the store (rank 0 with a store); never raises: the
+        attempt's own outcome is what must reach the user."""
+        if self.remote is None or self.claimed is None:
+            return
+        try:
+            self.remote.push_attempt(self.claimed.attempt_folder(self.attempt_id))
+        except Exception as error:  # noqa: BLE001
+            log.warning("could not copy the attempt record to %s: %s", self.remote.url, error)
 
     def record_refusal(self, refusal: TrainerError) -> None:
         """Rank 0, holding the output, refused to train (65, 70) before its record started:
@@ -168,7 +214,10 @@ class TrainingRun:
         checkpointer = build_checkpointer(mode, GenerationStore(claim.run.checkpoints), self.attempt_id,
                                           ranks.device, ranks)
         lineage = Lineage(fingerprint, tuple(drift), frozenset([generation.name]) if generation else frozenset())
-        saves = CadencedSaves(config, claim.run, checkpointer, lineage, ranks, recorder, self.events, self.attempt_id)
+        if claim.download.bytes:
+            recorder.downloaded(claim.download.seconds, claim.download.bytes)
+        saves = CadencedSaves(config, claim.run, checkpointer, lineage, ranks, recorder, self.events, self.attempt_id,
+                              self.uploader(lineage))
         preemption.last_words = lambda reason: recorder.ended(PREEMPTED, EXIT_INTERRUPTED, reason)
         try:
             self.events.attempt_started(recorder.record)
@@ -184,6 +233,15 @@ class TrainingRun:
             recorder.ended(FAILED, code, str(error) if isinstance(error, TrainerError)
                            else f"{error.__class__.__name__}: {error}")
             raise
+
+    def uploader(self, lineage: Lineage) -> Uploader | None:
+        """Rank 0 with a store: the background uploader that makes published generations durable."""
+        if self.remote is None:
+            return None
+        settings, retention = self.config.store_config, self.config.retention
+        return Uploader(self.remote, max(1, settings.max_pending_uploads), self.lease.fence,
+                        StoreRetention(retention.keep_last, retention.keep_every, retention.keep_exports),
+                        lineage.protected)
 
     def start_record(self, claim: Claim, history: list[dict], fingerprint: dict, drift: list[str],
                      mode: str) -> AttemptRecorder:
@@ -245,6 +303,8 @@ class TrainingRun:
             return []
         abandoned = set_aside_later_line(GenerationStore(run.checkpoints), GenerationStore(run.exports),
                                          restored_step)
+        if self.remote is not None:
+            abandoned += self.remote.set_aside_later_than(restored_step, self.lease.fence)
         if abandoned:
             log.warning("went back to %s: set aside %d later generations and exports (%s), kept as "
                         "superseded copies", self.config.from_generation, len(abandoned), ", ".join(abandoned))
@@ -324,7 +384,7 @@ class TrainingRun:
             said: str | None = None) -> Outcome:
         """The one way out of training: drain the save in flight, record, say so."""
         step = state.progress.global_step
-        saves.finalize(step)  # an earlier save may still be in flight
+        saves.finalize(step)  # an earlier save may still be in flight, and uploads
         exit_code, summary = EXIT_INTERRUPTED, None
         if status == COMPLETED:
             names = saves.generations.names()
@@ -334,6 +394,8 @@ class TrainingRun:
                        "final_loss": state.history.loss[-1] if state.history.loss else None,
                        "history": {"loss": state.history.loss, "lr": state.history.lr}}
             said = f"completed {step} steps; newest generation {summary['final_generation']}"
+        if saves.uploader is not None:
+            said += f"; durable in {self.remote.url}: {saves.uploader.newest_durable('generations') or 'none yet'}"
         self.recorder.reached(step)
         self.recorder.ended(status, exit_code, reason, summary)
         log.info("%s", said)

@@ -22,6 +22,26 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    value = _number(text, float)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def location_argument(text: str) -> Path | str:
+    """A run directory: a local path, or a store URL (kept as text, parsed where it is used)."""
+    from trainer.remote.location import is_url, parse_store_url
+    from trainer.errors import UsageError
+
+    if is_url(text.strip()):
+        try:
+            return parse_store_url(text.strip()).url
+        except UsageError as error:
+            raise argparse.ArgumentTypeError(str(error).removeprefix(f"--output {text.strip()}: ")) from None
+    return path_argument(text)
+
+
 def positive_float(text: str) -> float:
     value = _number(text, float)
     if not value > 0 or value == float("inf"):

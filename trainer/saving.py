@@ -11,6 +11,7 @@ published.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from torch import nn
@@ -26,6 +27,7 @@ from trainer.recovery.store import GenerationStore, Published
 from trainer.retention import apply_retention
 from trainer.run_dir import RunDirectory
 from trainer.state import TrainingState
+from trainer.tiering import EXPORTS_SECTION, GENERATIONS_SECTION, Durable, Uploader
 from trainer.workload import Workload
 
 log = logging.getLogger("trainer")
@@ -43,7 +45,7 @@ class Lineage:
 
 class CadencedSaves:
     def __init__(self, config: RunConfig, run: RunDirectory, checkpointer, lineage: Lineage, ranks: Ranks,
-                 recorder: AttemptRecorder, events: TrainingEvents, attempt_id: str):
+                 recorder: AttemptRecorder, events: TrainingEvents, attempt_id: str, uploader: Uploader | None = None):
         self.config, self.ranks, self.recorder, self.events = config, ranks, recorder, events
         self.checkpointer = checkpointer
         self.generations = checkpointer.store
@@ -53,6 +55,9 @@ class CadencedSaves:
         self.recover_policy = build_policy(config.recover)
         self.export_policy = build_policy(config.export)
         self.sharded = ranks.distributed and config.workload.data_parallel == "fsdp"
+        self.uploader = uploader
+        """With a store: makes what is published here durable there (rank 0)."""
+        self.upload_inline = config.store_config.max_pending_uploads == 0
 
     def load_cadence(self, cadence: dict) -> None:
         """Continue the cadence counters a restored generation carried."""
@@ -69,6 +74,7 @@ class CadencedSaves:
 
     def after_step(self, state: TrainingState, model: nn.Module, workload: Workload, agreed: StepAgreement,
                    final: bool) -> None:
+        self.record_durable(self.uploader.completed() if self.uploader else [])
         if agreed.recover or final or agreed.preempt:
             self.save_generation(state)
         if (agreed.export or final) and (self.ranks.is_primary or self.sharded):
@@ -92,17 +98,44 @@ class CadencedSaves:
                                  self.lineage.fingerprint["source"], self.attempt_id)
         self.export_policy.saved()
         self._published(EXPORTS, self.exports, published, progress.global_step)
-        for name in apply_retention(self.exports, self.config.retention.keep_exports, None, frozenset()):
+        for name in apply_retention(self.exports, self.config.retention.keep_exports, None,
+                                    self.kept_for_the_store(EXPORTS_SECTION)):
             log.info("retention removed export %s", name)
             self.events.removed("export", name)
 
     def finalize(self, step: int) -> None:
-        """Drain the save in flight (it publishes) before the attempt ends."""
+        """Drain the save in flight (it publishes), then the uploads (they make it durable),
+        before the attempt ends."""
         self.record_generations(self.checkpointer.finalize(), step)
+        if self.uploader is not None:
+            self.record_durable(self.uploader.drain())
+            self.uploader.close()
 
     def close_after_failure(self) -> None:
         """After a failure: finish what is in flight and record it; never raises."""
         self.record_generations(self.checkpointer.close_after_failure(), None, prune=False)
+        if self.uploader is not None:
+            try:  # what is published may still become durable
+                self.record_durable(self.uploader.drain())
+            except Exception as error:  # noqa: BLE001 - the original failure is what ends the attempt
+                log.warning("an upload failed too: %s", error)
+            self.uploader.close()
+
+    def record_durable(self, durable: list[Durable]) -> None:
+        for done in durable:
+            kind = GENERATIONS if done.kind == GENERATIONS_SECTION else EXPORTS
+            self.recorder.durable(kind, done.name, done.upload_s, done.durable_s)
+            log.info("durable %s %s in %.3fs (upload %.3fs, %d bytes)",
+                     "generation" if kind == GENERATIONS else "export", done.name, done.durable_s, done.upload_s,
+                     done.bytes)
+
+    def kept_for_the_store(self, kind: str) -> frozenset[str]:
+        """Local retention never deletes what is not durable yet, nor the newest durable one."""
+        if self.uploader is None:
+            return frozenset() if kind == EXPORTS_SECTION else self.lineage.protected
+        newest = self.uploader.newest_durable(kind)
+        kept = self.uploader.not_durable(kind) | ({newest} if newest else set())
+        return frozenset(kept) | (self.lineage.protected if kind == GENERATIONS_SECTION else frozenset())
 
     def record_generations(self, published_now: list[Published], step: int | None, prune: bool = True) -> None:
         retention = self.config.retention
@@ -111,12 +144,19 @@ class CadencedSaves:
             if not prune or not self.ranks.is_primary:  # retention is the lock holder's job
                 continue
             for name in apply_retention(self.generations, retention.keep_last, retention.keep_every,
-                                        self.lineage.protected):
+                                        self.kept_for_the_store(GENERATIONS_SECTION)):
                 log.info("retention removed generation %s", name)
                 self.events.removed("generation", name)
 
     def _published(self, kind: str, store: GenerationStore, published: Published, step: int | None) -> None:
         self.recorder.published(kind, published, step)
+        if self.uploader is not None:
+            section = GENERATIONS_SECTION if kind == GENERATIONS else EXPORTS_SECTION
+            waiting = time.monotonic()
+            self.uploader.submit(section, published.name, store.path(published.name), waiting - published.save_s)
+            if self.upload_inline:  # every save waits until it is durable
+                self.record_durable(self.uploader.drain())
+            self.recorder.waited(time.monotonic() - waiting)
         log.info("published %s %s in %.3fs", "generation" if kind == GENERATIONS else "export",
                  published.name, published.save_s)
         self.events.published("generation" if kind == GENERATIONS else "export", store.path(published.name),

@@ -35,9 +35,13 @@ FAULT_RANK_ENV = "TRAINER_FAULT_RANK"
 SKIP_RNG_ENV = "TRAINER_DEBUG_SKIP_RNG_RESTORE"
 SIGNAL_ENV = "TRAINER_SIGNAL_AT_MICRO_BATCH"
 
-CRASH_POINTS = ("after-write", "after-files-fsync", "after-manifest", "after-rename")
+CRASH_POINTS = ("after-write", "after-files-fsync", "after-manifest", "after-rename",
+                "store-after-first-object", "store-before-manifest", "store-after-manifest",
+                "store-retention-after-uncommit")
 """Where a crash can be injected, in publish order: shards written, every file hashed and
-fsynced, manifest written, directory renamed into place."""
+fsynced, manifest written, directory renamed into place; then in a store: one data object
+uploaded, every data object uploaded, the manifest committed; and retention in a store
+between removing a generation's manifest and its data."""
 RNG_KINDS = ("python", "numpy", "torch", "cuda")
 """The global RNGs a snapshot holds (trainer/state.py); named here so the CLI can validate
 the skip list without importing torch."""

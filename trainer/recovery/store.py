@@ -38,11 +38,19 @@ class GenerationStore:
         self._verified: dict[tuple[str, int, int], Verification] = {}
 
     def names(self) -> list[str]:
-        """Published generation names, oldest first (names sort by step)."""
+        """Committed generation names, oldest first (names sort by step): a `step-%08d`
+        directory is committed iff its manifest exists (it is written last)."""
+        return [name for name in self._step_directories() if (self.root / name / MANIFEST).exists()]
+
+    def uncommitted(self) -> list[str]:
+        """`step-%08d` directories without a manifest: a copy cut short (an interrupted
+        `aws s3 sync`, a sidecar, a hand copy). Never selected, never damage, never deleted."""
+        return [name for name in self._step_directories() if not (self.root / name / MANIFEST).exists()]
+
+    def _step_directories(self) -> list[str]:
         if not self.root.is_dir():
             return []
-        return sorted(p.name for p in self.root.iterdir()
-                      if p.is_dir() and generation_step(p.name) is not None)
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and generation_step(p.name) is not None)
 
     def path(self, name: str) -> Path:
         return self.root / name

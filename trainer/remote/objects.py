@@ -1,0 +1,268 @@
+"""Objects under a run's prefix in a store, through fsspec (s3fs, gcsfs, adlfs): the one
+place that talks to the store, retries transient failures with a bounded backoff, and turns
+every failure into one line with an exit code.
+
+Keys are relative to the run directory (`checkpoints/step-00000024/manifest.json`).
+Credentials and endpoint come from where each client library looks (for S3: AWS_* variables,
+AWS_ENDPOINT_URL, ~/.aws/config and credentials, instance roles); nothing here takes keys.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import importlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from trainer.config import StoreConfig
+from trainer.errors import NothingToResume, StorageFailure, TrainerError, UsageError
+from trainer.remote.location import SCHEMES, StoreLocation
+
+log = logging.getLogger("trainer")
+T = TypeVar("T")
+CHUNK = 8 << 20
+"""Bytes per read when streaming an object to disk (and through sha256)."""
+
+
+class StoreUnavailable(StorageFailure):
+    """The store did not answer within the retry bound (exit 74)."""
+
+
+class StoreUnreachable(TrainerError):
+    """The store could not be reached when the run started: nothing was done, retry later."""
+
+    exit_code = 75
+
+
+class StoreAccessDenied(TrainerError):
+    """The store refused our credentials or permissions."""
+
+    exit_code = 73
+
+
+class PreconditionFailed(Exception):
+    """A conditional write lost: the object exists (create) or changed (If-Match)."""
+
+
+def open_filesystem(location: StoreLocation, config: StoreConfig):
+    """The fsspec filesystem for a URL's scheme, configured so this module owns retries."""
+    package = SCHEMES[location.scheme]
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        raise UsageError(f"--output {location.url}: {location.scheme}:// needs the {package} package; "
+                         f"pip install {package}") from None
+    if location.scheme == "s3":
+        timeouts = {"connect_timeout": config.timeout_s, "read_timeout": config.timeout_s,
+                    "retries": {"max_attempts": 1, "mode": "standard"}}
+        filesystem = module.S3FileSystem(config_kwargs=timeouts, skip_instance_cache=True, use_listings_cache=False)
+        filesystem.retries = 1  # a class attribute, not a constructor argument, in s3fs
+        return filesystem
+    import fsspec
+    return fsspec.filesystem(location.scheme, skip_instance_cache=True, use_listings_cache=False)
+
+
+def is_transient(error: BaseException) -> bool:
+    """Worth another try: the network or the server, not our request."""
+    if isinstance(error, (PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError,
+                          NotADirectoryError, PreconditionFailed, ValueError, TypeError, KeyError)):
+        return False
+    if isinstance(error, OSError) and error.errno in (errno.EINVAL, errno.ENOTEMPTY, errno.EMSGSIZE):
+        return False
+    return True
+
+
+def describe(error: BaseException) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{error.__class__.__name__}: {text}" if text else error.__class__.__name__
+
+
+class ObjectStore:
+    """Objects under one run prefix. Thread-safe: uploads and downloads run in parallel."""
+
+    def __init__(self, location: StoreLocation, config: StoreConfig = StoreConfig(), filesystem=None):
+        self.location = location
+        self.config = config
+        self.fs = filesystem if filesystem is not None else open_filesystem(location, config)
+        self.conditional = location.scheme == "s3"
+        """Whether conditional writes (create-only, If-Match) are available."""
+
+    @property
+    def url(self) -> str:
+        return self.location.url
+
+    def url_of(self, key: str) -> str:
+        return f"{self.location.scheme}://{self.location.path(key)}"
+
+    # ----------------------------------------------------------------- retries and errors
+    def call(self, what: str, operation: Callable[[], T]) -> T:
+        """Run one store operation with bounded retries; failures become one line (74)."""
+        config, started = self.config, time.monotonic()
+        for attempt in range(config.retries + 1):
+            try:
+                return operation()
+            except PermissionError as error:
+                raise StoreAccessDenied(f"{self.url}: {what} refused: {describe(error)}; check the credentials "
+                                        f"(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the mounted connection "
+                                        f"secret) and the bucket's permissions") from None
+            except Exception as error:  # noqa: BLE001 - classified right here
+                if not is_transient(error) or attempt == config.retries:
+                    if not is_transient(error):
+                        raise
+                    raise StoreUnavailable(
+                        f"{self.url}: {what} failed after {attempt + 1} tries over "
+                        f"{time.monotonic() - started:.0f}s: {describe(error)}; earlier generations are intact; "
+                        f"when the store is back, rerun with --resume auto") from None
+                wait = min(config.backoff_s * 2 ** attempt, 8.0)
+                log.warning("store: %s failed (%s); retry %d/%d in %.1fs", what, describe(error), attempt + 1,
+                            config.retries, wait)
+                time.sleep(wait)
+        raise AssertionError("unreachable")
+
+    def check_reachable(self) -> None:
+        """Before any work: the bucket exists and answers with our credentials. One line and
+        a non-zero exit otherwise (75 unreachable, 73 refused, 66 no such bucket)."""
+        bucket = self.location.bucket
+        try:
+            exists = self.call(f"reaching bucket {bucket}", lambda: self.fs.exists(bucket))
+            if exists:
+                self.call(f"listing {self.url}", lambda: self.fs.ls(self.location.path(), detail=False))
+        except StoreUnavailable as error:
+            raise StoreUnreachable(str(error).replace("earlier generations are intact; when the store is back, "
+                                                      "rerun with --resume auto",
+                                                      "check the endpoint (AWS_ENDPOINT_URL) and the network, "
+                                                      "then retry")) from None
+        except FileNotFoundError:
+            exists = True  # the prefix does not exist yet: a new run
+        if not exists:
+            raise NothingToResume(f"{self.url}: bucket {bucket} does not exist (or is not visible with these "
+                                  f"credentials); create it first, or fix the bucket name")
+
+    # ----------------------------------------------------------------- reads
+    def list(self, key: str) -> list[str]:
+        """Keys of every object under `key/` (relative to the run), sorted; [] if none."""
+        base = self.location.path(key)
+
+        def find():
+            try:
+                return self.fs.find(base, withdirs=False)
+            except FileNotFoundError:
+                return []
+        root = self.location.path()
+        return sorted(path[len(root) + 1:] for path in self.call(f"listing {self.url_of(key)}", find))
+
+    def read(self, key: str) -> bytes | None:
+        """An object's bytes, or None if it does not exist."""
+        def cat():
+            try:
+                return self.fs.cat_file(self.location.path(key))
+            except FileNotFoundError:
+                return None
+        return self.call(f"reading {self.url_of(key)}", cat)
+
+    def exists(self, key: str) -> bool:
+        return self.call(f"looking up {self.url_of(key)}", lambda: self.fs.exists(self.location.path(key)))
+
+    def size(self, key: str) -> int | None:
+        def info():
+            try:
+                return int(self.fs.info(self.location.path(key))["size"])
+            except FileNotFoundError:
+                return None
+        return self.call(f"looking up {self.url_of(key)}", info)
+
+    def download(self, key: str, destination: Path) -> dict:
+        """Stream an object into a local file, hashing as it arrives: {"bytes", "sha256"}."""
+        def fetch():
+            digest, size = hashlib.sha256(), 0
+            with self.fs.open(self.location.path(key), "rb", block_size=CHUNK) as source, \
+                    open(destination, "wb") as target:
+                while chunk := source.read(CHUNK):
+                    digest.update(chunk)
+                    target.write(chunk)
+                    size += len(chunk)
+                target.flush()
+                os.fsync(target.fileno())
+            return {"bytes": size, "sha256": digest.hexdigest()}
+        return self.call(f"downloading {self.url_of(key)}", fetch)
+
+    def digest(self, key: str) -> dict | None:
+        """{"bytes", "sha256"} of an object, streamed without keeping it; None if missing."""
+        def stream():
+            digest, size = hashlib.sha256(), 0
+            try:
+                with self.fs.open(self.location.path(key), "rb", block_size=CHUNK) as source:
+                    while chunk := source.read(CHUNK):
+                        digest.update(chunk)
+                        size += len(chunk)
+            except FileNotFoundError:
+                return None
+            return {"bytes": size, "sha256": digest.hexdigest()}
+        return self.call(f"reading {self.url_of(key)}", stream)
+
+    # ----------------------------------------------------------------- writes
+    def upload(self, source: Path, key: str) -> None:
+        """Copy a local file to an object (multipart and parallel for large files)."""
+        self.call(f"uploading {self.url_of(key)}", lambda: self.fs.put_file(str(source), self.location.path(key)))
+
+    def write(self, key: str, data: bytes) -> None:
+        self.call(f"writing {self.url_of(key)}", lambda: self.fs.pipe_file(self.location.path(key), data))
+
+    def copy(self, source: str, target: str) -> None:
+        """A copy inside the store (server-side where the store supports it)."""
+        self.call(f"copying {self.url_of(source)}", lambda: self.fs.copy(self.location.path(source),
+                                                                          self.location.path(target)))
+
+    def delete(self, keys: list[str]) -> None:
+        """Delete objects in order; one already gone is fine."""
+        for key in keys:
+            def rm(path=self.location.path(key)):
+                try:
+                    self.fs.rm_file(path)
+                except FileNotFoundError:
+                    pass
+            self.call(f"deleting {self.url_of(key)}", rm)
+
+    # ----------------------------------------------------------------- conditional writes (S3)
+    def etag(self, key: str) -> tuple[bytes, str] | None:
+        """(body, ETag) of an object, or None if it does not exist."""
+        def get():
+            try:
+                response = self._s3("get_object", Key=self.location.path(key).split("/", 1)[1])
+            except FileNotFoundError:
+                return None
+            return self._read_body(response), response["ETag"]
+        return self.call(f"reading {self.url_of(key)}", get)
+
+    def write_conditionally(self, key: str, data: bytes, if_match: str | None) -> str:
+        """Write only if the object does not exist (`if_match` None) or still has ETag
+        `if_match`; returns the new ETag, or raises PreconditionFailed."""
+        condition = {"IfNoneMatch": "*"} if if_match is None else {"IfMatch": if_match}
+
+        def put():
+            try:
+                return self._s3("put_object", Key=self.location.path(key).split("/", 1)[1], Body=data,
+                                **condition)["ETag"]
+            except FileExistsError as error:
+                raise PreconditionFailed(str(error)) from None
+            except OSError as error:
+                if "PreconditionFailed" in str(error) or "412" in str(error) or "precondition" in str(error).lower():
+                    raise PreconditionFailed(str(error)) from None
+                raise
+        return self.call(f"writing {self.url_of(key)}", put)
+
+    def _s3(self, method: str, **kwargs):
+        from fsspec.asyn import sync
+        return sync(self.fs.loop, self.fs._call_s3, method, Bucket=self.location.bucket, **kwargs)
+
+    def _read_body(self, response) -> bytes:
+        from fsspec.asyn import sync
+
+        async def read():
+            async with response["Body"] as body:
+                return await body.read()
+        return sync(self.fs.loop, read)
