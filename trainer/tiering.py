@@ -57,6 +57,10 @@ class StoreRetention:
     keep_every: int | None
     keep_exports: int | None
 
+    def limits(self, kind: str) -> tuple[int | None, int | None]:
+        """(keep_last, keep_every) for generations or exports."""
+        return (self.keep_last, self.keep_every) if kind == GENERATIONS_SECTION else (self.keep_exports, None)
+
 
 class RemoteRun:
     """A run directory in a store, and this machine's local tier of it."""
@@ -254,21 +258,25 @@ class Uploader:
                 self._condition.notify_all()
 
     def _apply_retention(self, kind: str, committed_now: str) -> None:
-        """The store keeps what the local tier keeps, counted over committed names; the newest
-        durable one and the restored one are never deleted."""
-        retention = self.retention
-        keep_last, keep_every = ((retention.keep_last, retention.keep_every) if kind == GENERATIONS_SECTION
-                                 else (retention.keep_exports, None))
-        if keep_last is None:
-            return
-        section = self.remote.sections[kind]
-        committed = section.committed()
-        protected = self.protected | {committed_now}
-        doomed = select_deletions([Candidate(name, True) for name in committed], keep_last, keep_every, protected)
-        for name in doomed:
-            self.fence()
-            section.remove(name)
-            log.info("retention removed %s from the store", section.url(name))
+        keep_last, keep_every = self.retention.limits(kind)
+        apply_store_retention(self.remote.sections[kind], keep_last, keep_every, self.protected | {committed_now},
+                              self.fence)
+
+
+def apply_store_retention(section: RemoteSection, keep_last: int | None, keep_every: int | None,
+                          protected: frozenset[str], fence: Callable[[], None]) -> list[str]:
+    """The store keeps what the local tier keeps, counted over committed names (each one's
+    objects were checked when it was committed); `protected` (the newest durable one, the
+    restored one) is never deleted. Removal uncommits first (the manifest), then deletes."""
+    if keep_last is None:
+        return []
+    committed = section.committed()
+    doomed = select_deletions([Candidate(name, True) for name in committed], keep_last, keep_every, protected)
+    for name in doomed:
+        fence()
+        section.remove(name)
+        log.info("retention removed %s from the store", section.url(name))
+    return doomed
 
 
 def _as_failure(error: BaseException, url: str) -> TrainerError:
