@@ -245,6 +245,7 @@ class Uploader:
                 durable = Durable(kind, name, transfer.bytes, transfer.seconds, time.monotonic() - save_started)
                 self._apply_retention(kind, name)
             except BaseException as error:  # noqa: BLE001 - handed to the loop's thread
+                error = self._lease_lost() or error  # a takeover explains any failure that follows it
                 with self._condition:
                     self._failure = error if isinstance(error, TrainerError) else _as_failure(error, self.remote.url)
                     self._queue.clear()
@@ -256,6 +257,15 @@ class Uploader:
                 self._newest_durable[kind] = max(name, self._newest_durable.get(kind, ""))
                 self._done.append(durable)
                 self._condition.notify_all()
+
+    def _lease_lost(self) -> TrainerError | None:
+        try:
+            self.fence()
+        except TrainerError as lost:
+            return lost
+        except Exception:  # noqa: BLE001 - the store is down: the original error says so
+            return None
+        return None
 
     def _apply_retention(self, kind: str, committed_now: str) -> None:
         keep_last, keep_every = self.retention.limits(kind)

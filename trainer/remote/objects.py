@@ -76,6 +76,18 @@ def is_transient(error: BaseException) -> bool:
     return True
 
 
+def is_precondition_failure(error: BaseException) -> bool:
+    """S3's 412 (If-Match / If-None-Match did not hold), however the client wrapped it."""
+    for candidate in (error, error.__cause__, error.__context__):
+        response = getattr(candidate, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                return True
+    return False
+
+
 def describe(error: BaseException) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return f"{error.__class__.__name__}: {text}" if text else error.__class__.__name__
@@ -153,7 +165,9 @@ class ObjectStore:
             except FileNotFoundError:
                 return []
         root = self.location.path()
-        return sorted(path[len(root) + 1:] for path in self.call(f"listing {self.url_of(key)}", find))
+        # Only what lies strictly under `key/`: some stores list an emptied folder as an entry.
+        return sorted(path[len(root) + 1:] for path in self.call(f"listing {self.url_of(key)}", find)
+                      if path.startswith(base + "/"))
 
     def read(self, key: str) -> bytes | None:
         """An object's bytes, or None if it does not exist."""
@@ -250,7 +264,7 @@ class ObjectStore:
             except FileExistsError as error:
                 raise PreconditionFailed(str(error)) from None
             except OSError as error:
-                if "PreconditionFailed" in str(error) or "412" in str(error) or "precondition" in str(error).lower():
+                if is_precondition_failure(error):
                     raise PreconditionFailed(str(error)) from None
                 raise
         return self.call(f"writing {self.url_of(key)}", put)
