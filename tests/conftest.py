@@ -62,6 +62,11 @@ def baseline(tmp_path_factory) -> Path:
 
 # -- a real S3 server (SeaweedFS) for the object-store tests ---------------------------------------
 
+# Variables a developer's shell may carry that would change or break what boto3/s3fs do here.
+INHERITED_AWS = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+                 "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "AWS_CA_BUNDLE")
+
+
 @dataclass
 class S3Bucket:
     """A fresh, empty bucket on the worker's SeaweedFS server (`s3_bucket` fixture)."""
@@ -81,8 +86,7 @@ class S3Bucket:
     def use_env(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Point this process's boto3/s3fs at the server through the environment only, with no
         inherited profile or token, and no s3fs instance cached under another environment."""
-        for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
-                     "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS"):
+        for name in INHERITED_AWS:
             monkeypatch.delenv(name, raising=False)
         for name, value in self.env().items():
             monkeypatch.setenv(name, value)
@@ -106,11 +110,18 @@ class S3Bucket:
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory) -> SeaweedServer:
     """One SeaweedFS server per pytest(-xdist) worker, started the first time a test asks for it.
-    Tests may stop()/kill() and start() it; the next `s3_bucket` starts it again if it is down."""
-    server = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"))
-    server.start()
-    yield server
-    server.stop()
+    Tests may stop()/kill() and start() it; the next `s3_bucket` starts it again if it is down.
+
+    For the rest of the worker's session, AWS_PROFILE & co. are removed from os.environ: env()
+    points AWS_CONFIG_FILE at nothing, and with any profile named botocore then raises
+    ProfileNotFound in every subprocess that `run_cli` starts with {**os.environ, **env}."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in INHERITED_AWS:
+            patch.delenv(name, raising=False)
+        server = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"))
+        server.start()
+        yield server
+        server.stop()
 
 
 @pytest.fixture

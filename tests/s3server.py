@@ -135,7 +135,8 @@ class SeaweedServer:
         env lookup applies there too). The config/credentials files are pointed at paths that do
         not exist so that a developer's ~/.aws cannot change the outcome. An AWS_PROFILE or
         AWS_SESSION_TOKEN inherited from the caller's environment is NOT removed here (a dict
-        merged over os.environ cannot unset); the fixtures in conftest.py delete those.
+        merged over os.environ cannot unset, and AWS_PROFILE="" is still ProfileNotFound); the
+        fixtures in conftest.py remove those from os.environ. Bench scripts must drop them too.
         """
         missing = str(self.root / "no-such-aws-file")
         return {
