@@ -133,6 +133,7 @@ def test_a_zombie_writer_whose_lease_was_taken_over_cannot_commit(s3_server, s3_
     zombie = subprocess.Popen([sys.executable, "-m", "trainer", *map(str, common), "--local-tier",
                                str(tmp_path / "zombie")], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    successor = zombie
     try:
         for line in zombie.stdout:
             if line.startswith("durable generation step-00000008"):
@@ -143,13 +144,14 @@ def test_a_zombie_writer_whose_lease_was_taken_over_cannot_commit(s3_server, s3_
                                       str(tmp_path / "successor"), "--resume"], cwd=REPO,
                                      env={**os.environ, "PYTHONPATH": str(REPO), **env},
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        taken_over = False
+        said = []
         for line in successor.stdout:
-            taken_over = taken_over or line.startswith("took over the lease")
+            said.append(line)
             if line.startswith("durable generation"):
                 break
-        assert taken_over and time.monotonic() - paused >= 2  # only once the paused lease expired
-        line_before = committed(s3_server, bucket)
+        assert any(line.startswith("took over the lease") for line in said)
+        assert time.monotonic() - paused >= 2  # only once the paused holder's lease expired
+        restored = int(next(line for line in said if line.startswith("restored ")).split()[1].split("-")[1])
         zombie.send_signal(signal.SIGCONT)
         _, zombie_err = zombie.communicate(timeout=120)
         assert zombie.returncode == 73, zombie_err[-2000:]
@@ -157,14 +159,16 @@ def test_a_zombie_writer_whose_lease_was_taken_over_cannot_commit(s3_server, s3_
         successor.send_signal(signal.SIGTERM)
         successor.communicate(timeout=120)
         assert successor.returncode == 75
-        # Every generation committed is the successor's (or was committed before the pause).
-        for name in committed(s3_server, bucket):
+        # The new line is the successor's alone: every generation after the one it restored.
+        attempts_by_start = sorted((tmp_path / "successor" / "attempts").iterdir())
+        successor_id = attempts_by_start[-1].name
+        later = [name for name in committed(s3_server, bucket) if int(name.split("-")[1]) > restored]
+        assert later
+        for name in later:
             manifest = json.loads(s3_server.client().get_object(
                 Bucket=bucket, Key=f"run/checkpoints/{name}/manifest.json")["Body"].read())
-            if name not in line_before or int(name.split("-")[1]) > 8:
-                assert manifest["attempt"] != json.loads(
-                    (next((tmp_path / "zombie" / "attempts").iterdir()) / "attempt.json").read_text())["id"]
+            assert manifest["attempt"] == successor_id, name
     finally:
-        for process in (zombie,):
+        for process in (zombie, successor):
             if process.poll() is None:
                 process.kill()
