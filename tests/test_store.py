@@ -78,6 +78,13 @@ def test_interrupted_store_run_resumes_on_a_fresh_machine_exactly(s3_server, buc
     assert compare(generation(baseline), generation(tmp_path / "node-b")).returncode == 0
     # The attempt records are in the store too.
     assert len([k for k in keys(s3_server, bucket, "run/attempts/") if k.endswith("attempt.json")]) == 2
+    # Exports are committed the same way, and load with safetensors once downloaded.
+    from safetensors.torch import load_file
+    export = tmp_path / "export.safetensors"
+    export.write_bytes(s3_server.client().get_object(
+        Bucket=bucket, Key=f"run/exports/{FINAL}/model.safetensors")["Body"].read())
+    assert load_file(str(export)).keys() == load_file(str(tmp_path / "node-b/exports" / FINAL /
+                                                           "model.safetensors")).keys()
 
 
 def test_a_local_copy_is_used_only_when_it_is_the_committed_one(s3_server, bucket, tmp_path):
@@ -207,8 +214,13 @@ def test_a_second_trainer_on_the_same_prefix_is_refused_naming_the_holder(s3_ser
         assert first.poll() is None  # untouched
     finally:
         first.send_signal(signal.SIGTERM)
-        first.communicate(timeout=60)
+        _, said = first.communicate(timeout=60)
     assert first.returncode == 75
+    # Preempted: the step reached is saved and made durable before exit, and the 75 line says so.
+    stopped = [line for line in said.splitlines() if line.startswith("trainer: stopped, resumable (exit 75)")]
+    assert len(stopped) == 1 and f"newest durable in s3://{bucket}/run: step-" in stopped[0]
+    durable = stopped[0].split(f"s3://{bucket}/run: ")[1].split(";")[0]
+    assert durable in committed(s3_server, bucket) and durable == committed(s3_server, bucket)[-1]
 
 
 # ----------------------------------------------------------------- bad input, before any training

@@ -216,6 +216,7 @@ class TrainingRun:
                                                           claim.run.attempts), "checking for a crash loop")
         mode = effective_mode(config.checkpoint_mode, ranks.device, ranks.world_size)
         recorder = self.start_record(claim, history, fingerprint, drift, mode)
+        self.push_record()  # a `running` record in the store: a kill -9 of this machine still counts
         checkpointer = self.checkpointer(mode, claim)
         lineage = Lineage(fingerprint, tuple(drift), frozenset([generation.name]) if generation else frozenset())
         if claim.download.bytes:
@@ -281,7 +282,7 @@ class TrainingRun:
         settings, retention = self.config.store_config, self.config.retention
         return Uploader(self.remote, max(1, settings.max_pending_uploads), self.lease.fence,
                         StoreRetention(retention.keep_last, retention.keep_every, retention.keep_exports),
-                        lineage.protected)
+                        lineage.protected, self.claimed.attempt_folder(self.attempt_id))
 
     def start_record(self, claim: Claim, history: list[dict], fingerprint: dict, drift: list[str],
                      mode: str) -> AttemptRecorder:

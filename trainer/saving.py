@@ -127,6 +127,8 @@ class CadencedSaves:
         self.recorder.durable(GENERATIONS, published.name, published.save_s, published.save_s)
         if not self.ranks.is_primary:
             return
+        if self.uploader is not None:
+            self.uploader.push_record()
         retention = self.config.retention
         apply_store_retention(self.checkpointer.section, retention.keep_last, retention.keep_every,
                               self.lineage.protected | {published.name}, self.checkpointer.fence)

@@ -160,8 +160,10 @@ class Uploader:
     """Background copies of published local directories into the store (see module doc)."""
 
     def __init__(self, remote: RemoteRun, max_pending: int, fence: Callable[[], None],
-                 retention: StoreRetention, protected: frozenset[str]):
+                 retention: StoreRetention, protected: frozenset[str], attempt_folder: Path | None = None):
         self.remote = remote
+        self.attempt_folder = attempt_folder
+        """Copied to the store after every commit, so a killed attempt's record survives its machine."""
         self.max_pending = max_pending
         self.fence = fence
         self.retention = retention
@@ -225,6 +227,10 @@ class Uploader:
             self._condition.notify_all()
         self._thread.join(timeout=5)
 
+    def push_record(self) -> None:
+        if self.attempt_folder is not None:
+            self.remote.push_attempt(self.attempt_folder)
+
     def _raise_failure(self) -> None:
         if self._failure is not None:
             failure, self._failure = self._failure, None
@@ -244,6 +250,7 @@ class Uploader:
                 transfer = self.remote.sections[kind].commit(name, directory, self.fence)
                 durable = Durable(kind, name, transfer.bytes, transfer.seconds, time.monotonic() - save_started)
                 self._apply_retention(kind, name)
+                self.push_record()
             except BaseException as error:  # noqa: BLE001 - handed to the loop's thread
                 error = self._lease_lost() or error  # a takeover explains any failure that follows it
                 with self._condition:
