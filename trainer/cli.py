@@ -176,14 +176,20 @@ def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironmen
     if not args.tracked and args.output is None:
         raise UsageError("--output DIR is required (the run directory); e.g. --output outputs/run1, "
                          "or --tracked to use Polyaxon's outputs path")
-    in_store = isinstance(args.output, str)
+    if not args.tracked:  # tracked: known once the run's artifacts store is (tracked_placement)
+        require_store_for_store_options(args, isinstance(args.output, str))
+    if args.resume is not None and args.from_generation is not None:
+        raise UsageError("--resume and --from-generation are exclusive; --from-generation already resumes")
+
+
+def require_store_for_store_options(args: argparse.Namespace, in_store: bool) -> None:
     store_options = [f"--{name.replace('_', '-')}" for name, default in STORE_DEFAULTS.items()
                      if getattr(args, name) != default]
     if store_options and not in_store:
-        raise UsageError(f"{', '.join(store_options)} only apply to a run directory in a store; "
-                         f"pass --output s3://BUCKET/PREFIX, or drop them")
-    if args.resume is not None and args.from_generation is not None:
-        raise UsageError("--resume and --from-generation are exclusive; --from-generation already resumes")
+        where = ("the run's artifacts store is not a bucket exposed to the container (polyaxonfile plugin "
+                 "mountArtifactsStore)" if args.tracked else "pass --output s3://BUCKET/PREFIX")
+        raise UsageError(f"{', '.join(store_options)} only apply to a run directory in a store; {where}, "
+                         f"or drop them")
 
 
 STORE_DEFAULTS = {"local_tier": None, "max_pending_uploads": StoreConfig.max_pending_uploads,
@@ -193,7 +199,7 @@ STORE_DEFAULTS = {"local_tier": None, "max_pending_uploads": StoreConfig.max_pen
 
 
 def config_from_args(args: argparse.Namespace, argv: list[str], output: Path | str | None,
-                     workload_options: tuple[str, ...]) -> RunConfig:
+                     workload_options: tuple[str, ...], local_tier: Path | None = None) -> RunConfig:
     workload = WorkloadConfig(
         epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers,
         amp=args.amp, threads=args.threads, data_parallel=args.data_parallel, grad_accum=args.grad_accum,
@@ -202,7 +208,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str], output: Path | s
     store = None
     if isinstance(output, str):  # a store URL: `output` becomes this machine's local tier of it
         store = output
-        output = args.local_tier or parse_store_url(store).default_local_tier()
+        output = args.local_tier or local_tier or parse_store_url(store).default_local_tier()
     return RunConfig(
         store=store, store_config=StoreConfig(
             retries=args.store_retries, backoff_s=args.store_backoff_secs, timeout_s=args.store_timeout_secs,
@@ -227,14 +233,46 @@ def run_train(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     check_option_combinations(args, launch)
     seams.install(seams.Seams.from_environment(os.environ, launch.rank))
-    if not args.tracked or launch.rank != 0:
-        # Under torchrun only rank 0 talks to Polyaxon; the others learn its outputs path.
+    if not args.tracked:
         return train_in(config_from_args(args, argv, args.output, workload_options), launch)
+    if launch.rank != 0:
+        # Under torchrun only rank 0 talks to Polyaxon. Every rank finds the run's store itself
+        # (pods share no filesystem); without one, the others learn rank 0's outputs path.
+        placement = tracked_placement(args, launch)
+        return train_in(config_from_args(args, argv, placement.output, workload_options, placement.local_tier),
+                        launch)
     from trainer.tracking import PolyaxonEvents  # imports polyaxon: only with --tracked
 
     events = PolyaxonEvents.start()
-    return events.track(lambda outputs: train_in(config_from_args(args, argv, outputs, workload_options),
-                                                 launch, events))
+
+    def train_tracked(outputs: Path) -> int:
+        placement = tracked_placement(args, launch, events.run_uuid)
+        events.place(placement)
+        if placement.direct and events.cloned_as_copy():
+            raise UsageError(COPY_RACE.format(original=events.original_uuid(), store=placement.output))
+        return train_in(config_from_args(args, argv, placement.output or outputs, workload_options,
+                                         placement.local_tier), launch, events)
+
+    return events.track(train_tracked)
+
+
+COPY_RACE = ("this run is an `ops restart --copy` of run {original}: the copied outputs reach {store} only "
+             "through the sidecar, racing this trainer (and overwriting its lease); continue run {original} "
+             "with `polyaxon ops resume -uid {original} -f presets/resume.yaml` instead")
+
+
+def tracked_placement(args: argparse.Namespace, launch: LaunchEnvironment, own_run_uuid: str | None = None):
+    """The tracked run's directory (trainer/polyaxon_store.py), with the store's client
+    variables exported and the store options checked against it."""
+    from trainer.polyaxon_store import place_run  # reads Polyaxon's connection schema
+
+    placement = place_run(os.environ, own_run_uuid, launch.world_size, args.local_tier)
+    require_store_for_store_options(args, placement.in_store)
+    for name, value in placement.environment.items():  # only variables that were not set
+        os.environ.setdefault(name, value)
+    if placement.warning and launch.rank == 0:
+        logging.getLogger("trainer").warning("tracking: %s", placement.warning)
+    return placement
 
 
 def train_in(config: RunConfig, launch: LaunchEnvironment, events=None) -> int:
