@@ -290,31 +290,36 @@ def test_a_local_tier_the_sidecar_would_upload_is_refused(tmp_path):
         place_run({**env, "TRAINER_LOCAL_TIER": "/local-tier"}, local_tier=Path("/plx-context/artifacts/x"))
 
 
-def test_a_tracked_run_writes_its_generations_into_the_mounted_volume_store(tmp_path):
-    """End to end through the CLI, offline, with a volume store in the catalog (what a
-    host-path or volume-claim store gives a container): generations, exports and attempt records
-    land in `<mountPath>/<uuid>/outputs`, the lineage names them there, and the tracking run's own
-    outputs path holds none of them."""
-    run_uuid = "c0ffee00" * 4
-    store = tmp_path / "plx-store"
-    store.mkdir()
-    connection = {"name": "plx-host", "kind": "host_path",
-                  "schema": {"mountPath": str(store), "hostPath": "/mnt/plx-store"}}
-    result = run_cli("--tracked", "--epochs", "2", "--samples", "32",
-                     env=offline_store_env(tmp_path, run_uuid, connection))
+def test_a_tracked_run_writes_its_generations_straight_into_the_s3_artifacts_store(tmp_path, s3_bucket):
+    """End to end through the CLI against a real S3 server, offline, with an S3 connection in the
+    catalog and the AWS_* variables a mounted secret gives: every generation is committed under
+    `<bucket>/<uuid>/outputs/checkpoints/`, the local tier sits where TRAINER_LOCAL_TIER says,
+    and the lineage points at the store's copy, not at the local tier."""
+    run_uuid = "5eed0000" * 4
+    connection = {**S3_STORE, "schema": {"bucket": s3_bucket.url}}
+    tier = tmp_path / "local-tier"
+    env = {**offline_store_env(tmp_path, run_uuid, connection, TRAINER_LOCAL_TIER=str(tier)), **s3_bucket.env()}
+    result = run_cli("--tracked", "--epochs", "2", "--samples", "32", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    run_directory = store / run_uuid / "outputs"
-    assert f"tracking: run directory {run_directory}" in result.stdout
-    assert sorted(p.name for p in (run_directory / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
-    assert (run_directory / "exports" / "step-00000004" / "manifest.json").is_file()
-    assert attempts(run_directory)[0]["polyaxon"]["run_uuid"] == run_uuid
+    url = f"{s3_bucket.url}/{run_uuid}/outputs"
+    assert f"tracking: generations go straight to {url} (artifacts store plx-s3; local tier {tier / run_uuid})" \
+        in result.stdout
+    keys = s3_bucket.keys(f"{run_uuid}/outputs/")
+    for name in ("step-00000002", "step-00000004"):
+        assert f"{run_uuid}/outputs/checkpoints/{name}/manifest.json" in keys
+    assert f"{run_uuid}/outputs/exports/step-00000004/manifest.json" in keys
+    assert any(k.startswith(f"{run_uuid}/outputs/attempts/") and k.endswith("attempt.json") for k in keys)
+    record = attempts(tier / run_uuid)[0]
+    assert record["durable"]["generations_published"] == "step-00000004" and record["polyaxon"]["run_uuid"] == run_uuid
     folder = tmp_path / "offline" / "runs" / run_uuid
     assert not (folder / "outputs" / "checkpoints").exists()
-    # Polyaxon keeps a reference's path relative to the run's artifacts (it cuts everything up to
-    # the run uuid): `outputs/…`, which is where the store holds it.
+    # The reference was given the store URL; Polyaxon keeps it relative to the run (a local-tier
+    # path would have become `checkpoints/…`).
     lineage = {a["name"]: a["path"] for a in json.loads((folder / "lineages.plx.json").read_text())}
     assert lineage["generation-step-00000004"] == "outputs/checkpoints/step-00000004"
-    assert json.loads((folder / "run.plx.json").read_text())["outputs"]["export_path"] == "exports/step-00000004"
+    assert lineage["export-step-00000004"] == "outputs/exports/step-00000004"
+    outputs = json.loads((folder / "run.plx.json").read_text())["outputs"]
+    assert (outputs["newest_generation"], outputs["export_path"]) == ("step-00000004", "exports/step-00000004")
 
 
 def test_lineage_of_a_bucket_store_run_names_the_store_once_the_store_holds_it(tmp_path):
@@ -359,6 +364,37 @@ def test_lineage_of_a_bucket_store_run_names_the_store_once_the_store_holds_it(t
     events.removed("generation", "step-00000016")
     events.durable("generation", "step-00000016")
     assert len(run.references) == 2
+
+    # A volume store: the run directory is the store's own folder, referenced when published.
+    run, folder = Run(), tmp_path / "plx-store" / UUID / "outputs"
+    events = PolyaxonEvents(run, "managed", None)
+    events.place(RunPlacement(folder, kind="volume", connection="plx-host"))
+    assert events.run_directory == folder
+    events.published("generation", folder / "checkpoints" / "step-00000008", generation)
+    assert run.references == [("generation-step-00000008", str(folder / "checkpoints" / "step-00000008"))]
+    assert run.outputs == {"newest_generation": "step-00000008"}
+
+
+def test_a_copy_that_would_race_the_trainer_into_the_store_is_refused(tmp_path):
+    from types import SimpleNamespace
+
+    from trainer.cli import refuse_a_racing_copy
+    from trainer.polyaxon_store import RunPlacement
+    from trainer.tracking import PolyaxonEvents
+
+    def events(kind):
+        run = SimpleNamespace(run_uuid=UUID, get_outputs_path=lambda: str(tmp_path),
+                              run_data=SimpleNamespace(original=SimpleNamespace(kind=kind, uuid="feedbeef")))
+        return PolyaxonEvents(run, "managed", None)
+
+    bucket = RunPlacement(f"s3://plx-artifacts/{UUID}/outputs", tmp_path / "tier", kind="bucket")
+    with pytest.raises(UsageError, match="ops restart --copy. of run feedbeef.*ops resume -uid feedbeef"):
+        refuse_a_racing_copy(events("copy"), bucket)
+    with pytest.raises(UsageError, match="racing this trainer"):
+        refuse_a_racing_copy(events("copy"), RunPlacement(tmp_path / "store", kind="volume"))
+    refuse_a_racing_copy(events("copy"), RunPlacement(None))  # the sidecar's outputs path: the copy is there
+    refuse_a_racing_copy(events("restart"), bucket)
+    refuse_a_racing_copy(events(None), bucket)
 
 
 # ------------------------------------------------------------------------------- precedence
