@@ -435,8 +435,10 @@ class TrainingRun:
                        "final_loss": state.history.loss[-1] if state.history.loss else None,
                        "history": {"loss": state.history.loss, "lr": state.history.lr}}
             said = f"completed {step} steps; newest generation {summary['final_generation']}"
-        if self.remote is not None:
-            said += f"; durable in {self.remote.url}: {self.recorder.newest_durable or 'none yet'}"
+        if self.remote is not None:  # what survives this machine, in the log, the record and the 75 line
+            durable = f"newest durable in {self.remote.url}: {self.recorder.newest_durable or self.considered or 'none'}"
+            said += f"; {durable}"
+            reason = f"{reason}; {durable}" if reason else reason
         self.recorder.reached(step)
         self.recorder.ended(status, exit_code, reason, summary)
         log.info("%s", said)

@@ -18,6 +18,7 @@ import shutil
 import time
 from typing import Callable
 
+from trainer import seams
 from trainer.errors import TrainerError, reraise_as_storage_failure
 from trainer.recovery.atomic import encode_json, file_digest
 from trainer.recovery.coordination import Coordinator
@@ -55,6 +56,7 @@ class StoreCheckpointer:
         try:
             scratch.mkdir(parents=True, exist_ok=True)
             files = write_snapshot(state_dict, scratch, self.config)
+            seams.crash_point("after-write")
             if coordinator.is_primary:
                 files[SNAPSHOT_INDEX] = file_digest(scratch / SNAPSHOT_INDEX, sync=True)
             written = time.monotonic()

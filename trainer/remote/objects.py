@@ -58,7 +58,7 @@ def open_filesystem(location: StoreLocation, config: StoreConfig):
                          f"pip install {package}") from None
     if location.scheme == "s3":
         timeouts = {"connect_timeout": config.timeout_s, "read_timeout": config.timeout_s,
-                    "retries": {"max_attempts": 1, "mode": "standard"}}
+                    "retries": {"total_max_attempts": 1, "mode": "standard"}}
         filesystem = module.S3FileSystem(config_kwargs=timeouts, skip_instance_cache=True, use_listings_cache=False)
         filesystem.retries = 1  # a class attribute, not a constructor argument, in s3fs
         return filesystem
@@ -139,20 +139,22 @@ class ObjectStore:
         """Before any work: the bucket exists and answers with our credentials. One line and
         a non-zero exit otherwise (75 unreachable, 73 refused, 66 no such bucket)."""
         bucket = self.location.bucket
+
+        def list_bucket():
+            try:
+                self.fs.ls(bucket, detail=False, refresh=True)
+            except FileNotFoundError:
+                return False
+            return True
         try:
-            exists = self.call(f"reaching bucket {bucket}", lambda: self.fs.exists(bucket))
-            if exists:
-                self.call(f"listing {self.url}", lambda: self.fs.ls(self.location.path(), detail=False))
+            exists = self.call(f"listing bucket {bucket}", list_bucket)
         except StoreUnavailable as error:
-            raise StoreUnreachable(str(error).replace("earlier generations are intact; when the store is back, "
-                                                      "rerun with --resume auto",
-                                                      "check the endpoint (AWS_ENDPOINT_URL) and the network, "
-                                                      "then retry")) from None
-        except FileNotFoundError:
-            exists = True  # the prefix does not exist yet: a new run
+            raise StoreUnreachable(f"{self.url}: the store does not answer ({str(error).split(': ', 2)[-1]}"
+                                   .split("; earlier generations")[0] +
+                                   "); check the endpoint (AWS_ENDPOINT_URL) and the network, then retry") from None
         if not exists:
-            raise NothingToResume(f"{self.url}: bucket {bucket} does not exist (or is not visible with these "
-                                  f"credentials); create it first, or fix the bucket name")
+            raise NothingToResume(f"{self.url}: bucket {bucket} does not exist; create it first, or fix the "
+                                  f"bucket name")
 
     # ----------------------------------------------------------------- reads
     def list(self, key: str) -> list[str]:
