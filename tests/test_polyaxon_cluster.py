@@ -313,11 +313,13 @@ def test_a_tracked_run_writes_its_generations_straight_into_the_s3_artifacts_sto
     assert record["durable"]["generations_published"] == "step-00000004" and record["polyaxon"]["run_uuid"] == run_uuid
     folder = tmp_path / "offline" / "runs" / run_uuid
     assert not (folder / "outputs" / "checkpoints").exists()
-    # The reference was given the store URL; Polyaxon keeps it relative to the run (a local-tier
-    # path would have become `checkpoints/…`).
-    lineage = {a["name"]: a["path"] for a in json.loads((folder / "lineages.plx.json").read_text())}
-    assert lineage["generation-step-00000004"] == "outputs/checkpoints/step-00000004"
-    assert lineage["export-step-00000004"] == "outputs/exports/step-00000004"
+    # The reference names the store URL (in its summary); Polyaxon's own path is relative to the
+    # run, `outputs/…`, where the store holds it (a local-tier path would have become `checkpoints/…`).
+    lineage = {a["name"]: a for a in json.loads((folder / "lineages.plx.json").read_text())}
+    for name, path in (("generation", "checkpoints"), ("export", "exports")):
+        reference = lineage[f"{name}-step-00000004"]
+        assert reference["path"] == f"outputs/{path}/step-00000004"
+        assert reference["summary"]["path"] == f"{url}/{path}/step-00000004"
     outputs = json.loads((folder / "run.plx.json").read_text())["outputs"]
     assert (outputs["newest_generation"], outputs["export_path"]) == ("step-00000004", "exports/step-00000004")
 

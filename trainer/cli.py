@@ -71,12 +71,14 @@ def trainer_parser() -> OneLineParser:
                         help="run directory (generations, exports, attempt records): a local path, or a store "
                              "URL s3://BUCKET/PREFIX (gs://, az://) to make every generation durable there")
     parser.add_argument("--tracked", action="store_true",
-                        help="track with Polyaxon: the run directory is the run's outputs path (in a Polyaxon "
-                             "job, or anywhere with POLYAXON_IS_OFFLINE=true); replaces --output")
+                        help="track with Polyaxon (in a Polyaxon job, or anywhere with POLYAXON_IS_OFFLINE=true); "
+                             "the run directory is the run's outputs in its artifacts store when the container "
+                             "reaches the store (mountArtifactsStore), else its outputs path; replaces --output")
     store = parser.add_argument_group("object store (with --output s3://…, gs://…, az://…)")
     store.add_argument("--local-tier", type=path_argument, metavar="DIR",
                        help="this machine's working copy of the run (default: "
-                            "$TRAINER_LOCAL_TIER or the temp dir, /training-recovery/SCHEME/BUCKET/PREFIX)")
+                            "$TRAINER_LOCAL_TIER or the temp dir, /training-recovery/SCHEME/BUCKET/PREFIX; "
+                            "under --tracked $TRAINER_LOCAL_TIER/RUN_UUID)")
     store.add_argument("--max-pending-uploads", type=non_negative_int, default=StoreConfig.max_pending_uploads,
                        metavar="N", help="saves published locally but not yet durable before a save waits "
                                          "(default %(default)s; 0: every save waits until durable)")
@@ -172,7 +174,7 @@ def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironmen
                          "--nproc_per_node 2 or more; drop it for a single-process run")
     if args.tracked and args.output is not None:
         raise UsageError("--output and --tracked are exclusive: with --tracked the run directory is "
-                         "Polyaxon's outputs path; drop --output")
+                         "the Polyaxon run's (in its artifacts store, or its outputs path); drop --output")
     if not args.tracked and args.output is None:
         raise UsageError("--output DIR is required (the run directory); e.g. --output outputs/run1, "
                          "or --tracked to use Polyaxon's outputs path")
