@@ -27,8 +27,8 @@ LAYERS = [
     # Saving on cadence and stepping the optimizer, then the loop that runs one attempt.
     {"trainer.saving", "trainer.stepping"},
     {"trainer.loop"},
-    # The edges: Polyaxon tracking, the command line.
-    {"trainer.tracking"},
+    # The edges: Polyaxon tracking and where a tracked run keeps its run directory, the command line.
+    {"trainer.tracking", "trainer.polyaxon_store"},
     {"trainer.cli", "trainer.__main__"},
 ]
 

@@ -30,7 +30,7 @@ PRESETS = sorted((REPO / "presets").glob("*.yaml"))
 JOB_FILE = REPO / "polyaxonfiles" / "polyaxonfile.yaml"
 COMBINES = re.compile(r"^# Combines with: (.+)$", re.MULTILINE)
 FLAG = re.compile(r"^(--[a-z0-9-]+)=")
-NOT_INPUTS = {"--output", "--tracked", "--help"}  # set by the bundle itself, not by the user
+NOT_INPUTS = {"--output", "--tracked", "--help", "--local-tier"}  # set by the bundle itself (TRAINER_LOCAL_TIER), not by the user
 
 
 def preset_targets(preset: Path) -> list[Path]:

@@ -6,6 +6,8 @@ against the grace Kubernetes gives the pod.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import shlex
@@ -19,10 +21,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, attempts
+from conftest import REPO, attempts, run_cli
 
 from test_polyaxon_bundle import POLYAXONFILES, PRESETS, JOB_FILE, check_all, preset_targets, trainer_argv
 from trainer.cli import train_parser
+from trainer.errors import UsageError
 
 PYTORCHJOB = REPO / "polyaxonfiles" / "pytorchjob.yaml"
 PRESET = {p.stem: p for p in PRESETS}
@@ -34,6 +37,12 @@ never sets it (no such field in V1Environment, no occurrence in the package)."""
 MAIN_CONTAINER = {"polyaxonfile.yaml": "polyaxon-main", "pytorchjob.yaml": "pytorch"}
 UUID = "0123abcd" * 4
 DOCS = [REPO / "README.md", REPO / "docs" / "polyaxon.md"]
+VOLUME_CLAIM_STORE = {"name": "store", "kind": "volume_claim",
+                      "schema": {"mountPath": "/store", "volumeClaim": "store-pvc"}}
+S3_STORE = {"name": "plx-s3", "kind": "s3", "schema": {"bucket": "s3://plx-artifacts"},
+            "secret": {"name": "aws-creds", "items": ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]}}
+HOST_PATH_STORE = {"name": "plx-host", "kind": "host_path",
+                   "schema": {"mountPath": "/plx-store", "hostPath": "/mnt/plx-store"}}
 
 
 def combinations() -> list[list[Path]]:
@@ -44,15 +53,15 @@ def combinations() -> list[list[Path]]:
     return cases
 
 
-def convert(files: list[Path], params: dict | None = None) -> dict:
-    """The custom resource the agent would create for this submission (owner acme, project tr)."""
+def convert(files: list[Path], params: dict | None = None, store: dict = VOLUME_CLAIM_STORE) -> dict:
+    """The custom resource the agent would create for this submission (owner acme, project tr),
+    with `store` as the agent's artifacts store."""
     from kubernetes.client import ApiClient
     from polyaxon import settings
     from polyaxon._k8s.executor.executor import Executor
     from polyaxon._schemas.agent import AgentConfig
     from polyaxon.polyaxonfile import check_polyaxonfile
 
-    store = {"name": "store", "kind": "volume_claim", "schema": {"mountPath": "/store", "volumeClaim": "store-pvc"}}
     previous = settings.AGENT_CONFIG
     settings.AGENT_CONFIG = AgentConfig.read({"namespace": "polyaxon", "artifactsStore": store})
     try:
@@ -129,6 +138,267 @@ def test_pytorchjob_replicas_and_outputs_are_declared():
         assert outputs == {"newest_generation": "str", "export_path": "str", "final_loss": "float"}
 
 
+# ------------------------------------------------------------------------------- the artifacts store
+STORES = {"s3": S3_STORE, "host-path": HOST_PATH_STORE}
+SYNCED_CONTEXT = Path("/plx-context/artifacts")
+
+
+def main_containers(resource: dict, polyaxonfile: Path) -> list[tuple[dict, dict]]:
+    """(pod spec, trainer container) of the job, or of every PyTorchJob replica."""
+    found = []
+    for spec in pod_specs(resource):
+        (container,) = [c for c in spec["containers"] if c["name"] == MAIN_CONTAINER[polyaxonfile.name]]
+        found.append((spec, container))
+    return found
+
+
+def container_environ(container: dict, secrets: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment the container starts with: literal values, and each secretKeyRef filled
+    from `secrets` (as the kubelet would from the Secret); fieldRefs are left out."""
+    environ = {}
+    for entry in container["env"]:
+        if "value" in entry:
+            environ[entry["name"]] = entry["value"] or ""
+        elif "secretKeyRef" in (entry.get("valueFrom") or {}):
+            ref = entry["valueFrom"]["secretKeyRef"]
+            environ[entry["name"]] = (secrets or {}).get(ref["key"], f"{ref['name']}:{ref['key']}")
+    return environ
+
+
+def world_size(polyaxonfile: Path, workers: int) -> int:
+    return (workers + 1) * yaml.safe_load(polyaxonfile.read_text())["run"]["nProcPerNode"] \
+        if polyaxonfile == PYTORCHJOB else 1
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("polyaxonfile", POLYAXONFILES, ids=lambda p: p.name)
+def test_every_replica_reaches_the_artifacts_store_and_finds_the_same_run_directory(polyaxonfile, store):
+    """mountArtifactsStore, rendered by the agent's converter: the trainer's container of the job
+    and of every PyTorchJob replica gets the store's connection, its credentials (S3) or its mount
+    (host path), and a local tier outside the sidecar-synced context; the trainer's resolution,
+    given exactly that environment, finds the run's outputs in the store on every pod."""
+    from trainer.polyaxon_store import place_run, under
+
+    workers = 2
+    connection = STORES[store]
+    resource = convert([polyaxonfile], {"workers": workers} if polyaxonfile == PYTORCHJOB else None, connection)
+    replicas = main_containers(resource, polyaxonfile)
+    assert len(replicas) == (2 if polyaxonfile == PYTORCHJOB else 1)  # Master and Worker specs
+    for spec, container in replicas:
+        env = {e["name"]: e for e in container["env"]}
+        catalog = json.loads(env["POLYAXON_CONNECTIONS_CATALOG"]["value"])
+        assert [c["name"] for c in catalog["connections"]] == [connection["name"]]
+        assert catalog["connections"][0]["kind"] == connection["kind"]
+        assert env["POLYAXON_ARTIFACTS_STORE_NAME"]["value"] == connection["name"]
+        assert env["POLYAXON_RUN_INSTANCE"]["value"] == f"acme.tr.runs.{UUID}"
+        assert env["TRAINER_LOCAL_TIER"]["value"] == "/local-tier"
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert mounts["local-tier"] == "/local-tier" and volumes["local-tier"] == {"name": "local-tier",
+                                                                                    "emptyDir": {}}
+        assert mounts["artifacts-context"] == str(SYNCED_CONTEXT)
+        assert not under(Path(mounts["local-tier"]), SYNCED_CONTEXT)
+        if store == "s3":
+            for key in connection["secret"]["items"]:
+                assert env[key]["valueFrom"] == {"secretKeyRef": {"key": key, "name": "aws-creds"}}
+            assert set(mounts) == {"local-tier", "artifacts-context", "shm"}
+        else:
+            assert mounts["plx-host"] == "/plx-store"
+            assert volumes["plx-host"]["hostPath"] == {"path": "/mnt/plx-store"}
+
+        placement = place_run(container_environ(container), None, world_size(polyaxonfile, workers))
+        if store == "s3":
+            assert placement.output == f"s3://plx-artifacts/{UUID}/outputs"
+            assert placement.local_tier == Path("/local-tier") / UUID
+            assert placement.environment == {}  # the credentials are environment variables already
+        else:
+            assert placement.output == Path("/plx-store") / UUID / "outputs" and placement.local_tier is None
+        assert placement.connection == connection["name"] and placement.warning is None
+
+
+def test_a_secret_mounted_as_files_reaches_s3fs_as_environment_variables(tmp_path):
+    """A connection whose secret is mounted (`secret.mountPath`) gives the container files, not
+    variables: the trainer exports the AWS_* ones that are not set already."""
+    from trainer.polyaxon_store import place_run
+
+    folder = tmp_path / "aws-creds"
+    store = {**S3_STORE, "schema": {"bucket": "s3://plx-artifacts/team"},
+             "secret": {"name": "aws-creds", "mountPath": str(folder)}}
+    (_, container), = main_containers(convert([JOB_FILE], store=store), JOB_FILE)
+    assert str(folder) in [m["mountPath"] for m in container["volumeMounts"]]  # the secret's files
+    assert not any(e["name"].startswith("AWS_") for e in container["env"])
+    folder.mkdir()
+    for name, value in (("AWS_ACCESS_KEY_ID", "id\n"), ("AWS_SECRET_ACCESS_KEY", "secret"),
+                        ("AWS_ENDPOINT_URL", "http://minio:9000"), ("README", "not a variable")):
+        (folder / name).write_text(value)
+    environ = {**container_environ(container), "AWS_ENDPOINT_URL": "http://set-already:9000"}
+    placement = place_run(environ)
+    assert placement.output == f"s3://plx-artifacts/team/{UUID}/outputs"
+    assert placement.environment == {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "secret"}
+
+
+def test_without_the_store_exposed_a_managed_run_warns_once_and_keeps_the_outputs_path(tmp_path, monkeypatch,
+                                                                                        caplog):
+    """A polyaxonfile without mountArtifactsStore: the container gets only the store's name, so
+    the trainer keeps today's outputs path and says, in one warning line, what that costs."""
+    from trainer.cli import tracked_placement
+    from trainer.launch import LaunchEnvironment
+
+    doc = yaml.safe_load(JOB_FILE.read_text())
+    del doc["plugins"]["mountArtifactsStore"]
+    plain = tmp_path / "polyaxonfile.yaml"
+    plain.write_text(yaml.safe_dump(doc, sort_keys=False))
+    (_, container), = main_containers(convert([plain], store=S3_STORE), JOB_FILE)
+    environ = container_environ(container)
+    assert "POLYAXON_CONNECTIONS_CATALOG" not in environ and "AWS_ACCESS_KEY_ID" not in environ
+    assert environ["POLYAXON_ARTIFACTS_STORE_NAME"] == "plx-s3" and environ["POLYAXON_IS_MANAGED"] == "true"
+    for name in [n for n in os.environ if n.startswith(("POLYAXON_", "TRAINER_"))]:
+        monkeypatch.delenv(name)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    args = train_parser().parse_args(["--tracked"])
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        placement = tracked_placement(args, LaunchEnvironment.from_environ(os.environ), UUID)
+    assert placement.output is None and placement.kind == "outputs"
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "only as durable as the sidecar's next sync" in warning and "mountArtifactsStore: true" in warning
+    # The store options need a store: refused with one line (exit 2), not silently ignored.
+    with pytest.raises(UsageError, match="--store-retries only apply to a run directory in a store"):
+        tracked_placement(train_parser().parse_args(["--tracked", "--store-retries", "9"]),
+                          LaunchEnvironment.from_environ(os.environ), UUID)
+
+
+def offline_store_env(root: Path, run_uuid: str, connection: dict, **extra: str) -> dict:
+    """An offline tracked run (POLYAXON_IS_OFFLINE) whose environment carries a connection
+    catalog, as mountArtifactsStore gives a managed container."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("POLYAXON_", "TRAINER_", "AWS_"))}
+    env.update(HOME=str(root / "home"), POLYAXON_IS_OFFLINE="true", POLYAXON_OFFLINE_ROOT=str(root / "offline"),
+               POLYAXON_TRACKING_FLUSH_DELAY="0", POLYAXON_RUN_INSTANCE=f"local.tr.runs.{run_uuid}",
+               POLYAXON_ARTIFACTS_STORE_NAME=connection["name"],
+               POLYAXON_CONNECTIONS_CATALOG=json.dumps({"connections": [connection]}), **extra)
+    return env
+
+
+def test_a_local_tier_the_sidecar_would_upload_is_refused(tmp_path):
+    from trainer.polyaxon_store import place_run
+
+    run_uuid = "feedbeef" * 4
+    env = offline_store_env(tmp_path, run_uuid, S3_STORE, TRAINER_LOCAL_TIER="/plx-context/artifacts/tier")
+    with pytest.raises(UsageError, match="TRAINER_LOCAL_TIER=/plx-context/artifacts/tier: the local tier "):
+        place_run(env)
+    with pytest.raises(UsageError, match="--local-tier: the local tier /plx-context/artifacts/x is under"):
+        place_run({**env, "TRAINER_LOCAL_TIER": "/local-tier"}, local_tier=Path("/plx-context/artifacts/x"))
+
+
+def test_a_tracked_run_writes_its_generations_straight_into_the_s3_artifacts_store(tmp_path, s3_bucket):
+    """End to end through the CLI against a real S3 server, offline, with an S3 connection in the
+    catalog and the AWS_* variables a mounted secret gives: every generation is committed under
+    `<bucket>/<uuid>/outputs/checkpoints/`, the local tier sits where TRAINER_LOCAL_TIER says,
+    and the lineage points at the store's copy, not at the local tier."""
+    run_uuid = "5eed0000" * 4
+    connection = {**S3_STORE, "schema": {"bucket": s3_bucket.url}}
+    tier = tmp_path / "local-tier"
+    env = {**offline_store_env(tmp_path, run_uuid, connection, TRAINER_LOCAL_TIER=str(tier)), **s3_bucket.env()}
+    result = run_cli("--tracked", "--epochs", "2", "--samples", "32", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    url = f"{s3_bucket.url}/{run_uuid}/outputs"
+    assert f"tracking: generations go straight to {url} (artifacts store plx-s3; local tier {tier / run_uuid})" \
+        in result.stdout
+    keys = s3_bucket.keys(f"{run_uuid}/outputs/")
+    for name in ("step-00000002", "step-00000004"):
+        assert f"{run_uuid}/outputs/checkpoints/{name}/manifest.json" in keys
+    assert f"{run_uuid}/outputs/exports/step-00000004/manifest.json" in keys
+    assert any(k.startswith(f"{run_uuid}/outputs/attempts/") and k.endswith("attempt.json") for k in keys)
+    record = attempts(tier / run_uuid)[0]
+    assert record["durable"]["generations_published"] == "step-00000004" and record["polyaxon"]["run_uuid"] == run_uuid
+    folder = tmp_path / "offline" / "runs" / run_uuid
+    assert not (folder / "outputs" / "checkpoints").exists()
+    # The reference names the store URL (in its summary); Polyaxon's own path is relative to the
+    # run, `outputs/…`, where the store holds it (a local-tier path would have become `checkpoints/…`).
+    lineage = {a["name"]: a for a in json.loads((folder / "lineages.plx.json").read_text())}
+    for name, path in (("generation", "checkpoints"), ("export", "exports")):
+        reference = lineage[f"{name}-step-00000004"]
+        assert reference["path"] == f"outputs/{path}/step-00000004"
+        assert reference["summary"]["path"] == f"{url}/{path}/step-00000004"
+    outputs = json.loads((folder / "run.plx.json").read_text())["outputs"]
+    assert (outputs["newest_generation"], outputs["export_path"]) == ("step-00000004", "exports/step-00000004")
+
+
+def test_lineage_of_a_bucket_store_run_names_the_store_once_the_store_holds_it(tmp_path):
+    """Published on the local tier is not durable: the reference and the pipeline outputs
+    follow the commit in the store, and name the store URL, never the local tier."""
+    from trainer.polyaxon_store import RunPlacement
+    from trainer.recovery.store import Published
+    from trainer.tracking import PolyaxonEvents
+
+    class Run:  # what PolyaxonEvents uses of polyaxon.tracking.Run
+        run_uuid = UUID
+
+        def __init__(self):
+            self.references, self.outputs = [], {}
+
+        def get_outputs_path(self):
+            return str(tmp_path / "plx-outputs")
+
+        def log_artifact_ref(self, path, **kwargs):
+            self.references.append((kwargs["name"], path))
+
+        def log_model_ref(self, path, **kwargs):
+            self.references.append((kwargs["name"], path))
+
+        def log_outputs(self, **outputs):
+            self.outputs.update(outputs)
+
+    run, tier, url = Run(), tmp_path / "tier", f"s3://plx-artifacts/{UUID}/outputs"
+    events = PolyaxonEvents(run, "managed", None)
+    events.place(RunPlacement(url, tier, kind="bucket", connection="plx-s3"))
+    generation = Published("step-00000008", 8, "ab" * 32, 0.1, 0.1)
+    events.published("generation", tier / "checkpoints" / "step-00000008", generation)
+    events.published("export", tier / "exports" / "step-00000008", generation)
+    assert run.references == [] and run.outputs == {}
+    events.durable("generation", "step-00000008")
+    events.durable("export", "step-00000008")
+    assert run.references == [("generation-step-00000008", f"{url}/checkpoints/step-00000008"),
+                              ("export-step-00000008", f"{url}/exports/step-00000008")]
+    assert run.outputs == {"newest_generation": "step-00000008", "export_path": "exports/step-00000008"}
+    # Removed before the store held it: never referenced, nothing to delete.
+    events.published("generation", tier / "checkpoints" / "step-00000016", generation)
+    events.removed("generation", "step-00000016")
+    events.durable("generation", "step-00000016")
+    assert len(run.references) == 2
+
+    # A volume store: the run directory is the store's own folder, referenced when published.
+    run, folder = Run(), tmp_path / "plx-store" / UUID / "outputs"
+    events = PolyaxonEvents(run, "managed", None)
+    events.place(RunPlacement(folder, kind="volume", connection="plx-host"))
+    assert events.run_directory == folder
+    events.published("generation", folder / "checkpoints" / "step-00000008", generation)
+    assert run.references == [("generation-step-00000008", str(folder / "checkpoints" / "step-00000008"))]
+    assert run.outputs == {"newest_generation": "step-00000008"}
+
+
+def test_a_copy_that_would_race_the_trainer_into_the_store_is_refused(tmp_path):
+    from types import SimpleNamespace
+
+    from trainer.cli import refuse_a_racing_copy
+    from trainer.polyaxon_store import RunPlacement
+    from trainer.tracking import PolyaxonEvents
+
+    def events(kind):
+        run = SimpleNamespace(run_uuid=UUID, get_outputs_path=lambda: str(tmp_path),
+                              run_data=SimpleNamespace(original=SimpleNamespace(kind=kind, uuid="feedbeef")))
+        return PolyaxonEvents(run, "managed", None)
+
+    bucket = RunPlacement(f"s3://plx-artifacts/{UUID}/outputs", tmp_path / "tier", kind="bucket")
+    with pytest.raises(UsageError, match="ops restart --copy. of run feedbeef.*ops resume -uid feedbeef"):
+        refuse_a_racing_copy(events("copy"), bucket)
+    with pytest.raises(UsageError, match="racing this trainer"):
+        refuse_a_racing_copy(events("copy"), RunPlacement(tmp_path / "store", kind="volume"))
+    refuse_a_racing_copy(events("copy"), RunPlacement(None))  # the sidecar's outputs path: the copy is there
+    refuse_a_racing_copy(events("restart"), bucket)
+    refuse_a_racing_copy(events(None), bucket)
+
+
 # ------------------------------------------------------------------------------- precedence
 def test_presets_are_applied_after_params_and_set_only_what_they_are_about():
     """The documented rule, measured: a preset beats a -P of the same name, so presets here do
@@ -191,8 +461,10 @@ def test_documented_polyaxon_commands_are_accepted_by_the_cli(tmp_path, monkeypa
         ctx = parse_with_the_cli(argv)
         files = list(ctx.params.get("polyaxonfile") or ())
         if argv[1] == "ops":
-            # What `ops resume/restart -f ...` sends: the files merged and read as one preset.
-            read_polyaxonfile(ConfigSpec.read_from(files), is_preset=True)
+            # What `ops resume/restart -f ...` sends: the files merged and read as one preset
+            # (none for a plain `ops restart`: the run's own operation, unchanged).
+            if files:
+                read_polyaxonfile(ConfigSpec.read_from(files), is_preset=True)
             if ctx.params["recompile"]:  # the files are the whole operation: a polyaxonfile and presets
                 assert Path(files[0]).parent.name == "polyaxonfiles", argv
                 checks.append(([REPO / f for f in files], ()))

@@ -71,12 +71,14 @@ def trainer_parser() -> OneLineParser:
                         help="run directory (generations, exports, attempt records): a local path, or a store "
                              "URL s3://BUCKET/PREFIX (gs://, az://) to make every generation durable there")
     parser.add_argument("--tracked", action="store_true",
-                        help="track with Polyaxon: the run directory is the run's outputs path (in a Polyaxon "
-                             "job, or anywhere with POLYAXON_IS_OFFLINE=true); replaces --output")
+                        help="track with Polyaxon (in a Polyaxon job, or anywhere with POLYAXON_IS_OFFLINE=true); "
+                             "the run directory is the run's outputs in its artifacts store when the container "
+                             "reaches the store (mountArtifactsStore), else its outputs path; replaces --output")
     store = parser.add_argument_group("object store (with --output s3://…, gs://…, az://…)")
     store.add_argument("--local-tier", type=path_argument, metavar="DIR",
                        help="this machine's working copy of the run (default: "
-                            "$TRAINER_LOCAL_TIER or the temp dir, /training-recovery/SCHEME/BUCKET/PREFIX)")
+                            "$TRAINER_LOCAL_TIER or the temp dir, /training-recovery/SCHEME/BUCKET/PREFIX; "
+                            "under --tracked $TRAINER_LOCAL_TIER/RUN_UUID)")
     store.add_argument("--max-pending-uploads", type=non_negative_int, default=StoreConfig.max_pending_uploads,
                        metavar="N", help="saves published locally but not yet durable before a save waits "
                                          "(default %(default)s; 0: every save waits until durable)")
@@ -172,18 +174,24 @@ def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironmen
                          "--nproc_per_node 2 or more; drop it for a single-process run")
     if args.tracked and args.output is not None:
         raise UsageError("--output and --tracked are exclusive: with --tracked the run directory is "
-                         "Polyaxon's outputs path; drop --output")
+                         "the Polyaxon run's (in its artifacts store, or its outputs path); drop --output")
     if not args.tracked and args.output is None:
         raise UsageError("--output DIR is required (the run directory); e.g. --output outputs/run1, "
                          "or --tracked to use Polyaxon's outputs path")
-    in_store = isinstance(args.output, str)
+    if not args.tracked:  # tracked: known once the run's artifacts store is (tracked_placement)
+        require_store_for_store_options(args, isinstance(args.output, str))
+    if args.resume is not None and args.from_generation is not None:
+        raise UsageError("--resume and --from-generation are exclusive; --from-generation already resumes")
+
+
+def require_store_for_store_options(args: argparse.Namespace, in_store: bool) -> None:
     store_options = [f"--{name.replace('_', '-')}" for name, default in STORE_DEFAULTS.items()
                      if getattr(args, name) != default]
     if store_options and not in_store:
-        raise UsageError(f"{', '.join(store_options)} only apply to a run directory in a store; "
-                         f"pass --output s3://BUCKET/PREFIX, or drop them")
-    if args.resume is not None and args.from_generation is not None:
-        raise UsageError("--resume and --from-generation are exclusive; --from-generation already resumes")
+        where = ("the run's artifacts store is not a bucket exposed to the container (polyaxonfile plugin "
+                 "mountArtifactsStore)" if args.tracked else "pass --output s3://BUCKET/PREFIX")
+        raise UsageError(f"{', '.join(store_options)} only apply to a run directory in a store; {where}, "
+                         f"or drop them")
 
 
 STORE_DEFAULTS = {"local_tier": None, "max_pending_uploads": StoreConfig.max_pending_uploads,
@@ -193,7 +201,7 @@ STORE_DEFAULTS = {"local_tier": None, "max_pending_uploads": StoreConfig.max_pen
 
 
 def config_from_args(args: argparse.Namespace, argv: list[str], output: Path | str | None,
-                     workload_options: tuple[str, ...]) -> RunConfig:
+                     workload_options: tuple[str, ...], local_tier: Path | None = None) -> RunConfig:
     workload = WorkloadConfig(
         epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers,
         amp=args.amp, threads=args.threads, data_parallel=args.data_parallel, grad_accum=args.grad_accum,
@@ -202,7 +210,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str], output: Path | s
     store = None
     if isinstance(output, str):  # a store URL: `output` becomes this machine's local tier of it
         store = output
-        output = args.local_tier or parse_store_url(store).default_local_tier()
+        output = args.local_tier or local_tier or parse_store_url(store).default_local_tier()
     return RunConfig(
         store=store, store_config=StoreConfig(
             retries=args.store_retries, backoff_s=args.store_backoff_secs, timeout_s=args.store_timeout_secs,
@@ -227,14 +235,52 @@ def run_train(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     check_option_combinations(args, launch)
     seams.install(seams.Seams.from_environment(os.environ, launch.rank))
-    if not args.tracked or launch.rank != 0:
-        # Under torchrun only rank 0 talks to Polyaxon; the others learn its outputs path.
+    if not args.tracked:
         return train_in(config_from_args(args, argv, args.output, workload_options), launch)
+    if launch.rank != 0:
+        # Under torchrun only rank 0 talks to Polyaxon. Every rank finds the run's store itself
+        # (pods share no filesystem); without one, the others learn rank 0's outputs path.
+        placement = tracked_placement(args, launch)
+        return train_in(config_from_args(args, argv, placement.output, workload_options, placement.local_tier),
+                        launch)
     from trainer.tracking import PolyaxonEvents  # imports polyaxon: only with --tracked
 
     events = PolyaxonEvents.start()
-    return events.track(lambda outputs: train_in(config_from_args(args, argv, outputs, workload_options),
-                                                 launch, events))
+
+    def train_tracked(outputs: Path) -> int:
+        placement = tracked_placement(args, launch, events.run_uuid)
+        events.place(placement)
+        refuse_a_racing_copy(events, placement)
+        return train_in(config_from_args(args, argv, placement.output or outputs, workload_options,
+                                         placement.local_tier), launch, events)
+
+    return events.track(train_tracked)
+
+
+def refuse_a_racing_copy(events, placement) -> None:
+    """`ops restart --copy` puts the original run's outputs into this run's context path; with
+    the run directory in the store they would arrive there only through the sidecar, after
+    this trainer started: nothing to resume yet, then a second line of generations and the
+    original's lease object under the live run. Refused (exit 2), naming what to do instead."""
+    if placement.direct and events.cloned_as_copy():
+        original = events.original_uuid()
+        raise UsageError(f"this run is an `ops restart --copy` of run {original}: the copy reaches {placement.output} "
+                         f"only through the sidecar, racing this trainer; continue run {original} with "
+                         f"`polyaxon ops resume -uid {original} -f presets/resume.yaml` instead")
+
+
+def tracked_placement(args: argparse.Namespace, launch: LaunchEnvironment, own_run_uuid: str | None = None):
+    """The tracked run's directory (trainer/polyaxon_store.py), with the store's client
+    variables exported and the store options checked against it."""
+    from trainer.polyaxon_store import place_run  # reads Polyaxon's connection schema
+
+    placement = place_run(os.environ, own_run_uuid, launch.world_size, args.local_tier)
+    require_store_for_store_options(args, placement.in_store)
+    for name, value in placement.environment.items():  # only variables that were not set
+        os.environ.setdefault(name, value)
+    if placement.warning and launch.rank == 0:
+        logging.getLogger("trainer").warning("tracking: %s", placement.warning)
+    return placement
 
 
 def train_in(config: RunConfig, launch: LaunchEnvironment, events=None) -> int:

@@ -1,7 +1,8 @@
 """What the training loop tells an outside observer (experiment tracking), and nothing more.
 
 The loop calls these at a few fixed points: once the attempt record exists, after every
-optimizer step, after every published generation or export, and after retention removed one.
+optimizer step, after every published generation or export (and, for a run directory in an
+object store, once the store holds it), and after retention removed one.
 The default does nothing, so an untracked run pays one method call per step and imports
 nothing. `trainer.tracking` implements them for Polyaxon; ending the tracked run (offline:
 succeeded / stopped / failed) happens in the CLI, which is the one place that knows the final
@@ -37,6 +38,10 @@ class TrainingEvents:
 
     def published(self, kind: str, path: Path, published: "Published") -> None:
         """A `generation` or `export` was atomically published at `path`."""
+
+    def durable(self, kind: str, name: str) -> None:
+        """The `generation` or `export` called `name` is committed in the run's store (a run
+        directory in an object store; at once for saves made straight to the store)."""
 
     def removed(self, kind: str, name: str) -> None:
         """Retention deleted the `generation` or `export` called `name`: it is no longer an artifact."""

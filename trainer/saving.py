@@ -125,18 +125,21 @@ class CadencedSaves:
         """Several processes saving straight to the store: durable already; rank 0 prunes the
         store (the scratch copies are gone, nothing to prune locally)."""
         self.recorder.durable(GENERATIONS, published.name, published.save_s, published.save_s)
+        self.events.durable("generation", published.name)
         if not self.ranks.is_primary:
             return
         if self.uploader is not None:
             self.uploader.push_record()
         retention = self.config.retention
-        apply_store_retention(self.checkpointer.section, retention.keep_last, retention.keep_every,
-                              self.lineage.protected | {published.name}, self.checkpointer.fence)
+        for name in apply_store_retention(self.checkpointer.section, retention.keep_last, retention.keep_every,
+                                          self.lineage.protected | {published.name}, self.checkpointer.fence):
+            self.events.removed("generation", name)
 
     def record_durable(self, durable: list[Durable]) -> None:
         for done in durable:
             kind = GENERATIONS if done.kind == GENERATIONS_SECTION else EXPORTS
             self.recorder.durable(kind, done.name, done.upload_s, done.durable_s)
+            self.events.durable("generation" if kind == GENERATIONS else "export", done.name)
             log.info("durable %s %s in %.3fs (upload %.3fs, %d bytes)",
                      "generation" if kind == GENERATIONS else "export", done.name, done.durable_s, done.upload_s,
                      done.bytes)
@@ -162,6 +165,8 @@ class CadencedSaves:
 
     def _published(self, kind: str, store: GenerationStore, published: Published, step: int | None) -> None:
         self.recorder.published(kind, published, step)
+        self.events.published("generation" if kind == GENERATIONS else "export", store.path(published.name),
+                              published)
         if kind == GENERATIONS and getattr(self.checkpointer, "durable_on_save", False):
             self.committed_directly(published)
         elif self.uploader is not None:
@@ -173,5 +178,3 @@ class CadencedSaves:
             self.recorder.waited(time.monotonic() - waiting)
         log.info("published %s %s in %.3fs", "generation" if kind == GENERATIONS else "export",
                  published.name, published.save_s)
-        self.events.published("generation" if kind == GENERATIONS else "export", store.path(published.name),
-                              published)

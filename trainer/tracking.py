@@ -5,8 +5,9 @@ an untracked run never pays.
 
 Where it runs:
 - *Managed* (a Polyaxon job; the agent sets POLYAXON_RUN_INSTANCE and POLYAXON_IS_MANAGED):
-  the run is the job's run. `ops resume` and retries reuse it with the outputs restored by the
-  `autoResume` plugin; `ops restart --copy` is a new run whose outputs are a copy.
+  the run is the job's run. `ops resume` and retries reuse it (and its run directory in the
+  store, or the outputs `autoResume` restores); `ops restart --copy` is a new run whose context
+  outputs are a copy, which the trainer refuses when it writes to the store itself (cli.py).
 - *Offline* (POLYAXON_IS_OFFLINE=true, anywhere): the run lives under POLYAXON_OFFLINE_ROOT
   (default /tmp/plx/offline) in `runs/<uuid>/`. Setting POLYAXON_RUN_INSTANCE to
   `owner.project.runs.<uuid>` reopens that run, the local analogue of `ops resume`; without it
@@ -14,19 +15,26 @@ Where it runs:
 Anything else is refused (exit 2) rather than tracked halfway.
 
 What is recorded:
-- The trainer's run directory is `get_outputs_path()`: generations, exports and attempt
-  records are collected with the run and restored with it.
+- The trainer's run directory is the run's outputs in the artifacts store when the container
+  can reach the store (`plugins: {mountArtifactsStore: true}`; trainer/polyaxon_store.py): a
+  store URL for a bucket store, the mounted folder for a volume store. Otherwise it is
+  `get_outputs_path()`, which the sidecar uploads and `autoResume` restores. The tracking
+  run's own files (events, logs) always stay in `get_outputs_path()`.
 - `loss` and `lr` at the *global* step. Steps the run's metric history already holds (work an
   earlier attempt did past the restored generation, replayed now with identical values) are
   not logged again, so a resumed run appends and every step appears once.
 - Each published generation (`dir`) and export (`model`) as a lineage *reference* carrying our
-  manifest digest; Polyaxon does not re-hash the files. A reference is not proof that the
-  artifacts store has received the files: the sidecar uploads them later. When retention
+  manifest digest; Polyaxon does not re-hash the files and keeps the path relative to the run
+  (`outputs/checkpoints/step-…`). In a bucket store the reference (and `newest_generation` /
+  `export_path`) is logged once the store holds the generation (its manifest committed), and
+  names its store URL, never the local tier; on a mounted volume store once it is published
+  there. Only without the store exposed is a reference no proof of upload: the sidecar uploads
+  the outputs path later. When retention
   deletes a generation or export, its reference is deleted too (offline: from the run's
   lineage; managed: the API's delete_run_artifact_lineage), so the lineage lists live artifacts.
 - Attempt facts as run outputs: attempt id, restored generation and step, steps replayed; and
   the outputs the polyaxonfiles declare for pipelines: newest_generation, export_path
-  (relative to the outputs path), final_loss.
+  (relative to the run directory, which is the run's outputs path in the store), final_loss.
 - At the end of every attempt, the run's recovery report: its totals as outputs (goodput,
   steps computed, replayed and lost, time lost to restarts, checkpoint overhead) and the
   timeline of all attempts so far as an image (`recovery-timeline`, step = number of
@@ -59,9 +67,9 @@ OFFLINE_ENV = "POLYAXON_IS_OFFLINE"
 METRICS = ("loss", "lr")
 TIMELINE = "recovery-timeline"
 DONE_STATUSES = frozenset({"succeeded", "failed", "stopped", "skipped", "upstream_failed"})
-PLAIN_RESTART_HINT = ("on Polyaxon, a plain `ops restart` starts with empty outputs: continue with "
-                      "`ops resume -uid UUID -f presets/resume.yaml` or `ops restart -uid UUID --copy "
-                      "-f presets/resume.yaml`")
+PLAIN_RESTART_HINT = ("on Polyaxon, a plain `ops restart` starts with empty outputs: continue the original run "
+                      "with `ops resume -uid UUID -f presets/resume.yaml` (`ops restart -uid UUID --copy "
+                      "-f presets/resume.yaml` only where the artifacts store is not exposed to the trainer)")
 
 
 def parse_run_instance(value: str) -> tuple[str, str, str]:
@@ -104,7 +112,44 @@ class PolyaxonEvents(TrainingEvents):
         self.mode = mode
         self.logged_through = logged_through
         self.outputs_path = Path(run.get_outputs_path())
+        """The tracking run's own outputs path (events, logs; the sidecar uploads it)."""
+        self.run_directory = self.outputs_path
+        """Where the trainer's run directory is on this machine: the outputs path, the run's
+        folder on a mounted volume store, or the local tier of a run in a bucket store."""
+        self.store_url: str | None = None
+        """The run directory's store URL when it lives in a bucket store (see `place`)."""
+        self.awaiting_durable: dict[tuple[str, str], tuple[str, object]] = {}
+        """(kind, name) → (path in the run directory, Published): published on the local tier of
+        a bucket-store run, not yet committed in the store."""
         self.last_loss: float | None = None
+
+    @property
+    def run_uuid(self) -> str:
+        return self.run.run_uuid
+
+    def place(self, placement) -> None:
+        """Where the run directory is (trainer/polyaxon_store.py): lineage and outputs then name
+        the store location, never the local tier."""
+        if placement.in_store:
+            self.store_url, self.run_directory = placement.output, placement.local_tier
+            log.info("tracking: generations go straight to %s (artifacts store %s; local tier %s)",
+                     placement.output, placement.connection, placement.local_tier)
+        elif placement.output is not None:
+            self.run_directory = Path(placement.output)
+            log.info("tracking: run directory %s (the artifacts store %s, mounted)", placement.output,
+                     placement.connection)
+
+    def original(self):
+        return getattr(self.run.run_data, "original", None)
+
+    def original_uuid(self) -> str | None:
+        return getattr(self.original(), "uuid", None)
+
+    def cloned_as_copy(self) -> bool:
+        """`ops restart --copy`: a new run whose outputs were copied into its context path."""
+        original = self.original()
+        kind = getattr(getattr(original, "kind", None), "value", getattr(original, "kind", None))
+        return kind == "copy"
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -203,7 +248,7 @@ class PolyaxonEvents(TrainingEvents):
             from trainer.listing import run_report, write_timeline
 
             try:
-                report = run_report(self.outputs_path)
+                report = run_report(self.run_directory)
             except NothingToResume:  # refused before any record was written (66, 73): nothing to show
                 return
             with tempfile.TemporaryDirectory() as folder:
@@ -220,7 +265,7 @@ class PolyaxonEvents(TrainingEvents):
 
     # ------------------------------------------------------------------ TrainingEvents
     def run_identity(self, previous_attempt: dict | None) -> dict:
-        original = getattr(self.run.run_data, "original", None)
+        original = self.original()
         original_kind = getattr(getattr(original, "kind", None), "value", getattr(original, "kind", None))
         return {"run_uuid": self.run.run_uuid, "mode": self.mode,
                 "cloning": cloning_kind(original_kind, self.run.run_uuid, previous_attempt),
@@ -238,13 +283,29 @@ class PolyaxonEvents(TrainingEvents):
         self.run.log_metrics(step=step, **metrics)
 
     def published(self, kind: str, path: Path, published) -> None:
+        if self.store_url is None:  # the published directory is where the run keeps it
+            self.log_reference(kind, str(path), path.relative_to(self.run_directory).as_posix(), published)
+        else:  # published on the local tier: referenced once the store holds it (`durable`)
+            self.awaiting_durable[(kind, published.name)] = (path.relative_to(self.run_directory).as_posix(),
+                                                             published)
+
+    def durable(self, kind: str, name: str) -> None:
+        waiting = self.awaiting_durable.pop((kind, name), None)
+        if waiting is not None:
+            relative, published = waiting
+            self.log_reference(kind, f"{self.store_url}/{relative}", relative, published)
+
+    def log_reference(self, kind: str, location: str, relative: str, published) -> None:
+        """The lineage reference (at `location`) and the pipeline output of a published
+        generation or export; `relative` is its path in the run directory, which is also its
+        path under the run's outputs in the artifacts store."""
         summary = {"hash": published.manifest_sha256, "hash_of": "manifest.json (sha256)", "step": published.step}
         if kind == "export":
-            self.run.log_model_ref(str(path), name=lineage_name(kind, published.name), framework="safetensors",
+            self.run.log_model_ref(location, name=lineage_name(kind, published.name), framework="safetensors",
                                    summary=summary, skip_hash_calculation=True)
-            self.run.log_outputs(export_path=path.relative_to(self.outputs_path).as_posix())
+            self.run.log_outputs(export_path=relative)
         else:
-            self.run.log_artifact_ref(str(path), kind="dir", name=lineage_name(kind, published.name),
+            self.run.log_artifact_ref(location, kind="dir", name=lineage_name(kind, published.name),
                                       hash=published.manifest_sha256, summary=summary,
                                       skip_hash_calculation=True)
             self.run.log_outputs(newest_generation=published.name)
@@ -254,6 +315,8 @@ class PolyaxonEvents(TrainingEvents):
         client keeps the references in `artifacts_lineage` (written to lineages.plx.json when
         the run ends); managed, the API deletes the row. A failure is logged, never fatal."""
         reference = lineage_name(kind, name)
+        if self.awaiting_durable.pop((kind, name), None) is not None:
+            return  # removed before it reached the store: never referenced
         try:
             if self.mode == "offline":
                 self.run.artifacts_lineage.pop(reference, None)
