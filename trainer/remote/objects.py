@@ -128,7 +128,7 @@ class ObjectStore:
         a non-zero exit otherwise (75 unreachable, 73 refused, 66 no such bucket)."""
         bucket = self.location.bucket
         try:
-            exists = self.call(f"reaching bucket {bucket}", lambda: self.fs.exists(bucket))
+            exists = self.call(f"reaching bucket {bucket}", self._bucket_exists)
             if exists:
                 self.call(f"listing {self.url}", lambda: self.fs.ls(self.location.path(), detail=False))
         except StoreUnavailable as error:
@@ -141,6 +141,18 @@ class ObjectStore:
         if not exists:
             raise NothingToResume(f"{self.url}: bucket {bucket} does not exist (or is not visible with these "
                                   f"credentials); create it first, or fix the bucket name")
+
+    def _bucket_exists(self) -> bool:
+        """S3: HEAD the bucket, so refused credentials (PermissionError) and an unreachable
+        endpoint (a transient error) surface as such. s3fs's `exists(bucket)` swallows every
+        error of its probes and answers False, which would call both a missing bucket."""
+        if not hasattr(self.fs, "_call_s3"):
+            return self.fs.exists(self.location.bucket)
+        try:
+            self._s3("head_bucket")
+        except FileNotFoundError:
+            return False
+        return True
 
     # ----------------------------------------------------------------- reads
     def list(self, key: str) -> list[str]:
