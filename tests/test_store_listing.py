@@ -32,7 +32,7 @@ class StoreRun:
 
 
 @pytest.fixture(scope="module")
-def run(s3_server, tmp_path_factory) -> StoreRun:
+def run(s3_server, tmp_path_factory):
     bucket = s3_server.create_bucket("listing")
     tiers = tmp_path_factory.mktemp("tiers")
     env = {**s3_server.env(), "TRAINER_LOCAL_TIER": str(tiers)}
@@ -40,7 +40,8 @@ def run(s3_server, tmp_path_factory) -> StoreRun:
     for args, expected in ((("--interrupt-at-step", 10), 75), (("--resume",), 0)):
         result = run_cli("--output", url, "--epochs", 2, *args, env=env)
         assert result.returncode == expected, result.stderr[-2000:]
-    return StoreRun(url, bucket, tiers / "s3" / bucket / "run", env)
+    yield StoreRun(url, bucket, tiers / "s3" / bucket / "run", env)
+    s3_server.delete_bucket(bucket)
 
 
 def copy_run(s3_server, run: StoreRun, prefix: str) -> str:
@@ -67,6 +68,8 @@ def damaged(s3_server, run) -> str:
 def in_process(command, monkeypatch, capsys, env: dict):
     """`command(argv)` in this process under `env`: (exit status, stdout, stderr)."""
     def call(*args, **overrides):
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):  # a developer's own must not change the outcome
+            monkeypatch.delenv(name, raising=False)
         for name, value in {**env, **overrides}.items():
             monkeypatch.setenv(name, value)
         status = command([str(arg) for arg in args])
@@ -131,7 +134,10 @@ def test_list_shows_what_is_durable_and_what_this_machine_holds(run, cli):
 
 def test_list_marks_uncommitted_local_only_and_differing_copies(s3_server, run, cli, tmp_path):
     url = copy_run(s3_server, run, "edited")
-    s3_server.client().delete_object(Bucket=run.bucket, Key=f"edited/checkpoints/{G16}/manifest.json")
+    client, hidden = s3_server.client(), f".{G8}.replaced-a1b2c3"
+    client.delete_object(Bucket=run.bucket, Key=f"edited/checkpoints/{G16}/manifest.json")
+    client.copy_object(Bucket=run.bucket, Key=f"edited/checkpoints/{hidden}/manifest.json",
+                       CopySource={"Bucket": run.bucket, "Key": f"edited/checkpoints/{G8}/manifest.json"})
     tier = tmp_path / "tier"
     shutil.copytree(run.tier, tier)
     manifest = tier / "checkpoints" / G8 / "manifest.json"
@@ -140,12 +146,13 @@ def test_list_marks_uncommitted_local_only_and_differing_copies(s3_server, run, 
     described = json.loads(cli("list", url, "--local-tier", tier, "--json")[1])
     assert [(r["name"], r["durable"], r["local"], r["verified"]) for r in described["generations"]] == \
         [(G8, True, "different", None), (G16, False, "only", True)]
-    assert described["generations_uncommitted"] == [G16]
+    assert (described["generations_uncommitted"], described["generations_replaced"]) == ([G16], [hidden])
     status, text, _ = cli("list", url, "--local-tier", tier)
     assert status == 0
     assert [r[:1] + r[4:7] for r in rows(text)["recovery generations"]] == \
         [[G8, "committed", "yes", "differs"], [G16, "yes", "no", "only"]]
     assert f"  uncommitted prefix without a manifest (never selected; the next trainer removes it): {G16}" in text
+    assert f"  superseded copy kept for inspection (never selected; delete when done): {hidden}" in text
 
 
 def test_verify_streams_every_object_and_names_the_damage(run, damaged, cli):
