@@ -164,9 +164,10 @@ def test_verify_streams_every_object_and_names_the_damage(run, damaged, cli):
 
     status, out, err = cli("verify", damaged)
     assert status == 65
-    assert f"DAMAGED  {damaged}/checkpoints/{G16}: __0_0.distcp" in out and f"ok       {damaged}/checkpoints/{G8}" in out
-    assert err.splitlines() == [next(line for line in err.splitlines() if line.startswith(
-        f"trainer: error: 1 of 3 damaged, first {damaged}/checkpoints/{G16}: __0_0.distcp"))]
+    assert f"DAMAGED  {damaged}/checkpoints/{G16}: __0_0.distcp" in out
+    assert f"ok       {damaged}/checkpoints/{G8}" in out
+    assert len(err.splitlines()) == 1
+    assert err.startswith(f"trainer: error: 1 of 3 damaged, first {damaged}/checkpoints/{G16}: __0_0.distcp")
     # list trusts the commit (one manifest read each); verify is what re-hashes
     assert rows(cli("list", damaged)[1])["recovery generations"][1][4] == "committed"
 
@@ -190,10 +191,8 @@ def test_compare_downloads_store_generations(run, damaged, compare_cli):
     status, out, _ = compare_cli(f"{run.url}/checkpoints/{G8}", f"{run.url}/checkpoints/{G16}", "--json")
     assert status == 1 and json.loads(out)["a"] == f"{run.url}/checkpoints/{G8}"
     status, _, err = compare_cli(f"{run.url}/checkpoints/{G16}", f"{damaged}/checkpoints/{G16}")
-    assert status == 2
-    assert err.splitlines() == [f"compare: error: {damaged}/checkpoints/{G16} cannot be compared: "
-                                f"{err.split(' cannot be compared: ')[1].strip()}"]
-    assert "__0_0.distcp: " in err
+    assert status == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"compare: error: {damaged}/checkpoints/{G16} cannot be compared: __0_0.distcp")
 
 
 def closed_port() -> int:

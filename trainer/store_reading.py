@@ -30,7 +30,6 @@ from trainer.tiering import RemoteRun
 READ_CONFIG = StoreConfig(retries=2, timeout_s=10.0)
 """A command a person runs says "unreachable" within seconds; the trainer's longer retry
 bound is for unattended runs."""
-SECTION_OF = {folder: section for section, folder in SECTIONS.items()}
 
 
 def open_store(location: StoreLocation) -> ObjectStore:
@@ -44,7 +43,7 @@ def sealed_target(location: StoreLocation) -> tuple[StoreLocation, str, str] | N
     """(run, section folder, name) when the URL names one generation or export
     (`…/RUN/checkpoints/step-00000064`); None when it names a run."""
     parts = location.prefix.split("/")
-    if len(parts) < 2 or parts[-2] not in SECTION_OF or generation_step(parts[-1]) is None:
+    if len(parts) < 2 or parts[-2] not in SECTIONS.values() or generation_step(parts[-1]) is None:
         return None
     return StoreLocation(location.scheme, location.bucket, "/".join(parts[:-2])), parts[-2], parts[-1]
 
