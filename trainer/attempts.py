@@ -309,6 +309,11 @@ class AttemptRecorder:
         return newest_generation(self._record)
 
     @property
+    def newest_durable(self) -> str | None:
+        """The newest generation this attempt made durable in a store."""
+        return self._record.get("durable", {}).get(GENERATIONS)
+
+    @property
     def restore_s(self) -> float:
         return self._record["costs"]["restore_s"]
 

@@ -187,6 +187,15 @@ class Ranks:
         message, exit_code = payload
         raise DecidedOnPrimary(message, exit_code)
 
+    def gather(self, value: T, what: str) -> list[T]:
+        """Every rank's `value` (picklable), in rank order, on every rank."""
+        if not self.distributed:
+            return [value]
+        gathered: list = [None] * self.world_size
+        with self._collective(what):
+            dist.all_gather_object(gathered, value)
+        return gathered
+
     def require_on_every_rank(self, problem: str | None, what: str) -> None:
         """Every rank states whether it can go on (`problem` is None) or why not; if any
         rank cannot, every rank raises a usage error naming the first such rank (printed by

@@ -46,8 +46,9 @@ from trainer.recovery.store import GenerationStore
 from trainer.remote.lease import StoreLease
 from trainer.remote.location import parse_store_url
 from trainer.remote.objects import ObjectStore
-from trainer.remote.sections import Transfer
-from trainer.run_dir import RunDirectory
+from trainer.remote.direct import StoreCheckpointer
+from trainer.remote.sections import RemoteSection, Transfer
+from trainer.run_dir import CHECKPOINTS, MANIFEST, RunDirectory
 from trainer.runtime import configure_determinism, resolve_device
 from trainer.saving import CadencedSaves, Lineage
 from trainer.state import TrainingState
@@ -76,6 +77,8 @@ class Claim:
     generation: Verification | None
     """The verified generation to restore (None: a fresh start)."""
     verify_s: float
+    manifest_sha256: str | None = None
+    """Of the generation to restore: names exactly which sealed content is restored."""
     download: Transfer = Transfer(0, 0.0)
     """What restoring from a store downloaded (nothing when the local tier had it)."""
 
@@ -110,8 +113,9 @@ class TrainingRun:
                 # Rank 0's output wins: under --tracked only rank 0 opens the Polyaxon run and
                 # knows its outputs path (other ranks start with output None).
                 claim = self.ranks.decide_on_primary(lambda: self.claim(held), "claiming the output")
-                self.ranks.require_on_every_rank(unshared_output(claim.run.root, self.ranks.is_primary),
-                                                 "checking that every rank sees the output")
+                if self.config.store is None:  # with a store every rank has its own local tier
+                    self.ranks.require_on_every_rank(unshared_output(claim.run.root, self.ranks.is_primary),
+                                                     "checking that every rank sees the output")
                 self.attempt_id = claim.attempt_id
                 return self.attempt(claim, preemption)
             except REFUSALS as refusal:
@@ -151,7 +155,8 @@ class TrainingRun:
         for store in stores:
             for name in store.remove_stale_temporaries():  # only once this attempt goes ahead
                 log.info("removed stale temporary %s/%s", store.root.name, name)
-        return Claim(run, self.attempt_id, generation, verify_s, download)
+        return Claim(run, self.attempt_id, generation, verify_s,
+                     manifest_digest(generation.path) if generation else None, download)
 
     def claim_store(self, run: RunDirectory, held: contextlib.ExitStack) -> RemoteRun:
         """Rank 0, the run directory in a store: reach it, take its lease, bring the attempt
@@ -211,8 +216,8 @@ class TrainingRun:
                                                           claim.run.attempts), "checking for a crash loop")
         mode = effective_mode(config.checkpoint_mode, ranks.device, ranks.world_size)
         recorder = self.start_record(claim, history, fingerprint, drift, mode)
-        checkpointer = build_checkpointer(mode, GenerationStore(claim.run.checkpoints), self.attempt_id,
-                                          ranks.device, ranks)
+        self.push_record()  # a `running` record in the store: a kill -9 of this machine still counts
+        checkpointer = self.checkpointer(mode, claim)
         lineage = Lineage(fingerprint, tuple(drift), frozenset([generation.name]) if generation else frozenset())
         if claim.download.bytes:
             recorder.downloaded(claim.download.seconds, claim.download.bytes)
@@ -234,6 +239,42 @@ class TrainingRun:
                            else f"{error.__class__.__name__}: {error}")
             raise
 
+    def checkpointer(self, mode: str, claim: Claim):
+        """Local publishing (and, with a store, tiered uploads); or, for several processes
+        with a store, saves straight to the store from every rank's own disk."""
+        ranks = self.ranks
+        if self.config.store is None or not ranks.distributed:
+            return build_checkpointer(mode, GenerationStore(claim.run.checkpoints), self.attempt_id, ranks.device,
+                                      ranks)
+        scratch = GenerationStore(RunDirectory(self.config.output).checkpoints)
+        return StoreCheckpointer(self.store_section(), scratch, self.attempt_id, ranks,
+                                 self.lease.fence if self.lease else None)
+
+    def store_section(self) -> RemoteSection:
+        """The store's generations, from this rank (rank 0 reuses the claimed store)."""
+        if self.remote is not None:
+            return self.remote.generations
+        return RemoteSection(ObjectStore(parse_store_url(self.config.store), self.config.store_config), CHECKPOINTS)
+
+    def local_copy(self, generation: Verification) -> Verification:
+        """Ranks other than 0 with a store: the generation rank 0 verified, on this rank's own
+        disk (its own download, verified while streaming, unless the same copy is there)."""
+        if self.ranks.is_primary or self.config.store is None:
+            return generation
+        local = GenerationStore(RunDirectory(self.config.output).checkpoints)
+        mine = local.path(generation.name)
+        if (mine / MANIFEST).is_file():
+            present = local.verify(generation.name)
+            if present.ok and present.manifest == generation.manifest:
+                return present
+        if mine.exists():
+            local.remove(generation.name)
+        fetched, _ = self.store_section().fetch(generation.name, local.root)
+        if not fetched.ok:
+            raise CorruptGeneration(f"generation {generation.name} is damaged as this rank downloaded it: "
+                                    f"{fetched.problem}; resume again (rank 0 verified it moments ago)")
+        return fetched
+
     def uploader(self, lineage: Lineage) -> Uploader | None:
         """Rank 0 with a store: the background uploader that makes published generations durable."""
         if self.remote is None:
@@ -241,7 +282,7 @@ class TrainingRun:
         settings, retention = self.config.store_config, self.config.retention
         return Uploader(self.remote, max(1, settings.max_pending_uploads), self.lease.fence,
                         StoreRetention(retention.keep_last, retention.keep_every, retention.keep_exports),
-                        lineage.protected)
+                        lineage.protected, self.claimed.attempt_folder(self.attempt_id))
 
     def start_record(self, claim: Claim, history: list[dict], fingerprint: dict, drift: list[str],
                      mode: str) -> AttemptRecorder:
@@ -251,7 +292,7 @@ class TrainingRun:
         stored_world_size = generation.manifest.fingerprint.get("world_size") if generation else None
         self.recorder = AttemptRecorder.start(claim.run, self.attempt_id, list(config.argv), {
             "restored": None if generation is None else {
-                "name": generation.name, "step": step, "manifest_sha256": manifest_digest(generation.path)},
+                "name": generation.name, "step": step, "manifest_sha256": claim.manifest_sha256},
             "explicit_generation": config.from_generation is not None, "set_aside": [],
             "previous_attempt": previous["id"] if previous else None,
             "steps_replayed": steps_replayed(previous, step) if generation else None,
@@ -279,7 +320,7 @@ class TrainingRun:
     def restore_state(self, claim: Claim, state: TrainingState, drift: list[str], saves: CadencedSaves) -> None:
         """The mirror of a save, then what continues across processes: an allowed config
         change, the cadence counters, and (going back) the abandoned later line."""
-        restored = restore(claim.generation, state)
+        restored = restore(self.local_copy(claim.generation), state)
         if state.progress.global_step != restored.step:
             raise CorruptGeneration(f"generation {restored.name} holds step {state.progress.global_step}, but its "
                                     f"manifest says {restored.step}; restore another one with --from-generation")
@@ -387,15 +428,18 @@ class TrainingRun:
         saves.finalize(step)  # an earlier save may still be in flight, and uploads
         exit_code, summary = EXIT_INTERRUPTED, None
         if status == COMPLETED:
-            names = saves.generations.names()
+            # Saving straight to a store leaves no local copies: this attempt's record knows.
+            newest = max(saves.generations.names()[-1:] + [self.recorder.newest_generation or ""])
             exit_code = EXIT_OK
             summary = {"final_step": step, "epochs": state.progress.epoch,
-                       "final_generation": names[-1] if names else None,
+                       "final_generation": newest or None,
                        "final_loss": state.history.loss[-1] if state.history.loss else None,
                        "history": {"loss": state.history.loss, "lr": state.history.lr}}
             said = f"completed {step} steps; newest generation {summary['final_generation']}"
-        if saves.uploader is not None:
-            said += f"; durable in {self.remote.url}: {saves.uploader.newest_durable('generations') or 'none yet'}"
+        if self.remote is not None:  # what survives this machine, in the log, the record and the 75 line
+            durable = f"newest durable in {self.remote.url}: {self.recorder.newest_durable or self.considered or 'none'}"
+            said += f"; {durable}"
+            reason = f"{reason}; {durable}" if reason else reason
         self.recorder.reached(step)
         self.recorder.ended(status, exit_code, reason, summary)
         log.info("%s", said)

@@ -27,7 +27,7 @@ from trainer.recovery.store import GenerationStore, Published
 from trainer.retention import apply_retention
 from trainer.run_dir import RunDirectory
 from trainer.state import TrainingState
-from trainer.tiering import EXPORTS_SECTION, GENERATIONS_SECTION, Durable, Uploader
+from trainer.tiering import EXPORTS_SECTION, GENERATIONS_SECTION, Durable, Uploader, apply_store_retention
 from trainer.workload import Workload
 
 log = logging.getLogger("trainer")
@@ -121,6 +121,18 @@ class CadencedSaves:
                 log.warning("an upload failed too: %s", error)
             self.uploader.close()
 
+    def committed_directly(self, published: Published) -> None:
+        """Several processes saving straight to the store: durable already; rank 0 prunes the
+        store (the scratch copies are gone, nothing to prune locally)."""
+        self.recorder.durable(GENERATIONS, published.name, published.save_s, published.save_s)
+        if not self.ranks.is_primary:
+            return
+        if self.uploader is not None:
+            self.uploader.push_record()
+        retention = self.config.retention
+        apply_store_retention(self.checkpointer.section, retention.keep_last, retention.keep_every,
+                              self.lineage.protected | {published.name}, self.checkpointer.fence)
+
     def record_durable(self, durable: list[Durable]) -> None:
         for done in durable:
             kind = GENERATIONS if done.kind == GENERATIONS_SECTION else EXPORTS
@@ -150,7 +162,9 @@ class CadencedSaves:
 
     def _published(self, kind: str, store: GenerationStore, published: Published, step: int | None) -> None:
         self.recorder.published(kind, published, step)
-        if self.uploader is not None:
+        if kind == GENERATIONS and getattr(self.checkpointer, "durable_on_save", False):
+            self.committed_directly(published)
+        elif self.uploader is not None:
             section = GENERATIONS_SECTION if kind == GENERATIONS else EXPORTS_SECTION
             waiting = time.monotonic()
             self.uploader.submit(section, published.name, store.path(published.name), waiting - published.save_s)

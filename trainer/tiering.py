@@ -57,6 +57,10 @@ class StoreRetention:
     keep_every: int | None
     keep_exports: int | None
 
+    def limits(self, kind: str) -> tuple[int | None, int | None]:
+        """(keep_last, keep_every) for generations or exports."""
+        return (self.keep_last, self.keep_every) if kind == GENERATIONS_SECTION else (self.keep_exports, None)
+
 
 class RemoteRun:
     """A run directory in a store, and this machine's local tier of it."""
@@ -156,8 +160,10 @@ class Uploader:
     """Background copies of published local directories into the store (see module doc)."""
 
     def __init__(self, remote: RemoteRun, max_pending: int, fence: Callable[[], None],
-                 retention: StoreRetention, protected: frozenset[str]):
+                 retention: StoreRetention, protected: frozenset[str], attempt_folder: Path | None = None):
         self.remote = remote
+        self.attempt_folder = attempt_folder
+        """Copied to the store after every commit, so a killed attempt's record survives its machine."""
         self.max_pending = max_pending
         self.fence = fence
         self.retention = retention
@@ -221,6 +227,10 @@ class Uploader:
             self._condition.notify_all()
         self._thread.join(timeout=5)
 
+    def push_record(self) -> None:
+        if self.attempt_folder is not None:
+            self.remote.push_attempt(self.attempt_folder)
+
     def _raise_failure(self) -> None:
         if self._failure is not None:
             failure, self._failure = self._failure, None
@@ -240,7 +250,9 @@ class Uploader:
                 transfer = self.remote.sections[kind].commit(name, directory, self.fence)
                 durable = Durable(kind, name, transfer.bytes, transfer.seconds, time.monotonic() - save_started)
                 self._apply_retention(kind, name)
+                self.push_record()
             except BaseException as error:  # noqa: BLE001 - handed to the loop's thread
+                error = self._lease_lost() or error  # a takeover explains any failure that follows it
                 with self._condition:
                     self._failure = error if isinstance(error, TrainerError) else _as_failure(error, self.remote.url)
                     self._queue.clear()
@@ -253,22 +265,35 @@ class Uploader:
                 self._done.append(durable)
                 self._condition.notify_all()
 
-    def _apply_retention(self, kind: str, committed_now: str) -> None:
-        """The store keeps what the local tier keeps, counted over committed names; the newest
-        durable one and the restored one are never deleted."""
-        retention = self.retention
-        keep_last, keep_every = ((retention.keep_last, retention.keep_every) if kind == GENERATIONS_SECTION
-                                 else (retention.keep_exports, None))
-        if keep_last is None:
-            return
-        section = self.remote.sections[kind]
-        committed = section.committed()
-        protected = self.protected | {committed_now}
-        doomed = select_deletions([Candidate(name, True) for name in committed], keep_last, keep_every, protected)
-        for name in doomed:
+    def _lease_lost(self) -> TrainerError | None:
+        try:
             self.fence()
-            section.remove(name)
-            log.info("retention removed %s from the store", section.url(name))
+        except TrainerError as lost:
+            return lost
+        except Exception:  # noqa: BLE001 - the store is down: the original error says so
+            return None
+        return None
+
+    def _apply_retention(self, kind: str, committed_now: str) -> None:
+        keep_last, keep_every = self.retention.limits(kind)
+        apply_store_retention(self.remote.sections[kind], keep_last, keep_every, self.protected | {committed_now},
+                              self.fence)
+
+
+def apply_store_retention(section: RemoteSection, keep_last: int | None, keep_every: int | None,
+                          protected: frozenset[str], fence: Callable[[], None]) -> list[str]:
+    """The store keeps what the local tier keeps, counted over committed names (each one's
+    objects were checked when it was committed); `protected` (the newest durable one, the
+    restored one) is never deleted. Removal uncommits first (the manifest), then deletes."""
+    if keep_last is None:
+        return []
+    committed = section.committed()
+    doomed = select_deletions([Candidate(name, True) for name in committed], keep_last, keep_every, protected)
+    for name in doomed:
+        fence()
+        section.remove(name)
+        log.info("retention removed %s from the store", section.url(name))
+    return doomed
 
 
 def _as_failure(error: BaseException, url: str) -> TrainerError:

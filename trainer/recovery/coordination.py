@@ -26,6 +26,9 @@ class Coordinator(Protocol):
     def barrier(self, what: str) -> None:
         """Return once every process got here."""
 
+    def gather(self, value: T, what: str) -> list[T]:
+        """Every process's `value`, in rank order, on every process."""
+
 
 class SingleProcess:
     """One process: it is the primary, decisions are local calls, barriers are no-ops."""
@@ -38,3 +41,6 @@ class SingleProcess:
 
     def barrier(self, what: str) -> None:
         return None
+
+    def gather(self, value: T, what: str) -> list[T]:
+        return [value]

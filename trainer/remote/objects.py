@@ -62,7 +62,7 @@ def open_filesystem(location: StoreLocation, config: StoreConfig):
                          f"pip install {package}") from None
     if location.scheme == "s3":
         timeouts = {"connect_timeout": config.timeout_s, "read_timeout": config.timeout_s,
-                    "retries": {"max_attempts": 1, "mode": "standard"}}
+                    "retries": {"total_max_attempts": 1, "mode": "standard"}}
         filesystem = module.S3FileSystem(config_kwargs=timeouts, skip_instance_cache=True, use_listings_cache=False)
         filesystem.retries = 1  # a class attribute, not a constructor argument, in s3fs
         return filesystem
@@ -78,6 +78,18 @@ def is_transient(error: BaseException) -> bool:
     if isinstance(error, OSError) and error.errno in (errno.EINVAL, errno.ENOTEMPTY, errno.EMSGSIZE):
         return False
     return True
+
+
+def is_precondition_failure(error: BaseException) -> bool:
+    """S3's 412 (If-Match / If-None-Match did not hold), however the client wrapped it."""
+    for candidate in (error, error.__cause__, error.__context__):
+        response = getattr(candidate, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                return True
+    return False
 
 
 def describe(error: BaseException) -> str:
@@ -131,32 +143,22 @@ class ObjectStore:
         """Before any work: the bucket exists and answers with our credentials. One line and
         a non-zero exit otherwise (75 unreachable, 73 refused, 66 no such bucket)."""
         bucket = self.location.bucket
-        try:
-            exists = self.call(f"reaching bucket {bucket}", self._bucket_exists)
-            if exists:
-                self.call(f"listing {self.url}", lambda: self.fs.ls(self.location.path(), detail=False))
-        except StoreUnavailable as error:
-            raise StoreUnreachable(str(error).replace("earlier generations are intact; when the store is back, "
-                                                      "rerun with --resume auto",
-                                                      "check the endpoint (AWS_ENDPOINT_URL) and the network, "
-                                                      "then retry")) from None
-        except FileNotFoundError:
-            exists = True  # the prefix does not exist yet: a new run
-        if not exists:
-            raise NothingToResume(f"{self.url}: bucket {bucket} does not exist (or is not visible with these "
-                                  f"credentials); create it first, or fix the bucket name")
 
-    def _bucket_exists(self) -> bool:
-        """S3: HEAD the bucket, so refused credentials (PermissionError) and an unreachable
-        endpoint (a transient error) surface as such. s3fs's `exists(bucket)` swallows every
-        error of its probes and answers False, which would call both a missing bucket."""
-        if not hasattr(self.fs, "_call_s3"):
-            return self.fs.exists(self.location.bucket)
+        def list_bucket():
+            try:
+                self.fs.ls(bucket, detail=False, refresh=True)
+            except FileNotFoundError:
+                return False
+            return True
         try:
-            self._s3("head_bucket")
-        except FileNotFoundError:
-            return False
-        return True
+            exists = self.call(f"listing bucket {bucket}", list_bucket)
+        except StoreUnavailable as error:
+            raise StoreUnreachable(f"{self.url}: the store does not answer ({str(error).split(': ', 2)[-1]}"
+                                   .split("; earlier generations")[0] +
+                                   "); check the endpoint (AWS_ENDPOINT_URL) and the network, then retry") from None
+        if not exists:
+            raise NothingToResume(f"{self.url}: bucket {bucket} does not exist; create it first, or fix the "
+                                  f"bucket name")
 
     # ----------------------------------------------------------------- reads
     def list(self, key: str) -> list[str]:
@@ -169,7 +171,9 @@ class ObjectStore:
             except FileNotFoundError:
                 return []
         root = self.location.path()
-        return sorted(path[len(root) + 1:] for path in self.call(f"listing {self.url_of(key)}", find))
+        # Only what lies strictly under `key/`: some stores list an emptied folder as an entry.
+        return sorted(path[len(root) + 1:] for path in self.call(f"listing {self.url_of(key)}", find)
+                      if path.startswith(base + "/"))
 
     def read(self, key: str) -> bytes | None:
         """An object's bytes, or None if it does not exist."""
@@ -266,7 +270,7 @@ class ObjectStore:
             except FileExistsError as error:
                 raise PreconditionFailed(str(error)) from None
             except OSError as error:
-                if "PreconditionFailed" in str(error) or "412" in str(error) or "precondition" in str(error).lower():
+                if is_precondition_failure(error):
                     raise PreconditionFailed(str(error)) from None
                 raise
         return self.call(f"writing {self.url_of(key)}", put)

@@ -97,17 +97,28 @@ class RemoteSection:
         the same files is left as it is (an export replayed after a resume)."""
         started = time.monotonic()
         manifest_data = (directory / MANIFEST).read_bytes()
-        manifest = Manifest.from_json(json.loads(manifest_data))
+        files = dict(Manifest.from_json(json.loads(manifest_data)).files)
         existing = self.manifest_bytes(name)
-        if existing is not None and _files_of(existing) == dict(manifest.files):
+        if existing is not None and _files_of(existing) == files:
             return Transfer(0, time.monotonic() - started)
         fence()
-        if existing is not None:  # a different line's generation under this name: uncommit it first
-            self.objects.delete([self.key(name, MANIFEST)])
-        wanted = {self.key(name, file) for file in manifest.files}
-        stale = [key for key in self.objects.list(self.key(name)) if key not in wanted]
-        self.objects.delete(stale)
-        files = sorted(manifest.files)
+        self.clear(name, keep=set(files))
+        self.upload_files(name, directory, sorted(files), fence)
+        self.commit_manifest(name, manifest_data, files, fence)
+        return Transfer(sum(int(entry["bytes"]) for entry in files.values()), time.monotonic() - started)
+
+    def clear(self, name: str, keep: set[str] = frozenset()) -> None:
+        """Before writing `name`: uncommit what is committed there (another line's
+        generation under the same name) and delete leftovers, except objects named `keep`
+        (they are overwritten anyway)."""
+        self.objects.delete([self.key(name, MANIFEST)] if self.manifest_bytes(name) is not None else [])
+        self.objects.delete([key for key in self.objects.list(self.key(name))
+                             if key.split("/", 2)[2] not in keep])
+
+    def upload_files(self, name: str, directory: Path, files: list[str], fence: Callable[[], None]) -> None:
+        """The data objects, in parallel; `fence()` before each."""
+        if not files:
+            return
 
         def upload(index_file):
             index, file = index_file
@@ -117,17 +128,19 @@ class RemoteSection:
                 seams.crash_point("store-after-first-object")
         with ThreadPoolExecutor(min(PARALLEL_OBJECTS, len(files)), thread_name_prefix="upload") as pool:
             list(pool.map(upload, enumerate(files)))
-        for file in files:  # what the store holds is what the manifest will promise
+
+    def commit_manifest(self, name: str, manifest_data: bytes, files: dict, fence: Callable[[], None]) -> None:
+        """The commit: check the store holds every listed object at its size, then write the
+        manifest. From this instant the generation exists."""
+        for file, entry in sorted(files.items()):
             size = self.objects.size(self.key(name, file))
-            if size != manifest.files[file]["bytes"]:
-                raise OSError(f"{self.key(name, file)}: the store holds {size} bytes after the upload, "
-                              f"the manifest says {manifest.files[file]['bytes']}")
+            if size != entry["bytes"]:
+                raise OSError(f"{self.url(name)}/{file}: the store holds {size} bytes after the upload, "
+                              f"the manifest says {entry['bytes']}")
         seams.crash_point("store-before-manifest")
         fence()
         self.objects.write(self.key(name, MANIFEST), manifest_data)
         seams.crash_point("store-after-manifest")
-        return Transfer(sum(int(entry["bytes"]) for entry in manifest.files.values()),
-                        time.monotonic() - started)
 
     # ----------------------------------------------------------------- restore and verify
     def fetch(self, name: str, parent: Path) -> tuple[Verification, Transfer]:

@@ -1,0 +1,251 @@
+"""The run directory in an object store, end to end against a real S3 server (SeaweedFS):
+tiered saves, restore on a fresh machine, kill -9 at every step of the commit protocol, the
+store going away mid-save, the lease, and the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FINAL, REPO, attempts, compare, generation, one_error_line, run_cli, train
+from s3server import SeaweedServer
+
+
+
+def store_env(server: SeaweedServer, **extra) -> dict:
+    return {**server.env(), **extra}
+
+
+def keys(server: SeaweedServer, bucket: str, prefix: str) -> list[str]:
+    listed = server.client().list_objects_v2(Bucket=bucket, Prefix=prefix)
+    return sorted(item["Key"] for item in listed.get("Contents", []))
+
+
+def committed(server: SeaweedServer, bucket: str, run: str = "run") -> list[str]:
+    return sorted(key.split("/")[2] for key in keys(server, bucket, f"{run}/checkpoints/")
+                  if key.endswith("/manifest.json"))
+
+
+SHORT = ("--epochs", 3)
+SHORT_FINAL = "step-00000024"
+
+
+@pytest.fixture
+def bucket(s3_bucket) -> str:
+    return s3_bucket.name
+
+
+@pytest.fixture(scope="module")
+def short_baseline(tmp_path_factory) -> Path:
+    """An uninterrupted 3-epoch local run: what every short store run must end equal to."""
+    output = tmp_path_factory.mktemp("short-baseline") / "run"
+    train(output, *SHORT)
+    return output
+
+
+def same_as(baseline: Path, run: Path, name: str = SHORT_FINAL) -> bool:
+    return compare(generation(baseline, name), generation(run, name)).returncode == 0
+
+
+def test_interrupted_store_run_resumes_on_a_fresh_machine_exactly(s3_server, bucket, tmp_path, baseline):
+    """Generations are published on the local tier and made durable in the store; a new
+    machine (an empty local tier) restores from the store, verified while downloading."""
+    env, url = store_env(s3_server), f"s3://{bucket}/run"
+    first = train(url, "--local-tier", tmp_path / "node-a", "--interrupt-at-step", 27, expect=75, env=env)
+    assert "durable in s3://" in first.stdout and "step-00000024" in first.stdout.splitlines()[-1]
+    assert committed(s3_server, bucket) == ["step-00000008", "step-00000016", "step-00000024"]
+    # The store's manifest is the local one, byte for byte: the commit marker names the content.
+    local_manifest = (tmp_path / "node-a/checkpoints/step-00000024/manifest.json").read_bytes()
+    stored = s3_server.client().get_object(Bucket=bucket, Key="run/checkpoints/step-00000024/manifest.json")
+    assert stored["Body"].read() == local_manifest
+    interrupted = attempts(tmp_path / "node-a")[-1]
+    assert interrupted["durable"]["generations_published"] == "step-00000024"
+    assert all(entry["durable_s"] >= entry["save_s"] for entry in interrupted["generations_published"])
+
+    resumed = train(url, "--local-tier", tmp_path / "node-b", "--resume", env=env)
+    assert "restored step-00000024" in resumed.stdout
+    record = attempts(tmp_path / "node-b")[-1]  # node-b pulled node-a's record from the store
+    assert [a["status"] for a in attempts(tmp_path / "node-b")] == ["interrupted", "completed"]
+    assert record["costs"]["download_s"] > 0 and record["downloaded_bytes"] > 0
+    assert record["steps_replayed"] == 3
+    assert compare(generation(baseline), generation(tmp_path / "node-b")).returncode == 0
+    # The attempt records are in the store too.
+    assert len([k for k in keys(s3_server, bucket, "run/attempts/") if k.endswith("attempt.json")]) == 2
+    # Exports are committed the same way, and load with safetensors once downloaded.
+    from safetensors.torch import load_file
+    export = tmp_path / "export.safetensors"
+    export.write_bytes(s3_server.client().get_object(
+        Bucket=bucket, Key=f"run/exports/{FINAL}/model.safetensors")["Body"].read())
+    assert load_file(str(export)).keys() == load_file(str(tmp_path / "node-b/exports" / FINAL /
+                                                           "model.safetensors")).keys()
+
+
+def test_a_local_copy_is_used_only_when_it_is_the_committed_one(s3_server, bucket, tmp_path):
+    env, url, tier = store_env(s3_server), f"s3://{bucket}/run", tmp_path / "tier"
+    train(url, "--local-tier", tier, "--epochs", 2, "--interrupt-at-step", 12, expect=75, env=env)
+    reused = train(url, "--local-tier", tier, "--epochs", 3, "--resume", "--interrupt-at-step", 20,
+                   expect=75, env=env)
+    assert attempts(tier)[-1]["costs"].get("download_s") is None  # same manifest: no download
+    # A local copy the store does not hold (never made durable) is dropped, never restored.
+    forged = tier / "checkpoints" / "step-00000032"
+    os.rename(tier / "checkpoints" / "step-00000016", forged)
+    manifest = json.loads((forged / "manifest.json").read_text())
+    manifest.update(name="step-00000032", step=32)
+    (forged / "manifest.json").write_text(json.dumps(manifest))
+    again = train(url, "--local-tier", tier, "--epochs", 3, "--resume", env=env)
+    assert "dropped the local copy of checkpoints/step-00000032" in again.stdout
+    assert "restored step-00000016" in again.stdout
+    assert "download" in json.dumps(attempts(tier)[-1]["costs"])
+
+
+# ----------------------------------------------------------------- kill -9 in the commit protocol
+STORE_CRASHES = {
+    # point: (extra args, what the next start must say)
+    "store-after-first-object": ((), "has no manifest.json"),
+    "store-before-manifest": ((), "has no manifest.json"),
+    "store-after-manifest": ((), "restored step-00000008"),
+    "store-retention-after-uncommit": (("--keep-last", 1), "restored step-00000016"),
+}
+
+
+@pytest.mark.parametrize("point", sorted(STORE_CRASHES))
+def test_kill_9_anywhere_in_a_store_commit_then_resume_is_exact(s3_server, bucket, tmp_path, short_baseline,
+                                                                point):
+    extra, said = STORE_CRASHES[point]
+    env, url, tier = store_env(s3_server), f"s3://{bucket}/run", tmp_path / "tier"
+    killed = run_cli("--output", url, "--local-tier", tier, *SHORT, *extra,
+                     env={**env, "TRAINER_FAULT_POINT": point})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    # The next trainer takes over the dead holder's lease at once (same host, process gone).
+    resumed = train(url, "--local-tier", tier, *SHORT, *extra, "--resume", "auto", env=env)
+    assert said in resumed.stdout
+    assert "took over the lease" in resumed.stdout
+    assert same_as(short_baseline, tier)
+    names = committed(s3_server, bucket)
+    assert names[-1] == SHORT_FINAL
+    prefixes = {key.split("/")[2] for key in keys(s3_server, bucket, "run/checkpoints/")}
+    assert prefixes == set(names)  # no uncommitted leftover survives the next holder
+
+
+def test_an_uncommitted_prefix_is_never_selected_nor_damage(s3_server, bucket, tmp_path, short_baseline):
+    """What an interrupted `aws s3 sync` leaves: a newer prefix without its manifest."""
+    env, url = store_env(s3_server), f"s3://{bucket}/run"
+    train(url, "--local-tier", tmp_path / "a", *SHORT, "--interrupt-at-step", 20, expect=75, env=env)
+    client = s3_server.client()
+    for key in keys(s3_server, bucket, "run/checkpoints/step-00000016/"):
+        if not key.endswith("manifest.json"):
+            client.copy_object(Bucket=bucket, Key=key.replace("step-00000016", "step-00000040"),
+                               CopySource={"Bucket": bucket, "Key": key})
+    resumed = train(url, "--local-tier", tmp_path / "b", *SHORT, "--resume", env=env)
+    assert "step-00000040 has no manifest.json" in resumed.stdout and "restored step-00000016" in resumed.stdout
+    assert same_as(short_baseline, tmp_path / "b")
+
+
+def test_a_damaged_committed_generation_is_refused_naming_the_fallback(s3_server, bucket, tmp_path):
+    env, url = store_env(s3_server), f"s3://{bucket}/run"
+    train(url, "--local-tier", tmp_path / "a", "--epochs", 2, expect=0, env=env)
+    client = s3_server.client()
+    shard = next(k for k in keys(s3_server, bucket, "run/checkpoints/step-00000016/") if k.endswith(".distcp"))
+    body = client.get_object(Bucket=bucket, Key=shard)["Body"].read()
+    client.put_object(Bucket=bucket, Key=shard, Body=body[:-1] + bytes([body[-1] ^ 1]))
+    refused = run_cli("--output", url, "--local-tier", tmp_path / "b", "--epochs", 3, "--resume", env=env)
+    assert refused.returncode == 65
+    line = one_error_line(refused)
+    assert "step-00000016 is damaged" in line and "sha256 mismatch" in line
+    assert "--from-generation step-00000008" in line
+    assert not (tmp_path / "b" / "checkpoints" / "step-00000016").exists()  # nothing unverified kept
+
+
+# ----------------------------------------------------------------- the store going away
+def test_store_stopped_mid_save_fails_within_the_bound_then_resumes_exactly(tmp_path, short_baseline):
+    server = SeaweedServer(tmp_path / "server")
+    server.start()
+    try:
+        bucket = server.create_bucket()
+        env, url, tier = server.env(), f"s3://{bucket}/run", tmp_path / "tier"
+        args = ("--local-tier", tier, *SHORT, "--store-retries", 2, "--store-backoff-secs", 0.2,
+                "--store-timeout-secs", 2, "--log-every-steps", 1)
+        command = [sys.executable, "-m", "trainer", "--output", url, *map(str, args)]
+        process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env},
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for line in process.stdout:
+            if "durable generation step-00000008" in line:
+                server.stop()  # the store goes away while training saves step 16
+                stopped = time.monotonic()
+                break
+        out, err = process.communicate(timeout=120)
+        failed_after = time.monotonic() - stopped
+        assert process.returncode == 74, err[-2000:]
+        line = [l for l in err.splitlines() if l.startswith("trainer: error:")]
+        assert len(line) == 1 and url in line[0] and "after 3 tries" in line[0]
+        assert "Traceback" not in err
+        assert failed_after < 60  # bounded: 3 tries of at most 2 x 2 s, 0.6 s of backoff, plus training
+        server.start()
+        assert committed(server, bucket)[0] == "step-00000008"  # earlier generations intact
+        train(url, "--local-tier", tier, *SHORT, "--resume", env=env)
+        assert same_as(short_baseline, tier)
+    finally:
+        server.stop()
+
+
+# ----------------------------------------------------------------- single writer
+def test_a_second_trainer_on_the_same_prefix_is_refused_naming_the_holder(s3_server, bucket, tmp_path):
+    env, url = store_env(s3_server), f"s3://{bucket}/run"
+    command = [sys.executable, "-m", "trainer", "--output", url, "--local-tier", str(tmp_path / "a"),
+               "--epochs", 30, "--log-every-steps", 1]
+    first = subprocess.Popen(list(map(str, command)), cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in first.stdout:
+            if line.startswith("step="):
+                break
+        second = run_cli("--output", url, "--local-tier", tmp_path / "b", "--resume", "auto",
+                         "--lease-wait-secs", 0, env=env)
+        assert second.returncode == 73
+        line = one_error_line(second)
+        assert f"s3://{bucket}/run is in use by another trainer" in line and f"pid {first.pid}" in line
+        assert first.poll() is None  # untouched
+    finally:
+        first.send_signal(signal.SIGTERM)
+        _, said = first.communicate(timeout=60)
+    assert first.returncode == 75
+    # Preempted: the step reached is saved and made durable before exit, and the 75 line says so.
+    stopped = [line for line in said.splitlines() if line.startswith("trainer: stopped, resumable (exit 75)")]
+    assert len(stopped) == 1 and f"newest durable in s3://{bucket}/run: step-" in stopped[0]
+    durable = stopped[0].split(f"s3://{bucket}/run: ")[1].split(";")[0]
+    assert durable in committed(s3_server, bucket) and durable == committed(s3_server, bucket)[-1]
+
+
+# ----------------------------------------------------------------- bad input, before any training
+def test_wrong_credentials_missing_bucket_and_unreachable_endpoint_are_one_line(s3_server, bucket, tmp_path):
+    cases = {
+        "wrong credentials": (f"s3://{bucket}/run", {"AWS_SECRET_ACCESS_KEY": "not-the-secret"}, 73,
+                              "check the credentials"),
+        "missing bucket": ("s3://no-such-bucket-here/run", {}, 66, "bucket no-such-bucket-here does not exist"),
+        "no such host": (f"s3://{bucket}/run", {"AWS_ENDPOINT_URL": "http://no-such-host.invalid:9000"}, 75,
+                         "check the endpoint"),
+        "unreachable endpoint": (f"s3://{bucket}/run", {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, 75,
+                                 "check the endpoint"),
+    }
+    for name, (url, override, code, said) in cases.items():
+        result = run_cli("--output", url, "--local-tier", tmp_path / name.replace(" ", "-"), "--store-retries", 1,
+                         "--store-backoff-secs", 0.1, env={**s3_server.env(), **override})
+        assert result.returncode == code, (name, result.stderr[-1500:])
+        line = one_error_line(result)
+        assert said in line, (name, line)
+        assert "step=" not in result.stdout  # before any training
+        assert not (tmp_path / name.replace(" ", "-") / "attempts").exists()
+
+
+def test_unknown_scheme_and_store_options_without_a_store_are_usage_errors(tmp_path):
+    unknown = run_cli("--output", "ftp://host/run")
+    assert unknown.returncode == 2 and "unknown store scheme ftp://" in one_error_line(unknown)
+    stray = run_cli("--output", tmp_path / "run", "--local-tier", tmp_path / "tier")
+    assert stray.returncode == 2 and "--local-tier only apply to a run directory in a store" in one_error_line(stray)

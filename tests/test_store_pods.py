@@ -1,0 +1,174 @@
+"""Several pods on one store without a shared disk: two torchrun "nodes" on loopback, each with
+its own local tier, one S3 server (SeaweedFS). Each rank writes its own shards to the store,
+rank 0 commits; each rank restores from its own verified download. And the lease: a zombie
+writer whose lease was taken over cannot commit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, compare, one_error_line, run_cli
+from test_scale_out import TORCHRUN, clean_environment, free_port
+from test_store import committed, keys, store_env
+
+EPOCHS = ("--epochs", 2)  # 16 steps with two processes
+FINAL = "step-00000016"
+
+
+def two_nodes(url: str, tmp: Path, *args, env: dict, fault: dict | None = None,
+              timeout: float = 180) -> list[subprocess.CompletedProcess]:
+    """`torchrun --nnodes 2` twice on loopback (node 0 and node 1, one process each), each node
+    with its own --local-tier; the trainer's status of each node from TRAINER_EXIT_STATUS_FILE."""
+    port = free_port()
+    processes = []
+    for node in (0, 1):
+        status = tmp / f"status-{node}-{len(list(tmp.glob(f'status-{node}-*')))}"
+        command = [str(TORCHRUN), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+                   "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "trainer",
+                   "--output", url, "--local-tier", str(tmp / f"node-{node}"), *map(str, EPOCHS + args)]
+        node_env = clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), **env, **(fault or {}))
+        processes.append((subprocess.Popen(command, cwd=REPO, env=node_env, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True), status))
+    results = []
+    for process, status in processes:
+        out, err = process.communicate(timeout=timeout)
+        result = subprocess.CompletedProcess(process.args, process.returncode, out, err)
+        result.trainer_status = int(status.read_text()) if status.exists() else None
+        results.append(result)
+    return results
+
+
+def statuses(results) -> list:
+    return [result.trainer_status for result in results]
+
+
+def download(server, bucket: str, prefix: str, target: Path) -> Path:
+    client = server.client()
+    for key in keys(server, bucket, prefix):
+        path = target / key[len(prefix):].lstrip("/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    return target
+
+
+@pytest.fixture(scope="module")
+def baseline_two_nodes(s3_server, tmp_path_factory):
+    """An uninterrupted two-node run in the store, downloaded for comparison."""
+    bucket, tmp = s3_server.create_bucket(), tmp_path_factory.mktemp("two-node-baseline")
+    results = two_nodes(f"s3://{bucket}/run", tmp, env=store_env(s3_server))
+    assert statuses(results) == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+    return download(s3_server, bucket, f"run/checkpoints/{FINAL}", tmp / "final")
+
+
+def test_two_nodes_without_a_shared_disk_interrupt_and_resume_exactly(s3_server, s3_bucket, tmp_path,
+                                                                      baseline_two_nodes):
+    bucket = s3_bucket.name
+    url, env = f"s3://{bucket}/run", store_env(s3_server)
+    interrupted = two_nodes(url, tmp_path, "--interrupt-at-step", 11, env=env)
+    assert statuses(interrupted) == [75, 75]
+    assert committed(s3_server, bucket) == ["step-00000008"]
+    manifest = json.loads(s3_server.client().get_object(
+        Bucket=bucket, Key="run/checkpoints/step-00000008/manifest.json")["Body"].read())
+    # Rank 0 committed every rank's shards, hashed by the rank that wrote them.
+    assert {name.split("_")[2] for name in manifest["files"] if name.endswith(".distcp")} == {"0", "1"}
+    assert manifest["timings"]["mode"] == "sync-store"
+    # No node kept a local copy of a save (no shared disk to publish on).
+    assert not (tmp_path / "node-1" / "checkpoints" / "step-00000008").exists()
+
+    resumed = two_nodes(url, tmp_path, "--resume", env=env)
+    assert statuses(resumed) == [0, 0], resumed[0].stdout[-2000:] + resumed[1].stderr[-2000:]
+    assert "restored step-00000008" in resumed[0].stdout
+    final = download(s3_server, bucket, f"run/checkpoints/{FINAL}", tmp_path / "final")
+    assert compare(baseline_two_nodes, final).returncode == 0
+
+
+def test_kill_9_of_one_node_mid_save_restores_the_newest_committed(s3_server, s3_bucket, tmp_path,
+                                                                   baseline_two_nodes):
+    bucket = s3_bucket.name
+    url, env = f"s3://{bucket}/run", store_env(s3_server)
+    assert statuses(two_nodes(url, tmp_path, "--epochs", 1, env=env)) == [0, 0]  # commits step-00000008
+    # Node 1's rank dies by SIGKILL after uploading its first shard of step-00000016.
+    crashed = two_nodes(url, tmp_path, "--resume", env=env,
+                        fault={"TRAINER_FAULT_POINT": "store-after-first-object", "TRAINER_FAULT_RANK": "1"})
+    assert "fault injection: killing at store-after-first-object" in crashed[1].stderr
+    assert 0 not in statuses(crashed)
+    assert committed(s3_server, bucket) == ["step-00000008"]  # the torn step-00000016 is not committed
+
+    resumed = two_nodes(url, tmp_path, "--resume", env=env)
+    assert statuses(resumed) == [0, 0], resumed[0].stdout[-3000:]
+    assert "restored step-00000008" in resumed[0].stdout
+    assert "step-00000016 has no manifest.json" in resumed[0].stdout  # the torn prefix, removed
+    final = download(s3_server, bucket, f"run/checkpoints/{FINAL}", tmp_path / "final")
+    assert compare(baseline_two_nodes, final).returncode == 0
+
+
+def test_world_size_change_on_a_store_is_refused_then_allowed(s3_server, s3_bucket, tmp_path):
+    bucket = s3_bucket.name
+    url, env = f"s3://{bucket}/run", store_env(s3_server)
+    assert statuses(two_nodes(url, tmp_path, "--epochs", 1, env=env)) == [0, 0]
+    refused = run_cli("--output", url, "--local-tier", tmp_path / "single", *EPOCHS, "--resume", env=env)
+    assert refused.returncode == 65 and "world_size" in one_error_line(refused)
+    allowed = run_cli("--output", url, "--local-tier", tmp_path / "single", *EPOCHS, "--resume",
+                      "--allow-drift", "world_size", env=env)
+    assert allowed.returncode == 0, allowed.stderr[-2000:]
+    assert "restored step-00000008" in allowed.stdout
+
+
+def test_a_zombie_writer_whose_lease_was_taken_over_cannot_commit(s3_server, s3_bucket, tmp_path):
+    """Pause a writer (SIGSTOP) past its lease, start a new attempt, which takes the lease
+    over; resume the old one (SIGCONT): its next commit is refused and it exits 73 without
+    touching the new attempt's line."""
+    bucket = s3_bucket.name
+    url, env = f"s3://{bucket}/run", store_env(s3_server)
+    common = ["--output", url, "--epochs", 40, "--recover-every-steps", 4, "--lease-ttl-secs", 2,
+              "--log-every-steps", 1]
+    zombie = subprocess.Popen([sys.executable, "-m", "trainer", *map(str, common), "--local-tier",
+                               str(tmp_path / "zombie")], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    successor = zombie
+    try:
+        for line in zombie.stdout:
+            if line.startswith("durable generation step-00000008"):
+                break
+        zombie.send_signal(signal.SIGSTOP)
+        paused = time.monotonic()
+        successor = subprocess.Popen([sys.executable, "-m", "trainer", *map(str, common), "--local-tier",
+                                      str(tmp_path / "successor"), "--resume"], cwd=REPO,
+                                     env={**os.environ, "PYTHONPATH": str(REPO), **env},
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        said = []
+        for line in successor.stdout:
+            said.append(line)
+            if line.startswith("durable generation"):
+                break
+        assert any(line.startswith("took over the lease") for line in said)
+        assert time.monotonic() - paused >= 2  # only once the paused holder's lease expired
+        restored = int(next(line for line in said if line.startswith("restored ")).split()[1].split("-")[1])
+        zombie.send_signal(signal.SIGCONT)
+        _, zombie_err = zombie.communicate(timeout=120)
+        assert zombie.returncode == 73, zombie_err[-2000:]
+        assert "lost the lease" in zombie_err and "exiting without touching the newer attempt's line" in zombie_err
+        successor.send_signal(signal.SIGTERM)
+        successor.communicate(timeout=120)
+        assert successor.returncode == 75
+        # The new line is the successor's alone: every generation after the one it restored.
+        attempts_by_start = sorted((tmp_path / "successor" / "attempts").iterdir())
+        successor_id = attempts_by_start[-1].name
+        later = [name for name in committed(s3_server, bucket) if int(name.split("-")[1]) > restored]
+        assert later
+        for name in later:
+            manifest = json.loads(s3_server.client().get_object(
+                Bucket=bucket, Key=f"run/checkpoints/{name}/manifest.json")["Body"].read())
+            assert manifest["attempt"] == successor_id, name
+    finally:
+        for process in (zombie, successor):
+            if process.poll() is None:
+                process.kill()
