@@ -11,6 +11,7 @@ import importlib.util
 import json
 import shutil
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,6 +184,22 @@ def test_report_reads_the_attempt_records_from_the_store(run, cli):
     assert status == 0 and report["output"] == run.url
     assert [row["outcome"] for row in report["rows"]] == ["interrupted", "completed"]
     assert (report["totals"]["useful"], report["totals"]["computed"], report["totals"]["lost"]) == (16, 18, 2)
+
+
+def test_report_sees_a_live_trainer_by_its_lease(s3_server, run, cli):
+    """A `running` record in the store is live while its attempt renews the lease (on any
+    host), killed once the lease has not been renewed for its ttl."""
+    url, client = copy_run(s3_server, run, "live"), s3_server.client()
+    resumed = json.loads(cli("list", url, "--json")[1])["attempts"][1]["id"]
+    key = f"live/attempts/{resumed}/attempt.json"
+    record = json.loads(client.get_object(Bucket=run.bucket, Key=key)["Body"].read())
+    client.put_object(Bucket=run.bucket, Key=key, Body=json.dumps({**record, "status": "running"}).encode())
+    for renewed, outcome in ((time.time(), "running"), (time.time() - 3600, "killed")):
+        lease = {"attempt": record["id"], "host": "another-host", "pid": 1, "ttl_s": 30.0, "renewals": 3,
+                 "renewed_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(renewed))}
+        client.put_object(Bucket=run.bucket, Key="live/.trainer.lease", Body=json.dumps(lease).encode())
+        status, out, _ = cli("report", url, "--json")
+        assert status == 0 and [row["outcome"] for row in json.loads(out)["rows"]] == ["interrupted", outcome]
 
 
 def test_compare_downloads_store_generations(run, damaged, compare_cli):

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 
-from trainer.attempts import read_attempts
+from trainer.attempts import RUNNING, read_attempts
 from trainer.config import StoreConfig
 from trainer.errors import NothingToResume, UsageError
 from trainer.listing import (attempt_rows, local_row, print_report, print_run, print_verifications, publish_costs,
@@ -21,6 +23,7 @@ from trainer.listing import (attempt_rows, local_row, print_report, print_run, p
 from trainer.recovery.atomic import manifest_digest
 from trainer.recovery.manifest import InvalidManifest, Manifest
 from trainer.recovery.store import GenerationStore
+from trainer.remote.lease import LEASE
 from trainer.remote.location import StoreLocation, parse_store_url
 from trainer.remote.objects import ObjectStore
 from trainer.remote.sections import RemoteSection, digest_of
@@ -143,8 +146,9 @@ def verify_store(url: str, as_json: bool) -> int:
 
 # ----------------------------------------------------------------------------- report
 def store_report_command(url: str, as_json: bool, png: Path | None) -> int:
-    """The recovery report from the store's attempt records. A record reaches the store when
-    its attempt ends, so none reads as live (as for a trainer on another host)."""
+    """The recovery report from the store's attempt records (pushed at start and after every
+    commit). A `running` record is live only while its attempt holds the lease; a killed one's
+    wall time is estimated up to its last publish (the objects' times say nothing better)."""
     from trainer.report import build_report
 
     objects = open_store(parse_store_url(url))
@@ -152,7 +156,22 @@ def store_report_command(url: str, as_json: bool, png: Path | None) -> int:
     if not records:
         raise NothingToResume(f"no attempt records under {objects.url_of(ATTEMPTS)}; pass the --output URL of a "
                               f"run that has trained")
-    return print_report(build_report(records), objects.url, as_json, png)
+    running = {record["id"] for record in records if record.get("status") == RUNNING}
+    return print_report(build_report(records, frozenset(running & {leased_attempt(objects)})), objects.url,
+                        as_json, png)
+
+
+def leased_attempt(objects: ObjectStore) -> str | None:
+    """The attempt whose trainer holds the lease now: it renewed it less than its ttl ago. Every
+    holder renews, on whichever host it runs, so this sees a pod elsewhere (as far as the two
+    machines' clocks agree, to a second or so), which a local run's lock file cannot."""
+    data = objects.read(LEASE)
+    try:
+        holder = json.loads(data) if data is not None else {}
+        renewed = datetime.strptime(holder["renewed_utc"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+        return str(holder["attempt"]) if time.time() - renewed.timestamp() < float(holder["ttl_s"]) else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 # ----------------------------------------------------------------------------- compare
