@@ -1,16 +1,20 @@
 """python compare.py A B [--json]: prove two recovery generations hold the same training state.
 
-Exit 0 iff every field is bit-identical, 1 if any differs, 2 if an input is unreadable,
-75 if interrupted (Ctrl-C, SIGTERM). The logic lives in trainer/compare.py; this file is
-only the command.
+A and B are generation directories or their store URLs (s3://BUCKET/RUN/checkpoints/step-…,
+downloaded and verified into a temporary directory). Exit 0 iff every field is bit-identical,
+1 if any differs, 2 if an input is unreadable, 75 if interrupted (Ctrl-C, SIGTERM) or a store
+cannot be reached (retry later). The logic lives in trainer/compare.py; this file is only the
+command.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from trainer.errors import EXIT_INTERRUPTED, TrainerError
@@ -18,20 +22,23 @@ from trainer.errors import EXIT_INTERRUPTED, TrainerError
 
 def compare(argv: list[str] | None) -> int:
     from trainer.cli import OneLineParser  # imports torch: inside the interruptible part
+    from trainer.options import location_argument
 
     parser = OneLineParser(prog="python compare.py", description=__doc__.splitlines()[0])
-    parser.add_argument("a", type=Path, help="baseline generation, e.g. outputs/baseline/checkpoints/step-00000064")
-    parser.add_argument("b", type=Path, help="resumed generation")
+    parser.add_argument("a", type=location_argument,
+                        help="baseline generation, e.g. outputs/baseline/checkpoints/step-00000064, or its store "
+                             "URL s3://BUCKET/RUN/checkpoints/step-00000064")
+    parser.add_argument("b", type=location_argument, help="resumed generation (a directory or a store URL)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     try:
         args = parser.parse_args(argv)
-        from trainer.compare import as_json, compare_states, format_table, load_generation
-
-        results = compare_states(load_generation(args.a), load_generation(args.b))
+        results = compare_inputs(args.a, args.b)
     except TrainerError as error:
         print(f"compare: error: {error}", file=sys.stderr)
-        return 2
+        return EXIT_INTERRUPTED if error.exit_code == EXIT_INTERRUPTED else 2
     try:
+        from trainer.compare import as_json, format_table
+
         print(json.dumps(as_json(args.a, args.b, results), indent=2) if args.json else format_table(results),
               flush=True)
     except BrokenPipeError:
@@ -40,7 +47,20 @@ def compare(argv: list[str] | None) -> int:
     return 0 if all(r.equal for r in results) else 1
 
 
+def compare_inputs(a: Path | str, b: Path | str) -> list:
+    """Field results of two generations; one named by store URL is downloaded (verified while it
+    streams) into a temporary directory that is gone afterwards."""
+    from trainer.compare import compare_states, load_generation
+    from trainer.store_reading import local_generation
+
+    with tempfile.TemporaryDirectory(prefix="compare-") as scratch:
+        return compare_states(load_generation(local_generation(a, Path(scratch) / "a")),
+                              load_generation(local_generation(b, Path(scratch) / "b")))
+
+
 def main(argv: list[str] | None = None) -> int:
+    # Store retries are reported as they happen, on stdout as the trainer does: stderr keeps one line.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
     try:
         return compare(argv)
     except KeyboardInterrupt:

@@ -23,7 +23,8 @@ LAYERS = [
     {"trainer.state", "trainer.cadence", "trainer.retention", "trainer.export", "trainer.lock",
      "trainer.preemption", "trainer.events", "trainer.batching", "trainer.fetching", "trainer.fingerprint",
      "trainer.workload", "trainer.attempts", "trainer.distributed", "trainer.runtime", "trainer.compare",
-     "trainer.listing", "trainer.report", "trainer.timeline", "trainer.progress", "trainer.tiering"},
+     "trainer.listing", "trainer.report", "trainer.timeline", "trainer.progress", "trainer.tiering",
+     "trainer.store_reading"},
     # Saving on cadence and stepping the optimizer, then the loop that runs one attempt.
     {"trainer.saving", "trainer.stepping"},
     {"trainer.loop"},

@@ -66,7 +66,7 @@ def chosen_workload(argv: list[str]) -> str:
 def trainer_parser() -> OneLineParser:
     parser = OneLineParser(prog="python -m trainer",
                            description="Train with exact, crash-safe recovery. "
-                                       "Other commands: `list DIR`, `report DIR`, `verify DIR|GEN`.")
+                                       "Other commands: `list DIR|URL`, `report DIR|URL`, `verify DIR|GEN|URL`.")
     parser.add_argument("--output", type=location_argument,
                         help="run directory (generations, exports, attempt records): a local path, or a store "
                              "URL s3://BUCKET/PREFIX (gs://, az://) to make every generation durable there")
@@ -295,39 +295,68 @@ def train_in(config: RunConfig, launch: LaunchEnvironment, events=None) -> int:
     return outcome.status
 
 
+RUN_OR_URL = "a run directory, or the store URL of one (s3://BUCKET/RUN)"
+
+
 def run_list(argv: list[str]) -> int:
-    parser = OneLineParser(prog="python -m trainer list", description="Generations, exports and attempts.")
-    parser.add_argument("directory", type=path_argument)
+    parser = OneLineParser(prog="python -m trainer list",
+                           description="Generations, exports and attempts; for a run in a store, also which "
+                                       "generations are durable and which this machine's local tier holds.")
+    parser.add_argument("directory", type=location_argument, metavar="DIR|URL", help=RUN_OR_URL)
+    parser.add_argument("--local-tier", type=path_argument, metavar="DIR",
+                        help="with a URL: this machine's working copy of the run (default: the trainer's default "
+                             "local tier of that URL)")
+    parser.add_argument("--store", type=location_argument, metavar="URL",
+                        help="with a DIR that is the local tier of a run in a store: list that run, DIR as its "
+                             "local tier (the same as `list URL --local-tier DIR`)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
-    from trainer.listing import list_run
+    from trainer.listing import list_run, require_run_directory
+    from trainer.store_reading import list_store_run
 
-    return list_run(args.directory, args.json)
+    if isinstance(args.directory, str):
+        if args.store is not None:
+            raise UsageError("--store goes with a local run directory; with a URL, name the local tier with "
+                             "--local-tier DIR")
+        return list_store_run(args.directory, args.local_tier, args.json)
+    if args.local_tier is not None:
+        raise UsageError("--local-tier goes with a store URL; for a local run directory that is the local tier "
+                         "of a run in a store, add --store URL")
+    if args.store is None:
+        return list_run(args.directory, args.json)
+    if not isinstance(args.store, str):
+        raise UsageError(f"--store takes a store URL (s3://BUCKET/RUN), not the path {args.store}")
+    require_run_directory(args.directory)
+    return list_store_run(args.store, args.directory, args.json)
 
 
 def run_verify(argv: list[str]) -> int:
     parser = OneLineParser(prog="python -m trainer verify",
                            description="Re-hash every file of generations and exports against their manifests.")
-    parser.add_argument("path", type=path_argument, help="a run directory, or one generation/export directory")
+    parser.add_argument("path", type=location_argument, metavar="DIR|GEN|URL",
+                        help="a run directory or one generation/export directory, or the store URL of either")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     from trainer.listing import verify_path
+    from trainer.store_reading import verify_store
 
-    return verify_path(args.path, args.json)
+    return verify_store(args.path, args.json) if isinstance(args.path, str) else verify_path(args.path, args.json)
 
 
 def run_report(argv: list[str]) -> int:
     parser = OneLineParser(prog="python -m trainer report",
                            description="Recovery report: per attempt, steps computed, replayed and lost and what "
                                        "restores and saves cost; goodput and time lost for the run.")
-    parser.add_argument("directory", type=path_argument)
+    parser.add_argument("directory", type=location_argument, metavar="DIR|URL", help=RUN_OR_URL)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--png", type=path_argument, metavar="FILE",
                         help="also draw the timeline of the attempts into FILE (PNG, 1600x900)")
     args = parser.parse_args(argv)
     from trainer.listing import report_command
+    from trainer.store_reading import store_report_command
 
-    return report_command(args.directory, args.json, args.png)
+    command = store_report_command if isinstance(args.directory, str) else report_command
+    return command(args.directory, args.json, args.png)
 
 
 COMMANDS = {"list": run_list, "report": run_report, "verify": run_verify}

@@ -27,6 +27,10 @@ T = TypeVar("T")
 CHUNK = 8 << 20
 """Bytes per read when streaming an object to disk (and through sha256)."""
 
+CREDENTIAL_ERRORS = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"})
+"""botocore's "no usable credentials", found by name (this module imports no client library):
+no retry can help, so they are refused like a 403 (73), not retried into "unreachable" (75)."""
+
 
 class StoreUnavailable(StorageFailure):
     """The store did not answer within the retry bound (exit 74)."""
@@ -117,11 +121,11 @@ class ObjectStore:
         for attempt in range(config.retries + 1):
             try:
                 return operation()
-            except PermissionError as error:
-                raise StoreAccessDenied(f"{self.url}: {what} refused: {describe(error)}; check the credentials "
-                                        f"(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the mounted connection "
-                                        f"secret) and the bucket's permissions") from None
             except Exception as error:  # noqa: BLE001 - classified right here
+                if isinstance(error, PermissionError) or type(error).__name__ in CREDENTIAL_ERRORS:
+                    raise StoreAccessDenied(f"{self.url}: {what} refused: {describe(error)}; check the credentials "
+                                            f"(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the mounted connection "
+                                            f"secret) and the bucket's permissions") from None
                 if not is_transient(error) or attempt == config.retries:
                     if not is_transient(error):
                         raise
