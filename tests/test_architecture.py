@@ -26,7 +26,7 @@ LAYERS = [
      "trainer.listing", "trainer.report", "trainer.timeline", "trainer.progress", "trainer.tiering",
      "trainer.store_reading"},
     # Saving on cadence and stepping the optimizer, then the loop that runs one attempt.
-    {"trainer.saving", "trainer.stepping"},
+    {"trainer.saving", "trainer.stepping", "trainer.store_side"},
     {"trainer.loop"},
     # The edges: Polyaxon tracking and where a tracked run keeps its run directory, the command line.
     {"trainer.tracking", "trainer.polyaxon_store"},

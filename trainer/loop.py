@@ -43,17 +43,13 @@ from trainer.recovery.manifest import Verification
 from trainer.recovery.restore import restore
 from trainer.recovery.resume import choose_candidate, set_aside_later_line, verify_candidate
 from trainer.recovery.store import GenerationStore
-from trainer.remote.lease import StoreLease
-from trainer.remote.location import parse_store_url
-from trainer.remote.objects import ObjectStore
-from trainer.remote.direct import StoreCheckpointer
-from trainer.remote.sections import RemoteSection, Transfer
-from trainer.run_dir import CHECKPOINTS, MANIFEST, RunDirectory
+from trainer.remote.sections import Transfer
+from trainer.run_dir import RunDirectory
 from trainer.runtime import configure_determinism, resolve_device
 from trainer.saving import CadencedSaves, Lineage
 from trainer.state import TrainingState
 from trainer.stepping import OptimizerSteps
-from trainer.tiering import RemoteRun, StoreRetention, Uploader
+from trainer.store_side import StoreSide
 from trainer.workload import BoundWorkload, build_workload, dataset_fingerprint
 
 log = logging.getLogger("trainer")
@@ -99,9 +95,8 @@ class TrainingRun:
         """This attempt's record once started (it then records its own end)."""
         self.progress = Progress.for_stdout(config.progress, ranks.is_primary)
         """Progress lines, or a status line on a terminal: rank 0 only."""
-        self.remote: RemoteRun | None = None
-        """Rank 0, when the run directory lives in a store: the store and the local tier."""
-        self.lease: StoreLease | None = None
+        self.store = StoreSide(config) if config.store is not None else None
+        """When the run directory lives in an object store (`--output s3://…`)."""
 
     # ----------------------------------------------------------------- top level
     def run(self) -> Outcome:
@@ -132,23 +127,22 @@ class TrainingRun:
         run.prepare(must_exist=asked_to_resume and config.store is None)
         held.enter_context(OutputLock(run.root))
         self.claimed = run
-        if config.store is not None:
-            self.remote = self.claim_store(run, held)
+        remote = self.store.claim(run, self.attempt_id, held) if self.store else None
         stores = (GenerationStore(run.checkpoints), GenerationStore(run.exports))
         for store in stores:
             for name in store.recover_interrupted_replacements():
                 log.warning("restored %s/%s: a crash interrupted its replacement", store.root.name, name)
-            for name in store.uncommitted() if self.remote is None else ():
+            for name in store.uncommitted() if remote is None else ():
                 log.warning("%s has no manifest: an uncommitted copy (kept, never selected)", store.path(name))
         started = time.monotonic()
-        if self.remote is not None:
-            names, where = self.remote.reconcile(), self.remote.generations.url("").rstrip("/")
+        if remote is not None:
+            names, where = remote.reconcile(), remote.generations.url("").rstrip("/")
         else:
             names, where = stores[0].names(), str(stores[0].root)
         self.considered = choose_candidate(names, config.resume, config.from_generation, where)
         generation, download = None, Transfer(0, 0.0)
-        if self.considered and self.remote is not None:
-            generation, download = self.remote.restorable(self.considered, names)
+        if self.considered and remote is not None:
+            generation, download = remote.restorable(self.considered, names)
         elif self.considered:
             generation = verify_candidate(stores[0], self.considered)
         verify_s = time.monotonic() - started - download.seconds
@@ -158,27 +152,10 @@ class TrainingRun:
         return Claim(run, self.attempt_id, generation, verify_s,
                      manifest_digest(generation.path) if generation else None, download)
 
-    def claim_store(self, run: RunDirectory, held: contextlib.ExitStack) -> RemoteRun:
-        """Rank 0, the run directory in a store: reach it, take its lease, bring the attempt
-        history to the local tier."""
-        settings = self.config.store_config
-        objects = ObjectStore(parse_store_url(self.config.store), settings)
-        objects.check_reachable()
-        self.lease = held.enter_context(StoreLease(objects, self.attempt_id, settings.lease_ttl_s,
-                                                   settings.lease_wait_s))
-        remote = RemoteRun(objects, run)
-        remote.pull_attempts()
-        return remote
-
     def push_record(self) -> None:
-        """Copy this attempt's record to the store (rank 0 with a store); never raises: the
-        attempt's own outcome is what must reach the user."""
-        if self.remote is None or self.claimed is None:
-            return
-        try:
-            self.remote.push_attempt(self.claimed.attempt_folder(self.attempt_id))
-        except Exception as error:  # noqa: BLE001
-            log.warning("could not copy the attempt record to %s: %s", self.remote.url, error)
+        """Rank 0 with a store: copy this attempt's record there."""
+        if self.store is not None and self.claimed is not None:
+            self.store.push_record(self.claimed.attempt_folder(self.attempt_id))
 
     def record_refusal(self, refusal: TrainerError) -> None:
         """Rank 0, holding the output, refused to train (65, 70) before its record started:
@@ -222,7 +199,8 @@ class TrainingRun:
         if claim.download.bytes:
             recorder.downloaded(claim.download.seconds, claim.download.bytes)
         saves = CadencedSaves(config, claim.run, checkpointer, lineage, ranks, recorder, self.events, self.attempt_id,
-                              self.uploader(lineage))
+                              self.store.uploader(lineage.protected, claim.run.attempt_folder(self.attempt_id))
+                              if self.store else None)
         preemption.last_words = lambda reason: recorder.ended(PREEMPTED, EXIT_INTERRUPTED, reason)
         try:
             self.events.attempt_started(recorder.record)
@@ -240,49 +218,12 @@ class TrainingRun:
             raise
 
     def checkpointer(self, mode: str, claim: Claim):
-        """Local publishing (and, with a store, tiered uploads); or, for several processes
-        with a store, saves straight to the store from every rank's own disk."""
-        ranks = self.ranks
-        if self.config.store is None or not ranks.distributed:
-            return build_checkpointer(mode, GenerationStore(claim.run.checkpoints), self.attempt_id, ranks.device,
-                                      ranks)
-        scratch = GenerationStore(RunDirectory(self.config.output).checkpoints)
-        return StoreCheckpointer(self.store_section(), scratch, self.attempt_id, ranks,
-                                 self.lease.fence if self.lease else None)
-
-    def store_section(self) -> RemoteSection:
-        """The store's generations, from this rank (rank 0 reuses the claimed store)."""
-        if self.remote is not None:
-            return self.remote.generations
-        return RemoteSection(ObjectStore(parse_store_url(self.config.store), self.config.store_config), CHECKPOINTS)
-
-    def local_copy(self, generation: Verification) -> Verification:
-        """Ranks other than 0 with a store: the generation rank 0 verified, on this rank's own
-        disk (its own download, verified while streaming, unless the same copy is there)."""
-        if self.ranks.is_primary or self.config.store is None:
-            return generation
-        local = GenerationStore(RunDirectory(self.config.output).checkpoints)
-        mine = local.path(generation.name)
-        if (mine / MANIFEST).is_file():
-            present = local.verify(generation.name)
-            if present.ok and present.manifest == generation.manifest:
-                return present
-        if mine.exists():
-            local.remove(generation.name)
-        fetched, _ = self.store_section().fetch(generation.name, local.root)
-        if not fetched.ok:
-            raise CorruptGeneration(f"generation {generation.name} is damaged as this rank downloaded it: "
-                                    f"{fetched.problem}; resume again (rank 0 verified it moments ago)")
-        return fetched
-
-    def uploader(self, lineage: Lineage) -> Uploader | None:
-        """Rank 0 with a store: the background uploader that makes published generations durable."""
-        if self.remote is None:
-            return None
-        settings, retention = self.config.store_config, self.config.retention
-        return Uploader(self.remote, max(1, settings.max_pending_uploads), self.lease.fence,
-                        StoreRetention(retention.keep_last, retention.keep_every, retention.keep_exports),
-                        lineage.protected, self.claimed.attempt_folder(self.attempt_id))
+        """Local publishing (with a store, followed by tiered uploads); or, for several
+        processes with a store, saves straight to the store from every rank's own disk."""
+        if self.store is not None and self.ranks.distributed:
+            return self.store.checkpointer(self.attempt_id, self.ranks)
+        return build_checkpointer(mode, GenerationStore(claim.run.checkpoints), self.attempt_id, self.ranks.device,
+                                  self.ranks)
 
     def start_record(self, claim: Claim, history: list[dict], fingerprint: dict, drift: list[str],
                      mode: str) -> AttemptRecorder:
@@ -320,7 +261,10 @@ class TrainingRun:
     def restore_state(self, claim: Claim, state: TrainingState, drift: list[str], saves: CadencedSaves) -> None:
         """The mirror of a save, then what continues across processes: an allowed config
         change, the cadence counters, and (going back) the abandoned later line."""
-        restored = restore(self.local_copy(claim.generation), state)
+        generation = claim.generation
+        if self.store is not None and not self.ranks.is_primary:
+            generation = self.store.local_copy(generation)
+        restored = restore(generation, state)
         if state.progress.global_step != restored.step:
             raise CorruptGeneration(f"generation {restored.name} holds step {state.progress.global_step}, but its "
                                     f"manifest says {restored.step}; restore another one with --from-generation")
@@ -344,8 +288,8 @@ class TrainingRun:
             return []
         abandoned = set_aside_later_line(GenerationStore(run.checkpoints), GenerationStore(run.exports),
                                          restored_step)
-        if self.remote is not None:
-            abandoned += self.remote.set_aside_later_than(restored_step, self.lease.fence)
+        if self.store is not None:
+            abandoned += self.store.set_aside_later_than(restored_step)
         if abandoned:
             log.warning("went back to %s: set aside %d later generations and exports (%s), kept as "
                         "superseded copies", self.config.from_generation, len(abandoned), ", ".join(abandoned))
@@ -436,8 +380,8 @@ class TrainingRun:
                        "final_loss": state.history.loss[-1] if state.history.loss else None,
                        "history": {"loss": state.history.loss, "lr": state.history.lr}}
             said = f"completed {step} steps; newest generation {summary['final_generation']}"
-        if self.remote is not None:  # what survives this machine, in the log, the record and the 75 line
-            durable = f"newest durable in {self.remote.url}: {self.recorder.newest_durable or self.considered or 'none'}"
+        if self.store is not None and self.ranks.is_primary:  # what survives this machine: log, record, 75 line
+            durable = f"newest durable in {self.store.url}: {self.recorder.newest_durable or self.considered or 'none'}"
             said += f"; {durable}"
             reason = f"{reason}; {durable}" if reason else reason
         self.recorder.reached(step)
