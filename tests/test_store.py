@@ -90,8 +90,8 @@ def test_interrupted_store_run_resumes_on_a_fresh_machine_exactly(s3_server, buc
 def test_a_local_copy_is_used_only_when_it_is_the_committed_one(s3_server, bucket, tmp_path):
     env, url, tier = store_env(s3_server), f"s3://{bucket}/run", tmp_path / "tier"
     train(url, "--local-tier", tier, "--epochs", 2, "--interrupt-at-step", 12, expect=75, env=env)
-    reused = train(url, "--local-tier", tier, "--epochs", 3, "--resume", "--interrupt-at-step", 20,
-                   expect=75, env=env)
+    train(url, "--local-tier", tier, "--epochs", 3, "--resume", "--interrupt-at-step", 20,
+          expect=75, env=env)
     assert attempts(tier)[-1]["costs"].get("download_s") is None  # same manifest: no download
     # A local copy the store does not hold (never made durable) is dropped, never restored.
     forged = tier / "checkpoints" / "step-00000032"
