@@ -106,32 +106,35 @@ def test_a_local_copy_is_used_only_when_it_is_the_committed_one(s3_server, bucke
 
 
 # ----------------------------------------------------------------- kill -9 in the commit protocol
-STORE_CRASHES = {
-    # point: (extra args, what the next start must say)
-    "store-after-first-object": ((), "has no manifest.json"),
-    "store-before-manifest": ((), "has no manifest.json"),
-    "store-after-manifest": ((), "restored step-00000008"),
-    "store-retention-after-uncommit": (("--keep-last", 1), "restored step-00000016"),
-}
+STORE_CRASHES = [
+    # (crash point, extra options, what the start after the crash must say, committed after the crash)
+    ("store-after-first-object", (), None, []),
+    ("store-before-manifest", (), "step-00000008 has no manifest.json", []),
+    ("store-after-manifest", (), "step-00000008 has no manifest.json", ["step-00000008"]),
+    # keep-last 1: step-00000016 stays (the restored step-00000008 is protected) until step-00000024 lands.
+    ("store-retention-after-uncommit", ("--keep-last", 1), "restored step-00000008",
+     ["step-00000008", "step-00000024"]),
+]
 
 
-@pytest.mark.parametrize("point", sorted(STORE_CRASHES))
-def test_kill_9_anywhere_in_a_store_commit_then_resume_is_exact(s3_server, bucket, tmp_path, short_baseline,
-                                                                point):
-    extra, said = STORE_CRASHES[point]
+def test_kill_9_anywhere_in_a_store_commit_then_resume_is_exact(s3_server, bucket, tmp_path, short_baseline):
+    """One run killed at each point of the store commit protocol in turn, each start resuming
+    what the previous one left: only committed generations are ever restored, the uncommitted
+    leftover is deleted, the dead holder's lease is taken over at once (same host, process
+    gone), and the run ends equal to the uninterrupted one."""
     env, url, tier = store_env(s3_server), f"s3://{bucket}/run", tmp_path / "tier"
-    killed = run_cli("--output", url, "--local-tier", tier, *SHORT, *extra,
-                     env={**env, "TRAINER_FAULT_POINT": point})
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    # The next trainer takes over the dead holder's lease at once (same host, process gone).
-    resumed = train(url, "--local-tier", tier, *SHORT, *extra, "--resume", "auto", env=env)
-    assert said in resumed.stdout
-    assert "took over the lease" in resumed.stdout
+    for point, extra, said, after in STORE_CRASHES:
+        killed = run_cli("--output", url, "--local-tier", tier, *SHORT, *extra, "--resume", "auto",
+                         env={**env, "TRAINER_FAULT_POINT": point})
+        assert killed.returncode == -signal.SIGKILL, (point, killed.stderr[-2000:])
+        assert said is None or said in killed.stdout, (point, killed.stdout[-2000:])
+        assert committed(s3_server, bucket) == after, point
+    resumed = train(url, "--local-tier", tier, *SHORT, "--keep-last", 1, "--resume", "auto", env=env)
+    assert "restored step-00000024" in resumed.stdout and "took over the lease" in resumed.stdout
+    assert "step-00000016 has no manifest.json" in resumed.stdout  # the rest of the cut-short removal
     assert same_as(short_baseline, tier)
-    names = committed(s3_server, bucket)
-    assert names[-1] == SHORT_FINAL
     prefixes = {key.split("/")[2] for key in keys(s3_server, bucket, "run/checkpoints/")}
-    assert prefixes == set(names)  # no uncommitted leftover survives the next holder
+    assert prefixes == set(committed(s3_server, bucket)) == {"step-00000008", SHORT_FINAL}
 
 
 def test_an_uncommitted_prefix_is_never_selected_nor_damage(s3_server, bucket, tmp_path, short_baseline):
