@@ -229,12 +229,12 @@ def test_a_second_trainer_on_the_same_prefix_is_refused_naming_the_holder(s3_ser
 # ----------------------------------------------------------------- bad input, before any training
 def test_wrong_credentials_missing_bucket_and_unreachable_endpoint_are_one_line(s3_server, bucket, tmp_path):
     cases = {
-        "wrong credentials": (f"s3://{bucket}/run", {"AWS_SECRET_ACCESS_KEY": "not-the-secret"}, 73,
+        "wrong credentials": (f"s3://{bucket}/run", {"AWS_SECRET_ACCESS_KEY": "not-the-secret"}, 74,
                               "check the credentials"),
         "missing bucket": ("s3://no-such-bucket-here/run", {}, 66, "bucket no-such-bucket-here does not exist"),
-        "no such host": (f"s3://{bucket}/run", {"AWS_ENDPOINT_URL": "http://no-such-host.invalid:9000"}, 75,
+        "no such host": (f"s3://{bucket}/run", {"AWS_ENDPOINT_URL": "http://no-such-host.invalid:9000"}, 74,
                          "check the endpoint"),
-        "unreachable endpoint": (f"s3://{bucket}/run", {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, 75,
+        "unreachable endpoint": (f"s3://{bucket}/run", {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, 74,
                                  "check the endpoint"),
     }
     for name, (url, override, code, said) in cases.items():

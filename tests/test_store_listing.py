@@ -223,9 +223,9 @@ def test_bad_store_inputs_are_one_line_with_their_exit_code(run, cli):
     cases = [
         (("list", "ftp://bucket/run"), {}, 2, "unknown store scheme ftp://"),
         (("list", "s3://no-such-bucket-0123/run"), {}, 66, "bucket no-such-bucket-0123 does not exist"),
-        (("verify", run.url), {"AWS_SECRET_ACCESS_KEY": "wrong"}, 73, "refused"),
-        (("list", run.url), {"AWS_ACCESS_KEY_ID": "nobody"}, 73, "check the credentials"),
-        (("report", run.url), {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{closed_port()}"}, 75,
+        (("verify", run.url), {"AWS_SECRET_ACCESS_KEY": "wrong"}, 74, "refused"),
+        (("list", run.url), {"AWS_ACCESS_KEY_ID": "nobody"}, 74, "check the credentials"),
+        (("report", run.url), {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{closed_port()}"}, 74,
          "check the endpoint (AWS_ENDPOINT_URL)"),
         (("list", nowhere), {}, 66, f"nothing under {nowhere}"),
         (("verify", nowhere), {}, 66, f"no committed generations or exports under {nowhere}"),
@@ -242,7 +242,7 @@ def test_bad_compare_inputs_are_one_line(run, compare_cli):
         (("ftp://a/b", "s3://x/y"), {}, 2, "unknown store scheme ftp://"),
         ((run.url, run.url), {}, 2, f"{run.url} names no generation"),
         ((f"{run.url}/checkpoints/{G8}", f"{run.url}/checkpoints/{G16}"),
-         {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{closed_port()}"}, 75, "check the endpoint"),
+         {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{closed_port()}"}, 74, "check the endpoint"),
     ]:
         status, _, err = compare_cli(*args, **env)
         assert (status, len(err.splitlines())) == (expected, 1) and words in err, (args, status, err)

@@ -36,7 +36,7 @@ bound is for unattended runs."""
 
 
 def open_store(location: StoreLocation) -> ObjectStore:
-    """The run's objects, once the bucket answered (75 unreachable, 73 refused, 66 no bucket)."""
+    """The run's objects, once the bucket answered (74 unreachable or refused, 66 no bucket)."""
     objects = ObjectStore(location, READ_CONFIG)
     objects.check_reachable()
     return objects

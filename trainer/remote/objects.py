@@ -29,23 +29,19 @@ CHUNK = 8 << 20
 
 CREDENTIAL_ERRORS = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"})
 """botocore's "no usable credentials", found by name (this module imports no client library):
-no retry can help, so they are refused like a 403 (73), not retried into "unreachable" (75)."""
+no retry can help, so they are refused like a 403 at once, not retried into "unreachable"."""
 
 
 class StoreUnavailable(StorageFailure):
     """The store did not answer within the retry bound (exit 74)."""
 
 
-class StoreUnreachable(TrainerError):
-    """The store could not be reached when the run started: nothing was done, retry later."""
-
-    exit_code = 75
+class StoreUnreachable(StorageFailure):
+    """The store could not be reached when the run started (exit 74): nothing was done."""
 
 
-class StoreAccessDenied(TrainerError):
-    """The store refused our credentials or permissions."""
-
-    exit_code = 73
+class StoreAccessDenied(StorageFailure):
+    """The store refused our credentials or permissions (exit 74, like a local EACCES)."""
 
 
 class PreconditionFailed(Exception):
@@ -141,7 +137,7 @@ class ObjectStore:
 
     def check_reachable(self) -> None:
         """Before any work: the bucket exists and answers with our credentials. One line and
-        a non-zero exit otherwise (75 unreachable, 73 refused, 66 no such bucket)."""
+        a non-zero exit otherwise (74 unreachable or refused, 66 no such bucket)."""
         bucket = self.location.bucket
 
         def list_bucket():
