@@ -26,10 +26,12 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 tests
 
 # Quick checkpoint benchmarks (ratios against raw disk, torch.save and stock dcp.save measured
-# in the same run); see docs/checkpoint-modes.md for the full-size commands.
+# in the same run; the store's against plain S3 clients on a loopback SeaweedFS it starts);
+# see docs/checkpoint-modes.md for the full-size commands.
 bench: $(STAMP)
 	$(PY) bench/checkpoint_bench.py --quick
 	$(PY) bench/loop_overhead.py --quick
+	$(PY) bench/store_bench.py --quick
 
 clean:
 	rm -rf outputs .pytest_cache

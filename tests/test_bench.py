@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -13,13 +15,34 @@ BENCHMARKS = sorted(path for path in (REPO / "bench").glob("*.py") if "--quick" 
 
 
 def test_every_benchmark_script_is_covered():
-    assert {path.name for path in BENCHMARKS} >= {"checkpoint_bench.py", "loop_overhead.py"}
+    assert {path.name for path in BENCHMARKS} >= {"checkpoint_bench.py", "loop_overhead.py", "store_bench.py"}
+
+
+def store_bench_checks(report: dict) -> None:
+    """Structure only (figures are not asserted): every path measured, the server found, and
+    the back-pressure runs saved max_pending + 1 generations each."""
+    for key in ("local_write_s", "sync_store_s", "tiered_blocked_s", "tiered_durable_s", "commit_s",
+                "boto3_upload_s", "s3fs_put_s", "fetch_s", "boto3_download_s", "store_restore_s", "local_restore_s"):
+        assert report[key] > 0, key
+    assert report["data_bytes"] > 30 << 20
+    assert report["server_cpu_known"]  # it started its own server and found its pid
+    assert [(b["max_pending"], len(b["per_save"])) for b in report["bursts"]] == [(1, 2), (2, 3)]
+    assert set(report["same_round_ratios"]) >= {"commit vs boto3 upload_file (speed)",
+                                                "store restore / local restore (time)"}
+
+
+CHECKS = {"store_bench.py": store_bench_checks}
 
 
 @pytest.mark.parametrize("script", BENCHMARKS, ids=lambda path: path.name)
 def test_benchmark_runs_at_its_quick_size(script, tmp_path):
-    result = subprocess.run([sys.executable, str(script), "--quick", "--dir", str(tmp_path)], cwd=REPO,
+    # No AWS_* from the developer's shell: store_bench.py then starts its own SeaweedFS, as `make bench` does.
+    env = {name: value for name, value in os.environ.items() if not name.startswith("AWS_")}
+    result = subprocess.run([sys.executable, str(script), "--quick", "--dir", str(tmp_path),
+                             "--json", str(tmp_path / "result.json")], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "|---" in result.stdout, result.stdout[-2000:]  # it printed its table
     assert "Traceback" not in result.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["result.json"]  # it cleaned up after itself
+    CHECKS.get(script.name, lambda report: None)(json.loads((tmp_path / "result.json").read_text()))

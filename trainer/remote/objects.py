@@ -26,6 +26,13 @@ log = logging.getLogger("trainer")
 T = TypeVar("T")
 CHUNK = 8 << 20
 """Bytes per read when streaming an object to disk (and through sha256)."""
+UPLOAD_PART = 16 << 20
+"""Bytes per part of an S3 multipart upload (10 parts of an object in flight, s3fs's default).
+s3fs's default part, 50 MiB, holds 500 MiB of each large object in memory at once, sends objects
+under 100 MiB as one PUT, and cost a third more client CPU per byte than 16 MiB parts (a 514 MB
+generation on loopback SeaweedFS: 1.34 vs 1.01 CPU-s); boto3's upload_file uses 8 MiB."""
+MAX_PARTS = 10_000
+"""S3's limit on the parts of one multipart upload."""
 
 CREDENTIAL_ERRORS = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"})
 """botocore's "no usable credentials", found by name (this module imports no client library):
@@ -195,12 +202,13 @@ class ObjectStore:
         """Stream an object into a local file, hashing as it arrives: {"bytes", "sha256"}."""
         def fetch():
             digest, size = hashlib.sha256(), 0
-            with self.fs.open(self.location.path(key), "rb", block_size=CHUNK) as source, \
-                    open(destination, "wb") as target:
-                while chunk := source.read(CHUNK):
+            with open(destination, "wb") as target:
+                def take(chunk: bytes) -> None:
+                    nonlocal size
                     digest.update(chunk)
                     target.write(chunk)
                     size += len(chunk)
+                self._stream(key, take)
                 target.flush()
                 os.fsync(target.fileno())
             return {"bytes": size, "sha256": digest.hexdigest()}
@@ -210,20 +218,50 @@ class ObjectStore:
         """{"bytes", "sha256"} of an object, streamed without keeping it; None if missing."""
         def stream():
             digest, size = hashlib.sha256(), 0
+
+            def take(chunk: bytes) -> None:
+                nonlocal size
+                digest.update(chunk)
+                size += len(chunk)
             try:
-                with self.fs.open(self.location.path(key), "rb", block_size=CHUNK) as source:
-                    while chunk := source.read(CHUNK):
-                        digest.update(chunk)
-                        size += len(chunk)
+                self._stream(key, take)
             except FileNotFoundError:
                 return None
             return {"bytes": size, "sha256": digest.hexdigest()}
         return self.call(f"reading {self.url_of(key)}", stream)
 
+    def _stream(self, key: str, take: Callable[[bytes], None]) -> None:
+        """Hand an object's bytes to `take`, in order. On S3 one GET streams the whole object and
+        `take` runs on fsspec's event-loop thread as the bytes arrive. s3fs's buffered file (what
+        other stores use here) issues a ranged GET per block and copies every byte through its
+        read-ahead cache: fetching a 514 MB generation from loopback SeaweedFS took 3.25 s and
+        1.86 CPU-s that way, 1.87 s and 0.83 CPU-s streamed. (Parallel downloads then hash on
+        that one thread: sha256 runs at ~0.85 GB/s per core on the 2-core VM, above any fetch
+        measured there.)"""
+        path = self.location.path(key)
+        if self.location.scheme != "s3":
+            with self.fs.open(path, "rb", block_size=CHUNK) as source:
+                while chunk := source.read(CHUNK):
+                    take(chunk)
+            return
+        from fsspec.asyn import sync
+
+        async def stream():
+            response = await self.fs._call_s3("get_object", Bucket=self.location.bucket, Key=path.split("/", 1)[1])
+            async with response["Body"] as body:
+                while chunk := await body.read(CHUNK):
+                    take(chunk)
+        sync(self.fs.loop, stream)
+
     # ----------------------------------------------------------------- writes
     def upload(self, source: Path, key: str) -> None:
         """Copy a local file to an object (multipart and parallel for large files)."""
-        self.call(f"uploading {self.url_of(key)}", lambda: self.fs.put_file(str(source), self.location.path(key)))
+        def put():
+            options = {}
+            if self.location.scheme == "s3":
+                options["chunksize"] = max(UPLOAD_PART, -(-source.stat().st_size // MAX_PARTS))
+            self.fs.put_file(str(source), self.location.path(key), **options)
+        self.call(f"uploading {self.url_of(key)}", put)
 
     def write(self, key: str, data: bytes) -> None:
         self.call(f"writing {self.url_of(key)}", lambda: self.fs.pipe_file(self.location.path(key), data))
