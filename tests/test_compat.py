@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import REPO
 from trainer import compat
 
 
@@ -46,3 +47,20 @@ def test_optimizer_state_is_materialised_without_moving_the_parameters():
     assert set(optimizer.state[parameter]) == {"step", "exp_avg", "exp_avg_sq"}
     assert torch.equal(parameter.detach(), torch.ones(3)) and parameter.grad is None
     assert optimizer.param_groups[0]["lr"] == 0.1
+
+
+def test_deterministic_algorithms_are_on_without_importing_inductor():
+    """The flag torch.use_deterministic_algorithms(True) sets, and inductor's own flag when a
+    workload compiles later, without paying inductor's import at every start."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, torch\n"
+             "from trainer import compat\n"
+             "compat.use_deterministic_algorithms()\n"
+             "assert torch.are_deterministic_algorithms_enabled()\n"
+             "assert 'torch._inductor.config' not in sys.modules\n"
+             "import torch._inductor.config as inductor\n"
+             "assert inductor.deterministic is True\n")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

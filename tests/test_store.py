@@ -251,4 +251,4 @@ def test_unknown_scheme_and_store_options_without_a_store_are_usage_errors(tmp_p
     unknown = run_cli("--output", "ftp://host/run")
     assert unknown.returncode == 2 and "unknown store scheme ftp://" in one_error_line(unknown)
     stray = run_cli("--output", tmp_path / "run", "--local-tier", tmp_path / "tier")
-    assert stray.returncode == 2 and "--local-tier only apply to a run directory in a store" in one_error_line(stray)
+    assert stray.returncode == 2 and "--local-tier apply only to a run directory in a store" in one_error_line(stray)

@@ -180,6 +180,9 @@ def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironmen
                          "or --tracked to use Polyaxon's outputs path")
     if not args.tracked:  # tracked: known once the run's artifacts store is (tracked_placement)
         require_store_for_store_options(args, isinstance(args.output, str))
+    if args.lease_ttl_secs < 1:
+        raise UsageError(f"--lease-ttl-secs {args.lease_ttl_secs:g} is too short to renew over a network; "
+                         f"use 1 or more (default {StoreConfig.lease_ttl_s:g})")
     if args.resume is not None and args.from_generation is not None:
         raise UsageError("--resume and --from-generation are exclusive; --from-generation already resumes")
 
@@ -190,7 +193,7 @@ def require_store_for_store_options(args: argparse.Namespace, in_store: bool) ->
     if store_options and not in_store:
         where = ("the run's artifacts store is not a bucket exposed to the container (polyaxonfile plugin "
                  "mountArtifactsStore)" if args.tracked else "pass --output s3://BUCKET/PREFIX")
-        raise UsageError(f"{', '.join(store_options)} only apply to a run directory in a store; {where}, "
+        raise UsageError(f"{', '.join(store_options)} apply only to a run directory in a store; {where}, "
                          f"or drop them")
 
 

@@ -62,11 +62,19 @@ RUN_EXIT_HANDLERS = PrivateName(
 DCP_INIT_OPTIM_STATE = PrivateName(
     "torch.distributed.checkpoint.state_dict", "_init_optim_state", "torch", "2.13.0",
     "materialising lazily created optimizer state (a zero-lr step on zero gradients) before a restore template")
+TORCH_SET_DETERMINISTIC = PrivateName(
+    "torch._C", "_set_deterministic_algorithms", "torch", "2.13.0",
+    "turning deterministic algorithms on without `torch.use_deterministic_algorithms`, which imports "
+    "the whole of inductor (0.9 s of every start) only to set its `deterministic` flag")
 SCHEDULER_LAST_LR = "_last_lr"
 """Attribute of every torch LRScheduler (checked against torch 2.13.0) behind
 `get_last_lr()`; it has no public setter."""
 
-PRIVATE_NAMES = (DCP_STORAGE_INFO, DCP_FLATTEN_STATE_DICT, TORCH_ELEMENT_SIZE, RUN_EXIT_HANDLERS, DCP_INIT_OPTIM_STATE)
+PRIVATE_NAMES = (DCP_STORAGE_INFO, DCP_FLATTEN_STATE_DICT, TORCH_ELEMENT_SIZE, RUN_EXIT_HANDLERS, DCP_INIT_OPTIM_STATE,
+                 TORCH_SET_DETERMINISTIC)
+INDUCTOR_DETERMINISTIC_ENV = "TORCHINDUCTOR_DETERMINISTIC"
+"""Read by torch._inductor.config at import (checked against torch 2.13.0): "1" makes its
+`deterministic` flag True, as `torch.use_deterministic_algorithms(True)` would."""
 
 
 def storage_info(relative_path: str, offset: int, length: int):
@@ -88,6 +96,20 @@ def init_optimizer_state(optimizer) -> None:
     with zero gradients at learning rate 0, then the gradients are cleared. A no-op once
     state exists."""
     DCP_INIT_OPTIM_STATE.resolve()(optimizer)
+
+
+def use_deterministic_algorithms() -> None:
+    """What `torch.use_deterministic_algorithms(True)` does, without importing inductor: the
+    ATen flag now, and inductor's flag through its environment variable, read if and when a
+    workload compiles (or set directly if inductor is already imported)."""
+    import os
+    import sys
+
+    os.environ[INDUCTOR_DETERMINISTIC_ENV] = "1"
+    inductor = sys.modules.get("torch._inductor.config")
+    if inductor is not None:
+        inductor.deterministic = True
+    TORCH_SET_DETERMINISTIC.resolve()(True, warn_only=False)
 
 
 def run_exit_handlers() -> None:

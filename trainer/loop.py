@@ -136,10 +136,12 @@ class TrainingRun:
                 log.warning("%s has no manifest: an uncommitted copy (kept, never selected)", store.path(name))
         started = time.monotonic()
         if remote is not None:
-            names, where = remote.reconcile(), remote.generations.url("").rstrip("/")
+            names, where = remote.generations.committed(), remote.generations.url("").rstrip("/")
         else:
             names, where = stores[0].names(), str(stores[0].root)
         self.considered = choose_candidate(names, config.resume, config.from_generation, where)
+        if remote is not None:
+            remote.reconcile()  # only once this attempt goes ahead: it deletes what is not committed
         generation, download = None, Transfer(0, 0.0)
         if self.considered and remote is not None:
             generation, download = remote.restorable(self.considered, names)
@@ -238,7 +240,7 @@ class TrainingRun:
             "previous_attempt": previous["id"] if previous else None,
             "steps_replayed": steps_replayed(previous, step) if generation else None,
             "allowed_drift": list(config.allow_drift), "drift": drift,
-            "checkpoint_mode": mode, "device": str(ranks.device), "fingerprint": fingerprint,
+            "checkpoint_mode": mode, "device": str(ranks.device), "fingerprint": fingerprint, "store": config.store,
             "polyaxon": self.events.run_identity(previous),
             "world_size": ranks.world_size, **world_size_change(stored_world_size, ranks.world_size),
         }, persist=ranks.is_primary)

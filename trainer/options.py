@@ -5,6 +5,7 @@ exit 2, like every other usage mistake."""
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 
@@ -34,6 +35,9 @@ def location_argument(text: str) -> Path | str:
     from trainer.remote.location import is_url, parse_store_url
     from trainer.errors import UsageError
 
+    if re.match(r"^(s3|gs|gcs|az|abfs):/[^/]", text.strip()):  # a URL with one slash: a local path by accident
+        raise argparse.ArgumentTypeError(f"{text.strip()!r} looks like a store URL missing a slash; write "
+                                         f"{text.strip().replace(':/', '://', 1)}")
     if is_url(text.strip()):
         try:
             return parse_store_url(text.strip()).url

@@ -43,8 +43,8 @@ class PreemptionGuard:
         self._timer.start()
 
     def _out_of_time(self) -> None:
-        self._exit_now(f"preemption grace of {self.grace_secs:g}s ran out before the save finished: "
-                       f"exited without publishing")
+        self._exit_now(f"preemption grace of {self.grace_secs:g}s ran out before the save finished (writing, "
+                       f"publishing or, with a store, uploading): exited; the newest complete generation stands")
 
     def _exit_now(self, reason: str) -> None:
         sys.stderr.write(f"trainer: {reason} (exit 75)\n")

@@ -10,8 +10,8 @@ Definitions (the README repeats them):
 - computed: `last_step - first_step` (0 when it never started a step, e.g. refused).
 - replayed: the first `steps_replayed` of those steps, which an earlier attempt had already
   computed (capped at computed: an attempt killed while replaying redid only that many).
-- durable: the step of the newest generation the attempt published, else the one it
-  restored, else the step it started from.
+- durable: the step of the newest generation the attempt published (with a store: committed
+  there), else the one it restored, else the step it started from.
 - lost: `last_step - durable`: computed after the attempt's newest durable point, so the
   next attempt has to redo it (0 for a completed attempt and for one still running).
 - useful: the durable step of the last attempt that trained: progress that is kept.
@@ -119,9 +119,25 @@ def outcome_of(record: dict, live: frozenset[str]) -> str:
     return status if status in OUTCOMES else "failed"
 
 
+def durable_entries(record: dict) -> list[dict]:
+    """The attempt's generations that survive its machine: every publish on a local run, only
+    those committed in the store (`durable_s`) on a store run."""
+    entries = [entry for entry in record.get("generations_published", []) if isinstance(entry, dict)]
+    return [entry for entry in entries if "durable_s" in entry] if record.get("store") else entries
+
+
+def durable_at_s(entry: dict) -> float | None:
+    """Seconds into the attempt when a generation became durable (publish, or store commit)."""
+    at = entry.get("at_s")
+    if not isinstance(at, (int, float)):
+        return None
+    if isinstance(entry.get("durable_s"), (int, float)):
+        return at - _number(entry.get("save_s")) + entry["durable_s"]
+    return at
+
+
 def durable_step(record: dict) -> int:
-    published = [entry["step"] for entry in record.get("generations_published", [])
-                 if isinstance(entry.get("step"), int)]
+    published = [entry["step"] for entry in durable_entries(record) if isinstance(entry.get("step"), int)]
     if published:
         return max(published)
     restored = (record.get("restored") or {}).get("step")
@@ -153,7 +169,7 @@ def attempt_row(record: dict, live: frozenset[str], marker_unix: float | None, o
         ends = [marker_unix - start] if marker_unix is not None and start is not None else []
         ends += [g.at_s for g in generations if isinstance(g.at_s, (int, float))]
         wall, estimated = (max(0.0, max(ends)), True) if ends else (None, False)
-    first_publish = next((g.at_s for g in generations if isinstance(g.at_s, (int, float))), None)
+    first_publish = next((at for entry in durable_entries(record) if (at := durable_at_s(entry)) is not None), None)
     return AttemptRow(
         id=str(record.get("id")), outcome=outcome, exit_code=record.get("exit_code"),
         restored=(record.get("restored") or {}).get("name"), restored_step=(record.get("restored") or {}).get("step"),

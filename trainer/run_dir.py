@@ -29,6 +29,8 @@ CHECKPOINTS = "checkpoints"
 EXPORTS = "exports"
 ATTEMPTS = "attempts"
 LOCK = ".trainer.lock"
+STORE_MARKER = ".trainer-store"
+"""In a local tier: the store URL whose working copy it is (a tier serves one store run)."""
 SECTIONS = {"generations": CHECKPOINTS, "exports": EXPORTS}
 """The two stores of sealed directories, by the name `list` gives them."""
 

@@ -10,6 +10,7 @@ import signal
 import numpy as np
 import torch
 
+from trainer import compat
 from trainer.config import RunConfig
 from trainer.distributed import rank_seed
 from trainer.errors import UsageError
@@ -26,7 +27,7 @@ def resolve_device(requested: str) -> torch.device:
 def configure_determinism(config: RunConfig, rank: int = 0) -> None:
     """Same algorithms, same thread count, same seeds: the precondition for bit-equality."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+    compat.use_deterministic_algorithms()
     torch.set_num_threads(config.workload.threads)
     seed = rank_seed(config.workload.seed, rank)
     random.seed(seed)

@@ -44,6 +44,7 @@ class StoreSide:
         objects.check_reachable()
         self.lease = held.enter_context(StoreLease(objects, attempt_id, settings.lease_ttl_s, settings.lease_wait_s))
         self.remote = RemoteRun(objects, run)
+        self.remote.adopt_local_tier()
         self.remote.pull_attempts()
         return self.remote
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from trainer.errors import TrainerError
+from trainer.errors import RefuseOverwrite, TrainerError
 from trainer.recovery.atomic import manifest_digest
 from trainer.recovery.manifest import Verification
 from trainer.recovery.resume import require_verified
@@ -33,7 +33,7 @@ from trainer.recovery.store import GenerationStore
 from trainer.remote.objects import ObjectStore
 from trainer.remote.sections import RemoteSection, Transfer
 from trainer.retention import Candidate, select_deletions
-from trainer.run_dir import ATTEMPTS, CHECKPOINTS, EXPORTS, MANIFEST, RunDirectory
+from trainer.run_dir import ATTEMPTS, CHECKPOINTS, EXPORTS, MANIFEST, STORE_MARKER, RunDirectory
 
 log = logging.getLogger("trainer")
 GENERATIONS_SECTION, EXPORTS_SECTION = "generations", "exports"
@@ -78,6 +78,23 @@ class RemoteRun:
     @property
     def generations(self) -> RemoteSection:
         return self.sections[GENERATIONS_SECTION]
+
+    def adopt_local_tier(self) -> None:
+        """The local tier is this store run's working copy, or empty: reconcile deletes what the
+        store does not hold, so a directory of another run (a local run, another store's tier)
+        must never be taken for one. The tier remembers its store URL in `.trainer-store`."""
+        marker = self.local.root / STORE_MARKER
+        if marker.is_file():
+            owner = marker.read_text().strip()
+            if owner != self.url:
+                raise RefuseOverwrite(f"--local-tier {self.local.root} is the local tier of {owner}, not {self.url}; "
+                                      f"nothing was changed: choose another --local-tier")
+            return
+        if any(section.is_dir() and any(section.iterdir())
+               for section in (self.local.checkpoints, self.local.exports, self.local.attempts)):
+            raise RefuseOverwrite(f"--local-tier {self.local.root} already holds a run directory that is not a local "
+                                  f"tier of {self.url}; nothing was changed: choose an empty --local-tier")
+        marker.write_text(self.url + "\n")
 
     def pull_attempts(self) -> int:
         """Copy attempt records the local tier lacks (a new pod starts with none), so crash-loop

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 
 from trainer.errors import OutputLocked
-from trainer.remote.objects import ObjectStore, PreconditionFailed, StoreUnavailable
+from trainer.remote.objects import ObjectStore, PreconditionFailed
 
 log = logging.getLogger("trainer")
 LEASE = ".trainer.lease"
@@ -85,7 +85,6 @@ class StoreLease:
         self._lost: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._renewed_at = 0.0
         self._mutex = threading.Lock()
         """Held while the ETag is renewed or compared, so a fence never sees half a renewal."""
 
@@ -138,17 +137,24 @@ class StoreLease:
         body = self.holder.encode(self._renewals)
         if not self.objects.conditional:
             self.objects.write(LEASE, body)
-            self._etag, self._renewed_at = str(hash(body)), time.monotonic()
+            self._etag = str(hash(body))
             return True
         try:
             self._etag = self.objects.write_conditionally(LEASE, body, if_match)
         except PreconditionFailed:
-            return False
-        self._renewed_at = time.monotonic()
+            # A retried write whose first try landed (its response lost) fails its own
+            # condition: if the store holds exactly what we wrote, the write is ours.
+            current = self._read()
+            if current is None or current[0] != body:
+                return False
+            self._etag = current[1]
         return True
 
     # ----------------------------------------------------------------- keeping it
     def _heartbeat(self) -> None:
+        """Renew every third of the ttl. Only evidence loses the lease (the object holds
+        another writer's record): a store that does not answer is retried at the next beat,
+        and once it answers again the renewal succeeds if nobody took over meanwhile."""
         interval = self.holder.ttl_s / 3
         while not self._stop.wait(interval):
             if self._lost:
@@ -160,17 +166,16 @@ class StoreLease:
                 if not renewed:
                     self._lose("another attempt took it over")
                     return
-            except StoreUnavailable as error:
-                log.warning("could not renew the lease on %s: %s", self.objects.url, error)
-            except Exception as error:  # noqa: BLE001 - a heartbeat must never kill the process quietly
-                log.warning("could not renew the lease on %s: %s", self.objects.url, error)
-            if time.monotonic() - self._renewed_at > self.holder.ttl_s:
-                self._lose(f"not renewed for {self.holder.ttl_s:.0f}s")
-                return
+            except Exception as error:  # noqa: BLE001 - a heartbeat must never die quietly
+                log.warning("could not renew the lease on %s (%s); retrying in %.0fs", self.objects.url,
+                            error, interval)
 
     def _lose(self, why: str) -> None:
-        current = self._read()
-        holder = Holder.parse(current[0]).describe() if current else "nobody"
+        try:
+            current = self._read()
+            holder = Holder.parse(current[0]).describe() if current else "nobody"
+        except Exception:  # noqa: BLE001 - who holds it now is only for the message
+            holder = "unknown (the store did not answer)"
         self._lost = f"lost the lease on {self.objects.url} ({why}; now held by {holder})"
         log.error("%s: this attempt writes nothing more", self._lost)
 
@@ -180,7 +185,11 @@ class StoreLease:
             raise LeaseLost(f"{self._lost}; exiting without touching the newer attempt's line")
         with self._mutex:
             current = self._read()
-            ours = current is not None and (not self.objects.conditional or current[1] == self._etag)
+            if current is None:  # deleted (an operator, a lifecycle rule): take it again if nobody did
+                ours = self._write(None)
+                current = None if ours else self._read()
+            else:
+                ours = not self.objects.conditional or current[1] == self._etag
         if not ours:
             holder = Holder.parse(current[0]).describe() if current else "nobody"
             self._lost = f"lost the lease on {self.objects.url} (now held by {holder})"

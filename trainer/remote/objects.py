@@ -9,6 +9,7 @@ AWS_ENDPOINT_URL, ~/.aws/config and credentials, instance roles); nothing here t
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hashlib
 import importlib
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from trainer.config import StoreConfig
-from trainer.errors import NothingToResume, StorageFailure, TrainerError, UsageError
+from trainer.errors import NothingToResume, StorageFailure, UsageError
 from trainer.remote.location import SCHEMES, StoreLocation
 
 log = logging.getLogger("trainer")
@@ -32,6 +33,8 @@ s3fs's default part, 50 MiB, holds 500 MiB of each large object in memory at onc
 under 100 MiB as one PUT, and cost a third more client CPU per byte than 16 MiB parts (a 514 MB
 generation on loopback SeaweedFS: 1.34 vs 1.01 CPU-s); boto3's upload_file uses 8 MiB."""
 MAX_PARTS = 10_000
+BUDGET_BYTES = 64 << 20
+"""A call gets one more --store-timeout-secs for every this many bytes it moves."""
 """S3's limit on the parts of one multipart upload."""
 
 CREDENTIAL_ERRORS = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"})
@@ -83,6 +86,10 @@ def is_transient(error: BaseException) -> bool:
     return True
 
 
+def _quiet_loop_errors(loop, context: dict) -> None:
+    log.debug("store client: %s", context.get("message"), exc_info=context.get("exception"))
+
+
 def is_precondition_failure(error: BaseException) -> bool:
     """S3's 412 (If-Match / If-None-Match did not hold), however the client wrapped it."""
     for candidate in (error, error.__cause__, error.__context__):
@@ -109,6 +116,10 @@ class ObjectStore:
         self.fs = filesystem if filesystem is not None else open_filesystem(location, config)
         self.conditional = location.scheme == "s3"
         """Whether conditional writes (create-only, If-Match) are available."""
+        if getattr(self.fs, "async_impl", False) and getattr(self.fs, "loop", None) is not None:
+            # A connection reset leaves aiohttp tasks nobody awaits; their tracebacks on stderr
+            # would bury the one line a failure gets. The call that failed reports it.
+            self.fs.loop.call_soon_threadsafe(self.fs.loop.set_exception_handler, _quiet_loop_errors)
 
     @property
     def url(self) -> str:
@@ -144,17 +155,23 @@ class ObjectStore:
 
     def check_reachable(self) -> None:
         """Before any work: the bucket exists and answers with our credentials. One line and
-        a non-zero exit otherwise (74 unreachable or refused, 66 no such bucket)."""
+        a non-zero exit otherwise (74 unreachable or refused, 66 no such bucket). On S3 one
+        request listing at most one key under the run's prefix: cheap on a huge bucket, and
+        enough for credentials that may list only that prefix."""
         bucket = self.location.bucket
 
-        def list_bucket():
+        def probe():
             try:
-                self.fs.ls(bucket, detail=False, refresh=True)
+                if self.location.scheme == "s3":
+                    prefix = f"{self.location.prefix}/" if self.location.prefix else ""
+                    self._s3("list_objects_v2", Prefix=prefix, MaxKeys=1)
+                else:
+                    self._run("ls", bucket, detail=False, refresh=True)
             except FileNotFoundError:
                 return False
             return True
         try:
-            exists = self.call(f"listing bucket {bucket}", list_bucket)
+            exists = self.call(f"listing {self.url}", probe)
         except StoreUnavailable as error:
             raise StoreUnreachable(f"{self.url}: the store does not answer ({str(error).split(': ', 2)[-1]}"
                                    .split("; earlier generations")[0] +
@@ -170,7 +187,7 @@ class ObjectStore:
 
         def find():
             try:
-                return self.fs.find(base, withdirs=False)
+                return self._run("find", base, withdirs=False)
             except FileNotFoundError:
                 return []
         root = self.location.path()
@@ -182,18 +199,18 @@ class ObjectStore:
         """An object's bytes, or None if it does not exist."""
         def cat():
             try:
-                return self.fs.cat_file(self.location.path(key))
+                return self._run("cat_file", self.location.path(key))
             except FileNotFoundError:
                 return None
         return self.call(f"reading {self.url_of(key)}", cat)
 
     def exists(self, key: str) -> bool:
-        return self.call(f"looking up {self.url_of(key)}", lambda: self.fs.exists(self.location.path(key)))
+        return self.call(f"looking up {self.url_of(key)}", lambda: self._run("exists", self.location.path(key)))
 
     def size(self, key: str) -> int | None:
         def info():
             try:
-                return int(self.fs.info(self.location.path(key))["size"])
+                return int(self._run("info", self.location.path(key))["size"])
             except FileNotFoundError:
                 return None
         return self.call(f"looking up {self.url_of(key)}", info)
@@ -247,9 +264,11 @@ class ObjectStore:
         from fsspec.asyn import sync
 
         async def stream():
-            response = await self.fs._call_s3("get_object", Bucket=self.location.bucket, Key=path.split("/", 1)[1])
+            response = await asyncio.wait_for(self.fs._call_s3("get_object", Bucket=self.location.bucket,
+                                                               Key=path.split("/", 1)[1]), self.config.timeout_s)
             async with response["Body"] as body:
-                while chunk := await body.read(CHUNK):
+                # A store that stops sending mid-object must not hang us: a timeout per chunk.
+                while chunk := await asyncio.wait_for(body.read(CHUNK), self.config.timeout_s):
                     take(chunk)
         sync(self.fs.loop, stream)
 
@@ -260,15 +279,16 @@ class ObjectStore:
             options = {}
             if self.location.scheme == "s3":
                 options["chunksize"] = max(UPLOAD_PART, -(-source.stat().st_size // MAX_PARTS))
-            self.fs.put_file(str(source), self.location.path(key), **options)
+            self._run("put_file", str(source), self.location.path(key), size=source.stat().st_size, **options)
         self.call(f"uploading {self.url_of(key)}", put)
 
     def write(self, key: str, data: bytes) -> None:
-        self.call(f"writing {self.url_of(key)}", lambda: self.fs.pipe_file(self.location.path(key), data))
+        self.call(f"writing {self.url_of(key)}", lambda: self._run("pipe_file", self.location.path(key), data,
+                                                                                size=len(data)))
 
     def copy(self, source: str, target: str) -> None:
         """A copy inside the store (server-side where the store supports it)."""
-        self.call(f"copying {self.url_of(source)}", lambda: self.fs.copy(self.location.path(source),
+        self.call(f"copying {self.url_of(source)}", lambda: self._run("copy", self.location.path(source),
                                                                           self.location.path(target)))
 
     def delete(self, keys: list[str]) -> None:
@@ -276,7 +296,7 @@ class ObjectStore:
         for key in keys:
             def rm(path=self.location.path(key)):
                 try:
-                    self.fs.rm_file(path)
+                    self._run("rm_file", path)
                 except FileNotFoundError:
                     pass
             self.call(f"deleting {self.url_of(key)}", rm)
@@ -309,9 +329,23 @@ class ObjectStore:
                 raise
         return self.call(f"writing {self.url_of(key)}", put)
 
+    def _run(self, method: str, *args, size: int = 0, **kwargs):
+        """One filesystem call with a total time budget. botocore's connect/read timeouts do
+        not cover everything: aiohttp waits for a `100 Continue` to a PUT with no timeout, so a
+        store that accepts connections but stops answering would hang a save for good."""
+        if not getattr(self.fs, "async_impl", False):
+            return getattr(self.fs, method)(*args, **kwargs)
+        from fsspec.asyn import sync
+        return sync(self.fs.loop, getattr(self.fs, "_" + method), *args, timeout=self._budget(size), **kwargs)
+
+    def _budget(self, size: int) -> float:
+        """Seconds one call may take: two timeouts, plus one per 64 MiB it moves."""
+        return self.config.timeout_s * (2 + size / BUDGET_BYTES)
+
     def _s3(self, method: str, **kwargs):
         from fsspec.asyn import sync
-        return sync(self.fs.loop, self.fs._call_s3, method, Bucket=self.location.bucket, **kwargs)
+        return sync(self.fs.loop, self.fs._call_s3, method, Bucket=self.location.bucket,
+                    timeout=self._budget(len(kwargs.get("Body") or b"")), **kwargs)
 
     def _read_body(self, response) -> bytes:
         from fsspec.asyn import sync
