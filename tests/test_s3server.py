@@ -210,34 +210,6 @@ def test_complete_multipart_upload_honours_if_none_match_and_if_match(s3_bucket)
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
-def test_objects_survive_stop_and_kill_and_restart_on_the_same_ports(s3_bucket, fs):
-    server, bucket = s3_bucket.server, s3_bucket.name
-    ports = dict(server.ports)
-    fs.pipe_file(f"{bucket}/before-stop", b"a" * 1000)
-    fs.pipe_file(f"{bucket}/big", bytes(range(256)) * (6 * 4096))  # 6 MiB: more than one 4 MiB chunk
-
-    server.stop()  # SIGTERM, SIGKILL after 2 s
-    assert not server.running
-    assert server.stop_seconds < 5
-    server.start()
-    assert server.ports == ports
-    fs = s3fs.S3FileSystem(skip_instance_cache=True)  # the old one's connections point at the dead process
-    assert fs.cat_file(f"{bucket}/before-stop") == b"a" * 1000
-    fs.pipe_file(f"{bucket}/before-kill", b"b")
-
-    server.kill()  # SIGKILL at once: nothing flushed on the way out
-    server.start()
-    assert server.ports == ports
-    assert s3_bucket.keys() == ["before-kill", "before-stop", "big"]
-    client = s3_bucket.client()
-    assert client.get_object(Bucket=bucket, Key="big")["Body"].read() == bytes(range(256)) * (6 * 4096)
-    assert client.get_object(Bucket=bucket, Key="before-kill")["Body"].read() == b"b"
-    other = server.create_bucket()  # a new bucket (new volume) after restarts
-    client.put_object(Bucket=other, Key="k", Body=b"new")
-    assert client.get_object(Bucket=other, Key="k")["Body"].read() == b"new"
-    server.delete_bucket(other)
-
-
 @pytest.fixture
 def closed_port_env(monkeypatch) -> str:
     """The environment of a server that is not there: a loopback port nobody listens on."""
