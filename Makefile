@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(PY) -m trainer report outputs/recovery
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 3 tests
 
 # Quick checkpoint benchmarks (ratios against raw disk, torch.save and stock dcp.save measured
 # in the same run; the store's against plain S3 clients on a loopback SeaweedFS it starts);

@@ -75,7 +75,7 @@ def test_random_kill_9_while_saving_every_step(tmp_path, baseline):
     rng = random.Random(20261129)
     args = ("--recover-every-steps", 1, "--keep-last", 2, "--resume", "auto", "--max-failed-attempts", 0)
     kills, deadline = 0, time.monotonic() + 60
-    while kills < 8 and time.monotonic() < deadline:
+    while kills < 5 and time.monotonic() < deadline:
         process = start(run, *args)
         wait_for_line(process, "step=")
         time.sleep(rng.uniform(0.0, 0.15))
@@ -87,7 +87,7 @@ def test_random_kill_9_while_saving_every_step(tmp_path, baseline):
         published_all_verify(run)
     train(run, *args)
     print(f"torture: {kills} kill -9 survived, {len(attempts(run))} attempts")
-    assert kills >= 3  # 8 on an idle machine; fewer only if the deadline cut it short
+    assert kills >= 3  # 5 on an idle machine; fewer only if the deadline cut it short
     assert compare(generation(baseline), generation(run)).returncode == 0
 
 
