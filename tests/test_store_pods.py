@@ -68,8 +68,8 @@ def baseline_two_nodes(s3_server, tmp_path_factory):
     return download(s3_server, bucket, f"run/checkpoints/{FINAL}", tmp / "final")
 
 
-def test_two_nodes_without_a_shared_disk_interrupt_and_resume_exactly(s3_server, s3_bucket, tmp_path,
-                                                                      baseline_two_nodes):
+def test_two_nodes_without_a_shared_disk_survive_an_interrupt_and_a_node_killed_mid_save(
+        s3_server, s3_bucket, tmp_path, baseline_two_nodes):
     bucket = s3_bucket.name
     url, env = f"s3://{bucket}/run", store_env(s3_server)
     interrupted = two_nodes(url, tmp_path, "--interrupt-at-step", 11, env=env)
@@ -83,9 +83,17 @@ def test_two_nodes_without_a_shared_disk_interrupt_and_resume_exactly(s3_server,
     # No node kept a local copy of a save (no shared disk to publish on).
     assert not (tmp_path / "node-1" / "checkpoints" / "step-00000008").exists()
 
+    # Node 1's rank dies by SIGKILL after uploading its first shard of step-00000016.
+    crashed = two_nodes(url, tmp_path, "--resume", env=env,
+                        fault={"TRAINER_FAULT_POINT": "store-after-first-object", "TRAINER_FAULT_RANK": "1"})
+    assert "fault injection: killing at store-after-first-object" in crashed[1].stderr
+    assert 0 not in statuses(crashed)
+    assert committed(s3_server, bucket) == ["step-00000008"]  # the torn step-00000016 is not committed
+
     resumed = two_nodes(url, tmp_path, "--resume", env=env)
     assert statuses(resumed) == [0, 0], resumed[0].stdout[-2000:] + resumed[1].stderr[-2000:]
     assert "restored step-00000008" in resumed[0].stdout
+    assert "step-00000016 has no manifest.json" in resumed[0].stdout  # the torn prefix, removed
     final = download(s3_server, bucket, f"run/checkpoints/{FINAL}", tmp_path / "final")
     assert compare(baseline_two_nodes, final).returncode == 0
 
@@ -96,26 +104,6 @@ def test_two_nodes_without_a_shared_disk_interrupt_and_resume_exactly(s3_server,
     allowed = run_cli(*one, "--allow-drift", "world_size", env=env)
     assert allowed.returncode == 0, allowed.stderr[-2000:]
     assert f"restored {FINAL}" in allowed.stdout
-
-
-def test_kill_9_of_one_node_mid_save_restores_the_newest_committed(s3_server, s3_bucket, tmp_path,
-                                                                   baseline_two_nodes):
-    bucket = s3_bucket.name
-    url, env = f"s3://{bucket}/run", store_env(s3_server)
-    assert statuses(two_nodes(url, tmp_path, "--epochs", 1, env=env)) == [0, 0]  # commits step-00000008
-    # Node 1's rank dies by SIGKILL after uploading its first shard of step-00000016.
-    crashed = two_nodes(url, tmp_path, "--resume", env=env,
-                        fault={"TRAINER_FAULT_POINT": "store-after-first-object", "TRAINER_FAULT_RANK": "1"})
-    assert "fault injection: killing at store-after-first-object" in crashed[1].stderr
-    assert 0 not in statuses(crashed)
-    assert committed(s3_server, bucket) == ["step-00000008"]  # the torn step-00000016 is not committed
-
-    resumed = two_nodes(url, tmp_path, "--resume", env=env)
-    assert statuses(resumed) == [0, 0], resumed[0].stdout[-3000:]
-    assert "restored step-00000008" in resumed[0].stdout
-    assert "step-00000016 has no manifest.json" in resumed[0].stdout  # the torn prefix, removed
-    final = download(s3_server, bucket, f"run/checkpoints/{FINAL}", tmp_path / "final")
-    assert compare(baseline_two_nodes, final).returncode == 0
 
 
 def test_a_zombie_writer_whose_lease_was_taken_over_cannot_commit(s3_server, s3_bucket, tmp_path):

@@ -31,7 +31,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageError, root_cause
@@ -136,6 +135,8 @@ class Ranks:
         """Unlike DDP, fully_shard does not broadcast: each rank keeps its slice of its *own*
         initialization, and ranks are seeded differently (`rank_seed`). Broadcasting rank 0's
         weights first makes the sharded model the one a single process would have built."""
+        from torch.distributed.fsdp import fully_shard  # only FSDP runs pay for importing it
+
         with self._collective("broadcasting the initial model"), torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor, src=PRIMARY)

@@ -9,11 +9,14 @@ from __future__ import annotations
 import hashlib
 import platform
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy
-import torch
 
 from trainer.errors import FingerprintMismatch
+
+if TYPE_CHECKING:
+    import torch
 
 FIELDS = ("source", "dataset", "config", "python", "torch", "numpy", "os", "arch", "device", "world_size")
 PACKAGE_ROOT = Path(__file__).resolve().parent
@@ -38,6 +41,8 @@ def source_digest(root: Path = PACKAGE_ROOT, workload: tuple[Path, ...] = ()) ->
 
 
 def device_kind(device: torch.device) -> str:
+    import torch  # here, not at import: the CLI reads FIELDS for every command, most need no torch
+
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     return device.type
@@ -45,6 +50,8 @@ def device_kind(device: torch.device) -> str:
 
 def current_fingerprint(config: dict, dataset_digest: str, device: torch.device, world_size: int,
                         workload_sources: tuple[Path, ...] = ()) -> dict:
+    import torch
+
     return {
         "source": source_digest(workload=workload_sources),
         "dataset": dataset_digest,
