@@ -160,36 +160,49 @@ def test_uncommitted_is_never_selected_and_a_damaged_commit_is_refused(s3_server
 
 
 # ----------------------------------------------------------------- the store going away
+def stopped(process: subprocess.Popen, timeout: float = 60) -> bool:
+    """Whether the process stopped itself (SIGSTOP: state T), waiting up to `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if Path(f"/proc/{process.pid}/stat").read_text().split(") ", 1)[1].startswith("T"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_store_stopped_mid_save_fails_within_the_bound_then_resumes_exactly(tmp_path, short_baseline):
+    """The server goes away in the middle of a save (the trainer pauses itself right before the
+    manifest of step-00000016, the server is killed, the trainer continues): bounded retries,
+    then one line and 74; nothing committed is lost; once the server is back, the resume is exact."""
     server = SeaweedServer(tmp_path / "server")
     server.start()
     try:
         bucket = server.create_bucket()
         env, url, tier = server.env(), f"s3://{bucket}/run", tmp_path / "tier"
-        args = ("--local-tier", tier, *SHORT, "--store-retries", 2, "--store-backoff-secs", 0.2,
-                "--store-timeout-secs", 2, "--log-every-steps", 1)
-        command = [sys.executable, "-m", "trainer", "--output", url, *map(str, args)]
-        process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env},
+        train(url, "--local-tier", tier, "--epochs", 1, env=env)  # step-00000008 committed
+        args = ("--local-tier", tier, *SHORT, "--resume", "--store-retries", 2, "--store-backoff-secs", 0.2,
+                "--store-timeout-secs", 2)
+        process = subprocess.Popen([sys.executable, "-m", "trainer", "--output", url, *map(str, args)], cwd=REPO,
+                                   env={**os.environ, "PYTHONPATH": str(REPO), **env,
+                                        "TRAINER_PAUSE_POINT": "store-before-manifest"},
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for line in process.stdout:
-            if "durable generation step-00000008" in line:
-                # The store goes away before training reaches its next save: the trainer is
-                # paused while the server is killed, so a fast run cannot finish first.
-                process.send_signal(signal.SIGSTOP)
-                server.kill()
-                stopped = time.monotonic()
-                process.send_signal(signal.SIGCONT)
-                break
+        try:
+            assert stopped(process), "the trainer never reached its pause point"
+            server.kill()
+            gone = time.monotonic()
+        finally:
+            process.send_signal(signal.SIGCONT)
         out, err = process.communicate(timeout=120)
-        failed_after = time.monotonic() - stopped
+        failed_after = time.monotonic() - gone
         assert process.returncode == 74, err[-2000:]
         line = [l for l in err.splitlines() if l.startswith("trainer: error:")]
         assert len(line) == 1 and url in line[0] and "after 3 tries" in line[0]
         assert "Traceback" not in err
-        assert failed_after < 60  # bounded: 3 tries of at most 2 x 2 s, 0.6 s of backoff, plus training
+        assert failed_after < 60  # bounded: 3 tries of at most 2 x 2 s, 0.6 s of backoff, plus the rest
         server.start()
-        assert committed(server, bucket)[0] == "step-00000008"  # earlier generations intact
-        train(url, "--local-tier", tier, *SHORT, "--resume", env=env)
+        assert committed(server, bucket) == ["step-00000008"]  # the earlier generation intact
+        resumed = train(url, "--local-tier", tier, *SHORT, "--resume", env=env)
+        assert "step-00000016 has no manifest.json" in resumed.stdout
         assert same_as(short_baseline, tier)
     finally:
         server.stop()

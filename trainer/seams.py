@@ -14,6 +14,8 @@ Environment variables (read by `from_environment`; an unknown value is a usage e
 typo cannot silently disable a fault test):
 - `TRAINER_FAULT_POINT=NAME` kills this process with SIGKILL at crash point NAME;
 - `TRAINER_FAULT_RANK=R` limits that to rank R of a multi-process run;
+- `TRAINER_PAUSE_POINT=NAME` stops this process (SIGSTOP, once) at crash point NAME, so a test
+  can change the world (take the store away) at exactly that point and then SIGCONT it;
 - `TRAINER_DEBUG_SKIP_RNG_RESTORE=python,numpy` leaves those RNGs unrestored (the test that
   proves each RNG matters);
 - `TRAINER_SIGNAL_AT_MICRO_BATCH=N` sends this process SIGTERM right after the backward of
@@ -25,7 +27,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 from trainer.errors import UsageError
@@ -34,6 +36,7 @@ FAULT_ENV = "TRAINER_FAULT_POINT"
 FAULT_RANK_ENV = "TRAINER_FAULT_RANK"
 SKIP_RNG_ENV = "TRAINER_DEBUG_SKIP_RNG_RESTORE"
 SIGNAL_ENV = "TRAINER_SIGNAL_AT_MICRO_BATCH"
+PAUSE_ENV = "TRAINER_PAUSE_POINT"
 
 CRASH_POINTS = ("after-write", "after-files-fsync", "after-manifest", "after-rename",
                 "store-after-first-object", "store-before-manifest", "store-after-manifest",
@@ -55,6 +58,8 @@ class Seams:
     """RNG kinds whose restore is skipped (empty: restore all)."""
     signal_at: int | None = None
     """Micro-batch of this attempt after whose backward this process sends itself SIGTERM."""
+    pause_at: str | None = None
+    """Crash point at which this process stops itself once (SIGSTOP) until a SIGCONT."""
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str], rank: int) -> "Seams":
@@ -70,10 +75,13 @@ class Seams:
         if skip - set(RNG_KINDS):
             raise UsageError(f"{SKIP_RNG_ENV} names unknown RNGs {sorted(skip - set(RNG_KINDS))}; "
                              f"use {', '.join(RNG_KINDS)}")
+        pause = env.get(PAUSE_ENV) or None
+        if pause is not None and pause not in CRASH_POINTS:
+            raise UsageError(f"{PAUSE_ENV}={pause!r} is not a crash point; use one of {', '.join(CRASH_POINTS)}")
         signal_at = env.get(SIGNAL_ENV)
         if signal_at is not None and not signal_at.isdigit():
             raise UsageError(f"{SIGNAL_ENV}={signal_at!r} is not a micro-batch number")
-        return cls(point, skip, int(signal_at) if signal_at else None)
+        return cls(point, skip, int(signal_at) if signal_at else None, pause)
 
 
 _installed: list[Seams] = [Seams()]
@@ -85,7 +93,13 @@ def install(seams: Seams) -> None:
 
 
 def crash_point(name: str) -> None:
-    """Kill this process here (SIGKILL, no clean-up) if a test asked for a crash at `name`."""
+    """Kill this process here (SIGKILL, no clean-up) if a test asked for a crash at `name`;
+    stop it here once (SIGSTOP) if a test asked for a pause."""
+    if _installed[0].pause_at == name:
+        _installed[0] = replace(_installed[0], pause_at=None)
+        sys.stderr.write(f"trainer: fault injection: pausing at {name}\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGSTOP)
     if _installed[0].crash_at == name:
         sys.stderr.write(f"trainer: fault injection: killing at {name}\n")
         sys.stderr.flush()
