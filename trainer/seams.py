@@ -63,9 +63,7 @@ class Seams:
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str], rank: int) -> "Seams":
-        point = env.get(FAULT_ENV) or None
-        if point is not None and point not in CRASH_POINTS:
-            raise UsageError(f"{FAULT_ENV}={point!r} is not a crash point; use one of {', '.join(CRASH_POINTS)}")
+        point = _crash_point_named(env, FAULT_ENV)
         fault_rank = env.get(FAULT_RANK_ENV)
         if fault_rank is not None and not fault_rank.isdigit():
             raise UsageError(f"{FAULT_RANK_ENV}={fault_rank!r} is not a rank number")
@@ -75,13 +73,19 @@ class Seams:
         if skip - set(RNG_KINDS):
             raise UsageError(f"{SKIP_RNG_ENV} names unknown RNGs {sorted(skip - set(RNG_KINDS))}; "
                              f"use {', '.join(RNG_KINDS)}")
-        pause = env.get(PAUSE_ENV) or None
-        if pause is not None and pause not in CRASH_POINTS:
-            raise UsageError(f"{PAUSE_ENV}={pause!r} is not a crash point; use one of {', '.join(CRASH_POINTS)}")
+        pause = _crash_point_named(env, PAUSE_ENV)
         signal_at = env.get(SIGNAL_ENV)
         if signal_at is not None and not signal_at.isdigit():
             raise UsageError(f"{SIGNAL_ENV}={signal_at!r} is not a micro-batch number")
         return cls(point, skip, int(signal_at) if signal_at else None, pause)
+
+
+def _crash_point_named(env: Mapping[str, str], variable: str) -> str | None:
+    """The crash point a variable names, or None; a typo is a usage error, never a silent no-op."""
+    point = env.get(variable) or None
+    if point is not None and point not in CRASH_POINTS:
+        raise UsageError(f"{variable}={point!r} is not a crash point; use one of {', '.join(CRASH_POINTS)}")
+    return point
 
 
 _installed: list[Seams] = [Seams()]
