@@ -3,7 +3,7 @@
 A and B are generation directories or their store URLs (s3://BUCKET/RUN/checkpoints/step-…,
 downloaded and verified into a temporary directory). Exit 0 iff every field is bit-identical,
 1 if any differs, 2 if an input is unreadable, 74 if a store cannot be reached or refuses our
-credentials, 75 if interrupted (Ctrl-C, SIGTERM). The logic lives in trainer/compare.py; this
+credentials, 75 if interrupted (Ctrl-C, SIGTERM). The logic lives in trainer/inspect/compare.py; this
 file is only the command.
 """
 
@@ -37,7 +37,7 @@ def compare(argv: list[str] | None) -> int:
         print(f"compare: error: {error}", file=sys.stderr)
         return error.exit_code if error.exit_code in (EXIT_INTERRUPTED, StorageFailure.exit_code) else 2
     try:
-        from trainer.compare import as_json, format_table
+        from trainer.inspect.compare import as_json, format_table
 
         print(json.dumps(as_json(args.a, args.b, results), indent=2) if args.json else format_table(results),
               flush=True)
@@ -50,8 +50,8 @@ def compare(argv: list[str] | None) -> int:
 def compare_inputs(a: Path | str, b: Path | str) -> list:
     """Field results of two generations; one named by store URL is downloaded (verified while it
     streams) into a temporary directory that is gone afterwards."""
-    from trainer.compare import compare_states, load_generation
-    from trainer.store_reading import local_generation
+    from trainer.inspect.compare import compare_states, load_generation
+    from trainer.inspect.object_store import local_generation
 
     with tempfile.TemporaryDirectory(prefix="compare-") as scratch:
         return compare_states(load_generation(local_generation(a, Path(scratch) / "a")),

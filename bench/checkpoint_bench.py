@@ -44,11 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import evict, facts_for, median, state_bytes, training_state  # noqa: E402
 
-from trainer.recovery.checkpointer import AsyncCheckpointer, SyncCheckpointer  # noqa: E402
-from trainer.run_dir import generation_name  # noqa: E402
-from trainer.recovery.snapshot import load_snapshot, stored_entries  # noqa: E402
-from trainer.recovery.store import GenerationStore  # noqa: E402
-from trainer.recovery.writer import WriterConfig  # noqa: E402
+from trainer.checkpoint.checkpointer import AsyncCheckpointer, SyncCheckpointer  # noqa: E402
+from trainer.layout import generation_name  # noqa: E402
+from trainer.checkpoint.snapshot import load_snapshot, stored_entries  # noqa: E402
+from trainer.checkpoint.section import LocalSection  # noqa: E402
+from trainer.checkpoint.writer import WriterConfig  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -132,7 +132,7 @@ def dcp_default_save(state_dict: dict, directory: Path) -> float:
 
 
 def sync_save(state, directory: Path, config: WriterConfig) -> float:
-    store = GenerationStore(directory)
+    store = LocalSection(directory)
     checkpointer = SyncCheckpointer(store, "bench", config)
     started = time.perf_counter()
     checkpointer.save(state.state_dict(), facts_for(1))
@@ -142,7 +142,7 @@ def sync_save(state, directory: Path, config: WriterConfig) -> float:
 def async_saves(state, directory: Path, config: WriterConfig, repeat: int) -> dict:
     """One checkpointer, repeat+1 saves: the first allocates the staging buffers (reported
     apart), the rest reuse them (the steady state a training run sees)."""
-    store = GenerationStore(directory)
+    store = LocalSection(directory)
     checkpointer = AsyncCheckpointer(store, "bench", torch.device("cpu"), config)
     blocking, calls, totals, buffer_bytes = [], [], [], 0
     for step in range(1, repeat + 2):
@@ -167,7 +167,7 @@ def async_saves(state, directory: Path, config: WriterConfig, repeat: int) -> di
 
 def restore(state, directory: Path) -> tuple[float, float]:
     """(verify_s, load_s) of our restore path, from a cold page cache."""
-    store = GenerationStore(directory)
+    store = LocalSection(directory)
     name = generation_name(1)
     evict(store.path(name))
     started = time.perf_counter()

@@ -13,8 +13,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer.config import WorkloadConfig  # noqa: E402
-from trainer.recovery.manifest import GenerationFacts  # noqa: E402
-from trainer.state import TrainingState  # noqa: E402
+from trainer.checkpoint.manifest import GenerationFacts  # noqa: E402
+from trainer.run.state import TrainingState  # noqa: E402
 from trainer.workload import build_workload  # noqa: E402
 
 LAYERS = 4

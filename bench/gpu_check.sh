@@ -119,8 +119,8 @@ import torch
 sys.path.insert(0, "bench")
 warnings.filterwarnings("ignore")
 from common import state_bytes, train_step, training_state
-from trainer.recovery.checkpointer import AsyncCheckpointer, SyncCheckpointer
-from trainer.recovery.store import GenerationStore
+from trainer.checkpoint.checkpointer import AsyncCheckpointer, SyncCheckpointer
+from trainer.checkpoint.section import LocalSection
 
 target, size_mb, work = Path(sys.argv[1]), float(sys.argv[2]), Path(sys.argv[3])
 device = torch.device("cuda")
@@ -129,13 +129,13 @@ nbytes = state_bytes(state)
 manifest = lambda step: {"step": step, "cadence": {}, "fingerprint": {}}
 result = {"state_gb": round(nbytes / 1e9, 2)}
 
-store = GenerationStore(work / "sync")
+store = LocalSection(work / "sync")
 started = time.perf_counter()
 SyncCheckpointer(store, "gpu-check", lambda p: None).save(state.state_dict(), 1, manifest(1))
 result["sync_save_s"] = round(time.perf_counter() - started, 3)
 shutil.rmtree(work / "sync")
 
-store = GenerationStore(work / "async")
+store = LocalSection(work / "async")
 checkpointer = AsyncCheckpointer(store, "gpu-check", lambda p: None, device)
 saves = []
 for step in range(1, 5):

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import facts_for, state_bytes, train_step, training_state  # noqa: E402
 
-from trainer.recovery.checkpointer import build_checkpointer  # noqa: E402
-from trainer.recovery.store import GenerationStore  # noqa: E402
-from trainer.recovery.writer import WriterConfig  # noqa: E402
+from trainer.checkpoint.checkpointer import build_checkpointer  # noqa: E402
+from trainer.checkpoint.section import LocalSection  # noqa: E402
+from trainer.checkpoint.writer import WriterConfig  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -37,7 +37,7 @@ warnings.filterwarnings("ignore")
 def run(mode: str, size_mb: float, steps: int, every: int, keep: int, base: Path, device: torch.device,
         config: WriterConfig) -> dict:
     state, workload = training_state(size_mb, device)
-    store = GenerationStore(base / mode / "checkpoints")
+    store = LocalSection(base / mode / "checkpoints")
     checkpointer = None if mode == "none" else build_checkpointer(mode, store, "bench", device, config=config)
     blocked = 0.0
     train_step(state, workload, device)  # warm-up

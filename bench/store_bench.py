@@ -11,22 +11,22 @@ temporary folder, and kills it at the end. Each round uses a bucket of its own, 
 (--bucket: one existing bucket throughout; only the bench's objects are deleted).
 
 Builds the example model + SGD state at about --size-mb, then measures with the trainer's own
-code (SyncCheckpointer into a local GenerationStore, RemoteSection.commit, Uploader), each
+code (SyncCheckpointer into a local LocalSection, ObjectSection.commit, Uploader), each
 --repeat times, median:
 
   local_write_s        the local publish alone (write + hash + fsync + manifest + rename)
-  sync_store_s         a save straight to the store: the local publish, then RemoteSection.commit
+  sync_store_s         a save straight to the store: the local publish, then ObjectSection.commit
                        (data objects in parallel, sizes checked, manifest last) before returning;
                        what --max-pending-uploads 0 costs the loop per save
   tiered_blocked_s     a tiered save: the local publish, then Uploader.submit returns; what the
                        loop is blocked for with --max-pending-uploads >= 1 and a free slot
   tiered_durable_s     the same save's start until its manifest is committed in the store
-  commit_s / _gbps     RemoteSection.commit of a published generation (its data bytes)
+  commit_s / _gbps     ObjectSection.commit of a published generation (its data bytes)
   boto3_upload_s       the same files with boto3 upload_file, one after another (its default
                        TransferConfig: multipart from 8 MB, 8 MB parts, 10 threads per file)
   s3fs_put_s           the same files with s3fs put_file and its defaults, one after another
                        (multipart from 100 MB, 50 MB parts, 10 in flight per file)
-  fetch_s, store_load_s   restore from the store: RemoteSection.fetch (every object streamed
+  fetch_s, store_load_s   restore from the store: ObjectSection.fetch (every object streamed
                        through sha256 to local disk, fsynced, renamed) then dcp.load
   boto3_download_s     the same objects with boto3 download_file, one after another, each then
                        hashed (sha256) and fsynced: the work fetch does, with a plain client
@@ -68,15 +68,15 @@ sys.path.insert(0, str(BENCH))
 from common import evict, facts_for, median, state_bytes, training_state  # noqa: E402
 
 from trainer.config import StoreConfig  # noqa: E402
-from trainer.recovery.checkpointer import SyncCheckpointer  # noqa: E402
-from trainer.recovery.manifest import Manifest  # noqa: E402
-from trainer.recovery.snapshot import load_snapshot, stored_entries  # noqa: E402
-from trainer.recovery.store import GenerationStore  # noqa: E402
-from trainer.recovery.writer import WriterConfig  # noqa: E402
-from trainer.remote.location import StoreLocation  # noqa: E402
-from trainer.remote.objects import ObjectStore, open_filesystem  # noqa: E402
-from trainer.run_dir import MANIFEST, RunDirectory, generation_name  # noqa: E402
-from trainer.tiering import GENERATIONS_SECTION, RemoteRun, StoreRetention, Uploader  # noqa: E402
+from trainer.checkpoint.checkpointer import SyncCheckpointer  # noqa: E402
+from trainer.checkpoint.manifest import Manifest  # noqa: E402
+from trainer.checkpoint.snapshot import load_snapshot, stored_entries  # noqa: E402
+from trainer.checkpoint.section import LocalSection  # noqa: E402
+from trainer.checkpoint.writer import WriterConfig  # noqa: E402
+from trainer.storage.location import StoreLocation  # noqa: E402
+from trainer.storage.object.client import ObjectStore, open_filesystem  # noqa: E402
+from trainer.layout import MANIFEST, RunDirectory, generation_name  # noqa: E402
+from trainer.storage.object.tiering import GENERATIONS_SECTION, RemoteRun, StoreRetention, Uploader  # noqa: E402
 
 warnings.filterwarnings("ignore")
 NO_FENCE = lambda: None  # noqa: E731 - one writer, no lease
@@ -214,7 +214,7 @@ class Bench:
         self.prefix = f"store-bench-{uuid.uuid4().hex[:8]}"
         self.base = base
         self.tier = RunDirectory(base / "tier")
-        self.local = GenerationStore(self.tier.checkpoints)
+        self.local = LocalSection(self.tier.checkpoints)
         self.local.root.mkdir(parents=True, exist_ok=True)
         self.checkpointer = SyncCheckpointer(self.local, "bench", writer)
         self.fs = open_filesystem(StoreLocation("s3", "bench", ""), StoreConfig())

@@ -14,22 +14,22 @@ PACKAGE = REPO / "trainer"
 
 LAYERS = [
     # Leaves: names, errors, configuration, test seams, private-API wrappers.
-    {"trainer.errors", "trainer.run_dir", "trainer.config", "trainer.launch", "trainer.seams", "trainer.compat",
-     "trainer.options", "trainer.remote.location"},
+    {"trainer.errors", "trainer.layout", "trainer.config", "trainer.parallel.launch", "trainer.seams", "trainer.compat",
+     "trainer.options", "trainer.storage.location"},
     # Storage and recovery: generations, manifests, the publish protocol, save and restore;
     # the same sealed directories in an object store, and its lease.
-    {"trainer.recovery", "trainer.remote"},
+    {"trainer.checkpoint", "trainer.storage"},
     # What a run is made of, each usable on its own.
-    {"trainer.state", "trainer.cadence", "trainer.retention", "trainer.export", "trainer.lock",
-     "trainer.preemption", "trainer.events", "trainer.batching", "trainer.fetching", "trainer.fingerprint",
-     "trainer.workload", "trainer.attempts", "trainer.distributed", "trainer.runtime", "trainer.compare",
-     "trainer.listing", "trainer.report", "trainer.timeline", "trainer.progress", "trainer.tiering",
-     "trainer.store_reading"},
+    {"trainer.run.state", "trainer.run.cadence", "trainer.checkpoint.retention", "trainer.checkpoint.export", "trainer.storage.lock",
+     "trainer.run.preemption", "trainer.run.events", "trainer.run.batching", "trainer.run.fetching", "trainer.run.fingerprint",
+     "trainer.workload", "trainer.run.attempts", "trainer.parallel.ranks", "trainer.run.runtime", "trainer.inspect.compare",
+     "trainer.inspect.listing", "trainer.inspect.report", "trainer.inspect.timeline", "trainer.run.progress", "trainer.storage.object.tiering",
+     "trainer.inspect.object_store"},
     # Saving on cadence and stepping the optimizer, then the loop that runs one attempt.
-    {"trainer.saving", "trainer.stepping", "trainer.store_side"},
-    {"trainer.loop"},
+    {"trainer.run.saving", "trainer.run.stepping", "trainer.storage.object.backend"},
+    {"trainer.run.loop"},
     # The edges: Polyaxon tracking and where a tracked run keeps its run directory, the command line.
-    {"trainer.tracking", "trainer.polyaxon_store"},
+    {"trainer.integrations.polyaxon.tracking", "trainer.integrations.polyaxon.placement"},
     {"trainer.cli", "trainer.__main__"},
 ]
 
@@ -71,19 +71,19 @@ def test_no_module_imports_a_higher_layer(path):
 
 
 def test_recovery_imports_nothing_from_the_run_around_it():
-    forbidden = {"trainer.loop", "trainer.cli", "trainer.distributed", "trainer.tracking", "trainer.attempts"}
-    for path in sorted((PACKAGE / "recovery").glob("*.py")):
+    forbidden = {"trainer.run.loop", "trainer.cli", "trainer.parallel.ranks", "trainer.integrations.polyaxon.tracking", "trainer.run.attempts"}
+    for path in sorted((PACKAGE / "checkpoint").glob("*.py")):
         assert not trainer_imports(path) & forbidden, path
 
 
 def test_the_layer_check_can_fail():
     """The checker sees an upward import when there is one (so the tests above can fail)."""
-    assert "trainer.loop" in trainer_imports(PACKAGE / "cli.py")
-    assert layer_of("trainer.loop") > layer_of("trainer.recovery.checkpointer")
-    assert layer_of("trainer.recovery.store") > layer_of("trainer.run_dir")
+    assert "trainer.run.loop" in trainer_imports(PACKAGE / "cli.py")
+    assert layer_of("trainer.run.loop") > layer_of("trainer.checkpoint.checkpointer")
+    assert layer_of("trainer.checkpoint.section") > layer_of("trainer.layout")
 
 
 def test_the_loop_depends_on_the_workload_protocol_not_the_example():
-    imported = trainer_imports(PACKAGE / "loop.py") | trainer_imports(PACKAGE / "saving.py")
+    imported = trainer_imports(PACKAGE / "run" / "loop.py") | trainer_imports(PACKAGE / "run" / "saving.py")
     assert not any(name.startswith("trainer.workload.example") or name.startswith("trainer.workload.data")
                    for name in imported), imported

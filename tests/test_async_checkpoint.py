@@ -1,6 +1,6 @@
 """Async recovery writes: equal state to sync, isolated staging, failures surfaced, one save
 in flight, and a drained save on every way out. In-process tests use real DCP and a real
-GenerationStore; only the storage writer is wrapped (gated or failing) where timing matters."""
+LocalSection; only the storage writer is wrapped (gated or failing) where timing matters."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ import torch
 from conftest import REPO, attempts, compare, generation, one_error_line, train
 from trainer.config import WorkloadConfig
 from trainer.errors import StorageFailure
-from trainer.recovery.atomic import file_digest
-from trainer.recovery.checkpointer import AsyncCheckpointer, SyncCheckpointer, effective_mode
-from trainer.recovery.manifest import GenerationFacts, verify_directory
-from trainer.recovery.snapshot import load_flat
-from trainer.recovery.store import GenerationStore
-from trainer.recovery.writer import HashingFileSystemWriter
-from trainer.state import TrainingState
+from trainer.checkpoint.atomic import file_digest
+from trainer.checkpoint.checkpointer import AsyncCheckpointer, SyncCheckpointer, effective_mode
+from trainer.checkpoint.manifest import GenerationFacts, verify_directory
+from trainer.checkpoint.snapshot import load_flat
+from trainer.checkpoint.section import LocalSection
+from trainer.checkpoint.writer import HashingFileSystemWriter
+from trainer.run.state import TrainingState
 from trainer.workload import build_workload
 
 CPU = torch.device("cpu")
@@ -89,7 +89,7 @@ class WithWriter(AsyncCheckpointer):
 
 def gated_checkpointer(tmp_path, gate: threading.Event, tracker: dict | None = None):
     tracker = tracker if tracker is not None else {"lock": threading.Lock(), "running": 0, "peak": 0}
-    store = GenerationStore(tmp_path / "checkpoints")
+    store = LocalSection(tmp_path / "checkpoints")
     return store, WithWriter(store, lambda path: GatedWriter(path, gate, tracker))
 
 
@@ -168,7 +168,7 @@ def test_staging_isolation_mutations_after_wait_are_not_written(tmp_path):
 
 @pytest.mark.parametrize("surfaced_by", ["save", "wait_for_staging", "finalize"])
 def test_background_failure_is_raised_at_the_next_call(tmp_path, surfaced_by):
-    store = GenerationStore(tmp_path / "checkpoints")
+    store = LocalSection(tmp_path / "checkpoints")
     checkpointer = WithWriter(store, DiskFullWriter)
     state = small_state()
     assert checkpointer.save(state.state_dict(), facts(1)) == []
@@ -219,9 +219,9 @@ def test_finalize_drains_and_publishes_the_save_in_flight(tmp_path):
 
 def test_sync_and_async_publish_the_same_state_and_verified_digests(tmp_path):
     state = small_state(hidden=256)
-    sync_store = GenerationStore(tmp_path / "sync")
+    sync_store = LocalSection(tmp_path / "sync")
     [sync] = SyncCheckpointer(sync_store, "test").save(state.state_dict(), facts(5))
-    async_store = GenerationStore(tmp_path / "async")
+    async_store = LocalSection(tmp_path / "async")
     checkpointer = AsyncCheckpointer(async_store, "test", CPU)
     checkpointer.save(state.state_dict(), facts(5))
     [async_] = checkpointer.finalize()
@@ -248,7 +248,7 @@ def test_auto_mode_is_async_on_cuda_and_sync_on_cpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_staging_reuses_pinned_buffers(tmp_path):
-    from trainer.recovery.staging import ReusableStager
+    from trainer.checkpoint.staging import ReusableStager
 
     stager = ReusableStager(torch.device("cuda", 0))
     source = {"w": torch.randn(1024, 1024, device="cuda"), "step": 3}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer.cadence import AnyOf, EveryEpochs, EverySeconds, EverySteps, StepPoint, build_policy
+from trainer.run.cadence import AnyOf, EveryEpochs, EverySeconds, EverySteps, StepPoint, build_policy
 from trainer.config import CadenceConfig
 
 

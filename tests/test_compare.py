@@ -13,10 +13,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import REPO, compare, generation
-from trainer.compare import value_difference
-from trainer.recovery.manifest import Manifest, read_manifest
-from trainer.recovery.snapshot import load_flat
-from trainer.recovery.store import GenerationStore
+from trainer.inspect.compare import value_difference
+from trainer.checkpoint.manifest import Manifest, read_manifest
+from trainer.checkpoint.snapshot import load_flat
+from trainer.checkpoint.section import LocalSection
 
 
 def plant(source, target_root, key, change):
@@ -24,7 +24,7 @@ def plant(source, target_root, key, change):
     flat = load_flat(source)
     flat[key] = change(flat[key])
     original = read_manifest(source)
-    store = GenerationStore(target_root)
+    store = LocalSection(target_root)
     temporary = store.begin(original.step, "test")
     dcp.save(flat, checkpoint_id=str(temporary), no_dist=True)
     store.publish(temporary, original.step,

@@ -82,7 +82,7 @@ def test_output_below_a_file_is_a_usage_error(tmp_path):
 @pytest.mark.parametrize("entry, make", [
     ("checkpoints", lambda path: path.write_text("x")),
     ("attempts", lambda path: path.write_text("x")),
-    (".trainer.lock", lambda path: path.mkdir()),
+    (".trainer.storage.lock", lambda path: path.mkdir()),
 ])
 def test_misplaced_layout_entries_are_refused_before_any_work(tmp_path, entry, make):
     run = tmp_path / "run"

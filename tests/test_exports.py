@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import one_error_line, run_cli, train
-from trainer.recovery.snapshot import load_flat
+from trainer.checkpoint.snapshot import load_flat
 
 
 def test_export_equals_recovery_weights_and_loads_without_trainer(tmp_path):

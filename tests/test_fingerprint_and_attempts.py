@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import attempts, generation, one_error_line, run_cli, train
-from trainer.fingerprint import check_fingerprint, fingerprint_diff
+from trainer.run.fingerprint import check_fingerprint, fingerprint_diff
 from trainer.errors import FingerprintMismatch
 
 

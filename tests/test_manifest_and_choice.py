@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from trainer.errors import CorruptGeneration, NothingToResume, RefuseOverwrite
-from trainer.recovery.atomic import file_digest
-from trainer.recovery.manifest import (GenerationFacts, InvalidManifest, Manifest, Verification, read_manifest,
+from trainer.checkpoint.atomic import file_digest
+from trainer.checkpoint.manifest import (GenerationFacts, InvalidManifest, Manifest, Verification, read_manifest,
                                        verify_directory)
-from trainer.recovery.resume import choose_candidate, require_verified
+from trainer.checkpoint.resume import choose_candidate, require_verified
 
 FACTS = GenerationFacts(step=24, epoch=3, position=0, fingerprint={"world_size": 1}, allowed_drift=("config",),
                         cadence={"recover": {}, "export": {}}, created_utc="2026-12-01T00:00:00+00:00")

@@ -177,7 +177,7 @@ def test_every_replica_reaches_the_artifacts_store_and_finds_the_same_run_direct
     and of every PyTorchJob replica gets the store's connection, its credentials (S3) or its mount
     (host path), and a local tier outside the sidecar-synced context; the trainer's resolution,
     given exactly that environment, finds the run's outputs in the store on every pod."""
-    from trainer.polyaxon_store import place_run, under
+    from trainer.integrations.polyaxon.placement import place_run, under
 
     workers = 2
     connection = STORES[store]
@@ -219,7 +219,7 @@ def test_every_replica_reaches_the_artifacts_store_and_finds_the_same_run_direct
 def test_a_secret_mounted_as_files_reaches_s3fs_as_environment_variables(tmp_path):
     """A connection whose secret is mounted (`secret.mountPath`) gives the container files, not
     variables: the trainer exports the AWS_* ones that are not set already."""
-    from trainer.polyaxon_store import place_run
+    from trainer.integrations.polyaxon.placement import place_run
 
     folder = tmp_path / "aws-creds"
     store = {**S3_STORE, "schema": {"bucket": "s3://plx-artifacts/team"},
@@ -242,7 +242,7 @@ def test_without_the_store_exposed_a_managed_run_warns_once_and_keeps_the_output
     """A polyaxonfile without mountArtifactsStore: the container gets only the store's name, so
     the trainer keeps today's outputs path and says, in one warning line, what that costs."""
     from trainer.cli import tracked_placement
-    from trainer.launch import LaunchEnvironment
+    from trainer.parallel.launch import LaunchEnvironment
 
     doc = yaml.safe_load(JOB_FILE.read_text())
     del doc["plugins"]["mountArtifactsStore"]
@@ -280,7 +280,7 @@ def offline_store_env(root: Path, run_uuid: str, connection: dict, **extra: str)
 
 
 def test_a_local_tier_the_sidecar_would_upload_is_refused(tmp_path):
-    from trainer.polyaxon_store import place_run
+    from trainer.integrations.polyaxon.placement import place_run
 
     run_uuid = "feedbeef" * 4
     env = offline_store_env(tmp_path, run_uuid, S3_STORE, TRAINER_LOCAL_TIER="/plx-context/artifacts/tier")
@@ -327,9 +327,9 @@ def test_a_tracked_run_writes_its_generations_straight_into_the_s3_artifacts_sto
 def test_lineage_of_a_bucket_store_run_names_the_store_once_the_store_holds_it(tmp_path):
     """Published on the local tier is not durable: the reference and the pipeline outputs
     follow the commit in the store, and name the store URL, never the local tier."""
-    from trainer.polyaxon_store import RunPlacement
-    from trainer.recovery.store import Published
-    from trainer.tracking import PolyaxonEvents
+    from trainer.integrations.polyaxon.placement import RunPlacement
+    from trainer.checkpoint.section import Published
+    from trainer.integrations.polyaxon.tracking import PolyaxonEvents
 
     class Run:  # what PolyaxonEvents uses of polyaxon.tracking.Run
         run_uuid = UUID
@@ -381,8 +381,8 @@ def test_a_copy_that_would_race_the_trainer_into_the_store_is_refused(tmp_path):
     from types import SimpleNamespace
 
     from trainer.cli import refuse_a_racing_copy
-    from trainer.polyaxon_store import RunPlacement
-    from trainer.tracking import PolyaxonEvents
+    from trainer.integrations.polyaxon.placement import RunPlacement
+    from trainer.integrations.polyaxon.tracking import PolyaxonEvents
 
     def events(kind):
         run = SimpleNamespace(run_uuid=UUID, get_outputs_path=lambda: str(tmp_path),

@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO, one_error_line, run_cli
 
 from trainer.config import ProgressConfig
-from trainer.progress import CLEAR_LINE, Progress, StepInfo, render_status
+from trainer.run.progress import CLEAR_LINE, Progress, StepInfo, render_status
 
 
 class Clock:

@@ -15,8 +15,8 @@ import pytest
 from conftest import attempts, one_error_line, run_cli, train
 from test_faults import start, wait_for_line
 
-from trainer.report import build_report, format_report
-from trainer.timeline import HEIGHT, WIDTH, render_timeline, timeline_title
+from trainer.inspect.report import build_report, format_report
+from trainer.inspect.timeline import HEIGHT, WIDTH, render_timeline, timeline_title
 
 
 def png_size(path) -> tuple[int, int]:

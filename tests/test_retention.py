@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from conftest import generation, train
-from trainer.retention import Candidate, select_deletions
+from trainer.checkpoint.retention import Candidate, select_deletions
 
 
 def names(*steps):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from trainer import seams
-from trainer.attempts import is_crash_loop, previous_attempt, steps_replayed, world_size_change
+from trainer.run.attempts import is_crash_loop, previous_attempt, steps_replayed, world_size_change
 from trainer.errors import NothingToResume, RefuseOverwrite, UsageError
-from trainer.run_dir import (REMOVABLE, REPLACED, RunDirectory, generation_name, generation_step, hidden_name,
+from trainer.layout import (REMOVABLE, REPLACED, RunDirectory, generation_name, generation_step, hidden_name,
                              split_hidden, temporary_name)
 
 
@@ -116,7 +116,7 @@ def test_a_section_or_a_generation_is_not_a_run_directory(tmp_path):
 def test_an_attempt_that_ends_between_publishes_records_the_step_it_reached(tmp_path):
     """A failure or a grace timeout ends without `reached()`: the per-step marker decides, so
     the next attempt counts the steps it redoes."""
-    from trainer.attempts import AttemptRecorder, read_attempts
+    from trainer.run.attempts import AttemptRecorder, read_attempts
 
     recorder = AttemptRecorder.start(RunDirectory(tmp_path), "20261201T000000Z-abcdef", [], {"restored": None})
     recorder.reached(10, first=True)

@@ -268,7 +268,7 @@ def test_one_of_several_processes_skips_the_teardown_but_not_the_exit_handlers(t
 
 def test_launch_environment_reads_the_launcher_variables():
     from trainer.errors import UsageError
-    from trainer.launch import LaunchEnvironment
+    from trainer.parallel.launch import LaunchEnvironment
 
     assert LaunchEnvironment.from_environ({}) == LaunchEnvironment()
     assert not LaunchEnvironment.from_environ({"WORLD_SIZE": "1", "RANK": "0"}).distributed
@@ -282,7 +282,7 @@ def test_launch_environment_reads_the_launcher_variables():
 
 
 def test_rank_slices_together_are_exactly_the_global_batch():
-    from trainer.batching import EpochBatchOrder, uneven_split
+    from trainer.run.batching import EpochBatchOrder, uneven_split
 
     whole = list(EpochBatchOrder(128, 16, 1234, epoch=3, start_batch=5))
     slices = [list(EpochBatchOrder(128, 16, 1234, 3, 5, rank, 2)) for rank in (0, 1)]
@@ -295,7 +295,7 @@ def test_rank_slices_together_are_exactly_the_global_batch():
 
 
 def test_each_rank_finds_its_own_rng_entry_in_any_layout():
-    from trainer.state import stored_rng_key, stored_world_size
+    from trainer.run.state import stored_rng_key, stored_world_size
 
     single = {"rng.torch": 0, "rng.python.internal": 0}
     two = {f"rng_by_rank.{r}.torch": 0 for r in (0, 1)}

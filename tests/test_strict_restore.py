@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from trainer.errors import FingerprintMismatch
-from trainer.recovery.restore import load_into
-from trainer.recovery.snapshot import write_snapshot
-from trainer.state import TrainingState
+from trainer.checkpoint.restore import load_into
+from trainer.checkpoint.snapshot import write_snapshot
+from trainer.run.state import TrainingState
 
 
 class AccumulatingAdamW(torch.optim.AdamW):

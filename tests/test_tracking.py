@@ -19,7 +19,7 @@ from conftest import attempts, compare, generation, one_error_line, run_cli
 from test_report import png_size
 
 from trainer.errors import TrackingUnavailable
-from trainer.tracking import PolyaxonEvents, cloning_kind, parse_run_instance
+from trainer.integrations.polyaxon.tracking import PolyaxonEvents, cloning_kind, parse_run_instance
 
 
 def offline_env(root: Path, run_uuid: str | None = None) -> dict:

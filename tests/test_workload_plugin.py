@@ -108,7 +108,7 @@ def test_a_workload_option_that_shadows_the_trainers_is_refused(tmp_path):
 
 def test_source_covers_the_workloads_whole_package_or_its_module(tmp_path, monkeypatch):
     from trainer.config import DEFAULT_WORKLOAD
-    from trainer.fingerprint import source_digest
+    from trainer.run.fingerprint import source_digest
     from trainer.workload.loading import find_factory
 
     (tmp_path / "mypkg" / "models").mkdir(parents=True)

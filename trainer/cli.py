@@ -20,11 +20,11 @@ from trainer import compat, seams
 from trainer.config import (CHECKPOINT_MODES, DEFAULT_WORKLOAD, CadenceConfig, ProgressConfig, RetentionConfig,
                             RunConfig, StoreConfig, WorkloadConfig)
 from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_failure
-from trainer.fingerprint import FIELDS
-from trainer.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
+from trainer.run.fingerprint import FIELDS
+from trainer.parallel.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
 from trainer.options import (location_argument, non_negative_float, non_negative_int, path_argument, positive_float,
                              positive_int)
-from trainer.remote.location import parse_store_url
+from trainer.storage.location import parse_store_url
 
 EXIT_STATUS_ENV = "TRAINER_EXIT_STATUS_FILE"
 
@@ -246,7 +246,7 @@ def run_train(argv: list[str]) -> int:
         placement = tracked_placement(args, launch)
         return train_in(config_from_args(args, argv, placement.output, workload_options, placement.local_tier),
                         launch)
-    from trainer.tracking import PolyaxonEvents  # imports polyaxon: only with --tracked
+    from trainer.integrations.polyaxon.tracking import PolyaxonEvents  # imports polyaxon: only with --tracked
 
     events = PolyaxonEvents.start()
 
@@ -273,9 +273,9 @@ def refuse_a_racing_copy(events, placement) -> None:
 
 
 def tracked_placement(args: argparse.Namespace, launch: LaunchEnvironment, own_run_uuid: str | None = None):
-    """The tracked run's directory (trainer/polyaxon_store.py), with the store's client
+    """The tracked run's directory (trainer/integrations/polyaxon/placement.py), with the store's client
     variables exported and the store options checked against it."""
-    from trainer.polyaxon_store import place_run  # reads Polyaxon's connection schema
+    from trainer.integrations.polyaxon.placement import place_run  # reads Polyaxon's connection schema
 
     placement = place_run(os.environ, own_run_uuid, launch.world_size, args.local_tier)
     require_store_for_store_options(args, placement.in_store)
@@ -287,8 +287,8 @@ def tracked_placement(args: argparse.Namespace, launch: LaunchEnvironment, own_r
 
 
 def train_in(config: RunConfig, launch: LaunchEnvironment, events=None) -> int:
-    from trainer.events import TrainingEvents
-    from trainer.loop import run_training  # imports torch: after cheap validation
+    from trainer.run.events import TrainingEvents
+    from trainer.run.loop import run_training  # imports torch: after cheap validation
 
     outcome = run_training(config, launch, events or TrainingEvents())
     if outcome.status == EXIT_INTERRUPTED and launch.is_primary:
@@ -314,8 +314,8 @@ def run_list(argv: list[str]) -> int:
                              "local tier (the same as `list URL --local-tier DIR`)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
-    from trainer.listing import list_run, require_run_directory
-    from trainer.store_reading import list_store_run
+    from trainer.inspect.listing import list_run, require_run_directory
+    from trainer.inspect.object_store import list_store_run
 
     if isinstance(args.directory, str):
         if args.store is not None:
@@ -340,8 +340,8 @@ def run_verify(argv: list[str]) -> int:
                         help="a run directory or one generation/export directory, or the store URL of either")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
-    from trainer.listing import verify_path
-    from trainer.store_reading import verify_store
+    from trainer.inspect.listing import verify_path
+    from trainer.inspect.object_store import verify_store
 
     return verify_store(args.path, args.json) if isinstance(args.path, str) else verify_path(args.path, args.json)
 
@@ -355,8 +355,8 @@ def run_report(argv: list[str]) -> int:
     parser.add_argument("--png", type=path_argument, metavar="FILE",
                         help="also draw the timeline of the attempts into FILE (PNG, 1600x900)")
     args = parser.parse_args(argv)
-    from trainer.listing import report_command
-    from trainer.store_reading import store_report_command
+    from trainer.inspect.listing import report_command
+    from trainer.inspect.object_store import store_report_command
 
     command = store_report_command if isinstance(args.directory, str) else report_command
     return command(args.directory, args.json, args.png)

@@ -30,7 +30,7 @@ class WorkloadConfig:
     seed: int = 1234
     num_workers: int = 0
     """DataLoader worker processes. Every fetch runs with the global RNGs seeded from
-    (seed, epoch, index) (trainer/fetching.py), so this does not change training and may
+    (seed, epoch, index) (trainer/run/fetching.py), so this does not change training and may
     differ between attempts."""
     amp: bool = False
     """Mixed precision (bfloat16 autocast on CPU, float16 + GradScaler on CUDA)."""

@@ -32,7 +32,7 @@ def non_negative_float(text: str) -> float:
 
 def location_argument(text: str) -> Path | str:
     """A run directory: a local path, or a store URL (kept as text, parsed where it is used)."""
-    from trainer.remote.location import is_url, parse_store_url
+    from trainer.storage.location import is_url, parse_store_url
     from trainer.errors import UsageError
 
     if re.match(r"^(s3|gs|gcs|az|abfs):/[^/]", text.strip()):  # a URL with one slash: a local path by accident

@@ -46,7 +46,7 @@ fsynced, manifest written, directory renamed into place; then in a store: one da
 uploaded, every data object uploaded, the manifest committed; and retention in a store
 between removing a generation's manifest and its data."""
 RNG_KINDS = ("python", "numpy", "torch", "cuda")
-"""The global RNGs a snapshot holds (trainer/state.py); named here so the CLI can validate
+"""The global RNGs a snapshot holds (trainer/run/state.py); named here so the CLI can validate
 the skip list without importing torch."""
 
 

@@ -11,8 +11,8 @@ not fingerprinted (a run may be extended): use it to refuse a run your schedule 
 never to shape training.
 
 What the trainer owns (and a workload must not do itself): seeding, the batch order and the
-position inside an epoch (`trainer.batching`), fetching (every sample is fetched with the
-global RNGs seeded from (seed, epoch, index): `trainer.fetching`), moving batches to the
+position inside an epoch (`trainer.run.batching`), fetching (every sample is fetched with the
+global RNGs seeded from (seed, epoch, index): `trainer.run.fetching`), moving batches to the
 device, mixed precision, gradient accumulation, and saving and restoring everything,
 including the global Python, NumPy and torch RNGs the workload may use in the main process.
 A workload must not keep randomness or state the trainer cannot see: a private

@@ -1,0 +1,208 @@
+"""The manifest of a sealed directory (a recovery generation or an export), and verification.
+
+`manifest.json` is written last into a directory: it lists every file with its size and
+sha256 and describes what the directory holds. `Manifest` is its one in-memory form: built
+here for both kinds (`for_generation`, `for_export`), written with `to_json`, read back
+with `from_json`, which validates every field readers rely on.
+
+A directory is *verified* when its manifest parses, lists every file a loader of its kind
+reads (and the files that kind requires), and every file it lists exists with the recorded
+size and sha256. Verification never modifies anything.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from trainer.checkpoint.atomic import file_digest
+from trainer.layout import (EXPORT_CONFIG, EXPORT_WEIGHTS, MANIFEST, SNAPSHOT_INDEX, SNAPSHOT_SHARD_SUFFIX,
+                             generation_name)
+
+FORMAT = "training-recovery"
+FORMAT_VERSION = 1
+DIGEST = "sha256"
+RECOVERY, EXPORT = "recovery", "export"
+REQUIRED_FILES = {RECOVERY: (SNAPSHOT_INDEX,), EXPORT: (EXPORT_WEIGHTS, EXPORT_CONFIG)}
+"""What a reader of each kind needs: DCP's index, or the weights and their config."""
+
+
+class InvalidManifest(ValueError):
+    """The manifest cannot be used; the message is "manifest.json: why"."""
+
+
+@dataclass(frozen=True)
+class GenerationFacts:
+    """What the loop knows about the training state being saved: the descriptive part of a
+    recovery generation's manifest."""
+
+    step: int
+    epoch: int
+    position: int
+    """Batches done in the current epoch."""
+    fingerprint: dict
+    allowed_drift: tuple[str, ...]
+    cadence: dict
+    """Cadence policy state carried across processes ({"recover": …, "export": …})."""
+    created_utc: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    kind: str
+    name: str
+    step: int
+    epoch: int
+    attempt: str
+    files: Mapping[str, Mapping[str, object]]
+    """File name -> {"bytes": int, "sha256": hex}."""
+    facts: GenerationFacts | None = None
+    """Recovery generations only."""
+    timings: Mapping[str, object] = field(default_factory=dict)
+    """Recovery generations only: how the save went (mode, write_s, …)."""
+
+    @classmethod
+    def for_generation(cls, facts: GenerationFacts, attempt: str, timings: dict, files: dict) -> "Manifest":
+        return cls(RECOVERY, generation_name(facts.step), facts.step, facts.epoch, attempt, files, facts,
+                   {key: round(value, 6) if isinstance(value, float) else value for key, value in timings.items()})
+
+    @classmethod
+    def for_export(cls, step: int, epoch: int, attempt: str, files: dict) -> "Manifest":
+        return cls(EXPORT, generation_name(step), step, epoch, attempt, files)
+
+    @property
+    def fingerprint(self) -> dict:
+        return self.facts.fingerprint if self.facts else {}
+
+    @property
+    def cadence(self) -> dict:
+        return self.facts.cadence if self.facts else {}
+
+    def to_json(self) -> dict:
+        data = {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": self.kind, "name": self.name,
+                "step": self.step, "epoch": self.epoch, "attempt": self.attempt, "digest": DIGEST,
+                "files": {name: dict(entry) for name, entry in self.files.items()}}
+        if self.facts is not None:
+            facts = self.facts
+            data.update(position=facts.position, fingerprint=facts.fingerprint,
+                        allowed_drift=list(facts.allowed_drift), cadence=facts.cadence,
+                        created_utc=facts.created_utc, timings=dict(self.timings))
+        return data
+
+    @classmethod
+    def from_json(cls, data) -> "Manifest":
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise InvalidManifest(f"{MANIFEST}: not a {FORMAT} manifest")
+        if data.get("format_version") != FORMAT_VERSION:
+            raise InvalidManifest(f"{MANIFEST}: format_version {data.get('format_version')!r} is not {FORMAT_VERSION}")
+        files = data.get("files")
+        if not isinstance(files, dict) or data.get("digest") != DIGEST:
+            raise InvalidManifest(f"{MANIFEST}: no file list")
+        for name, entry in files.items():
+            if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int)
+                    and isinstance(entry.get("sha256"), str)):
+                raise InvalidManifest(f"{MANIFEST}: the entry for {name} is not {{bytes, sha256}}")
+        kind = data.get("kind")
+        if kind not in REQUIRED_FILES:
+            raise InvalidManifest(f"{MANIFEST}: unknown kind {kind!r}")
+        _require(data, {"name": str, "step": int, "epoch": int, "attempt": str})
+        facts = None
+        if kind == RECOVERY:
+            _require(data, {"position": int, "fingerprint": dict, "allowed_drift": list, "cadence": dict,
+                            "created_utc": str, "timings": dict})
+            facts = GenerationFacts(data["step"], data["epoch"], data["position"], data["fingerprint"],
+                                    tuple(data["allowed_drift"]), data["cadence"], data["created_utc"])
+        return cls(kind, data["name"], data["step"], data["epoch"], data["attempt"], files, facts,
+                   data.get("timings", {}))
+
+
+def _require(data: dict, types: dict[str, type]) -> None:
+    for name, kind in types.items():
+        value = data.get(name)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise InvalidManifest(f"{MANIFEST}: {name} is missing or not a {kind.__name__}")
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """The parsed manifest; raises InvalidManifest with a short reason if it is unusable."""
+    try:
+        data = json.loads((directory / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise InvalidManifest(f"{MANIFEST}: missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InvalidManifest(f"{MANIFEST}: unreadable ({error.__class__.__name__})") from None
+    return Manifest.from_json(data)
+
+
+@dataclass(frozen=True)
+class Verification:
+    path: Path
+    manifest: Manifest | None
+    problem: str | None
+    """None when verified; else "FILE: what is wrong" naming the first bad file."""
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def read_by_loader(kind: str, name: str) -> bool:
+    """Whether loading a directory of this kind may read the file, so it must be verified.
+    Other files (a Finder `.DS_Store`, an NFS `.nfsXXXX`) are never read and are ignored."""
+    if kind == RECOVERY:
+        return name in REQUIRED_FILES[kind] or name.endswith(SNAPSHOT_SHARD_SUFFIX)
+    return name in REQUIRED_FILES[kind]
+
+
+def file_problem(name: str, expected: Mapping, actual: dict | None) -> str | None:
+    """Compare one file's recorded and observed {bytes, sha256}; a reason, or None if equal."""
+    if actual is None:
+        return f"{name}: missing"
+    if actual["bytes"] != expected["bytes"]:
+        return f"{name}: size {actual['bytes']} bytes, manifest says {expected['bytes']}"
+    if actual["sha256"] != expected["sha256"]:
+        return f"{name}: sha256 mismatch (manifest {expected['sha256'][:12]}…, file {actual['sha256'][:12]}…)"
+    return None
+
+
+def unlisted_problem(manifest: Manifest, on_disk: list[str]) -> str | None:
+    """Every file a loader reads must be covered by the manifest: a required file it does not
+    list, or one on disk it does not list, would be used unverified."""
+    if not manifest.files:
+        return f"{MANIFEST}: lists no files"
+    for name in REQUIRED_FILES[manifest.kind]:
+        if name not in manifest.files:
+            return f"{name}: not listed in {MANIFEST}"
+    stray = next((name for name in on_disk if name not in manifest.files and read_by_loader(manifest.kind, name)),
+                 None)
+    return f"{stray}: not listed in {MANIFEST}" if stray else None
+
+
+def verify_directory(directory: Path) -> Verification:
+    try:
+        manifest = read_manifest(directory)
+    except InvalidManifest as reason:
+        return Verification(directory, None, str(reason))
+    try:
+        on_disk = sorted(entry.name for entry in directory.iterdir() if entry.name != MANIFEST)
+    except OSError as error:
+        return Verification(directory, manifest, f"{directory.name}: unreadable ({error.strerror})")
+    problem = unlisted_problem(manifest, on_disk)
+    if problem:
+        return Verification(directory, manifest, problem)
+    for name, expected in sorted(manifest.files.items()):
+        path = directory / name
+        try:
+            actual = file_digest(path) if path.is_file() else None
+        except OSError as error:
+            return Verification(directory, manifest, f"{name}: unreadable ({error.strerror})")
+        problem = file_problem(name, expected, actual)
+        if problem:
+            return Verification(directory, manifest, problem)
+    return Verification(directory, manifest, None)

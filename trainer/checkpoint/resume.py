@@ -1,0 +1,71 @@
+"""Resume policy (README, "Resume policy and exit codes"): which generation, if any, a new process starts from.
+
+`choose_candidate` is a pure decision over names; `verify_candidate` verifies the choice and
+refuses a damaged one, naming the newest earlier generation that verifies.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from trainer.errors import CorruptGeneration, NothingToResume, RefuseOverwrite
+from trainer.checkpoint.manifest import Verification
+from trainer.checkpoint.section import LocalSection
+
+
+def choose_candidate(names: list[str], resume: str | None, from_generation: str | None,
+                     where: str) -> str | None:
+    """The generation to restore (not yet verified), or None for a fresh start.
+
+    `names` are the published generations, sorted oldest first.
+    """
+    if from_generation is not None:
+        if from_generation not in names:
+            known = ", ".join(names[-3:]) or "none"
+            raise NothingToResume(f"generation {from_generation} does not exist in {where} "
+                                  f"(newest: {known}); pick one from `python -m trainer list`")
+        return from_generation
+    if resume is None:
+        if names:
+            raise RefuseOverwrite(f"{where} already holds generations (newest {names[-1]}); "
+                                  f"continue with --resume, or choose an empty --output")
+        return None
+    if not names:
+        if resume == "auto":
+            return None
+        raise NothingToResume(f"nothing to resume: no generation in {where}; "
+                              f"start without --resume, or use --resume auto")
+    return names[-1]
+
+
+def require_verified(candidate: Verification, earlier: list[str],
+                     verify: Callable[[str], Verification]) -> None:
+    """Refuse a damaged candidate, naming the newest earlier generation that verifies."""
+    if candidate.ok:
+        return
+    fallback = next((name for name in reversed(earlier) if verify(name).ok), None)
+    advice = (f"newest earlier generation that verifies: {fallback}; resume from it with "
+              f"--from-generation {fallback}") if fallback else \
+        "no earlier generation verifies: move the damaged one aside to start over, or choose a new --output"
+    raise CorruptGeneration(f"generation {candidate.name} is damaged: {candidate.problem}; {advice}")
+
+
+def verify_candidate(store: LocalSection, candidate: str) -> Verification:
+    """The verified candidate, or CorruptGeneration (exit 65) with the way back."""
+    verification = store.verify(candidate)
+    require_verified(verification, [name for name in store.names() if name < candidate], store.verify)
+    return verification
+
+
+def set_aside_later_line(generations: LocalSection, exports: LocalSection, step: int) -> list[str]:
+    """An operator went back to the generation at `step`: every later generation and export
+    belongs to an abandoned line. Set them aside as superseded copies (kept, never selected),
+    so a later plain --resume cannot pick the abandoned line up again, and the new line never
+    has to replace them. Returns them as "SECTION/NAME".
+
+    Exports go first, then generations oldest first: a crash part way leaves the abandoned
+    line's newest generation in place, so a plain --resume continues that line as if the
+    operator had not gone back, and nothing newer than `step` is left in exports to outrank
+    the new line's exports under retention."""
+    return [f"{store.root.name}/{name}" for store in (exports, generations)
+            for name in store.set_aside_later_than(step)]

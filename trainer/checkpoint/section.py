@@ -1,0 +1,153 @@
+"""The generation store: published `step-%08d` directories under one root (recovery
+generations under `checkpoints/`, exports under `exports/`), their hidden siblings, and
+publishing through the shared atomic protocol."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from trainer.checkpoint.atomic import (finish_interrupted_replacements, fsync_dir, manifest_digest, rename_aside,
+                                     rename_into_place, seal_directory, set_aside, temporary_sibling)
+from trainer.checkpoint.manifest import Manifest, Verification, verify_directory
+from trainer.layout import DELETING, MANIFEST, REMOVABLE, REPLACED, REPLACING, generation_name, generation_step
+
+
+@dataclass(frozen=True)
+class Published:
+    """A directory that became published, and what it cost."""
+
+    name: str
+    step: int
+    manifest_sha256: str
+    save_s: float
+    """Wall time of the whole save, write + hash/fsync + publish."""
+    blocked_s: float
+    """Time the training loop was blocked by it (all of it, in sync mode)."""
+
+
+class LocalSection:
+    """Published `step-%08d` directories under one root (recovery generations or exports)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        # Verification re-hashes every file; remember results per manifest identity so
+        # retention after each save does not re-read every kept generation.
+        self._verified: dict[tuple[str, int, int], Verification] = {}
+
+    def names(self) -> list[str]:
+        """Committed generation names, oldest first (names sort by step): a `step-%08d`
+        directory is committed iff its manifest exists (it is written last)."""
+        return [name for name in self._step_directories() if (self.root / name / MANIFEST).exists()]
+
+    def uncommitted(self) -> list[str]:
+        """`step-%08d` directories without a manifest: a copy cut short (an interrupted
+        `aws s3 sync`, a sidecar, a hand copy). Never selected, never damage, never deleted."""
+        return [name for name in self._step_directories() if not (self.root / name / MANIFEST).exists()]
+
+    def _step_directories(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and generation_step(p.name) is not None)
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+    def verify(self, name: str, cached: bool = False) -> Verification:
+        """Full re-hash against the manifest; with `cached`, reuse this process's earlier
+        result while the manifest file is unchanged (same inode and mtime)."""
+        try:
+            stat = (self.path(name) / MANIFEST).stat()
+            key = (name, stat.st_ino, stat.st_mtime_ns)
+        except OSError:
+            return verify_directory(self.path(name))
+        if not cached or key not in self._verified:
+            self._verified[key] = self._verify_named(name)
+        return self._verified[key]
+
+    def _verify_named(self, name: str) -> Verification:
+        """A directory verifies under its name only if its manifest describes that name: a
+        generation copied or renamed to another step would otherwise be restored as a newer
+        one, and every later resume would replay from its real step."""
+        verification = verify_directory(self.path(name))
+        manifest = verification.manifest
+        if verification.ok and (manifest.name != name or manifest.step != generation_step(name)):
+            return Verification(verification.path, manifest,
+                                f"{MANIFEST}: describes {manifest.name} (step {manifest.step}), not {name}; "
+                                f"a copied or renamed directory")
+        return verification
+
+    def temporaries(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.iterdir() if p.is_dir() and REMOVABLE.match(p.name))
+
+    def recover_interrupted_replacements(self) -> list[str]:
+        """Finish replacements a crash cut short (see `rename_into_place`); the names put back."""
+        return finish_interrupted_replacements(self.root)
+
+    def replaced(self) -> list[str]:
+        """Superseded copies kept for inspection: never selected, never deleted by us."""
+        return self._hidden(REPLACED)
+
+    def interrupted_replacements(self) -> list[str]:
+        """`.replacing-` leftovers of a crash, which the next trainer puts back or retires."""
+        return self._hidden(REPLACING)
+
+    def _hidden(self, suffix: str) -> list[str]:
+        return sorted(p.name for p in self.root.glob(f".step-*{suffix}*")) if self.root.is_dir() else []
+
+    def set_aside_later_than(self, step: int) -> list[str]:
+        """Retire every published directory after `step`, oldest first: an operator went back
+        to an earlier generation, so they belong to an abandoned line and must never be
+        resumed from. They stay on disk as superseded copies."""
+        later = [name for name in self.names() if generation_step(name) > step]
+        for name in later:
+            set_aside(self.path(name))
+        if later:
+            fsync_dir(self.root)
+        return later
+
+    def remove(self, name: str) -> None:
+        """Delete a published generation atomically: rename it to a hidden `.deleting-`
+        sibling (never selected), make the rename durable, then delete the files."""
+        doomed = rename_aside(self.path(name), DELETING)
+        fsync_dir(self.root)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def remove_stale_temporaries(self) -> list[str]:
+        """Delete temporaries left by crashed attempts. Safe only while holding the output
+        lock (no other writer can be filling one)."""
+        removed = []
+        for path in self.temporaries():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+        return removed
+
+    def begin(self, step: int, tag: str) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return temporary_sibling(self.root, generation_name(step), tag)
+
+    def publish(self, temporary: Path, step: int, describe: Callable[[dict], Manifest],
+                known: dict[str, dict] | None = None) -> str:
+        """Seal `temporary` with the manifest `describe(files)` makes, and rename it into
+        place; `known` are digests its writer computed while writing. Returns the sha256 of
+        the manifest now under the name.
+
+        When the name is already published with exactly these files (an export replayed
+        after a resume), the existing directory stays and the new copy is dropped: replays
+        do not pile up superseded copies."""
+        name = generation_name(step)
+        sealed = seal_directory(temporary, describe, known)
+        if self.path(name).is_dir() and not self.path(name).is_symlink():
+            existing = self.verify(name, cached=True)
+            if existing.ok and existing.manifest.files == sealed.files:
+                shutil.rmtree(temporary, ignore_errors=True)
+                return manifest_digest(self.path(name))
+        rename_into_place(temporary, self.path(name))
+        stat = (self.path(name) / MANIFEST).stat()
+        # Sealing just hashed every file: remember it as verified instead of re-reading.
+        self._verified[(name, stat.st_ino, stat.st_mtime_ns)] = Verification(self.path(name), sealed, None)
+        return manifest_digest(self.path(name))

@@ -1,0 +1,89 @@
+"""Writing and reading a recovery snapshot with torch.distributed.checkpoint (DCP).
+
+The on-disk format is stock DCP (a `.metadata` file and `*.distcp` shards), so a generation
+can always be read back by `dcp.load` or `format_utils.dcp_to_torch_save` without our code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from trainer.checkpoint.writer import HashingFileSystemWriter, WriterConfig
+
+# DCP warns on every call that it assumes a single process when no process group exists;
+# that is exactly our intent, so the warning is noise in the progress log.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def single_process() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def write_snapshot(state_dict: dict, directory: Path, config: WriterConfig = WriterConfig()) -> dict[str, dict]:
+    """Write `state_dict` into `directory`, every shard fsynced; returns the shards'
+    {bytes, sha256}, hashed while writing, for the manifest. With several processes each rank
+    writes, hashes and fsyncs its own shards (on shared storage rank 0's fsync could not make
+    another node's writes durable)."""
+    writer = HashingFileSystemWriter(directory, config)
+    dcp.save(state_dict, storage_writer=writer, no_dist=single_process())
+    return writer.digests
+
+
+def stored_entries(directory: Path) -> dict:
+    """Flattened key -> DCP storage metadata (tensor shape/dtype, or bytes for objects)."""
+    return dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+
+
+READ_THREADS = 4
+
+
+class ParallelFileSystemReader(dcp.FileSystemReader):
+    """Stock `FileSystemReader`, but the shard files are read concurrently, one thread per
+    file: stock DCP reads file after file on one thread, which leaves a disk that serves
+    parallel reads (and the cores that deserialize) idle. Each thread runs the stock
+    `read_data` on the part of the plan that reads its file, so the parsing is unchanged."""
+
+    def __init__(self, path: str | Path, threads: int = READ_THREADS):
+        super().__init__(str(path))
+        self.threads = threads
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        parts = [dataclasses.replace(plan, items=items) for items in per_file.values()]
+        with ThreadPoolExecutor(max_workers=max(1, min(self.threads, len(parts)))) as pool:
+            for done in pool.map(lambda part: super(ParallelFileSystemReader, self).read_data(part, planner),
+                                 parts):
+                done.wait()
+        finished: Future[None] = Future()
+        finished.set_result(None)
+        return finished
+
+
+def load_snapshot(template: dict, directory: Path) -> None:
+    """Fill `template` in place: tensors must be pre-allocated with the stored shapes;
+    non-tensor values are replaced by the stored objects."""
+    dcp.load(template, storage_reader=ParallelFileSystemReader(directory), no_dist=single_process())
+
+
+def load_flat(directory: Path) -> dict:
+    """Every stored entry by its flattened key, without knowing the model (for compare)."""
+    flat = {}
+    for key, entry in stored_entries(directory).items():
+        if isinstance(entry, TensorStorageMetadata):
+            flat[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+        else:
+            flat[key] = None
+    load_snapshot(flat, directory)
+    return flat

@@ -1,0 +1,213 @@
+"""A DCP storage writer that hashes while it writes, on several threads, and fsyncs each file.
+
+Why not stock `dcp.FileSystemWriter`: it writes one file on one thread, lets `torch.save`
+compute a zip CRC-32 of every tensor, leaves every dirty page to the final fsync, and our
+manifest then had to re-read every file to hash it. Measured on a 514 MB state (2-vCPU VM):
+stock `dcp.save` 0.57 s without any hashing, this writer 0.37 s including sha256.
+This writer keeps the on-disk format byte-compatible with stock DCP (the same `.metadata`
+and `__0_N.distcp` files, each tensor a `torch.save` record at a recorded offset), so
+`dcp.load` and `format_utils.dcp_to_torch_save` read it without our code, but:
+
+* writes `threads` files concurrently (the largest tensors spread evenly across them), so one
+  thread's `fsync` wait overlaps another's hashing;
+* computes each file's sha256 from the very bytes handed to the kernel, so publishing does
+  not read the files back (`digests` is what the manifest records);
+* starts the disk writeback of each written range right away (Linux `sync_file_range`),
+  so the device writes while the CPU hashes the next bytes instead of everything waiting
+  for the final `fsync`;
+* optionally skips the zip CRC-32 that `torch.save` computes by default: the manifest's
+  sha256 already covers every byte, and `torch.load` does not need the CRC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import io
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.utils.serialization.config as serialization_config
+from torch.futures import Future
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from trainer import compat
+from trainer.layout import SNAPSHOT_SHARD_SUFFIX
+
+_CHUNK = 8 << 20
+_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages, do not wait
+
+
+def _writeback_starter() -> Callable[[int, int, int], None]:
+    """`start(fd, offset, length)`: ask the kernel to begin writing a range back now
+    (without waiting). Without it, dirty pages sit in the page cache until the final fsync,
+    so hashing and disk I/O run one after the other instead of side by side. A no-op where
+    `sync_file_range` does not exist (it is Linux-only); fsync still makes data durable."""
+    try:
+        # The running interpreter already links libc: no library search (find_library
+        # would start a subprocess on every save).
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return lambda fd, offset, length: None
+    call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+
+    def start(fd: int, offset: int, length: int) -> None:
+        call(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # advisory: errors surface at fsync
+
+    return start
+
+
+@dataclass(frozen=True)
+class WriterConfig:
+    """How recovery snapshots are written. The defaults were measured on a 2-core VM with
+    virtio storage (bench/checkpoint_bench.py); re-measure before changing them."""
+
+    threads: int = 4
+    """Files written concurrently. More than the core count still helps: a thread blocked
+    in fsync leaves its core to another thread's hashing. Each thread holds one file open."""
+    early_writeback: bool = True
+    """Start writing each range to disk as soon as it is in the page cache (Linux), rather
+    than all at the final fsync. Turn off only to measure what it buys."""
+    zip_crc32: bool = False
+    """Let torch.save compute a CRC-32 per tensor record. Redundant with the manifest's
+    sha256 and costs about a quarter of the CPU time of a write; turn it on only if a tool
+    of yours checks zip CRCs."""
+
+
+class _HashingFile(io.RawIOBase):
+    """A write-only file that feeds every byte it writes into sha256 (torch.save and DCP
+    only need write() and tell())."""
+
+    def __init__(self, fd: int, start_writeback: Callable[[int, int, int], None]):
+        super().__init__()
+        self.fd = fd
+        self.position = 0
+        self.digest = hashlib.sha256()
+        self.start_writeback = start_writeback
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), _CHUNK):
+            chunk = view[start:start + _CHUNK]
+            self.digest.update(chunk)
+            written = 0
+            while written < len(chunk):
+                written += os.write(self.fd, chunk[written:])
+            self.start_writeback(self.fd, self.position, written)
+            self.position += written
+        return len(view)
+
+    def tell(self) -> int:
+        return self.position
+
+
+def _item_bytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    return item.tensor_data.size.numel() * compat.element_size(item.tensor_data.properties.dtype)
+
+
+def split_items(items: list[WriteItem], files: int) -> list[list[WriteItem]]:
+    """Spread write items over at most `files` buckets of similar byte size, largest first
+    (the same greedy rule stock DCP uses); empty buckets are dropped."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(max(1, files))]
+    sizes = [0] * len(buckets)
+    for item in sorted(items, key=_item_bytes, reverse=True):
+        index = sizes.index(min(sizes))
+        buckets[index].append(item)
+        sizes[index] += max(_item_bytes(item), 1)
+    return [bucket for bucket in buckets if bucket]
+
+
+def _tensor_for_write(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+    tensor = planner.resolve_data(item).detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    # torch.save writes a view's whole storage; stock DCP clones such views, and so do we.
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor
+
+
+class HashingFileSystemWriter(dcp.FileSystemWriter):
+    """`FileSystemWriter` with a faster `write_data`; metadata handling is inherited."""
+
+    def __init__(self, path: str | os.PathLike, config: WriterConfig = WriterConfig()):
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=config.threads)
+        self.config = config
+        self._start_writeback = _writeback_starter() if config.early_writeback else (lambda fd, o, n: None)
+        self.digests: dict[str, dict] = {}
+        """File name -> {bytes, sha256} of every shard written (not `.metadata`)."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix = plan.storage_data.prefix
+        buckets = split_items(plan.items, self.config.threads)
+        jobs = [(f"{prefix}{index}{SNAPSHOT_SHARD_SUFFIX}", bucket) for index, bucket in enumerate(buckets)]
+        results: list[list[WriteResult]] = [[] for _ in jobs]
+        errors: list[BaseException] = []
+
+        def write_one(index: int) -> None:
+            try:
+                results[index] = self._write_file(jobs[index][0], jobs[index][1], planner)
+            except BaseException as error:  # re-raised on the calling thread below
+                errors.append(error)
+
+        crc = serialization_config.save.compute_crc32 if self.config.zip_crc32 else False
+        with _crc32_setting(crc):
+            threads = [threading.Thread(target=write_one, args=(i,), name=f"dcp-writer-{i}")
+                       for i in range(1, len(jobs))]
+            for thread in threads:
+                thread.start()
+            if jobs:
+                write_one(0)
+            for thread in threads:
+                thread.join()
+        if errors:
+            raise errors[0]
+        done: Future[list[WriteResult]] = Future()
+        done.set_result([result for per_file in results for result in per_file])
+        return done
+
+    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        fd = os.open(os.path.join(self.path, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            stream = _HashingFile(fd, self._start_writeback)
+            written = []
+            # Byte blobs first, then tensors: the order stock DCP uses.
+            ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + \
+                      [i for i in items if i.type != WriteItemType.BYTE_IO]
+            for item in ordered:
+                offset = stream.tell()
+                if item.type == WriteItemType.BYTE_IO:
+                    stream.write(planner.resolve_data(item).getbuffer())
+                else:
+                    torch.save(_tensor_for_write(planner, item), stream)
+                length = stream.tell() - offset
+                written.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=compat.storage_info(name, offset, length)))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.digests[name] = {"bytes": stream.position, "sha256": stream.digest.hexdigest()}
+        return written
+
+
+@contextlib.contextmanager
+def _crc32_setting(enabled: bool):
+    """torch.save's CRC switch is process-wide; set it only for the duration of a write.
+    Only the recovery writer calls torch.save in this process, so nothing else sees it."""
+    previous = serialization_config.save.compute_crc32
+    serialization_config.save.compute_crc32 = enabled
+    try:
+        yield
+    finally:
+        serialization_config.save.compute_crc32 = previous

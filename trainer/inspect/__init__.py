@@ -1,0 +1,1 @@
+"""Read-only commands over a run directory: list, verify, report, timeline, compare."""

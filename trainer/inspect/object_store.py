@@ -1,0 +1,190 @@
+"""`list`, `verify`, `report` and `compare.py`'s inputs when the run directory lives in a store
+(`s3://BUCKET/RUN`): the same tables, lines and exit codes as for a local run, built from the
+objects. Read-only: nothing here takes the lease or writes an object.
+
+`list` trusts the commit protocol (a generation is committed iff its manifest object exists)
+and reads one manifest per generation, so it costs a listing plus one small read each;
+`verify` streams every object through sha256, keeping nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from trainer.run.attempts import RUNNING, read_attempts
+from trainer.config import StoreConfig
+from trainer.errors import NothingToResume, UsageError
+from trainer.inspect.listing import (attempt_rows, local_row, print_report, print_run, print_verifications, publish_costs,
+                             sealed_row)
+from trainer.checkpoint.atomic import manifest_digest
+from trainer.checkpoint.manifest import InvalidManifest, Manifest
+from trainer.checkpoint.section import LocalSection
+from trainer.storage.object.lease import LEASE
+from trainer.storage.location import StoreLocation, parse_store_url
+from trainer.storage.object.client import ObjectStore
+from trainer.storage.object.section import ObjectSection, digest_of
+from trainer.layout import ATTEMPTS, SECTIONS, RunDirectory, generation_step
+from trainer.storage.object.tiering import RemoteRun
+
+READ_CONFIG = StoreConfig(retries=2, timeout_s=10.0)
+"""A command a person runs says "unreachable" within seconds; the trainer's longer retry
+bound is for unattended runs."""
+
+
+def open_store(location: StoreLocation) -> ObjectStore:
+    """The run's objects, once the bucket answered (74 unreachable or refused, 66 no bucket)."""
+    objects = ObjectStore(location, READ_CONFIG)
+    objects.check_reachable()
+    return objects
+
+
+def sealed_target(location: StoreLocation) -> tuple[StoreLocation, str, str] | None:
+    """(run, section folder, name) when the URL names one generation or export
+    (`…/RUN/checkpoints/step-00000064`); None when it names a run."""
+    parts = location.prefix.split("/")
+    if len(parts) < 2 or parts[-2] not in SECTIONS.values() or generation_step(parts[-1]) is None:
+        return None
+    return StoreLocation(location.scheme, location.bucket, "/".join(parts[:-2])), parts[-2], parts[-1]
+
+
+def store_attempts(objects: ObjectStore) -> list[dict]:
+    """The attempt records in the store, read by the local code from a temporary copy."""
+    with tempfile.TemporaryDirectory(prefix="trainer-attempts-") as folder:
+        RemoteRun(objects, RunDirectory(Path(folder))).pull_attempts()
+        return read_attempts(Path(folder))
+
+
+# ----------------------------------------------------------------------------- list
+def list_store_run(url: str, local_tier: Path | None, as_json: bool) -> int:
+    return print_run(describe_store_run(url, local_tier), as_json)
+
+
+def describe_store_run(url: str, local_tier: Path | None) -> dict:
+    """`list`'s description of a run in a store: its committed generations and exports, plus
+    the ones this machine's local tier published that are not durable (yet); per row whether it
+    is durable and whether the local tier holds the same copy."""
+    location = parse_store_url(url)
+    tier = local_tier or location.default_local_tier()
+    objects = open_store(location)
+    attempts = store_attempts(objects)
+    described = {"output": objects.url, "store": objects.url, "local_tier": str(tier),
+                 "local_tier_found": tier.is_dir()}
+    for section, folder in SECTIONS.items():
+        remote = ObjectSection(objects, folder)
+        scan = remote.scan()
+        described[section] = section_rows(remote, scan.committed, LocalSection(tier / folder),
+                                          publish_costs(attempts, section))
+        described.update({f"{section}_uncommitted": scan.uncommitted, f"{section}_temporary": [],
+                          f"{section}_replaced": scan.set_aside, f"{section}_replacing": []})
+    described["attempts"] = attempt_rows(attempts)
+    if not any(described[section] or described[f"{section}_uncommitted"] or described[f"{section}_replaced"]
+               for section in SECTIONS) and not attempts:
+        raise NothingToResume(f"nothing under {objects.url}: no generations, exports or attempt records; "
+                              f"pass the --output URL of a run")
+    return described
+
+
+def section_rows(remote: ObjectSection, committed: list[str], local: LocalSection,
+                 costs: dict[str, dict]) -> list[dict]:
+    """Committed rows from the store, then local-only rows re-hashed here, in step order."""
+    rows = [row for name in committed if (row := committed_row(remote, name, local, costs))]
+    for name in local.names():
+        if name not in committed and (row := local_row(local, name, costs)):
+            rows.append({**row, "durable": False, "local": "only"})
+    return sorted(rows, key=lambda row: row["name"])
+
+
+def committed_row(remote: ObjectSection, name: str, local: LocalSection, costs: dict[str, dict]) -> dict | None:
+    """A committed directory's row from its manifest alone (sizes included); None if it was
+    removed since the listing (a live trainer's retention)."""
+    data = remote.manifest_bytes(name)
+    if data is None:
+        return None
+    try:
+        manifest, problem = Manifest.from_json(json.loads(data)), None
+    except (InvalidManifest, ValueError) as reason:
+        manifest, problem = None, f"manifest.json: {reason}"
+    size = len(data) + (sum(int(entry["bytes"]) for entry in manifest.files.values()) if manifest else 0)
+    row = sealed_row(name, manifest, size, costs, None if manifest else False, problem)
+    return {**row, "durable": True, "local": local_copy(local, name, digest_of(data))}
+
+
+def local_copy(local: LocalSection, name: str, committed_digest: str) -> str:
+    """"same" when the local tier's manifest bytes are the committed ones, else "different" or "absent"."""
+    if name not in local.names():
+        return "absent"
+    try:
+        return "same" if manifest_digest(local.path(name)) == committed_digest else "different"
+    except OSError:
+        return "absent"
+
+
+# ----------------------------------------------------------------------------- verify
+def verify_store(url: str, as_json: bool) -> int:
+    """Stream every object of every committed generation and export (or the one the URL
+    names) through sha256: the local verify's lines and exit codes (65 on damage)."""
+    location = parse_store_url(url)
+    target = sealed_target(location)
+    objects = open_store(target[0] if target else location)
+    if target:
+        section = ObjectSection(objects, target[1])
+        if section.manifest_bytes(target[2]) is None:
+            raise NothingToResume(f"{url} is not a committed generation or export (no manifest.json object); "
+                                  f"`python -m trainer list` shows what is")
+        found = [(section, target[2])]
+    else:
+        sections = [ObjectSection(objects, folder) for folder in SECTIONS.values()]
+        found = [(section, name) for section in sections for name in section.committed()]
+    if not found:
+        raise NothingToResume(f"no committed generations or exports under {objects.url}")
+    return print_verifications([(section.url(name), section.verify(name)) for section, name in found], as_json)
+
+
+# ----------------------------------------------------------------------------- report
+def store_report_command(url: str, as_json: bool, png: Path | None) -> int:
+    """The recovery report from the store's attempt records (pushed at start and after every
+    commit). A `running` record is live only while its attempt holds the lease; a killed one's
+    wall time is estimated up to its last publish (the objects' times say nothing better)."""
+    from trainer.inspect.report import build_report
+
+    objects = open_store(parse_store_url(url))
+    records = store_attempts(objects)
+    if not records:
+        raise NothingToResume(f"no attempt records under {objects.url_of(ATTEMPTS)}; pass the --output URL of a "
+                              f"run that has trained")
+    running = {record["id"] for record in records if record.get("status") == RUNNING}
+    return print_report(build_report(records, frozenset(running & {leased_attempt(objects)})), objects.url,
+                        as_json, png)
+
+
+def leased_attempt(objects: ObjectStore) -> str | None:
+    """The attempt whose trainer holds the lease now: it renewed it less than its ttl ago. Every
+    holder renews, on whichever host it runs, so this sees a pod elsewhere (as far as the two
+    machines' clocks agree, to a second or so), which a local run's lock file cannot."""
+    data = objects.read(LEASE)
+    try:
+        holder = json.loads(data) if data is not None else {}
+        renewed = datetime.strptime(holder["renewed_utc"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+        return str(holder["attempt"]) if time.time() - renewed.timestamp() < float(holder["ttl_s"]) else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+# ----------------------------------------------------------------------------- compare
+def local_generation(where: Path | str, parent: Path) -> Path:
+    """A local generation as it is; one named by URL downloaded into `parent`, every object
+    verified as it streams. Damage is an unusable input (UsageError), as for a local one."""
+    if isinstance(where, Path):
+        return where
+    target = sealed_target(parse_store_url(where))
+    if target is None:
+        raise UsageError(f"{where} names no generation; pass e.g. s3://BUCKET/RUN/checkpoints/step-00000064")
+    run, folder, name = target
+    verification, _ = ObjectSection(open_store(run), folder).fetch(name, parent)
+    if not verification.ok:
+        raise UsageError(f"{where} cannot be compared: {verification.problem}")
+    return verification.path

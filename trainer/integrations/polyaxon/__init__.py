@@ -1,0 +1,1 @@
+"""Polyaxon: tracking (the observer) and where a tracked run keeps its run directory."""

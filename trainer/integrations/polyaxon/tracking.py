@@ -1,0 +1,334 @@
+"""Polyaxon tracking for `--tracked`: the run directory, metrics, lineage and final status.
+
+Only imported with `--tracked`: `polyaxon.tracking` costs about a second and 150 MB, which
+an untracked run never pays.
+
+Where it runs:
+- *Managed* (a Polyaxon job; the agent sets POLYAXON_RUN_INSTANCE and POLYAXON_IS_MANAGED):
+  the run is the job's run. `ops resume` and retries reuse it (and its run directory in the
+  store, or the outputs `autoResume` restores); `ops restart --copy` is a new run whose context
+  outputs are a copy, which the trainer refuses when it writes to the store itself (cli.py).
+- *Offline* (POLYAXON_IS_OFFLINE=true, anywhere): the run lives under POLYAXON_OFFLINE_ROOT
+  (default /tmp/plx/offline) in `runs/<uuid>/`. Setting POLYAXON_RUN_INSTANCE to
+  `owner.project.runs.<uuid>` reopens that run, the local analogue of `ops resume`; without it
+  every process is a new run.
+Anything else is refused (exit 2) rather than tracked halfway.
+
+What is recorded:
+- The trainer's run directory is the run's outputs in the artifacts store when the container
+  can reach the store (`plugins: {mountArtifactsStore: true}`; trainer/integrations/polyaxon/placement.py): a
+  store URL for a bucket store, the mounted folder for a volume store. Otherwise it is
+  `get_outputs_path()`, which the sidecar uploads and `autoResume` restores. The tracking
+  run's own files (events, logs) always stay in `get_outputs_path()`.
+- `loss` and `lr` at the *global* step. Steps the run's metric history already holds (work an
+  earlier attempt did past the restored generation, replayed now with identical values) are
+  not logged again, so a resumed run appends and every step appears once.
+- Each published generation (`dir`) and export (`model`) as a lineage *reference* carrying our
+  manifest digest; Polyaxon does not re-hash the files and keeps the path relative to the run
+  (`outputs/checkpoints/step-…`). In a bucket store the reference (and `newest_generation` /
+  `export_path`) is logged once the store holds the generation (its manifest committed), and
+  names its store URL, never the local tier; on a mounted volume store once it is published
+  there. Only without the store exposed is a reference no proof of upload: the sidecar uploads
+  the outputs path later. When retention
+  deletes a generation or export, its reference is deleted too (offline: from the run's
+  lineage; managed: the API's delete_run_artifact_lineage), so the lineage lists live artifacts.
+- Attempt facts as run outputs: attempt id, restored generation and step, steps replayed; and
+  the outputs the polyaxonfiles declare for pipelines: newest_generation, export_path
+  (relative to the run directory, which is the run's outputs path in the store), final_loss.
+- At the end of every attempt, the run's recovery report: its totals as outputs (goodput,
+  steps computed, replayed and lost, time lost to restarts, checkpoint overhead) and the
+  timeline of all attempts so far as an image (`recovery-timeline`, step = number of
+  attempts). Best effort: a failure is a warning and never changes the exit status.
+- The final status, *offline only*, from the exit code: 0 succeeded, 75 stopped (resumable;
+  without it an offline run would be closed as succeeded), anything else failed. A managed run
+  posts no status: the agent derives it from the container's exit and the Job's retries. The
+  2.18 client says so itself (`log_succeeded`/`log_stopped`/`log_failed`/`log_status`: "If you
+  are executing a managed run, you don't need to call this method manually"; its managed exit
+  handler only flushes, it never calls `log_succeeded`), and the server keeps the first final
+  status it receives (haupt `db/managers/statuses.py` `new_status`: "Do not override final
+  status"): a `failed` posted from the pod would end the run while maxRetries retries the pod.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, NothingToResume, TrackingUnavailable, TrainerError
+from trainer.run.events import TrainingEvents
+
+log = logging.getLogger("trainer")
+
+RUN_INSTANCE_ENV = "POLYAXON_RUN_INSTANCE"
+OFFLINE_ENV = "POLYAXON_IS_OFFLINE"
+METRICS = ("loss", "lr")
+TIMELINE = "recovery-timeline"
+DONE_STATUSES = frozenset({"succeeded", "failed", "stopped", "skipped", "upstream_failed"})
+PLAIN_RESTART_HINT = ("on Polyaxon, a plain `ops restart` starts with empty outputs: continue the original run "
+                      "with `ops resume -uid UUID -f presets/resume.yaml` (`ops restart -uid UUID --copy "
+                      "-f presets/resume.yaml` only where the artifacts store is not exposed to the trainer)")
+
+
+def parse_run_instance(value: str) -> tuple[str, str, str]:
+    """`owner.project.runs.uuid` (Polyaxon's own format) → (owner, project, uuid)."""
+    parts = value.split(".")
+    if len(parts) != 4 or parts[2] != "runs" or not all(parts):
+        raise TrackingUnavailable(f"{RUN_INSTANCE_ENV}={value!r} is not owner.project.runs.UUID; "
+                                  f"fix it, or unset it to start a new offline run")
+    return parts[0], parts[1], parts[3]
+
+
+def cloning_kind(original_kind: str | None, run_uuid: str, previous_attempt: dict | None) -> str | None:
+    """How this run relates to earlier work: `copy` / `restart` / `cache` (Polyaxon says so in
+    the run's `original`), `resume` (no original, and the newest attempt in these outputs was
+    made by this same run: `ops resume` or a `maxRetries` retry), or None (a fresh run)."""
+    if original_kind:
+        return original_kind
+    previous_run = ((previous_attempt or {}).get("polyaxon") or {}).get("run_uuid")
+    return "resume" if previous_run == run_uuid else None
+
+
+def last_logged_step(artifacts_path: str, metric: str) -> int | None:
+    """The highest step of `metric` already in the run's event history (restored with the run
+    on resume, or left by an earlier offline process), read with Polyaxon's own reader."""
+    from traceml.events import V1Events, get_event_path
+
+    path = Path(get_event_path(artifacts_path, kind="metric", name=metric))
+    if not path.is_file():
+        return None
+
+    frame = V1Events.read(kind="metric", name=metric, data=str(path)).df
+    return None if frame.empty else int(frame["step"].max())
+
+
+class PolyaxonEvents(TrainingEvents):
+    """The loop's observer, backed by one `polyaxon.tracking.Run` (held here, never global)."""
+
+    def __init__(self, run, mode: str, logged_through: int | None):
+        self.run = run
+        self.mode = mode
+        self.logged_through = logged_through
+        self.outputs_path = Path(run.get_outputs_path())
+        """The tracking run's own outputs path (events, logs; the sidecar uploads it)."""
+        self.run_directory = self.outputs_path
+        """Where the trainer's run directory is on this machine: the outputs path, the run's
+        folder on a mounted volume store, or the local tier of a run in a bucket store."""
+        self.store_url: str | None = None
+        """The run directory's store URL when it lives in a bucket store (see `place`)."""
+        self.awaiting_durable: dict[tuple[str, str], tuple[str, object]] = {}
+        """(kind, name) → (path in the run directory, Published): published on the local tier of
+        a bucket-store run, not yet committed in the store."""
+        self.last_loss: float | None = None
+
+    @property
+    def run_uuid(self) -> str:
+        return self.run.run_uuid
+
+    def place(self, placement) -> None:
+        """Where the run directory is (trainer/integrations/polyaxon/placement.py): lineage and outputs then name
+        the store location, never the local tier."""
+        if placement.in_store:
+            self.store_url, self.run_directory = placement.output, placement.local_tier
+            log.info("tracking: generations go straight to %s (artifacts store %s; local tier %s)",
+                     placement.output, placement.connection, placement.local_tier)
+        elif placement.output is not None:
+            self.run_directory = Path(placement.output)
+            log.info("tracking: run directory %s (the artifacts store %s, mounted)", placement.output,
+                     placement.connection)
+
+    def original(self):
+        return getattr(self.run.run_data, "original", None)
+
+    def original_uuid(self) -> str | None:
+        return getattr(self.original(), "uuid", None)
+
+    def cloned_as_copy(self) -> bool:
+        """`ops restart --copy`: a new run whose outputs were copied into its context path."""
+        original = self.original()
+        kind = getattr(getattr(original, "kind", None), "value", getattr(original, "kind", None))
+        return kind == "copy"
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def start(cls) -> "PolyaxonEvents":
+        """Open the run, or raise TrackingUnavailable with one line saying why and how to fix it."""
+        try:
+            from polyaxon import settings
+            from polyaxon.tracking import Run
+        except ImportError as error:
+            raise TrackingUnavailable(f"--tracked needs the polyaxon package ({error}); "
+                                      f"pip install -r requirements.txt") from None
+        for name in ("polyaxon", "traceml"):  # their INFO lines would interleave with progress lines
+            logging.getLogger(name).setLevel(logging.WARNING)
+        config = settings.CLIENT_CONFIG
+        if config.no_op:
+            raise TrackingUnavailable("--tracked, but Polyaxon tracking is switched off (POLYAXON_NO_OP); "
+                                      "unset it, or run without --tracked and with --output DIR")
+        if config.is_managed:
+            mode, identity = "managed", {}
+        elif config.is_offline:
+            mode = "offline"
+            instance = os.environ.get(RUN_INSTANCE_ENV)
+            identity = {}
+            if instance:
+                owner, project, run_uuid = parse_run_instance(instance)
+                identity = {"owner": owner, "project": project, "run_uuid": run_uuid}
+        else:
+            raise TrackingUnavailable(f"--tracked outside a Polyaxon job needs offline mode: set "
+                                      f"{OFFLINE_ENV}=true (or run without --tracked and with --output DIR)")
+        try:
+            run = Run(**identity, track_code=False, track_logs=False)
+            outputs = run.get_outputs_path()
+            if not outputs or not run.run_uuid:
+                raise RuntimeError("no outputs path was assigned")
+            if mode == "offline" and run.status in DONE_STATUSES:
+                # An offline run reopened after it ended (stopped at exit 75): Polyaxon would
+                # otherwise ignore this attempt's final status. Managed runs are moved by the agent.
+                run.log_status("resuming", reason="TrainerResume", message="a new attempt continues this run")
+                run.start()
+            logged_through = max((s for s in (last_logged_step(run.get_artifacts_path(), m) for m in METRICS)
+                                  if s is not None), default=None)
+        except TrainerError:
+            raise
+        except Exception as error:  # noqa: BLE001 - any failure of a third-party client means "cannot track"
+            raise TrackingUnavailable(f"Polyaxon tracking could not start ({mode}): "
+                                      f"{error.__class__.__name__}: {error}") from None
+        events = cls(run, mode, logged_through)
+        log.info("tracking: polyaxon %s run %s, outputs %s", mode, run.run_uuid, events.outputs_path)
+        return events
+
+    def track(self, train: Callable[[Path], int]) -> int:
+        """Run `train(outputs_path)` and record how it ended; re-raise what it raised.
+
+        Every path goes through `close` exactly once, including errors before the loop starts
+        (a plain restart asked to `--resume`, a foreign generation, a held directory)."""
+        try:
+            exit_code = train(self.outputs_path)
+        except NothingToResume as error:
+            error = NothingToResume(f"{error}; {PLAIN_RESTART_HINT}")
+            self.close(error.exit_code, str(error))
+            raise error from None
+        except TrainerError as error:
+            self.close(error.exit_code, str(error))
+            raise
+        except BaseException as error:
+            self.close(1, f"{error.__class__.__name__}: {error}")
+            raise
+        self.close(exit_code, None)
+        return exit_code
+
+    def close(self, exit_code: int, message: str | None) -> None:
+        """The final loss as an output; offline, the final status. 75 must be `stopped`: closing
+        an offline run without a status marks it succeeded. Managed: the exit code is the status
+        (module docstring), so only a log line says how the attempt ended."""
+        self.log_recovery_report()
+        try:
+            if self.last_loss is not None:
+                self.run.log_outputs(final_loss=self.last_loss)
+            if self.mode == "managed":
+                log.info("tracking: exit %d; the Polyaxon agent sets run %s's status from it",
+                         exit_code, self.run.run_uuid)
+            elif exit_code == EXIT_OK:
+                self.run.log_succeeded(message="training completed")
+            elif exit_code == EXIT_INTERRUPTED:
+                self.run.log_stopped(reason="Exit75",
+                                     message=message or "interrupted or preempted (exit 75); resumable")
+            else:
+                self.run.log_failed(reason=f"Exit{exit_code}", message=message)
+        except Exception as error:  # noqa: BLE001 - the training outcome stands; say what was not recorded
+            log.warning("tracking: could not record the final status of run %s: %s", self.run.run_uuid, error)
+
+    def log_recovery_report(self) -> None:
+        """The report's totals as outputs and its timeline as an image, so the run's page shows
+        what every restart so far cost. Never raises: the training outcome stands."""
+        try:
+            from trainer.inspect.listing import run_report, write_timeline
+
+            try:
+                report = run_report(self.run_directory)
+            except NothingToResume:  # refused before any record was written (66, 73): nothing to show
+                return
+            with tempfile.TemporaryDirectory() as folder:
+                image = Path(folder) / f"{TIMELINE}.png"
+                write_timeline(report, image)
+                self.run.log_image(data=str(image), name=TIMELINE, step=report.totals.attempts)
+            t = report.totals
+            self.run.log_outputs(attempts=t.attempts, useful_steps=t.useful, computed_steps=t.computed,
+                                 replayed_steps=t.replayed, lost_steps=t.lost, goodput=t.goodput,
+                                 wall_lost_s=t.wall_lost_s, checkpoint_overhead=t.checkpoint_share)
+        except Exception as error:  # noqa: BLE001 - a picture must never change how the attempt ended
+            log.warning("tracking: could not log the recovery report of run %s: %s: %s", self.run.run_uuid,
+                        error.__class__.__name__, error)
+
+    # ------------------------------------------------------------------ TrainingEvents
+    def run_identity(self, previous_attempt: dict | None) -> dict:
+        original = self.original()
+        original_kind = getattr(getattr(original, "kind", None), "value", getattr(original, "kind", None))
+        return {"run_uuid": self.run.run_uuid, "mode": self.mode,
+                "cloning": cloning_kind(original_kind, self.run.run_uuid, previous_attempt),
+                "original_uuid": getattr(original, "uuid", None)}
+
+    def attempt_started(self, record: dict) -> None:
+        restored = record.get("restored") or {}
+        self.run.log_outputs(attempt=record["id"], restored_generation=restored.get("name"),
+                             restored_step=restored.get("step"), steps_replayed=record.get("steps_replayed"))
+
+    def step_completed(self, step: int, metrics: dict[str, float]) -> None:
+        self.last_loss = metrics.get("loss", self.last_loss)
+        if self.logged_through is not None and step <= self.logged_through:
+            return  # replayed after an older generation: the history already has this step
+        self.run.log_metrics(step=step, **metrics)
+
+    def published(self, kind: str, path: Path, published) -> None:
+        if self.store_url is None:  # the published directory is where the run keeps it
+            self.log_reference(kind, str(path), path.relative_to(self.run_directory).as_posix(), published)
+        else:  # published on the local tier: referenced once the store holds it (`durable`)
+            self.awaiting_durable[(kind, published.name)] = (path.relative_to(self.run_directory).as_posix(),
+                                                             published)
+
+    def durable(self, kind: str, name: str) -> None:
+        waiting = self.awaiting_durable.pop((kind, name), None)
+        if waiting is not None:
+            relative, published = waiting
+            self.log_reference(kind, f"{self.store_url}/{relative}", relative, published)
+
+    def log_reference(self, kind: str, location: str, relative: str, published) -> None:
+        """The lineage reference (at `location`) and the pipeline output of a published
+        generation or export; `relative` is its path in the run directory, which is also its
+        path under the run's outputs in the artifacts store."""
+        summary = {"hash": published.manifest_sha256, "hash_of": "manifest.json (sha256)", "step": published.step}
+        if kind == "export":
+            self.run.log_model_ref(location, name=lineage_name(kind, published.name), framework="safetensors",
+                                   summary=summary, skip_hash_calculation=True)
+            self.run.log_outputs(export_path=relative)
+        else:
+            self.run.log_artifact_ref(location, kind="dir", name=lineage_name(kind, published.name),
+                                      hash=published.manifest_sha256, summary=summary,
+                                      skip_hash_calculation=True)
+            self.run.log_outputs(newest_generation=published.name)
+
+    def removed(self, kind: str, name: str) -> None:
+        """Drop the lineage reference of a generation or export retention deleted. Offline the
+        client keeps the references in `artifacts_lineage` (written to lineages.plx.json when
+        the run ends); managed, the API deletes the row. A failure is logged, never fatal."""
+        reference = lineage_name(kind, name)
+        if self.awaiting_durable.pop((kind, name), None) is not None:
+            return  # removed before it reached the store: never referenced
+        try:
+            if self.mode == "offline":
+                self.run.artifacts_lineage.pop(reference, None)
+            else:
+                self.run.client.runs_v1.delete_run_artifact_lineage(
+                    self.run.owner, self.run.project, self.run.run_uuid, reference)
+        except Exception as error:  # noqa: BLE001 - the deletion stands; say what the lineage still shows
+            log.warning("tracking: %s was deleted, but its lineage reference %s stays: %s", name, reference, error)
+            return
+        log.info("tracking: lineage reference %s removed", reference)
+
+
+def lineage_name(kind: str, name: str) -> str:
+    """The lineage reference of a published generation or export."""
+    return f"{'export' if kind == 'export' else 'generation'}-{name}"

@@ -1,0 +1,156 @@
+"""The run directory's layout: every section, file and directory name, defined once.
+
+```
+OUTPUT/.trainer.storage.lock                   single-writer lock (flock), names its holder
+OUTPUT/checkpoints/step-00000024/      a published recovery generation (manifest.json last)
+OUTPUT/checkpoints/.step-…tmp-TAG-R    a generation being written: never selected, removed later
+OUTPUT/checkpoints/.step-…deleting-R   a generation being deleted by retention
+OUTPUT/checkpoints/.step-…replacing-R  a directory whose name a new one is taking over
+OUTPUT/checkpoints/.step-…replaced-R   a superseded copy kept for inspection, never selected
+OUTPUT/exports/step-00000024/          a weights export, with the same hidden siblings
+OUTPUT/attempts/<utc>-<id>/            attempt.json, requirements.txt, summary.json, last_step
+```
+
+Names only and the checks that go with them; no I/O beyond looking at what exists. The
+loop, the stores, retention, `list` and the attempt records all take their names from here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.errors import NothingToResume, RefuseOverwrite, UsageError, storage_failure
+
+CHECKPOINTS = "checkpoints"
+EXPORTS = "exports"
+ATTEMPTS = "attempts"
+LOCK = ".trainer.storage.lock"
+STORE_MARKER = ".trainer-store"
+"""In a local tier: the store URL whose working copy it is (a tier serves one store run)."""
+SECTIONS = {"generations": CHECKPOINTS, "exports": EXPORTS}
+"""The two stores of sealed directories, by the name `list` gives them."""
+
+MANIFEST = "manifest.json"
+SNAPSHOT_INDEX = ".metadata"
+"""DCP's index of a recovery snapshot; the shards are `__R_N.distcp`."""
+SNAPSHOT_SHARD_SUFFIX = ".distcp"
+EXPORT_WEIGHTS = "model.safetensors"
+EXPORT_CONFIG = "config.json"
+ATTEMPT_RECORD = "attempt.json"
+ATTEMPT_SUMMARY = "summary.json"
+ATTEMPT_REQUIREMENTS = "requirements.txt"
+PROGRESS_MARKER = "last_step"
+"""Per-step progress of a running attempt (one pwrite per step), read after a kill -9."""
+
+GENERATION_NAME = re.compile(r"^step-(\d{8})$")
+TEMPORARY = ".tmp-"
+DELETING = ".deleting-"
+REPLACING = ".replacing-"
+"""Suffix of a directory being replaced (its name is about to be taken over)."""
+REPLACED = ".replaced-"
+"""Suffix of a superseded directory kept for inspection; never selected or restored."""
+REMOVABLE = re.compile(r"^\.step-\d{8}\.(tmp|deleting)-[0-9A-Za-z-]+$")
+"""Hidden directories we created and may remove: temporaries being written, and
+generations being deleted (renamed aside first, so a crash mid-delete never leaves a
+published generation with missing files)."""
+
+
+def generation_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def generation_step(name: str) -> int | None:
+    match = GENERATION_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+def hidden_name(name: str, suffix: str, token: str | None = None) -> str:
+    """`.NAME<suffix>TOKEN`: a sibling of NAME that is never taken for a published one."""
+    return f".{name}{suffix}{token or secrets.token_hex(3)}"
+
+
+def temporary_name(name: str, tag: str) -> str:
+    return hidden_name(name, TEMPORARY, f"{tag}-{secrets.token_hex(3)}")
+
+
+def split_hidden(hidden: str, suffix: str) -> tuple[str, str] | None:
+    """(NAME, TOKEN) of a `.NAME<suffix>TOKEN` entry, or None if it is not one."""
+    if not hidden.startswith(".") or suffix not in hidden:
+        return None
+    name, token = hidden[1:].split(suffix, 1)
+    return name, token
+
+
+def file_temporary(path: Path) -> Path:
+    """Where a file is written before it atomically replaces `path`."""
+    return path.with_name(hidden_name(path.name, TEMPORARY))
+
+
+@dataclass(frozen=True)
+class RunDirectory:
+    root: Path
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS
+
+    @property
+    def exports(self) -> Path:
+        return self.root / EXPORTS
+
+    @property
+    def attempts(self) -> Path:
+        return self.root / ATTEMPTS
+
+    @property
+    def lock(self) -> Path:
+        return self.root / LOCK
+
+    def attempt_folder(self, attempt_id: str) -> Path:
+        return self.attempts / attempt_id
+
+    def misplaced_entry(self) -> str | None:
+        """An existing entry of the layout that has the wrong kind (a file where a folder
+        belongs, or the reverse), found before any work instead of at the first save."""
+        for section in (self.checkpoints, self.exports, self.attempts):
+            if section.exists() and not section.is_dir():
+                return f"{section} is a file, not a directory"
+        if self.lock.is_dir():
+            return f"{self.lock} is a directory, not the lock file"
+        return None
+
+    def prepare(self, must_exist: bool) -> None:
+        """Create the directory if needed and check it can hold a run, before any work.
+        `must_exist`: the operator asked to resume, so a missing directory is an error."""
+        root = self.root
+        if root.exists() and not root.is_dir():
+            raise UsageError(f"--output {root} is a file, not a directory; choose a directory path")
+        if problem := self.inner_part():
+            raise UsageError(f"--output {problem}")
+        if not root.exists() and must_exist:
+            raise NothingToResume(f"nothing to resume: {root} does not exist; "
+                                  f"check --output, or start without --resume")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            os.listdir(root)
+        except (NotADirectoryError, FileExistsError):
+            raise UsageError(f"--output {root}: part of the path is a file, not a directory; "
+                             f"choose a directory path") from None
+        except OSError as error:
+            raise storage_failure(error, f"preparing --output {root}") from None
+        if problem := self.misplaced_entry():
+            raise RefuseOverwrite(f"{problem}; this is not a run directory of ours, so nothing was changed: "
+                                  f"move it away or choose another --output")
+
+    def inner_part(self) -> str | None:
+        """Why this directory looks like a part of a run directory (its `checkpoints/`, or one
+        generation) rather than one: training there would nest a second run inside the first."""
+        if self.root.name in SECTIONS.values() or generation_step(self.root.name) is not None \
+                or (self.root / MANIFEST).exists():
+            return (f"{self.root} is part of a run directory (a section or a generation), not one; "
+                    f"pass the run directory that contains it")
+        return None

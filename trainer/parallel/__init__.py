@@ -1,0 +1,1 @@
+"""Several processes: the launcher's variables, the ranks and their agreements."""

@@ -1,0 +1,281 @@
+"""Scale-out under torchrun: the process group, this process's rank, and the few things all
+ranks must agree on.
+
+The loop talks to a `Ranks` object and never to `torch.distributed` directly. With one
+process (no `WORLD_SIZE`, or `WORLD_SIZE=1`) every method is local and no process group
+exists, so a single-process run is byte-for-byte the run it was before scale-out existed.
+
+With several processes, three kinds of agreement keep the ranks in lockstep:
+- `decide_on_primary`: rank 0 alone does something with side effects or a verdict (claim
+  the output, choose and verify the generation, check the fingerprint, publish) and every
+  rank receives its result, or the same error with the same exit status;
+- `agree_after_step`: one all-reduce per optimizer step carries the mean loss, rank 0's
+  cadence decisions (its clock is the only one consulted, so time triggers cannot make
+  ranks disagree) and whether *any* rank was asked to stop by a signal;
+- `barrier`: every rank has finished its part (its shards are written) before rank 0 acts.
+
+Every collective is entered by every rank in the same order. A collective that fails because
+another rank died becomes a one-line `PeerFailure` instead of a gloo/NCCL traceback.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageError, root_cause
+from trainer.parallel.launch import PRIMARY, LaunchEnvironment
+from trainer.layout import RunDirectory
+
+T = TypeVar("T")
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of a rank's global RNGs. Rank 0 keeps `seed` (so one process is seeded as it
+    always was); other ranks get decorrelated streams, so their dropout masks and batch noise
+    are not copies of rank 0's. The model is still initialized identically everywhere:
+    DistributedDataParallel broadcasts rank 0's parameters when it wraps the model, and
+    `Ranks.data_parallel` does the same before sharding with FSDP."""
+    if rank == PRIMARY:
+        return seed
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+
+
+def outlive_launcher_stop() -> None:
+    """Ignore SIGTERM from here to the exit. Once one rank has exited non-zero (75 for an
+    interrupted run), torchrun sends SIGTERM to the ranks still running, which at this point
+    are only finishing up with the same, already recorded status; dying by the signal would
+    make torchrun report -15 for them instead of that status. Preemption is handled earlier,
+    by PreemptionGuard during training; a rank stuck here is still killed by torchrun's
+    SIGKILL after its grace period."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def is_peer_loss(error: BaseException) -> bool:
+    """A collective failed because another rank went away (gloo reports a closed or reset
+    connection as a plain RuntimeError from its transport; NCCL raises DistError kinds)."""
+    if isinstance(error, dist.DistError):
+        return True
+    return isinstance(error, RuntimeError) and "gloo/transport" in str(error)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else error.__class__.__name__
+
+
+def unshared_output(output: Path, is_primary: bool) -> str | None:
+    """Why this rank cannot use the output rank 0 claimed, or None. Every rank writes shards
+    into the same temporary generation, so --output must be one shared directory (the same
+    path on every node); a rank that cannot see rank 0's lock file would write elsewhere."""
+    lock = RunDirectory(output).lock
+    if is_primary or lock.is_file():
+        return None
+    return (f"{lock}, created by rank 0, is not visible here: --output must be on "
+            f"storage every rank mounts at the same path")
+
+
+@dataclass(frozen=True)
+class StepAgreement:
+    loss: float
+    """Mean of the ranks' losses for this step (the loss of the whole global batch)."""
+    recover: bool
+    """Rank 0's recovery cadence fired."""
+    export: bool
+    """Rank 0's export cadence fired."""
+    preempt: bool
+    """Some rank received SIGTERM/SIGINT: all ranks save and exit 75 together."""
+
+
+class Ranks:
+    """This process's place in the run and the collectives the loop needs."""
+
+    def __init__(self, launch: LaunchEnvironment, device: torch.device):
+        self.launch = launch
+        self.rank = launch.rank
+        self.world_size = launch.world_size
+        self.distributed = launch.distributed
+        self.is_primary = launch.is_primary
+        self.device = device
+
+    def data_parallel(self, model: nn.Module, kind: str = "ddp") -> nn.Module:
+        """The module to run forward/backward through; build the optimizer on `model` after this.
+
+        ddp: DDP averages gradients across ranks during backward; every rank holds the whole
+        model. State is still read from and loaded into the plain `model` (DDP shares its
+        parameters), so snapshot keys are the same at any world size.
+
+        fsdp: FSDP2 shards `model` in place (each layer with parameters, then the root), so
+        every rank holds 1/world_size of each parameter, gradient and optimizer buffer, and
+        the whole of one layer only while it runs. Its state dicts hold DTensors, which
+        `get_state_dict`/`set_state_dict` and DCP handle: each shard is written once, by
+        the rank that holds it, under the same keys and global shapes as an unsharded run.
+        """
+        if not self.distributed:
+            if kind == "fsdp":
+                raise UsageError("--data-parallel fsdp needs several processes (torchrun --nproc_per_node N, N > 1)")
+            return model
+        if kind == "fsdp":
+            return self._fully_shard(model)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+
+    def _fully_shard(self, model: nn.Module) -> nn.Module:
+        """Unlike DDP, fully_shard does not broadcast: each rank keeps its slice of its *own*
+        initialization, and ranks are seeded differently (`rank_seed`). Broadcasting rank 0's
+        weights first makes the sharded model the one a single process would have built."""
+        from torch.distributed.fsdp import fully_shard  # only FSDP runs pay for importing it
+
+        with self._collective("broadcasting the initial model"), torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor, src=PRIMARY)
+        for layer in model.modules():
+            if layer is not model and any(True for _ in layer.parameters(recurse=False)):
+                fully_shard(layer)
+        return fully_shard(model)
+
+    def finish(self) -> None:
+        """The run's outcome is decided: wait until every rank got here, so no rank exits
+        while rank 0 still publishes or records (torchrun stops the remaining ranks as soon
+        as one exits non-zero, 75 included)."""
+        if not self.distributed:
+            return
+        outlive_launcher_stop()
+        self.barrier("finishing")
+
+    def barrier(self, what: str) -> None:
+        if not self.distributed:
+            return
+        with self._collective(what):
+            if self.device.type == "cuda":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
+
+    def decide_on_primary(self, decide: Callable[[], T], what: str) -> T:
+        """Run `decide` on rank 0 only and return its result on every rank. If it raises,
+        rank 0 re-raises the original error and every other rank raises `DecidedOnPrimary`
+        with the same message and exit status (rank 0 alone prints it)."""
+        if not self.distributed:
+            return decide()
+        outcome: list = [None]
+        raised: BaseException | None = None
+        if self.is_primary:
+            try:
+                outcome[0] = ("ok", decide())
+            except TrainerError as error:
+                raised, outcome[0] = error, ("error", str(error), error.exit_code)
+            except BaseException as error:
+                raised, outcome[0] = error, ("error", f"rank 0 failed while {what}: {_first_line(error)}", 1)
+        with self._collective(what):
+            dist.broadcast_object_list(outcome, src=PRIMARY)
+        if raised is not None:
+            raise raised
+        kind, *payload = outcome[0]
+        if kind == "ok":
+            return payload[0]
+        message, exit_code = payload
+        raise DecidedOnPrimary(message, exit_code)
+
+    def gather(self, value: T, what: str) -> list[T]:
+        """Every rank's `value` (picklable), in rank order, on every rank."""
+        if not self.distributed:
+            return [value]
+        gathered: list = [None] * self.world_size
+        with self._collective(what):
+            dist.all_gather_object(gathered, value)
+        return gathered
+
+    def require_on_every_rank(self, problem: str | None, what: str) -> None:
+        """Every rank states whether it can go on (`problem` is None) or why not; if any
+        rank cannot, every rank raises a usage error naming the first such rank (printed by
+        rank 0 alone), instead of that rank failing by itself and the others hanging."""
+        if not self.distributed:
+            if problem:
+                raise UsageError(problem)
+            return
+        problems: list = [None] * self.world_size
+        with self._collective(what):
+            dist.all_gather_object(problems, problem)
+        failing = next(((rank, text) for rank, text in enumerate(problems) if text), None)
+        if failing is None:
+            return
+        message = f"rank {failing[0]}: {failing[1]}"
+        if self.is_primary:
+            raise UsageError(message)
+        raise DecidedOnPrimary(message, UsageError.exit_code)
+
+    def agree_after_step(self, loss: torch.Tensor, recover_due: Callable[[], bool],
+                         export_due: Callable[[], bool], preempted: bool) -> StepAgreement:
+        """One all-reduce (a sum) per step. Only rank 0 evaluates the cadence policies and
+        contributes their votes, so the sum is exactly rank 0's decision; the signal flag is
+        summed over all ranks, so a signal to any rank stops every rank at the same step."""
+        local_loss = float(loss.detach().float().item())
+        if not self.distributed:
+            return StepAgreement(local_loss, recover_due(), export_due(), preempted)
+        recover = self.is_primary and recover_due()
+        export = self.is_primary and export_due()
+        votes = torch.tensor([local_loss, recover, export, preempted], dtype=torch.float64, device=self.device)
+        with self._collective("agreeing on the step outcome"):
+            dist.all_reduce(votes)
+        loss_sum, recover_votes, export_votes, preempt_votes = votes.tolist()
+        return StepAgreement(loss_sum / self.world_size, recover_votes > 0, export_votes > 0, preempt_votes > 0)
+
+    @contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except Exception as error:
+            if is_peer_loss(error):
+                raise self.peer_failure(error, what) from None
+            raise
+
+    def peer_failure(self, error: BaseException, what: str) -> PeerFailure:
+        return PeerFailure(f"lost contact with another rank while {what} ({_first_line(error)}); "
+                           f"see the first failing rank's error; resume with --resume once all ranks can run")
+
+
+@contextmanager
+def process_group(launch: LaunchEnvironment, device: torch.device) -> Iterator[Ranks]:
+    """Join the run's process group (gloo on CPU, NCCL on CUDA, one device per local rank)
+    from the variables torchrun or the training operator set; leave it on the way out.
+
+    An error escaping a multi-process run that is really a peer's disappearance (including
+    one DCP wrapped, or one raised inside DDP's backward) is reported as a `PeerFailure`.
+    """
+    if not launch.distributed:
+        yield Ranks(launch, device)
+        return
+    if device.type == "cuda":
+        device = torch.device("cuda", launch.local_rank)
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    try:
+        dist.init_process_group(backend, init_method="env://", rank=launch.rank, world_size=launch.world_size)
+    except (RuntimeError, ValueError) as error:
+        raise PeerFailure(f"could not join the {launch.world_size}-process group as rank {launch.rank} "
+                          f"({_first_line(error)}); check MASTER_ADDR/MASTER_PORT and that every rank started") from None
+    ranks = Ranks(launch, device)
+    try:
+        yield ranks
+    except TrainerError:
+        raise
+    except BaseException as error:
+        cause = root_cause(error)
+        if is_peer_loss(cause):
+            raise ranks.peer_failure(cause, "training") from None
+        raise
+    finally:
+        outlive_launcher_stop()
+        dist.destroy_process_group()

@@ -1,2 +1,0 @@
-"""Recovery generations: atomic publish, manifests and verification, resume selection,
-writing and restoring training state with torch.distributed.checkpoint."""

@@ -1,0 +1,340 @@
+"""Attempt records: what each process restored, what it replayed, what it cost, how it ended.
+
+`attempts/<utc>-<id>/attempt.json` is written at start (`running`) and rewritten atomically
+as the attempt progresses and ends. An attempt that held the output but refused to train
+(a damaged generation or a changed environment, 65; a crash loop, 70) leaves one `refused`
+record, so an orchestrator's retries show up too. Records are informational: the newest
+verified generation, not an attempt record, decides where training resumes.
+
+The record is changed only through `AttemptRecorder`'s methods, each named for the event it
+records (`start`, `restored`, `set_aside`, `reached`, `mark_step`, `waited`, `published`,
+`ended`, `refused`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from trainer.errors import CrashLoop
+from trainer.checkpoint.atomic import atomic_write_bytes, atomic_write_json
+from trainer.layout import ATTEMPT_RECORD, ATTEMPT_REQUIREMENTS, ATTEMPT_SUMMARY, PROGRESS_MARKER, RunDirectory
+
+if TYPE_CHECKING:  # `list` and `report` read records without importing torch
+    from trainer.checkpoint.restore import Restored
+    from trainer.checkpoint.section import Published
+
+log = logging.getLogger("trainer")
+
+RUNNING, COMPLETED, INTERRUPTED, PREEMPTED, FAILED = "running", "completed", "interrupted", "preempted", "failed"
+REFUSED = "refused"
+UNFINISHED = (FAILED, RUNNING)  # "running" in a record nobody holds: the process was killed
+GENERATIONS, EXPORTS = "generations_published", "exports_published"
+
+
+def new_attempt_id(now: datetime | None = None) -> str:
+    now = now or datetime.now(timezone.utc)
+    return f"{now:%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def resolved_requirements() -> str:
+    """Every installed distribution as name==version, sorted (what actually ran). Name and
+    Version are read from each METADATA header only: `Distribution.metadata` parses the whole
+    file, long description included, which cost 0.2 s of every start."""
+    pins = set()
+    for distribution in metadata.distributions():
+        header = (distribution.read_text("METADATA") or distribution.read_text("PKG-INFO") or "").split("\n\n", 1)[0]
+        fields = dict(line.split(": ", 1) for line in header.splitlines() if ": " in line and not line[:1].isspace())
+        if fields.get("Name") and fields.get("Version"):
+            pins.add(f"{fields['Name']}=={fields['Version']}")
+    return "\n".join(sorted(pins, key=str.lower)) + "\n"
+
+
+# ----------------------------------------------------------------------------- reading
+def read_attempts(output: Path) -> list[dict]:
+    """All readable attempt records, oldest first (ids start with the UTC start time)."""
+    root = RunDirectory(output).attempts
+    records = []
+    if root.is_dir():
+        for folder in sorted(root.iterdir()):
+            try:
+                record = json.loads((folder / ATTEMPT_RECORD).read_text())
+            except (OSError, ValueError):
+                continue
+            if not is_well_formed(record):
+                log.warning("ignoring %s: not an attempt record this trainer wrote", folder / ATTEMPT_RECORD)
+                continue
+            marker = read_progress_marker(folder)
+            if record.get("status") == RUNNING and marker is not None:
+                # Killed: its record is only as fresh as its last publish; the marker is per step.
+                record["last_step"] = max(record.get("last_step") or 0, marker)
+            records.append(record)
+    return records
+
+
+OPTIONAL_INT = (int, type(None))
+RECORD_SHAPE = {"id": (str,), "status": (str,), "exit_code": OPTIONAL_INT, "restored": (dict, type(None)),
+                "last_step": OPTIONAL_INT, "steps_replayed": OPTIONAL_INT, "wall_s": (int, float, type(None)),
+                "reason": (str, type(None)), GENERATIONS: (list,), EXPORTS: (list,)}
+"""The fields whose types readers rely on (the crash-loop guard, `list`, steps replayed)."""
+
+
+def is_well_formed(record) -> bool:
+    """A hand-edited or foreign attempt.json must not crash the next resume or `list`."""
+    if not isinstance(record, dict):
+        return False
+    if not all(isinstance(record.get(field), kinds) for field, kinds in RECORD_SHAPE.items()):
+        return False
+    restored = record["restored"]
+    if restored is not None and not isinstance(restored.get("name"), str):
+        return False
+    published = record[GENERATIONS] + record[EXPORTS]
+    return all(isinstance(entry, dict) and isinstance(entry.get("name"), str) for entry in published)
+
+
+def read_progress_marker(folder: Path) -> int | None:
+    try:
+        return int((folder / PROGRESS_MARKER).read_text().strip() or "x")
+    except (OSError, ValueError):
+        return None
+
+
+# ----------------------------------------------------------------------------- decisions
+def steps_replayed(previous: dict | None, restored_step: int | None) -> int | None:
+    """Work the previous attempt did beyond the generation now restored (lost and redone).
+
+    A killed attempt's `last_step` is only as fresh as its progress marker (every step, in
+    the page cache), so for a node loss this is a lower bound.
+    """
+    if previous is None or previous.get("last_step") is None:
+        return None
+    return max(0, previous["last_step"] - (restored_step or 0))
+
+
+def newest_generation(record: dict) -> str | None:
+    """The generation an attempt would fall back to now: its newest publish, else what it restored."""
+    published = record.get(GENERATIONS) or [record.get("restored") or {}]
+    return published[-1].get("name")
+
+
+def attempts_that_trained(records: list[dict]) -> list[dict]:
+    """The records of attempts that went ahead: a refused one restored nothing and did no
+    work, so it is neither the "previous attempt" of the next one nor part of a crash loop."""
+    return [record for record in records if record.get("status") != REFUSED]
+
+
+def previous_attempt(records: list[dict]) -> dict | None:
+    trained = attempts_that_trained(records)
+    return trained[-1] if trained else None
+
+
+def is_crash_loop(records: list[dict], restoring: str | None, limit: int) -> bool:
+    """True when the last `limit` attempts that trained all started from `restoring` (None:
+    from scratch) and all died before publishing anything newer: trying again would burn
+    the allocation."""
+    records = attempts_that_trained(records)
+    if limit <= 0 or len(records) < limit:
+        return False
+    recent = records[-limit:]
+    return all((r.get("restored") or {}).get("name") == restoring and not r.get(GENERATIONS)
+               and r.get("status") in UNFINISHED for r in recent)
+
+
+def refuse_crash_loop(records: list[dict], restoring: str | None, limit: int, attempts_dir: Path) -> None:
+    if is_crash_loop(records, restoring, limit):
+        raise CrashLoop(f"the last {limit} attempts all started from {restoring or 'scratch'} and died "
+                        f"before publishing a newer generation; inspect {attempts_dir}, fix the "
+                        f"cause, then rerun (or pass --max-failed-attempts 0)")
+
+
+def world_size_change(stored_world_size: int | None, world_size: int) -> dict:
+    """Record fields for a resume at a different world size (allowed only with
+    --allow-drift world_size): what changed, and that exactness is not promised across it."""
+    if stored_world_size in (None, world_size):
+        return {}
+    return {"world_size_change": {
+        "from": stored_world_size, "to": world_size, "exact": False,
+        "note": "exactness across a world-size change is not promised: the global batch order and "
+                "position continue unchanged, but each rank's random streams (dropout, noise) now "
+                "cover a different slice of every batch, ranks that did not exist start from fresh "
+                "per-rank seeds, and gradients are summed in a different order"}}
+
+
+# ----------------------------------------------------------------------------- writing
+def initial_record(attempt_id: str, argv: list[str], fields: dict) -> dict:
+    return {
+        "id": attempt_id, "status": RUNNING, "exit_code": None, "reason": None,
+        "started_utc": utc_now(), "started_unix": round(time.time(), 3), "ended_utc": None, "wall_s": None,
+        "host": socket.gethostname(), "pid": os.getpid(), "argv": argv,
+        "last_step": None, GENERATIONS: [], EXPORTS: [],
+        "costs": {"restore_s": 0.0, "save_s": 0.0, "blocked_s": 0.0, "saves": 0},
+        **fields,
+    }
+
+
+class AttemptRecorder:
+    """This attempt's record. `persist` is False on ranks other than 0 of a multi-process
+    run: they keep the same record in memory (the loop reports the same events everywhere)
+    but only rank 0 writes it."""
+
+    def __init__(self, run: RunDirectory, attempt_id: str, record: dict, persist: bool = True,
+                 started: float | None = None):
+        self.folder = run.attempt_folder(attempt_id)
+        self._record = record
+        self.persist = persist
+        self._started = time.monotonic() if started is None else started
+        self._marker: int | None = None
+        self._marked: int | None = None
+        """The last step `mark_step` recorded: where training stood if it ends without a
+        `reached()` (a failure, a grace timeout)."""
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def start(cls, run: RunDirectory, attempt_id: str, argv: list[str], fields: dict,
+              persist: bool = True) -> "AttemptRecorder":
+        """Write the `running` record; its wall time counts from here."""
+        recorder = cls(run, attempt_id, initial_record(attempt_id, argv, fields), persist)
+        recorder._create_folder()
+        recorder._flush()
+        return recorder
+
+    @classmethod
+    def refused_before_start(cls, run: RunDirectory, attempt_id: str, argv: list[str], exit_code: int,
+                             reason: str, fields: dict, started: float) -> None:
+        """One write: this attempt held the output and refused to train. `started` is the
+        monotonic time the attempt began, for its wall time."""
+        recorder = cls(run, attempt_id, initial_record(attempt_id, argv, fields), started=started)
+        recorder._record["started_unix"] = round(time.time() - (time.monotonic() - started), 3)
+        recorder._create_folder()
+        recorder.ended(REFUSED, exit_code, reason)
+
+    def refused(self, exit_code: int, reason: str, considered: str | None) -> None:
+        """A refusal found after the record started (while restoring): nothing was restored."""
+        self._record.update(restored=None, steps_replayed=None, considered_generation=considered)
+        self.ended(REFUSED, exit_code, reason)
+
+    def ended(self, status: str, exit_code: int, reason: str | None = None, summary: dict | None = None) -> None:
+        if self._marker is not None:
+            os.close(self._marker)
+            self._marker = None
+        if self._marked is not None and self._marked > (self._record["last_step"] or 0):
+            self._record["last_step"] = self._marked  # ended between publishes: the work it did counts
+        self._record.update(status=status, exit_code=exit_code, reason=reason, ended_utc=utc_now(),
+                            wall_s=self.elapsed_s())
+        if summary is not None and self.persist:
+            atomic_write_json(self.folder / ATTEMPT_SUMMARY, summary)
+        try:
+            self._flush()
+        except OSError as error:
+            if exit_code == 0:
+                raise
+            # Failing because the disk is full must not hide the original error behind this one.
+            log.warning("could not record the end of attempt %s: %s", self._record["id"], error.strerror)
+
+    # ------------------------------------------------------------------ events
+    def restored(self, restored: "Restored", verify_s: float) -> None:
+        """Restore cost: verifying the generation (before the record existed) plus loading it."""
+        self._add_cost(restore_s=restored.load_s + verify_s, verify_s=verify_s)
+
+    def set_aside(self, names: list[str]) -> None:
+        if names:
+            self._record["set_aside"] = names
+            self._flush()
+
+    def reached(self, step: int, first: bool = False) -> None:
+        """Training stands at `step` (with `first`, the step this attempt starts from)."""
+        if first:
+            self._record["first_step"] = step
+        self._record["last_step"] = step
+        self._flush()
+
+    def mark_step(self, step: int) -> None:
+        """Per-step progress for `steps_replayed` after a kill -9: one pwrite into the page
+        cache (survives the process, not the node; no fsync on the hot path)."""
+        if not self.persist:
+            return
+        if self._marker is None:
+            self._marker = os.open(self.folder / PROGRESS_MARKER, os.O_WRONLY | os.O_CREAT, 0o644)
+        os.pwrite(self._marker, f"{step:>12}\n".encode(), 0)
+        self._marked = step
+
+    def downloaded(self, download_s: float, size: int) -> None:
+        """The restored generation came from the store (no matching local-tier copy)."""
+        self._add_cost(download_s=download_s, restore_s=download_s)
+        self._record["downloaded_bytes"] = size
+
+    def durable(self, kind: str, name: str, upload_s: float, durable_s: float) -> None:
+        """A published generation (GENERATIONS) or export (EXPORTS) was committed in the store."""
+        for entry in reversed(self._record[kind]):
+            if entry["name"] == name:
+                entry.update(durable_s=round(durable_s, 6), upload_s=round(upload_s, 6))
+                break
+        self._record.setdefault("durable", {})[kind] = name
+        self._add_cost(upload_s=upload_s)
+        self._flush()
+
+    def waited(self, blocked_s: float) -> None:
+        """The loop waited for async staging before a step."""
+        if blocked_s:
+            self._add_cost(blocked_s=blocked_s)
+
+    def published(self, kind: str, published: "Published", step: int | None = None) -> None:
+        """A generation (GENERATIONS) or export (EXPORTS) was published while training stood
+        at `step` (None: where it last stood)."""
+        self._record[kind].append({"name": published.name, "step": published.step,
+                                   "save_s": round(published.save_s, 6), "blocked_s": round(published.blocked_s, 6),
+                                   "at_s": self.elapsed_s()})
+        self._add_cost(save_s=published.save_s, blocked_s=published.blocked_s)
+        self._record["costs"]["saves"] += 1
+        self.reached(step if step is not None else (self._record["last_step"] or 0))
+
+    # ------------------------------------------------------------------ reading
+    def elapsed_s(self) -> float:
+        """Seconds since this attempt started: its wall time at the end, and when each
+        publish happened (`at_s`), for the recovery report's timeline."""
+        return round(time.monotonic() - self._started, 3)
+
+    @property
+    def record(self) -> dict:
+        """A copy of the record as it stands (for observers and the exit line)."""
+        return json.loads(json.dumps(self._record))
+
+    @property
+    def newest_generation(self) -> str | None:
+        return newest_generation(self._record)
+
+    @property
+    def newest_durable(self) -> str | None:
+        """The newest generation this attempt made durable in a store."""
+        return self._record.get("durable", {}).get(GENERATIONS)
+
+    @property
+    def restore_s(self) -> float:
+        return self._record["costs"]["restore_s"]
+
+    # ------------------------------------------------------------------ private
+    def _add_cost(self, **seconds: float) -> None:
+        costs = self._record["costs"]
+        for name, value in seconds.items():
+            costs[name] = round(costs.get(name, 0.0) + value, 6)
+
+    def _create_folder(self) -> None:
+        if self.persist:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self.folder / ATTEMPT_REQUIREMENTS, resolved_requirements().encode())
+
+    def _flush(self) -> None:
+        if self.persist:
+            atomic_write_json(self.folder / ATTEMPT_RECORD, self._record)

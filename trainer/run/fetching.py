@@ -1,0 +1,96 @@
+"""Fetching samples: randomness a dataset draws from the global RNGs becomes a pure function
+of (seed, epoch, index), whichever process fetches the sample; and batches of any structure
+reach the device.
+
+Users bring the torchvision habit: augmentation that calls `random`, `np.random` or
+`torch.rand*` inside `__getitem__`. Left alone, those draws depend on which DataLoader worker
+fetched the sample (workers are seeded per iterator, not per sample) and, with no workers,
+on how far the main process's streams have advanced, so `--num-workers` and the resume point
+would change training. Here every fetch runs with the three global RNGs seeded from
+(seed, epoch, index), and the fetching process's own streams are put back afterwards: with
+`--num-workers 0` the main process's dropout, noise and shuffling draws are exactly what they
+would be had the dataset drawn nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Mapping
+from contextlib import contextmanager
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+from trainer.run.batching import EpochBatchOrder
+from trainer.run.runtime import ignore_stop_signals
+
+
+@contextmanager
+def seeded_globals(seed: int, epoch: int, index: int) -> Iterator[None]:
+    """Python's, NumPy's and torch's (CPU) global RNGs seeded from (seed, epoch, index) for
+    the duration, then restored in the main process. A DataLoader worker skips the restore
+    (about half the cost): its streams serve nothing but the next fetch, which reseeds them.
+    CUDA generators are left alone: a dataset runs on the CPU, and seeding them would disturb
+    the main process's GPU dropout."""
+    saved = None
+    if get_worker_info() is None:
+        saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    words = np.random.SeedSequence([seed, epoch, index]).generate_state(4)
+    random.seed(int.from_bytes(words.tobytes(), "little"))
+    np.random.seed(words)
+    torch.default_generator.manual_seed(int(words[0]) << 32 | int(words[1]))
+    try:
+        yield
+    finally:
+        if saved is not None:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            torch.set_rng_state(saved[2])
+
+
+class KeyedSeeding(Dataset):
+    """The workload's dataset, fetched by (epoch, index) keys under `seeded_globals`:
+    `dataset.sample_at(epoch, index)` when it has one, else `dataset[index]`."""
+
+    def __init__(self, dataset, seed: int):
+        self.dataset = dataset
+        self.seed = seed
+        self.keyed = callable(getattr(dataset, "sample_at", None))
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, index = key
+        with seeded_globals(self.seed, epoch, index):
+            return self.dataset.sample_at(epoch, index) if self.keyed else self.dataset[index]
+
+
+def epoch_loader(dataset: KeyedSeeding, order: EpochBatchOrder, num_workers: int) -> DataLoader:
+    """The batches `order` names, fetched by `num_workers` processes (0: this one).
+    A private generator keeps the DataLoader from drawing on the global torch RNG (it seeds
+    workers from it on every new iterator, which a resume would repeat); worker seeds do not
+    reach the samples, `KeyedSeeding` reseeds every fetch."""
+    return DataLoader(dataset, batch_sampler=order, num_workers=num_workers,
+                      collate_fn=getattr(dataset.dataset, "collate", None),
+                      generator=torch.Generator().manual_seed(0), worker_init_fn=ignore_stop_signals)
+
+
+def to_device(batch, device: torch.device):
+    """A batch of any structure with every tensor on `device`: tensors, and tuples
+    (named ones too), lists, dicts and dataclasses of them, nested; other values as they are."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: to_device(getattr(batch, f.name), device)
+                                             for f in dataclasses.fields(batch) if f.init})
+    if isinstance(batch, Mapping):
+        return type(batch)({key: to_device(value, device) for key, value in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(to_device(value, device) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(value, device) for value in batch)
+    return batch

@@ -1,0 +1,1 @@
+"""A run directory in an object store: the client, the commit without rename, the lease, tiering."""

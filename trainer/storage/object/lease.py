@@ -1,0 +1,219 @@
+"""Single writer on a store: a lease object that expires unless its holder renews it.
+
+`flock` cannot protect a prefix shared by pods, and a dead pod never releases anything, so
+the lock on a store is a lease: `.trainer.lease` names its holder (attempt, host, pid, ttl)
+and is taken with a conditional create (S3 `If-None-Match: *`). A heartbeat thread renews it
+every third of its ttl with `If-Match` on the ETag it last wrote. A new trainer that finds
+it held watches it: a holder on this host whose process is gone is taken over at once;
+otherwise, when the ETag has not changed for a whole ttl (measured on the watcher's own
+clock, so clocks need not agree), the lease has expired and is taken over with `If-Match`.
+
+Fencing: every commit first checks (`fence()`) that the lease is still ours, reading the
+object itself, so a zombie writer (a paused or partitioned pod of an earlier attempt) whose
+lease was taken over cannot commit over the newer attempt's line: its next commit is refused
+(73) and it exits. What remains is the window of one request between that check and the
+write; the README says so.
+
+A store without conditional writes (gs://, az:// through fsspec) gets an unconditional lease:
+one warning line, and the weaker guarantee documented.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from trainer.errors import OutputLocked
+from trainer.storage.object.client import ObjectStore, PreconditionFailed
+
+log = logging.getLogger("trainer")
+LEASE = ".trainer.lease"
+POLL_S = 0.5
+
+
+class LeaseLost(OutputLocked):
+    """Another attempt took the lease over: this process must not write anything more."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    attempt: str
+    host: str
+    pid: int
+    ttl_s: float
+
+    @classmethod
+    def parse(cls, data: bytes) -> "Holder":
+        try:
+            value = json.loads(data)
+            return cls(str(value["attempt"]), str(value["host"]), int(value["pid"]), float(value["ttl_s"]))
+        except (ValueError, KeyError, TypeError):
+            return cls("?", "?", -1, 0.0)  # unreadable: treat as expired after the watcher's own ttl
+
+    def encode(self, renewed: int) -> bytes:
+        return json.dumps({"attempt": self.attempt, "host": self.host, "pid": self.pid, "ttl_s": self.ttl_s,
+                           "renewals": renewed, "renewed_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                time.gmtime())}).encode()
+
+    def describe(self) -> str:
+        return f"attempt {self.attempt}, host {self.host}, pid {self.pid}"
+
+    def gone_from_this_host(self) -> bool:
+        if self.host != socket.gethostname() or self.pid <= 0:
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+
+class StoreLease:
+    def __init__(self, objects: ObjectStore, attempt: str, ttl_s: float, wait_s: float | None):
+        self.objects = objects
+        self.holder = Holder(attempt, socket.gethostname(), os.getpid(), ttl_s)
+        self.wait_s = wait_s
+        self._etag: str | None = None
+        self._renewals = 0
+        self._lost: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._mutex = threading.Lock()
+        """Held while the ETag is renewed or compared, so a fence never sees half a renewal."""
+
+    @property
+    def url(self) -> str:
+        return self.objects.url_of(LEASE)
+
+    # ----------------------------------------------------------------- taking it
+    def acquire(self) -> "StoreLease":
+        if not self.objects.conditional:
+            log.warning("%s has no conditional writes: the single-writer lease is advisory (two trainers "
+                        "started at the same instant could both write); see the README", self.objects.url)
+        seen: tuple[str, float] | None = None  # (ETag, when first seen unchanged)
+        started = time.monotonic()
+        while True:
+            current = self._read()
+            if current is None:
+                if self._write(None):
+                    break
+                continue
+            body, etag = current
+            other = Holder.parse(body)
+            if seen is None or seen[0] != etag:
+                seen = (etag, time.monotonic())
+            expired = time.monotonic() - seen[1] > (other.ttl_s or self.holder.ttl_s)
+            if other.gone_from_this_host() or expired:
+                how = "its process is gone" if not expired else f"not renewed for {other.ttl_s:.0f}s"
+                if self._write(etag):
+                    log.warning("took over the lease of %s on %s (%s)", other.describe(), self.objects.url, how)
+                    break
+                continue
+            wait_s = self.wait_s if self.wait_s is not None else other.ttl_s + 5.0
+            if time.monotonic() - started >= wait_s:
+                raise OutputLocked(f"{self.objects.url} is in use by another trainer ({other.describe()}; its lease "
+                                   f"is renewed every {other.ttl_s / 3:.0f}s and expires {other.ttl_s:.0f}s after "
+                                   f"the last renewal); wait for it to end or stop it, then retry")
+            time.sleep(POLL_S)
+        self._thread = threading.Thread(target=self._heartbeat, name="lease-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def _read(self) -> tuple[bytes, str] | None:
+        if self.objects.conditional:
+            return self.objects.etag(LEASE)
+        data = self.objects.read(LEASE)
+        return None if data is None else (data, str(hash(data)))
+
+    def _write(self, if_match: str | None) -> bool:
+        """One conditional write of our holder record; False if another writer won."""
+        body = self.holder.encode(self._renewals)
+        if not self.objects.conditional:
+            self.objects.write(LEASE, body)
+            self._etag = str(hash(body))
+            return True
+        try:
+            self._etag = self.objects.write_conditionally(LEASE, body, if_match)
+        except PreconditionFailed:
+            # A retried write whose first try landed (its response lost) fails its own
+            # condition: if the store holds exactly what we wrote, the write is ours.
+            current = self._read()
+            if current is None or current[0] != body:
+                return False
+            self._etag = current[1]
+        return True
+
+    # ----------------------------------------------------------------- keeping it
+    def _heartbeat(self) -> None:
+        """Renew every third of the ttl. Only evidence loses the lease (the object holds
+        another writer's record): a store that does not answer is retried at the next beat,
+        and once it answers again the renewal succeeds if nobody took over meanwhile."""
+        interval = self.holder.ttl_s / 3
+        while not self._stop.wait(interval):
+            if self._lost:
+                return
+            self._renewals += 1
+            try:
+                with self._mutex:
+                    renewed = self._write(self._etag)
+                if not renewed:
+                    self._lose("another attempt took it over")
+                    return
+            except Exception as error:  # noqa: BLE001 - a heartbeat must never die quietly
+                log.warning("could not renew the lease on %s (%s); retrying in %.0fs", self.objects.url,
+                            error, interval)
+
+    def _lose(self, why: str) -> None:
+        try:
+            current = self._read()
+            holder = Holder.parse(current[0]).describe() if current else "nobody"
+        except Exception:  # noqa: BLE001 - who holds it now is only for the message
+            holder = "unknown (the store did not answer)"
+        self._lost = f"lost the lease on {self.objects.url} ({why}; now held by {holder})"
+        log.error("%s: this attempt writes nothing more", self._lost)
+
+    def fence(self) -> None:
+        """Raise LeaseLost (73) unless the lease is still ours, checked on the object itself."""
+        if self._lost:
+            raise LeaseLost(f"{self._lost}; exiting without touching the newer attempt's line")
+        with self._mutex:
+            current = self._read()
+            if current is None:  # deleted (an operator, a lifecycle rule): take it again if nobody did
+                ours = self._write(None)
+                current = None if ours else self._read()
+            else:
+                ours = not self.objects.conditional or current[1] == self._etag
+        if not ours:
+            holder = Holder.parse(current[0]).describe() if current else "nobody"
+            self._lost = f"lost the lease on {self.objects.url} (now held by {holder})"
+            raise LeaseLost(f"{self._lost}; exiting without touching the newer attempt's line")
+
+    def held(self) -> bool:
+        return self._lost is None
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._lost is not None or self._etag is None:
+            return
+        try:
+            current = self._read()
+            if current is not None and (not self.objects.conditional or current[1] == self._etag):
+                self.objects.delete([LEASE])
+        except Exception as error:  # noqa: BLE001 - the lease expires on its own
+            log.warning("could not release the lease on %s (%s); it expires in %.0fs", self.objects.url, error,
+                        self.holder.ttl_s)
+
+    def __enter__(self) -> "StoreLease":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

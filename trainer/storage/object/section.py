@@ -1,0 +1,233 @@
+"""The commit protocol for sealed directories in an object store, where there is no rename.
+
+A generation (or export) `SECTION/step-%08d/` is *committed* iff its `manifest.json` object
+exists. Data objects go first, in parallel; the manifest, byte-identical to the local one
+(it lists every file with its size and sha256), goes last and is the commit marker. A prefix
+without a manifest is an *uncommitted* leftover (a killed writer, a sidecar, an interrupted
+`aws s3 sync`): never selected, never damage, listed, and removed by the next lease holder.
+Removal is the reverse: the manifest first (uncommitted from that instant), then the data.
+
+Restore streams every listed object through sha256 into a local directory, so a committed
+generation is used only if every byte matches its manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from trainer import seams
+from trainer.checkpoint.atomic import fsync_dir, rename_into_place, temporary_sibling, write_file_durably
+from trainer.checkpoint.manifest import InvalidManifest, Manifest, Verification, file_problem, unlisted_problem
+from trainer.storage.object.client import ObjectStore
+from trainer.layout import MANIFEST, REPLACED, generation_step, hidden_name
+
+PARALLEL_OBJECTS = 8
+"""Objects uploaded or downloaded at once (each large one is also multipart)."""
+
+
+@dataclass(frozen=True)
+class SectionScan:
+    committed: list[str]
+    """Names with a manifest, oldest first."""
+    uncommitted: list[str]
+    """`step-%08d` prefixes without a manifest."""
+    set_aside: list[str]
+    """Hidden `.step-…replaced-…` copies: superseded, kept for inspection."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    bytes: int
+    seconds: float
+
+
+def digest_of(data: bytes) -> str:
+    import hashlib
+    return hashlib.sha256(data).hexdigest()
+
+
+class ObjectSection:
+    """Sealed directories of one section (`checkpoints` or `exports`) of a run in a store."""
+
+    def __init__(self, objects: ObjectStore, section: str):
+        self.objects = objects
+        self.section = section
+
+    def key(self, name: str, file: str | None = None) -> str:
+        return f"{self.section}/{name}" + (f"/{file}" if file else "")
+
+    def url(self, name: str) -> str:
+        return self.objects.url_of(self.key(name))
+
+    # ----------------------------------------------------------------- what is there
+    def scan(self) -> SectionScan:
+        grouped: dict[str, set[str]] = {}
+        for key in self.objects.list(self.section):
+            parts = key.split("/")
+            if len(parts) >= 3:
+                grouped.setdefault(parts[1], set()).add("/".join(parts[2:]))
+        names = sorted(grouped)
+        published = [name for name in names if generation_step(name) is not None]
+        return SectionScan([name for name in published if MANIFEST in grouped[name]],
+                           [name for name in published if MANIFEST not in grouped[name]],
+                           [name for name in names if name.startswith(".") and REPLACED in name])
+
+    def committed(self) -> list[str]:
+        return self.scan().committed
+
+    def manifest_bytes(self, name: str) -> bytes | None:
+        return self.objects.read(self.key(name, MANIFEST))
+
+    def manifest_digest(self, name: str) -> str | None:
+        data = self.manifest_bytes(name)
+        return digest_of(data) if data is not None else None
+
+    # ----------------------------------------------------------------- commit
+    def commit(self, name: str, directory: Path, fence: Callable[[], None]) -> Transfer:
+        """Upload a published local directory and commit it: data, then the manifest.
+        `fence()` raises if this process may no longer write (its lease was taken over); it
+        runs before every object and right before the commit. A name already committed with
+        the same files is left as it is (an export replayed after a resume)."""
+        started = time.monotonic()
+        manifest_data = (directory / MANIFEST).read_bytes()
+        files = dict(Manifest.from_json(json.loads(manifest_data)).files)
+        existing = self.manifest_bytes(name)
+        if existing is not None and _files_of(existing) == files:
+            return Transfer(0, time.monotonic() - started)
+        fence()
+        self.clear(name, keep=set(files))
+        self.upload_files(name, directory, sorted(files), fence)
+        self.commit_manifest(name, manifest_data, files, fence)
+        return Transfer(sum(int(entry["bytes"]) for entry in files.values()), time.monotonic() - started)
+
+    def clear(self, name: str, keep: set[str] = frozenset()) -> None:
+        """Before writing `name`: uncommit what is committed there (another line's
+        generation under the same name) and delete leftovers, except objects named `keep`
+        (they are overwritten anyway)."""
+        self.objects.delete([self.key(name, MANIFEST)] if self.manifest_bytes(name) is not None else [])
+        self.objects.delete([key for key in self.objects.list(self.key(name))
+                             if key.split("/", 2)[2] not in keep])
+
+    def upload_files(self, name: str, directory: Path, files: list[str], fence: Callable[[], None]) -> None:
+        """The data objects, in parallel; `fence()` before each."""
+        if not files:
+            return
+
+        def upload(index_file):
+            index, file = index_file
+            fence()
+            self.objects.upload(directory / file, self.key(name, file))
+            if index == 0:
+                seams.crash_point("store-after-first-object")
+        with ThreadPoolExecutor(min(PARALLEL_OBJECTS, len(files)), thread_name_prefix="upload") as pool:
+            list(pool.map(upload, enumerate(files)))
+
+    def commit_manifest(self, name: str, manifest_data: bytes, files: dict, fence: Callable[[], None]) -> None:
+        """The commit: check the store holds every listed object at its size, then write the
+        manifest. From this instant the generation exists."""
+        for file, entry in sorted(files.items()):
+            size = self.objects.size(self.key(name, file))
+            if size != entry["bytes"]:
+                raise OSError(f"{self.url(name)}/{file}: the store holds {size} bytes after the upload, "
+                              f"the manifest says {entry['bytes']}")
+        seams.crash_point("store-before-manifest")
+        fence()
+        self.objects.write(self.key(name, MANIFEST), manifest_data)
+        seams.crash_point("store-after-manifest")
+
+    # ----------------------------------------------------------------- restore and verify
+    def fetch(self, name: str, parent: Path) -> tuple[Verification, Transfer]:
+        """Download a committed directory into `parent/name`, verifying every object while it
+        streams; it is renamed into place only if everything matched. A damaged generation
+        leaves nothing behind locally and comes back as a failed Verification."""
+        started = time.monotonic()
+        manifest_data = self.manifest_bytes(name)
+        if manifest_data is None:
+            return Verification(parent / name, None, f"{MANIFEST}: missing (not committed)"), Transfer(0, 0.0)
+        try:
+            manifest = Manifest.from_json(json.loads(manifest_data))
+        except (InvalidManifest, ValueError) as reason:
+            return Verification(parent / name, None, str(reason)), Transfer(0, 0.0)
+        problem = self._naming_problem(name, manifest) or unlisted_problem(manifest, [])
+        if problem:
+            return Verification(parent / name, manifest, problem), Transfer(0, 0.0)
+        parent.mkdir(parents=True, exist_ok=True)
+        temporary = temporary_sibling(parent, name, "fetch")
+        files = sorted(manifest.files)
+        with ThreadPoolExecutor(min(PARALLEL_OBJECTS, len(files)), thread_name_prefix="download") as pool:
+            actual = dict(zip(files, pool.map(lambda file: self._download_or_none(name, file, temporary),
+                                              files)))
+        problem = next((p for file in files if (p := file_problem(file, manifest.files[file], actual[file]))), None)
+        if problem:
+            shutil.rmtree(temporary, ignore_errors=True)
+            return Verification(parent / name, manifest, f"{problem} (in {self.url(name)})"), Transfer(0, 0.0)
+        write_file_durably(temporary / MANIFEST, manifest_data)
+        fsync_dir(temporary)
+        rename_into_place(temporary, parent / name)
+        transferred = sum(int(entry["bytes"]) for entry in manifest.files.values())
+        return Verification(parent / name, manifest, None), Transfer(transferred, time.monotonic() - started)
+
+    def _download_or_none(self, name: str, file: str, directory: Path) -> dict | None:
+        if self.objects.size(self.key(name, file)) is None:
+            return None
+        return self.objects.download(self.key(name, file), directory / file)
+
+    def verify(self, name: str) -> Verification:
+        """Stream every listed object through sha256, keeping nothing (`verify`, fallbacks)."""
+        where = Path(self.url(name))
+        data = self.manifest_bytes(name)
+        if data is None:
+            return Verification(where, None, f"{MANIFEST}: missing (not committed)")
+        try:
+            manifest = Manifest.from_json(json.loads(data))
+        except (InvalidManifest, ValueError) as reason:
+            return Verification(where, None, str(reason))
+        problem = self._naming_problem(name, manifest) or unlisted_problem(manifest, [])
+        for file in sorted(manifest.files):
+            if problem:
+                break
+            problem = file_problem(file, manifest.files[file], self.objects.digest(self.key(name, file)))
+        return Verification(where, manifest, problem)
+
+    @staticmethod
+    def _naming_problem(name: str, manifest: Manifest) -> str | None:
+        if manifest.name != name or manifest.step != generation_step(name):
+            return (f"{MANIFEST}: describes {manifest.name} (step {manifest.step}), not {name}; "
+                    f"a copied or renamed prefix")
+        return None
+
+    # ----------------------------------------------------------------- removal
+    def remove(self, name: str) -> None:
+        """Retention: uncommit (manifest first), then delete the data."""
+        self.objects.delete([self.key(name, MANIFEST)])
+        seams.crash_point("store-retention-after-uncommit")
+        self.discard(name)
+
+    def discard(self, name: str) -> None:
+        """Delete every object under an uncommitted prefix."""
+        self.objects.delete(self.objects.list(self.key(name)))
+
+    def set_aside(self, name: str) -> str:
+        """Going back to an earlier generation abandons this one: copy it to a hidden
+        `.NAME.replaced-TOKEN` prefix (data, then manifest: the copy is committed under a name
+        never selected), then remove it. Returns the hidden name."""
+        hidden = hidden_name(name, REPLACED, secrets.token_hex(3))
+        keys = self.objects.list(self.key(name))
+        for key in sorted(keys, key=lambda k: k.endswith("/" + MANIFEST)):
+            self.objects.copy(key, self.key(hidden, key.split("/", 2)[2]))
+        self.remove(name)
+        return hidden
+
+
+def _files_of(manifest_data: bytes) -> dict | None:
+    try:
+        return dict(Manifest.from_json(json.loads(manifest_data)).files)
+    except (InvalidManifest, ValueError):
+        return None
