@@ -1,6 +1,7 @@
-"""Run configuration as frozen dataclasses.
+"""Run configuration as frozen dataclasses: the one source of every default.
 
-`cli.py` is the one place that turns command-line options into these objects; everything
+`cli.py` (with `flags.py`, which takes every option's default from here) is the one place
+that turns command-line options into these objects; everything
 below it receives plain, immutable values. Which fields are *training-relevant* (and so part
 of the fingerprint) is decided here, next to the fields themselves.
 """
@@ -71,7 +72,7 @@ class CadenceConfig:
 
     every_epochs: int | None = None
     every_steps: int | None = None
-    every_secs: float | None = None
+    every_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class ProgressConfig:
 
     every_steps: int = 10
     """A line every N global steps (1: every step)."""
-    every_secs: float = 60.0
+    every_s: float = 60.0
     """Also a line when this many seconds passed since the previous one (slow steps)."""
 
 
@@ -142,7 +143,8 @@ class RunConfig:
     export: CadenceConfig = field(default_factory=CadenceConfig)
     export_dtype: str | None = None
     retention: RetentionConfig = field(default_factory=RetentionConfig)
-    preempt_grace_secs: float = 20.0
+    preempt_grace_s: float = 20.0
+    """On SIGTERM/SIGINT, time allowed to save before exiting 75 without publishing."""
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     max_failed_attempts: int = 3
     """Stop (exit 70) when this many attempts in a row restored the same generation and died

@@ -25,6 +25,7 @@ from typing import Callable
 from trainer import seams
 from trainer.checkpoint.atomic import fsync_dir, rename_into_place, temporary_sibling, write_file_durably
 from trainer.checkpoint.manifest import InvalidManifest, Manifest, Verification, file_problem, unlisted_problem
+from trainer.storage.base import Transfer
 from trainer.storage.object.client import ObjectStore
 from trainer.layout import MANIFEST, REPLACED, generation_step, hidden_name
 
@@ -40,12 +41,6 @@ class SectionScan:
     """`step-%08d` prefixes without a manifest."""
     set_aside: list[str]
     """Hidden `.step-…replaced-…` copies: superseded, kept for inspection."""
-
-
-@dataclass(frozen=True)
-class Transfer:
-    bytes: int
-    seconds: float
 
 
 def digest_of(data: bytes) -> str:
