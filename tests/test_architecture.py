@@ -81,6 +81,9 @@ def _is_module(name: str) -> bool:
 
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 RUN = sorted((PACKAGE / "run").glob("*.py"))
+ONE_ATTEMPT = [PACKAGE / "run" / f"{name}.py" for name in ("loop", "claim", "recording", "restoring", "training",
+                                                             "saving")]
+"""The modules the loop is made of (the parts below them are used elsewhere too)."""
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(REPO)))
@@ -161,10 +164,10 @@ def test_the_backend_check_can_fail(tmp_path):
 
 def test_the_loop_reads_in_one_sitting():
     """loop.py ≤ 200 lines, no function over 60 lines, no class over 200, no parameter list
-    over 6 anywhere in the run package, and no checkpoint internal imported by the loop."""
+    over 6 in the modules of one attempt, and no checkpoint internal imported by the loop."""
     loop = PACKAGE / "run" / "loop.py"
     assert len(loop.read_text().splitlines()) <= 200
-    for path in RUN:
+    for path in ONE_ATTEMPT:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 size = node.end_lineno - node.lineno + 1
