@@ -51,11 +51,11 @@ def compare_inputs(a: Path | str, b: Path | str) -> list:
     """Field results of two generations; one named by store URL is downloaded (verified while it
     streams) into a temporary directory that is gone afterwards."""
     from trainer.inspect.compare import compare_states, load_generation
-    from trainer.inspect.object_store import local_generation
+    from trainer.inspect.sources import open_source
 
     with tempfile.TemporaryDirectory(prefix="compare-") as scratch:
-        return compare_states(load_generation(local_generation(a, Path(scratch) / "a")),
-                              load_generation(local_generation(b, Path(scratch) / "b")))
+        return compare_states(load_generation(open_source(a).generation(Path(scratch) / "a")),
+                              load_generation(open_source(b).generation(Path(scratch) / "b")))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -211,23 +211,21 @@ def run_list(argv: list[str]) -> int:
                              "local tier (the same as `list URL --local-tier DIR`)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
-    from trainer.inspect.listing import list_run, require_run_directory
-    from trainer.inspect.object_store import list_store_run
+    from trainer.inspect.listing import print_run, require_run_directory
+    from trainer.inspect.sources import open_source
 
-    if isinstance(args.directory, str):
-        if args.store is not None:
-            raise UsageError("--store goes with a local run directory; with a URL, name the local tier with "
-                             "--local-tier DIR")
-        return list_store_run(args.directory, args.local_tier, args.json)
-    if args.local_tier is not None:
+    if isinstance(args.directory, str) and args.store is not None:
+        raise UsageError("--store goes with a local run directory; with a URL, name the local tier with "
+                         "--local-tier DIR")
+    if not isinstance(args.directory, str) and args.local_tier is not None:
         raise UsageError("--local-tier goes with a store URL; for a local run directory that is the local tier "
                          "of a run in a store, add --store URL")
     if args.store is None:
-        return list_run(args.directory, args.json)
+        return print_run(open_source(args.directory, args.local_tier).describe(), args.json)
     if not isinstance(args.store, str):
         raise UsageError(f"--store takes a store URL (s3://BUCKET/RUN), not the path {args.store}")
     require_run_directory(args.directory)
-    return list_store_run(args.store, args.directory, args.json)
+    return print_run(open_source(args.store, args.directory).describe(), args.json)
 
 
 def run_verify(argv: list[str]) -> int:
@@ -237,10 +235,10 @@ def run_verify(argv: list[str]) -> int:
                         help="a run directory or one generation/export directory, or the store URL of either")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
-    from trainer.inspect.listing import verify_path
-    from trainer.inspect.object_store import verify_store
+    from trainer.inspect.listing import print_verifications
+    from trainer.inspect.sources import open_source
 
-    return verify_store(args.path, args.json) if isinstance(args.path, str) else verify_path(args.path, args.json)
+    return print_verifications(open_source(args.path).verifications(), args.json)
 
 
 def run_report(argv: list[str]) -> int:
@@ -252,11 +250,11 @@ def run_report(argv: list[str]) -> int:
     parser.add_argument("--png", type=path_argument, metavar="FILE",
                         help="also draw the timeline of the attempts into FILE (PNG, 1600x900)")
     args = parser.parse_args(argv)
-    from trainer.inspect.listing import report_command
-    from trainer.inspect.object_store import store_report_command
+    from trainer.inspect.listing import print_report
+    from trainer.inspect.sources import open_source
 
-    command = store_report_command if isinstance(args.directory, str) else report_command
-    return command(args.directory, args.json, args.png)
+    source = open_source(args.directory)
+    return print_report(source.report(), source.where, args.json, args.png)
 
 
 COMMANDS = {"list": run_list, "report": run_report, "verify": run_verify}

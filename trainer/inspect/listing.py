@@ -173,11 +173,6 @@ def require_run_directory(output: Path) -> None:
         raise NothingToResume(problem)
 
 
-def list_run(output: Path, as_json: bool) -> int:
-    require_run_directory(output)
-    return print_run(describe_run(output), as_json)
-
-
 def print_run(described: dict, as_json: bool) -> int:
     print(json.dumps(described, indent=2) if as_json else format_run(described))
     return 0
@@ -241,10 +236,6 @@ def write_timeline(report, png: Path) -> None:
                              f"for --png") from None
 
 
-def report_command(output: Path, as_json: bool, png: Path | None) -> int:
-    return print_report(run_report(output), str(output), as_json, png)
-
-
 def print_report(report, output: str, as_json: bool, png: Path | None) -> int:
     """The report of a run, wherever its attempt records came from."""
     from trainer.inspect.report import format_report
@@ -267,13 +258,13 @@ def targets(path: Path) -> list[Path]:
     return found
 
 
-def verify_path(path: Path, as_json: bool) -> int:
+def local_verifications(path: Path) -> list[tuple[str, Verification]]:
     if not path.is_dir():
         raise NothingToResume(f"{path} does not exist or is not a directory; pass a run directory or a generation")
     found = targets(path)
     if not found:
         raise NothingToResume(f"no generations or exports under {path}")
-    return print_verifications([(str(p), verify_directory(p)) for p in found], as_json)
+    return [(str(p), verify_directory(p)) for p in found]
 
 
 def print_verifications(results: list[tuple[str, Verification]], as_json: bool) -> int:

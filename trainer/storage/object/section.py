@@ -26,7 +26,7 @@ from trainer import seams
 from trainer.checkpoint.atomic import fsync_dir, rename_into_place, temporary_sibling, write_file_durably
 from trainer.checkpoint.manifest import InvalidManifest, Manifest, Verification, file_problem, unlisted_problem
 from trainer.storage.base import Transfer
-from trainer.storage.object.client import ObjectStore
+from trainer.storage.object.client import ObjectClient
 from trainer.layout import MANIFEST, REPLACED, generation_step, hidden_name
 
 PARALLEL_OBJECTS = 8
@@ -51,7 +51,7 @@ def digest_of(data: bytes) -> str:
 class ObjectSection:
     """Sealed directories of one section (`checkpoints` or `exports`) of a run in a store."""
 
-    def __init__(self, objects: ObjectStore, section: str):
+    def __init__(self, objects: ObjectClient, section: str):
         self.objects = objects
         self.section = section
 

@@ -30,7 +30,7 @@ from trainer.checkpoint.atomic import manifest_digest
 from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.resume import require_verified
 from trainer.checkpoint.section import LocalSection
-from trainer.storage.object.client import ObjectStore
+from trainer.storage.object.client import ObjectClient
 from trainer.storage.base import Durable, Transfer
 from trainer.storage.object.section import ObjectSection
 from trainer.checkpoint.retention import Candidate, select_deletions
@@ -53,7 +53,7 @@ class StoreRetention:
 class RemoteRun:
     """A run directory in a store, and this machine's local tier of it."""
 
-    def __init__(self, objects: ObjectStore, local: RunDirectory):
+    def __init__(self, objects: ObjectClient, local: RunDirectory):
         self.objects = objects
         self.local = local
         self.sections = {kind: ObjectSection(objects, folder) for kind, folder in SECTIONS.items()}
