@@ -115,7 +115,7 @@ def require_store_for_store_options(args: argparse.Namespace, in_store: bool) ->
     if store_options and not in_store:
         where = ("the run's artifacts store is not a bucket exposed to the container (polyaxonfile plugin "
                  "mountArtifactsStore)" if args.tracked else "pass --output s3://BUCKET/PREFIX")
-        raise UsageError(f"{', '.join(store_options)} apply only to a run directory in an object store; {where}, "
+        raise UsageError(f"{', '.join(store_options)} apply only to a run directory in a store; {where}, "
                          f"or drop them")
 
 
