@@ -4,6 +4,7 @@ generation a new process picks."""
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ FACTS = GenerationFacts(step=24, epoch=3, position=0, fingerprint={"world_size":
 def sealed(directory: Path, kind: str = "recovery", files: dict | None = None) -> Manifest:
     """A directory whose files are listed, with their real digests, in its manifest."""
     directory.mkdir()
-    names = files or ({".metadata": b"index", "__0_0.distcp": b"shard"} if kind == "recovery"
+    names = files or ({".metadata": pickle.dumps({"index": 1}), "__0_0.distcp": b"shard"} if kind == "recovery"
                       else {"model.safetensors": b"weights", "config.json": b"{}"})
     for name, data in names.items():
         (directory / name).write_bytes(data)

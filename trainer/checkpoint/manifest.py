@@ -6,8 +6,10 @@ here for both kinds (`for_generation`, `for_export`), written with `to_json`, re
 with `from_json`, which validates every field readers rely on.
 
 A directory is *verified* when its manifest parses, lists every file a loader of its kind
-reads (and the files that kind requires), and every file it lists exists with the recorded
-size and sha256. Verification never modifies anything.
+reads (and the files that kind requires), every file it lists exists with the recorded
+size and sha256, and a recovery generation's `.metadata` names nothing outside DCP's
+metadata classes (trainer/checkpoint/allowlist.py: a planted pickle is refused here, before
+any loader sees it). Verification never modifies anything.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from trainer.checkpoint.allowlist import MAX_METADATA_BYTES, metadata_problem
 from trainer.checkpoint.atomic import file_digest
 from trainer.layout import (EXPORT_CONFIG, EXPORT_WEIGHTS, MANIFEST, SNAPSHOT_INDEX, SNAPSHOT_SHARD_SUFFIX,
                              generation_name)
@@ -205,4 +208,17 @@ def verify_directory(directory: Path) -> Verification:
         problem = file_problem(name, expected, actual)
         if problem:
             return Verification(directory, manifest, problem)
+    if manifest.kind == RECOVERY:
+        index = directory / SNAPSHOT_INDEX
+        return Verification(directory, manifest, index_problem(manifest, index.read_bytes))
     return Verification(directory, manifest, None)
+
+
+def index_problem(manifest: Manifest, read_index) -> str | None:
+    """A recovery generation's `.metadata` (its size already checked against the manifest)
+    must unpickle against the allowlist; "FILE: why" if not. `read_index()` returns its bytes."""
+    if int(manifest.files[SNAPSHOT_INDEX]["bytes"]) > MAX_METADATA_BYTES:
+        return f"{SNAPSHOT_INDEX}: {manifest.files[SNAPSHOT_INDEX]['bytes']} bytes, more than any DCP index " \
+               f"({MAX_METADATA_BYTES} at most)"
+    found = metadata_problem(read_index())
+    return f"{SNAPSHOT_INDEX}: {found[0]}" if found else None

@@ -24,9 +24,10 @@ from typing import Callable
 
 from trainer import seams
 from trainer.checkpoint.atomic import fsync_dir, rename_into_place, temporary_sibling, write_file_durably
-from trainer.checkpoint.manifest import InvalidManifest, Manifest, Verification, file_problem, unlisted_problem
+from trainer.checkpoint.manifest import (RECOVERY, InvalidManifest, Manifest, Verification, file_problem, index_problem,
+                                        unlisted_problem)
 from trainer.storage.object.client import ObjectStore
-from trainer.layout import MANIFEST, REPLACED, generation_step, hidden_name
+from trainer.layout import MANIFEST, REPLACED, SNAPSHOT_INDEX, generation_step, hidden_name
 
 PARALLEL_OBJECTS = 8
 """Objects uploaded or downloaded at once (each large one is also multipart)."""
@@ -194,6 +195,8 @@ class ObjectSection:
             if problem:
                 break
             problem = file_problem(file, manifest.files[file], self.objects.digest(self.key(name, file)))
+        if not problem and manifest.kind == RECOVERY:
+            problem = index_problem(manifest, lambda: self.objects.read(self.key(name, SNAPSHOT_INDEX)) or b"")
         return Verification(where, manifest, problem)
 
     @staticmethod
