@@ -18,12 +18,13 @@ from typing import NoReturn
 
 from trainer import compat, seams
 from trainer.config import (CHECKPOINT_MODES, DEFAULT_WORKLOAD, CadenceConfig, ProgressConfig, RetentionConfig,
-                            RunConfig, StoreConfig, WorkloadConfig)
+                            RunConfig, SigningConfig, StoreConfig, WorkloadConfig)
 from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_failure
 from trainer.run.fingerprint import FIELDS
 from trainer.parallel.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
 from trainer.options import (location_argument, non_negative_float, non_negative_int, path_argument, positive_float,
                              positive_int)
+from trainer.checkpoint.signing import KEY_FILE_ENV, load_signing
 from trainer.storage.location import parse_store_url
 
 EXIT_STATUS_ENV = "TRAINER_EXIT_STATUS_FILE"
@@ -113,6 +114,7 @@ def trainer_parser() -> OneLineParser:
     run.add_argument("--max-failed-attempts", type=non_negative_int, default=3, metavar="N",
                      help="exit 70 instead of retrying when the last N attempts restored the same "
                           "generation and died before publishing a newer one (0 = never)")
+    add_signing_options(run, adopt=True)
 
     cadence = parser.add_argument_group("cadence (any trigger that is set fires)")
     cadence.add_argument("--recover-every-epochs", type=non_negative_int, default=1, metavar="N",
@@ -162,6 +164,25 @@ def trainer_parser() -> OneLineParser:
                            "gradients and optimizer state across ranks (FSDP2) for models too large to "
                            "replicate (default ddp)")
     return parser
+
+
+def add_signing_options(group, adopt: bool = False) -> None:
+    group.add_argument("--signing-key-file", type=path_argument, default=SigningConfig.key_file, metavar="FILE",
+                       help=f"sign every manifest written and refuse (65) generations not signed with this key "
+                            f"(HMAC-SHA256; the file holds the key, e.g. a mounted Secret; default: the file "
+                            f"${KEY_FILE_ENV} names, else no signing)")
+    if adopt:
+        group.add_argument("--allow-unsigned", action="store_true", default=SigningConfig.allow_unsigned,
+                           help="with a signing key: also restore unsigned generations (a run that started "
+                                "before signing); recorded in the attempt")
+
+
+def signing_config(args: argparse.Namespace) -> SigningConfig:
+    """The key file from the option, else from the environment; never the key itself."""
+    key_file = args.signing_key_file
+    if key_file is None and os.environ.get(KEY_FILE_ENV):
+        key_file = Path(os.environ[KEY_FILE_ENV])
+    return SigningConfig(key_file, getattr(args, "allow_unsigned", SigningConfig.allow_unsigned))
 
 
 def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironment) -> None:
@@ -229,7 +250,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str], output: Path | s
         retention=RetentionConfig(args.keep_last, args.keep_every, args.keep_exports),
         preempt_grace_secs=args.preempt_grace_secs,
         progress=ProgressConfig(args.log_every_steps, args.log_every_secs),
-        max_failed_attempts=args.max_failed_attempts, argv=tuple(argv))
+        max_failed_attempts=args.max_failed_attempts, signing=signing_config(args), argv=tuple(argv))
 
 
 def run_train(argv: list[str]) -> int:
@@ -237,6 +258,7 @@ def run_train(argv: list[str]) -> int:
     parser, workload_options = workload_parser(chosen_workload(argv))
     args = parser.parse_args(argv)
     check_option_combinations(args, launch)
+    load_signing(signing_config(args))  # a missing or unusable key file: one line now, before any work
     seams.install(seams.Seams.from_environment(os.environ, launch.rank))
     if not args.tracked:
         return train_in(config_from_args(args, argv, args.output, workload_options), launch)
@@ -313,7 +335,9 @@ def run_list(argv: list[str]) -> int:
                         help="with a DIR that is the local tier of a run in a store: list that run, DIR as its "
                              "local tier (the same as `list URL --local-tier DIR`)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    add_signing_options(parser)
     args = parser.parse_args(argv)
+    signing = load_signing(signing_config(args))
     from trainer.inspect.listing import list_run, require_run_directory
     from trainer.inspect.object_store import list_store_run
 
@@ -321,16 +345,16 @@ def run_list(argv: list[str]) -> int:
         if args.store is not None:
             raise UsageError("--store goes with a local run directory; with a URL, name the local tier with "
                              "--local-tier DIR")
-        return list_store_run(args.directory, args.local_tier, args.json)
+        return list_store_run(args.directory, args.local_tier, args.json, signing)
     if args.local_tier is not None:
         raise UsageError("--local-tier goes with a store URL; for a local run directory that is the local tier "
                          "of a run in a store, add --store URL")
     if args.store is None:
-        return list_run(args.directory, args.json)
+        return list_run(args.directory, args.json, signing)
     if not isinstance(args.store, str):
         raise UsageError(f"--store takes a store URL (s3://BUCKET/RUN), not the path {args.store}")
     require_run_directory(args.directory)
-    return list_store_run(args.store, args.directory, args.json)
+    return list_store_run(args.store, args.directory, args.json, signing)
 
 
 def run_verify(argv: list[str]) -> int:
@@ -339,11 +363,14 @@ def run_verify(argv: list[str]) -> int:
     parser.add_argument("path", type=location_argument, metavar="DIR|GEN|URL",
                         help="a run directory or one generation/export directory, or the store URL of either")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    add_signing_options(parser)
     args = parser.parse_args(argv)
+    signing = load_signing(signing_config(args))
     from trainer.inspect.listing import verify_path
     from trainer.inspect.object_store import verify_store
 
-    return verify_store(args.path, args.json) if isinstance(args.path, str) else verify_path(args.path, args.json)
+    return verify_store(args.path, args.json, signing) if isinstance(args.path, str) \
+        else verify_path(args.path, args.json, signing)
 
 
 def run_report(argv: list[str]) -> int:

@@ -21,11 +21,17 @@ from typing import Mapping
 
 from trainer.checkpoint.allowlist import MAX_METADATA_BYTES, metadata_problem
 from trainer.checkpoint.atomic import file_digest
+from trainer.checkpoint.signing import SIGNATURE, canonical_bytes, signature_problem
 from trainer.layout import (EXPORT_CONFIG, EXPORT_WEIGHTS, MANIFEST, SNAPSHOT_INDEX, SNAPSHOT_SHARD_SUFFIX,
                              generation_name)
 
 FORMAT = "training-recovery"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: written by a trainer that loads without unpickling (the writer refuses a value that
+needs more than `torch.load(weights_only=True)`), possibly signed. Version 1 generations
+hold the same stock DCP files; they load through the same safe path (README, "Loading runs
+no code from a generation")."""
+READABLE_VERSIONS = (1, 2)
 DIGEST = "sha256"
 RECOVERY, EXPORT = "recovery", "export"
 REQUIRED_FILES = {RECOVERY: (SNAPSHOT_INDEX,), EXPORT: (EXPORT_WEIGHTS, EXPORT_CONFIG)}
@@ -65,6 +71,10 @@ class Manifest:
     """Recovery generations only."""
     timings: Mapping[str, object] = field(default_factory=dict)
     """Recovery generations only: how the save went (mode, write_s, …)."""
+    signature: Mapping[str, str] | None = None
+    """{"algorithm", "hmac"} as read from a signed manifest (trainer/checkpoint/signing.py)."""
+    canonical: bytes = field(default=b"", compare=False, repr=False)
+    """As read: the bytes a signature covers (the manifest without its signature)."""
 
     @classmethod
     def for_generation(cls, facts: GenerationFacts, attempt: str, timings: dict, files: dict) -> "Manifest":
@@ -98,8 +108,12 @@ class Manifest:
     def from_json(cls, data) -> "Manifest":
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise InvalidManifest(f"{MANIFEST}: not a {FORMAT} manifest")
-        if data.get("format_version") != FORMAT_VERSION:
-            raise InvalidManifest(f"{MANIFEST}: format_version {data.get('format_version')!r} is not {FORMAT_VERSION}")
+        if data.get("format_version") not in READABLE_VERSIONS:
+            raise InvalidManifest(f"{MANIFEST}: format_version {data.get('format_version')!r} is not one this "
+                                  f"trainer reads ({', '.join(map(str, READABLE_VERSIONS))}); use the trainer "
+                                  f"version that wrote it")
+        if SIGNATURE in data and (problem := signature_problem(data[SIGNATURE])):
+            raise InvalidManifest(f"{MANIFEST}: {problem}")
         files = data.get("files")
         if not isinstance(files, dict) or data.get("digest") != DIGEST:
             raise InvalidManifest(f"{MANIFEST}: no file list")
@@ -118,7 +132,7 @@ class Manifest:
             facts = GenerationFacts(data["step"], data["epoch"], data["position"], data["fingerprint"],
                                     tuple(data["allowed_drift"]), data["cadence"], data["created_utc"])
         return cls(kind, data["name"], data["step"], data["epoch"], data["attempt"], files, facts,
-                   data.get("timings", {}))
+                   data.get("timings", {}), data.get(SIGNATURE), canonical_bytes(data))
 
 
 def _require(data: dict, types: dict[str, type]) -> None:
@@ -145,6 +159,8 @@ class Verification:
     manifest: Manifest | None
     problem: str | None
     """None when verified; else "FILE: what is wrong" naming the first bad file."""
+    untrusted: bool = False
+    """The problem is content that loading would have to run code for (not damage)."""
 
     @property
     def ok(self) -> bool:
@@ -209,16 +225,19 @@ def verify_directory(directory: Path) -> Verification:
         if problem:
             return Verification(directory, manifest, problem)
     if manifest.kind == RECOVERY:
-        index = directory / SNAPSHOT_INDEX
-        return Verification(directory, manifest, index_problem(manifest, index.read_bytes))
+        return index_verification(directory, manifest, (directory / SNAPSHOT_INDEX).read_bytes)
     return Verification(directory, manifest, None)
 
 
-def index_problem(manifest: Manifest, read_index) -> str | None:
-    """A recovery generation's `.metadata` (its size already checked against the manifest)
-    must unpickle against the allowlist; "FILE: why" if not. `read_index()` returns its bytes."""
-    if int(manifest.files[SNAPSHOT_INDEX]["bytes"]) > MAX_METADATA_BYTES:
-        return f"{SNAPSHOT_INDEX}: {manifest.files[SNAPSHOT_INDEX]['bytes']} bytes, more than any DCP index " \
-               f"({MAX_METADATA_BYTES} at most)"
+def index_verification(where: Path, manifest: Manifest, read_index) -> Verification:
+    """A recovery generation whose files match its manifest verifies if its `.metadata`
+    unpickles against the allowlist (trainer/checkpoint/allowlist.py). `read_index()` returns
+    the file's bytes; its size is the manifest's, already checked."""
+    size = int(manifest.files[SNAPSHOT_INDEX]["bytes"])
+    if size > MAX_METADATA_BYTES:
+        return Verification(where, manifest, f"{SNAPSHOT_INDEX}: {size} bytes, more than any DCP index "
+                                             f"({MAX_METADATA_BYTES} at most)")
     found = metadata_problem(read_index())
-    return f"{SNAPSHOT_INDEX}: {found[0]}" if found else None
+    if found is None:
+        return Verification(where, manifest, None)
+    return Verification(where, manifest, f"{SNAPSHOT_INDEX}: {found[0]}", untrusted=found[1])

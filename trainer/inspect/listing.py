@@ -12,6 +12,7 @@ from typing import Callable
 from trainer.run.attempts import RUNNING, read_attempts
 from trainer.errors import CorruptGeneration, NothingToResume, StorageFailure
 from trainer.checkpoint.manifest import Manifest, Verification, verify_directory
+from trainer.checkpoint.signing import Signing, authenticated
 from trainer.checkpoint.section import LocalSection
 from trainer.storage.location import is_url
 from trainer.layout import MANIFEST, PROGRESS_MARKER, SECTIONS, RunDirectory, generation_step
@@ -58,11 +59,11 @@ def attempt_rows(attempts: list[dict]) -> list[dict]:
     } for a in attempts]
 
 
-def describe_run(output: Path) -> dict:
+def describe_run(output: Path, signing: Signing | None = None) -> dict:
     attempts = read_attempts(output)
     described = {"output": str(output), "tier_of": store_named_by(attempts)}
     for section, folder in SECTIONS.items():
-        store = LocalSection(output / folder)
+        store = LocalSection(output / folder, signing)
         costs = publish_costs(attempts, section)
         described[section] = [row for name in store.names() if (row := local_row(store, name, costs))]
         described[f"{section}_uncommitted"] = store.uncommitted()
@@ -173,9 +174,9 @@ def require_run_directory(output: Path) -> None:
         raise NothingToResume(problem)
 
 
-def list_run(output: Path, as_json: bool) -> int:
+def list_run(output: Path, as_json: bool, signing: Signing | None = None) -> int:
     require_run_directory(output)
-    return print_run(describe_run(output), as_json)
+    return print_run(describe_run(output, signing), as_json)
 
 
 def print_run(described: dict, as_json: bool) -> int:
@@ -267,13 +268,13 @@ def targets(path: Path) -> list[Path]:
     return found
 
 
-def verify_path(path: Path, as_json: bool) -> int:
+def verify_path(path: Path, as_json: bool, signing: Signing | None = None) -> int:
     if not path.is_dir():
         raise NothingToResume(f"{path} does not exist or is not a directory; pass a run directory or a generation")
     found = targets(path)
     if not found:
         raise NothingToResume(f"no generations or exports under {path}")
-    return print_verifications([(str(p), verify_directory(p)) for p in found], as_json)
+    return print_verifications([(str(p), authenticated(verify_directory(p), signing)) for p in found], as_json)
 
 
 def print_verifications(results: list[tuple[str, Verification]], as_json: bool) -> int:

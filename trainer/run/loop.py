@@ -29,7 +29,7 @@ from trainer.run.cadence import StepPoint
 from trainer.config import RunConfig
 from trainer.parallel.ranks import Ranks, process_group, unshared_output
 from trainer.errors import (EXIT_INTERRUPTED, EXIT_OK, CorruptGeneration, CrashLoop, FingerprintMismatch,
-                            TrainerError)
+                            TrainerError, UntrustedGeneration)
 from trainer.run.events import TrainingEvents
 from trainer.run.fetching import KeyedSeeding, epoch_loader
 from trainer.run.fingerprint import check_fingerprint, current_fingerprint
@@ -43,6 +43,7 @@ from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.restore import restore
 from trainer.checkpoint.resume import choose_candidate, set_aside_later_line, verify_candidate
 from trainer.checkpoint.section import LocalSection
+from trainer.checkpoint.signing import load_signing
 from trainer.storage.object.section import Transfer
 from trainer.layout import RunDirectory
 from trainer.run.runtime import configure_determinism, resolve_device
@@ -53,7 +54,7 @@ from trainer.storage.object.backend import StoreSide
 from trainer.workload import BoundWorkload, build_workload, dataset_fingerprint
 
 log = logging.getLogger("trainer")
-REFUSALS = (CorruptGeneration, FingerprintMismatch, CrashLoop)
+REFUSALS = (CorruptGeneration, FingerprintMismatch, CrashLoop, UntrustedGeneration)
 """Found before training: the attempt holds the output but refuses to go on (65, 70)."""
 
 
@@ -92,6 +93,8 @@ class TrainingRun:
         self.considered: str | None = None
         """The generation chosen for restore, before it verified."""
         self.recorder: AttemptRecorder | None = None
+        self.signing = load_signing(config.signing)
+        """With a key: what this attempt publishes is signed, what it restores must be."""
         """This attempt's record once started (it then records its own end)."""
         self.progress = Progress.for_stdout(config.progress, ranks.is_primary)
         """Progress lines, or a status line on a terminal: rank 0 only."""
@@ -128,7 +131,7 @@ class TrainingRun:
         held.enter_context(OutputLock(run.root))
         self.claimed = run
         remote = self.store.claim(run, self.attempt_id, held) if self.store else None
-        stores = (LocalSection(run.checkpoints), LocalSection(run.exports))
+        stores = (LocalSection(run.checkpoints, self.signing), LocalSection(run.exports, self.signing))
         for store in stores:
             for name in store.recover_interrupted_replacements():
                 log.warning("restored %s/%s: a crash interrupted its replacement", store.root.name, name)
@@ -207,7 +210,7 @@ class TrainingRun:
         try:
             self.events.attempt_started(recorder.record)
             return self.train(claim, KeyedSeeding(dataset, config.workload.seed), drift, saves, preemption)
-        except (CorruptGeneration, FingerprintMismatch) as refusal:
+        except (CorruptGeneration, FingerprintMismatch, UntrustedGeneration) as refusal:
             # Found while restoring, before the first step (a shape-changing drift, stored
             # data that disagrees with its rank): a refusal, like the ones found earlier.
             recorder.refused(refusal.exit_code, str(refusal), generation.name if generation else None)
@@ -224,7 +227,7 @@ class TrainingRun:
         processes with a store, saves straight to the store from every rank's own disk."""
         if self.store is not None and self.ranks.distributed:
             return self.store.checkpointer(self.attempt_id, self.ranks)
-        return build_checkpointer(mode, LocalSection(claim.run.checkpoints), self.attempt_id, self.ranks.device,
+        return build_checkpointer(mode, LocalSection(claim.run.checkpoints, self.signing), self.attempt_id, self.ranks.device,
                                   self.ranks)
 
     def start_record(self, claim: Claim, history: list[dict], fingerprint: dict, drift: list[str],
@@ -243,6 +246,7 @@ class TrainingRun:
             "checkpoint_mode": mode, "device": str(ranks.device), "fingerprint": fingerprint, "store": config.store,
             "polyaxon": self.events.run_identity(previous),
             "world_size": ranks.world_size, **world_size_change(stored_world_size, ranks.world_size),
+            "allow_unsigned": config.signing.allow_unsigned,
         }, persist=ranks.is_primary)
         return self.recorder
 

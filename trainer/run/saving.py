@@ -24,6 +24,7 @@ from trainer.run.events import TrainingEvents
 from trainer.checkpoint.export import full_weights, write_export
 from trainer.checkpoint.manifest import GenerationFacts
 from trainer.checkpoint.section import LocalSection, Published
+from trainer.checkpoint.signing import load_signing
 from trainer.checkpoint.retention import apply_retention
 from trainer.layout import RunDirectory
 from trainer.run.state import TrainingState
@@ -49,7 +50,7 @@ class CadencedSaves:
         self.config, self.ranks, self.recorder, self.events = config, ranks, recorder, events
         self.checkpointer = checkpointer
         self.generations = checkpointer.store
-        self.exports = LocalSection(run.exports)
+        self.exports = LocalSection(run.exports, load_signing(config.signing))
         self.lineage = lineage
         self.attempt_id = attempt_id
         self.recover_policy = build_policy(config.recover)

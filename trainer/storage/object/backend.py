@@ -17,6 +17,7 @@ from trainer.errors import CorruptGeneration
 from trainer.checkpoint.coordination import Coordinator
 from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.section import LocalSection
+from trainer.checkpoint.signing import load_signing
 from trainer.storage.object.direct import StoreCheckpointer
 from trainer.storage.object.lease import StoreLease
 from trainer.storage.location import parse_store_url
@@ -35,6 +36,7 @@ class StoreSide:
         self.remote: RemoteRun | None = None
         """Rank 0, once claimed: the store and this machine's local tier."""
         self.lease: StoreLease | None = None
+        self.signing = load_signing(config.signing)
 
     def claim(self, run: RunDirectory, attempt_id: str, held: contextlib.ExitStack) -> RemoteRun:
         """Rank 0: reach the store, take its lease (held until the attempt ends), bring the
@@ -43,7 +45,7 @@ class StoreSide:
         objects = ObjectStore(parse_store_url(self.config.store), settings)
         objects.check_reachable()
         self.lease = held.enter_context(StoreLease(objects, attempt_id, settings.lease_ttl_s, settings.lease_wait_s))
-        self.remote = RemoteRun(objects, run)
+        self.remote = RemoteRun(objects, run, self.signing)
         self.remote.adopt_local_tier()
         self.remote.pull_attempts()
         return self.remote
@@ -56,7 +58,8 @@ class StoreSide:
         """The store's generations as this rank reaches them (rank 0 reuses its claim)."""
         if self.remote is not None:
             return self.remote.generations
-        return ObjectSection(ObjectStore(parse_store_url(self.config.store), self.config.store_config), CHECKPOINTS)
+        return ObjectSection(ObjectStore(parse_store_url(self.config.store), self.config.store_config), CHECKPOINTS,
+                             self.signing)
 
     def checkpointer(self, attempt_id: str, coordinator: Coordinator) -> StoreCheckpointer:
         """Several processes: every rank saves from its own disk straight to the store."""
@@ -66,7 +69,7 @@ class StoreSide:
     def local_copy(self, generation: Verification) -> Verification:
         """A rank other than 0: the generation rank 0 verified, on this rank's own disk (its
         own download, verified while streaming, unless the same copy is already there)."""
-        local = LocalSection(RunDirectory(self.config.output).checkpoints)
+        local = LocalSection(RunDirectory(self.config.output).checkpoints, self.signing)
         mine = local.path(generation.name)
         if (mine / MANIFEST).is_file():
             present = local.verify(generation.name)

@@ -24,8 +24,9 @@ from typing import Callable
 
 from trainer import seams
 from trainer.checkpoint.atomic import fsync_dir, rename_into_place, temporary_sibling, write_file_durably
-from trainer.checkpoint.manifest import (RECOVERY, InvalidManifest, Manifest, Verification, file_problem, index_problem,
+from trainer.checkpoint.manifest import (RECOVERY, InvalidManifest, Manifest, Verification, file_problem, index_verification,
                                         unlisted_problem)
+from trainer.checkpoint.signing import Signing, authenticated
 from trainer.storage.object.client import ObjectStore
 from trainer.layout import MANIFEST, REPLACED, SNAPSHOT_INDEX, generation_step, hidden_name
 
@@ -57,9 +58,11 @@ def digest_of(data: bytes) -> str:
 class ObjectSection:
     """Sealed directories of one section (`checkpoints` or `exports`) of a run in a store."""
 
-    def __init__(self, objects: ObjectStore, section: str):
+    def __init__(self, objects: ObjectStore, section: str, signing: Signing | None = None):
         self.objects = objects
         self.section = section
+        self.signing = signing
+        """With a key: a manifest must be authentic before anything it lists is downloaded."""
 
     def key(self, name: str, file: str | None = None) -> str:
         return f"{self.section}/{name}" + (f"/{file}" if file else "")
@@ -157,8 +160,9 @@ class ObjectSection:
         except (InvalidManifest, ValueError) as reason:
             return Verification(parent / name, None, str(reason)), Transfer(0, 0.0)
         problem = self._naming_problem(name, manifest) or unlisted_problem(manifest, [])
-        if problem:
-            return Verification(parent / name, manifest, problem), Transfer(0, 0.0)
+        checked = authenticated(Verification(parent / name, manifest, problem), self.signing)
+        if not checked.ok:
+            return checked, Transfer(0, 0.0)
         parent.mkdir(parents=True, exist_ok=True)
         temporary = temporary_sibling(parent, name, "fetch")
         files = sorted(manifest.files)
@@ -190,13 +194,14 @@ class ObjectSection:
             manifest = Manifest.from_json(json.loads(data))
         except (InvalidManifest, ValueError) as reason:
             return Verification(where, None, str(reason))
-        problem = self._naming_problem(name, manifest) or unlisted_problem(manifest, [])
+        problem = self._naming_problem(name, manifest) or unlisted_problem(manifest, []) or \
+            authenticated(Verification(where, manifest, None), self.signing).problem
         for file in sorted(manifest.files):
             if problem:
                 break
             problem = file_problem(file, manifest.files[file], self.objects.digest(self.key(name, file)))
         if not problem and manifest.kind == RECOVERY:
-            problem = index_problem(manifest, lambda: self.objects.read(self.key(name, SNAPSHOT_INDEX)) or b"")
+            return index_verification(where, manifest, lambda: self.objects.read(self.key(name, SNAPSHOT_INDEX)) or b"")
         return Verification(where, manifest, problem)
 
     @staticmethod

@@ -30,6 +30,7 @@ from trainer.checkpoint.atomic import manifest_digest
 from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.resume import require_verified
 from trainer.checkpoint.section import LocalSection
+from trainer.checkpoint.signing import Signing
 from trainer.storage.object.client import ObjectStore
 from trainer.storage.object.section import ObjectSection, Transfer
 from trainer.checkpoint.retention import Candidate, select_deletions
@@ -65,11 +66,12 @@ class StoreRetention:
 class RemoteRun:
     """A run directory in a store, and this machine's local tier of it."""
 
-    def __init__(self, objects: ObjectStore, local: RunDirectory):
+    def __init__(self, objects: ObjectStore, local: RunDirectory, signing: Signing | None = None):
         self.objects = objects
         self.local = local
-        self.sections = {GENERATIONS_SECTION: ObjectSection(objects, CHECKPOINTS),
-                         EXPORTS_SECTION: ObjectSection(objects, EXPORTS)}
+        self.signing = signing
+        self.sections = {GENERATIONS_SECTION: ObjectSection(objects, CHECKPOINTS, signing),
+                         EXPORTS_SECTION: ObjectSection(objects, EXPORTS, signing)}
 
     @property
     def url(self) -> str:
@@ -113,7 +115,8 @@ class RemoteRun:
         return pulled
 
     def local_store(self, kind: str) -> LocalSection:
-        return LocalSection(self.local.checkpoints if kind == GENERATIONS_SECTION else self.local.exports)
+        return LocalSection(self.local.checkpoints if kind == GENERATIONS_SECTION else self.local.exports,
+                            self.signing)
 
     def reconcile(self) -> list[str]:
         """Under the lease, before choosing: the store is the truth. Remove uncommitted
