@@ -114,9 +114,11 @@ def metadata_problem(data: bytes) -> tuple[str, bool] | None:
     if len(data) > MAX_METADATA_BYTES:
         return f"is {len(data)} bytes, more than any DCP index ({MAX_METADATA_BYTES} at most)", False
     try:
-        _CheckingUnpickler(io.BytesIO(data)).load()
+        loaded = _CheckingUnpickler(io.BytesIO(data)).load()
     except UnsafeGlobal as name:
         return f"names {name}, which is not a DCP metadata class, so it is never unpickled (it could run code)", True
     except Exception as error:  # truncated, unknown protocol, a bomb that runs out of stack: all data problems
         return f"is not a readable DCP index ({unreadable(error)})", False
+    if not isinstance(loaded, _StandIn):  # DCP's index is a Metadata object, not a plain value
+        return f"holds a {type(loaded).__name__}, not DCP metadata", False
     return None

@@ -212,7 +212,7 @@ def verify_directory(directory: Path) -> Verification:
         on_disk = sorted(entry.name for entry in directory.iterdir() if entry.name != MANIFEST)
     except OSError as error:
         return Verification(directory, manifest, f"{directory.name}: unreadable ({error.strerror})")
-    problem = unlisted_problem(manifest, on_disk)
+    problem = unlisted_problem(manifest, on_disk) or oversized_index(manifest)
     if problem:
         return Verification(directory, manifest, problem)
     for name, expected in sorted(manifest.files.items()):
@@ -229,14 +229,20 @@ def verify_directory(directory: Path) -> Verification:
     return Verification(directory, manifest, None)
 
 
+def oversized_index(manifest: Manifest) -> str | None:
+    """A `.metadata` the manifest says is larger than any DCP index is refused before any
+    byte of it is read or hashed."""
+    size = manifest.files.get(SNAPSHOT_INDEX, {}).get("bytes", 0) if manifest.kind == RECOVERY else 0
+    return f"{SNAPSHOT_INDEX}: {size} bytes, more than any DCP index ({MAX_METADATA_BYTES} at most)" \
+        if size > MAX_METADATA_BYTES else None
+
+
 def index_verification(where: Path, manifest: Manifest, read_index) -> Verification:
     """A recovery generation whose files match its manifest verifies if its `.metadata`
     unpickles against the allowlist (trainer/checkpoint/allowlist.py). `read_index()` returns
     the file's bytes; its size is the manifest's, already checked."""
-    size = int(manifest.files[SNAPSHOT_INDEX]["bytes"])
-    if size > MAX_METADATA_BYTES:
-        return Verification(where, manifest, f"{SNAPSHOT_INDEX}: {size} bytes, more than any DCP index "
-                                             f"({MAX_METADATA_BYTES} at most)")
+    if problem := oversized_index(manifest):
+        return Verification(where, manifest, problem)
     found = metadata_problem(read_index())
     if found is None:
         return Verification(where, manifest, None)

@@ -227,8 +227,8 @@ class TrainingRun:
         processes with a store, saves straight to the store from every rank's own disk."""
         if self.store is not None and self.ranks.distributed:
             return self.store.checkpointer(self.attempt_id, self.ranks)
-        return build_checkpointer(mode, LocalSection(claim.run.checkpoints, self.signing), self.attempt_id, self.ranks.device,
-                                  self.ranks)
+        return build_checkpointer(mode, LocalSection(claim.run.checkpoints, self.signing), self.attempt_id,
+                                  self.ranks.device, self.ranks)
 
     def start_record(self, claim: Claim, history: list[dict], fingerprint: dict, drift: list[str],
                      mode: str) -> AttemptRecorder:

@@ -24,8 +24,8 @@ from typing import Callable
 
 from trainer import seams
 from trainer.checkpoint.atomic import fsync_dir, rename_into_place, temporary_sibling, write_file_durably
-from trainer.checkpoint.manifest import (RECOVERY, InvalidManifest, Manifest, Verification, file_problem, index_verification,
-                                        unlisted_problem)
+from trainer.checkpoint.manifest import (RECOVERY, InvalidManifest, Manifest, Verification, file_problem,
+                                        index_verification, oversized_index, unlisted_problem)
 from trainer.checkpoint.signing import Signing, authenticated
 from trainer.storage.object.client import ObjectStore
 from trainer.layout import MANIFEST, REPLACED, SNAPSHOT_INDEX, generation_step, hidden_name
@@ -159,7 +159,8 @@ class ObjectSection:
             manifest = Manifest.from_json(json.loads(manifest_data))
         except (InvalidManifest, ValueError) as reason:
             return Verification(parent / name, None, str(reason)), Transfer(0, 0.0)
-        problem = self._naming_problem(name, manifest) or unlisted_problem(manifest, [])
+        problem = self._naming_problem(name, manifest) or unlisted_problem(manifest, []) or \
+            oversized_index(manifest)
         checked = authenticated(Verification(parent / name, manifest, problem), self.signing)
         if not checked.ok:
             return checked, Transfer(0, 0.0)
@@ -195,7 +196,7 @@ class ObjectSection:
         except (InvalidManifest, ValueError) as reason:
             return Verification(where, None, str(reason))
         problem = self._naming_problem(name, manifest) or unlisted_problem(manifest, []) or \
-            authenticated(Verification(where, manifest, None), self.signing).problem
+            oversized_index(manifest) or authenticated(Verification(where, manifest, None), self.signing).problem
         for file in sorted(manifest.files):
             if problem:
                 break
