@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -154,6 +155,8 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         except UnsafeValue as reason:
             raise UntrustedGeneration(f"{where}: {reason}, which is never unpickled (it could run code); "
                                       f"{RESTORE_ADVICE}") from None
-        except pickle.UnpicklingError as error:  # a tensor record that is not a plain tensor
-            raise UntrustedGeneration(f"{where}: a tensor record does not load weights-only "
-                                      f"({unreadable(error)}); {RESTORE_ADVICE}") from None
+        except pickle.UnpicklingError as error:  # DCP loads tensor records weights-only itself
+            named = re.search(r"GLOBAL ([\w.]+)", str(error))
+            what = f"needs {named.group(1)}" if named else f"does not load weights-only ({unreadable(error)})"
+            raise UntrustedGeneration(f"{where}: a tensor record {what}, which is never unpickled (it could run "
+                                      f"code); {RESTORE_ADVICE}") from None

@@ -82,12 +82,24 @@ def load_snapshot(template: dict, directory: Path) -> None:
         dcp.load(template, storage_reader=ParallelFileSystemReader(directory), planner=SafeLoadPlanner(),
                  no_dist=single_process())
     except dcp.CheckpointException as error:  # DCP wraps whatever a rank raised
-        cause = root_cause(error)
-        if isinstance(cause, (TrainerError, OSError)):
+        raised = _raised_by_rank(error)
+        if isinstance(raised, TrainerError):  # a refusal of ours, already one line
+            raise raised from None
+        cause = root_cause(raised)
+        if isinstance(cause, OSError):
             raise cause from None
         detail = (str(cause).strip().splitlines() or ["no detail"])[0][:160]
         raise CorruptGeneration(f"{Path(directory).name} cannot be loaded ({cause.__class__.__name__}: {detail}); "
                                 f"restore an earlier generation with --from-generation") from None
+
+
+def _raised_by_rank(error: BaseException) -> BaseException:
+    """The exception a rank raised inside DCP, out of its CheckpointException."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        return _raised_by_rank(first[0] if isinstance(first, tuple) else first)
+    return error
 
 
 def load_flat(directory: Path) -> dict:
