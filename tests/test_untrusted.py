@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import attempts, compare, one_error_line, run_cli, train
+from conftest import REPO, attempts, compare, one_error_line, run_cli, train
 
 TOY = ("--workload", "tests/workloads/toy.py:ToyWorkload", "--epochs", 4)
 """2 steps an epoch: generations at steps 4, 6, 8 are kept."""
@@ -310,3 +310,43 @@ def test_signing_options_are_checked_before_any_work(trained, keys, tmp_path):
     assert "at least 16" in one_error_line(too_short) and "abc" not in too_short.stderr
     alone = train(tmp_path / "fresh", *TOY, "--allow-unsigned", expect=2)
     assert "--allow-unsigned goes with a signing key" in one_error_line(alone)
+
+
+# ----------------------------------------------------------------------------- the same from a store
+def test_store_read_paths_run_no_planted_payload(s3_bucket, keys, tmp_path):
+    """In the bucket: the newest generation gets a BYTE_IO payload, the one before a `.metadata`
+    payload, manifests fixed up. Restore on a fresh machine (download, then load), going back
+    to the earlier one, verify, compare, list and report by URL: none runs a payload; the
+    refusals are 65. With a key, the unsigned generation is refused before it is downloaded.
+    One store run shared by every assertion. ~35 s."""
+    url, env, marker = f"{s3_bucket.url}/run", s3_bucket.env(), tmp_path / "MARKER"
+    train(url, *TOY, "--local-tier", tmp_path / "tier-a", env=env)
+    client = s3_bucket.client()
+    for name, kind in ((FINAL, "byte-io"), (EARLIER, "metadata")):
+        local, prefix = tmp_path / "copy" / name, f"run/checkpoints/{name}/"
+        local.mkdir(parents=True)
+        for key in s3_bucket.keys(prefix):
+            (local / key[len(prefix):]).write_bytes(client.get_object(Bucket=s3_bucket.name, Key=key)["Body"].read())
+        PLANTS[kind](local, marker)
+        for file in sorted(local.iterdir(), key=lambda p: p.name == "manifest.json"):  # the manifest last
+            client.put_object(Bucket=s3_bucket.name, Key=prefix + file.name, Body=file.read_bytes())
+    stored = s3_bucket.keys("run/checkpoints/")
+
+    newest = train(url, *TOY, *LONGER, "--resume", "--local-tier", tmp_path / "tier-b", env=env, expect=65)
+    assert f"{FINAL}/__9_0.distcp: the value of optim.param_groups.0.lr needs posix.system" in one_error_line(newest)
+    earlier = train(url, *TOY, "--from-generation", EARLIER, "--local-tier", tmp_path / "tier-c", env=env,
+                    expect=65)
+    assert ".metadata names posix.system" in one_error_line(earlier)
+    verified = run_cli("verify", url, env=env)
+    assert verified.returncode == 65 and f"{EARLIER}: .metadata: names posix.system" in verified.stdout
+    for name in (FINAL, EARLIER):
+        compared = run_cli(REPO / "compare.py", generation(tmp_path / "tier-a", name), f"{url}/checkpoints/{name}",
+                           env=env)
+        assert compared.returncode == 65 and "posix.system" in one_error_line(compared)
+    assert run_cli("list", url, env=env).returncode == 0
+    assert run_cli("report", url, env=env).returncode == 0
+    unsigned = train(url, *TOY, *LONGER, "--resume", "--signing-key-file", keys["key"], "--local-tier",
+                     tmp_path / "tier-d", env=env, expect=65)
+    assert "not signed" in one_error_line(unsigned) and not (tmp_path / "tier-d" / "checkpoints" / FINAL).exists()
+    assert not marker.exists()
+    assert s3_bucket.keys("run/checkpoints/") == stored  # nothing deleted
