@@ -29,8 +29,8 @@ FORMAT = "training-recovery"
 FORMAT_VERSION = 2
 """2: written by a trainer that loads without unpickling (the writer refuses a value that
 needs more than `torch.load(weights_only=True)`), possibly signed. Version 1 generations
-hold the same stock DCP files; they load through the same safe path (README, "Loading runs
-no code from a generation")."""
+hold the same stock DCP files; they load through the same safe path (docs/security.md,
+"Format versions")."""
 READABLE_VERSIONS = (1, 2)
 DIGEST = "sha256"
 RECOVERY, EXPORT = "recovery", "export"
