@@ -350,3 +350,20 @@ def test_store_read_paths_run_no_planted_payload(s3_bucket, keys, tmp_path):
     assert "not signed" in one_error_line(unsigned) and not (tmp_path / "tier-d" / "checkpoints" / FINAL).exists()
     assert not marker.exists()
     assert s3_bucket.keys("run/checkpoints/") == stored  # nothing deleted
+
+
+# ----------------------------------------------------------------------------- the writer
+class OwnClass:
+    """A workload's own class, as a careless `state_dict()` might return it."""
+
+
+def test_the_writer_refuses_a_value_only_code_could_load(tmp_path):
+    """Refused at the save (65, naming the key and the class), not at the resume hours later;
+    plain values and tensors are written. In process, ~0.1 s."""
+    from trainer.checkpoint.snapshot import write_snapshot
+    from trainer.errors import UnloadableState
+
+    written = write_snapshot({"w": torch.ones(2), "lr": 0.1, "betas": (0.9, 0.99), "name": "x"}, tmp_path / "ok")
+    assert written
+    with pytest.raises(UnloadableState, match=r"test_untrusted.OwnClass at workload.extra.state"):
+        write_snapshot({"w": torch.ones(2), "workload": {"extra": {"state": OwnClass()}}}, tmp_path / "refused")

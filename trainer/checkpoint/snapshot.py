@@ -39,7 +39,13 @@ def write_snapshot(state_dict: dict, directory: Path, config: WriterConfig = Wri
     writes, hashes and fsyncs its own shards (on shared storage rank 0's fsync could not make
     another node's writes durable)."""
     writer = HashingFileSystemWriter(directory, config)
-    dcp.save(state_dict, storage_writer=writer, no_dist=single_process())
+    try:
+        dcp.save(state_dict, storage_writer=writer, no_dist=single_process())
+    except dcp.CheckpointException as error:
+        raised = _raised_by_rank(error)
+        if isinstance(raised, TrainerError):  # the writer's refusal of an unloadable value: one line
+            raise raised from None
+        raise
     return writer.digests
 
 
