@@ -30,7 +30,8 @@ PRESETS = sorted((REPO / "presets").glob("*.yaml"))
 JOB_FILE = REPO / "polyaxonfiles" / "polyaxonfile.yaml"
 COMBINES = re.compile(r"^# Combines with: (.+)$", re.MULTILINE)
 FLAG = re.compile(r"^(--[a-z0-9-]+)=")
-NOT_INPUTS = {"--output", "--tracked", "--help", "--local-tier"}  # set by the bundle itself (TRAINER_LOCAL_TIER), not by the user
+NOT_INPUTS = {"--output", "--tracked", "--help", "--local-tier",  # set by the bundle itself (TRAINER_LOCAL_TIER), not by the user
+              "--signing-key-file"}  # the bundle's mount of the Secret named by the input signing_key_secret
 
 
 def preset_targets(preset: Path) -> list[Path]:
@@ -220,7 +221,7 @@ def test_job_inputs_cover_every_trainer_option_with_its_default():
     for name, io in declared.items():
         assert io.get("description"), f"input {name} has no description"
         flag = FLAG.match(io.get("argFormat", "")) or re.search(r"(--[a-z0-9-]+)=", io.get("argFormat", ""))
-        by_flag[flag.group(1) if flag else f"--{name}"] = io
+        by_flag[flag.group(1) if flag else f"--{name.replace('_', '-')}"] = io
     for action in parser._actions:
         flag = next((o for o in action.option_strings if o.startswith("--")), None)
         if flag is None or flag in NOT_INPUTS:
@@ -267,3 +268,21 @@ def test_a_plug_in_workload_and_its_own_options_reach_the_trainer_from_the_polya
     parser, _ = workload_parser(chosen_workload(argv))
     parsed = parser.parse_args(argv + ["--output", "unused"])
     assert (parsed.block_size, parsed.grad_accum) == (32, 2)
+
+
+def test_the_signing_key_is_off_by_default_and_mounted_from_a_secret_when_named():
+    """Input signing_key_secret: unset, no key option and the trainer signs nothing; set, the
+    Secret is mounted read-only and the trainer reads the key from the file (never argv)."""
+    plain = render([JOB_FILE])
+    assert not any(a.startswith("--signing-key-file") for a in trainer_argv(container_scripts(plain)[0]))
+    signed = render([JOB_FILE], {"signing_key_secret": "run-signing"})
+    argv = trainer_argv(container_scripts(signed)[0])
+    assert "--signing-key-file=/signing/signing.key" in argv
+    assert train_parser().parse_args(argv).signing_key_file == Path("/signing/signing.key")
+    volume = next(v for v in signed.run.to_dict()["volumes"] if v["name"] == "signing-key")
+    assert volume["secret"]["secretName"] == "run-signing" and volume["secret"]["optional"] is True
+    mount = next(m for m in signed.run.to_dict()["container"]["volumeMounts"] if m["name"] == "signing-key")
+    assert mount["mountPath"] == "/signing" and mount["readOnly"] is True
+    adopting = trainer_argv(container_scripts(render([JOB_FILE], {"signing_key_secret": "run-signing",
+                                                                  "allow_unsigned": True}))[0])
+    assert train_parser().parse_args(adopting).allow_unsigned

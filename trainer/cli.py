@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from trainer import compat, seams
-from trainer.config import DEFAULT_WORKLOAD, RunConfig, StoreConfig
+from trainer.config import DEFAULT_WORKLOAD, RunConfig, SigningConfig, StoreConfig
+from trainer.checkpoint.signing import KEY_FILE_ENV, load_signing
 from trainer.flags import STORE_GROUP, ShowDefaults, add_flags, changed_store_flags, config_from_values
 from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_failure
 from trainer.run.fingerprint import FIELDS
@@ -80,11 +81,31 @@ def trainer_parser() -> OneLineParser:
                              "the run directory is the run's outputs in its artifacts store when the container "
                              "reaches the store (mountArtifactsStore), else its outputs path; replaces --output")
     groups = add_flags(parser, FIELDS)
+    add_signing_options(groups["recovery"], adopt=True)
     groups[STORE_GROUP].add_argument(
         "--local-tier", type=path_argument, metavar="DIR",
         help="this machine's working copy of the run (default: $TRAINER_LOCAL_TIER or the temp dir, "
              "/training-recovery/SCHEME/BUCKET/PREFIX; under --tracked $TRAINER_LOCAL_TIER/RUN_UUID)")
     return parser
+
+
+def add_signing_options(group, adopt: bool = False) -> None:
+    group.add_argument("--signing-key-file", type=path_argument, default=SigningConfig.key_file, metavar="FILE",
+                       help=f"sign every manifest written and refuse (65) generations not signed with this key "
+                            f"(HMAC-SHA256; the file holds the key, e.g. a mounted Secret; default: the file "
+                            f"${KEY_FILE_ENV} names, else no signing)")
+    if adopt:
+        group.add_argument("--allow-unsigned", action="store_true", default=SigningConfig.allow_unsigned,
+                           help="with a signing key: also restore unsigned generations (a run that started "
+                                "before signing); recorded in the attempt")
+
+
+def signing_config(args: argparse.Namespace) -> SigningConfig:
+    """The key file from the option, else from the environment; never the key itself."""
+    key_file = args.signing_key_file
+    if key_file is None and os.environ.get(KEY_FILE_ENV):
+        key_file = Path(os.environ[KEY_FILE_ENV])
+    return SigningConfig(key_file, getattr(args, "allow_unsigned", SigningConfig.allow_unsigned))
 
 
 def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironment) -> None:
@@ -126,7 +147,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str], output: Path | s
         store = output
         output = args.local_tier or local_tier or parse_store_url(store).default_local_tier()
     return config_from_values(args, tuple((name, getattr(args, name)) for name in workload_options),
-                              output=output, store=store, argv=tuple(argv))
+                              output=output, store=store, signing=signing_config(args), argv=tuple(argv))
 
 
 def run_train(argv: list[str]) -> int:
@@ -134,6 +155,7 @@ def run_train(argv: list[str]) -> int:
     parser, workload_options = workload_parser(chosen_workload(argv))
     args = parser.parse_args(argv)
     check_option_combinations(args, launch)
+    load_signing(signing_config(args))  # a missing or unusable key file: one line now, before any work
     seams.install(seams.Seams.from_environment(os.environ, launch.rank))
     if not args.tracked:
         return train_in(config_from_args(args, argv, args.output, workload_options), launch)
@@ -210,7 +232,9 @@ def run_list(argv: list[str]) -> int:
                         help="with a DIR that is the local tier of a run in a store: list that run, DIR as its "
                              "local tier (the same as `list URL --local-tier DIR`)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    add_signing_options(parser)
     args = parser.parse_args(argv)
+    signing = load_signing(signing_config(args))
     from trainer.inspect.listing import print_run, require_run_directory
     from trainer.inspect.sources import open_source
 
@@ -221,11 +245,11 @@ def run_list(argv: list[str]) -> int:
         raise UsageError("--local-tier goes with a store URL; for a local run directory that is the local tier "
                          "of a run in a store, add --store URL")
     if args.store is None:
-        return print_run(open_source(args.directory, args.local_tier).describe(), args.json)
+        return print_run(open_source(args.directory, args.local_tier, signing).describe(), args.json)
     if not isinstance(args.store, str):
         raise UsageError(f"--store takes a store URL (s3://BUCKET/RUN), not the path {args.store}")
     require_run_directory(args.directory)
-    return print_run(open_source(args.store, args.directory).describe(), args.json)
+    return print_run(open_source(args.store, args.directory, signing).describe(), args.json)
 
 
 def run_verify(argv: list[str]) -> int:
@@ -234,11 +258,13 @@ def run_verify(argv: list[str]) -> int:
     parser.add_argument("path", type=location_argument, metavar="DIR|GEN|URL",
                         help="a run directory or one generation/export directory, or the store URL of either")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    add_signing_options(parser)
     args = parser.parse_args(argv)
+    signing = load_signing(signing_config(args))
     from trainer.inspect.listing import print_verifications
     from trainer.inspect.sources import open_source
 
-    return print_verifications(open_source(args.path).verifications(), args.json)
+    return print_verifications(open_source(args.path, signing=signing).verifications(), args.json)
 
 
 def run_report(argv: list[str]) -> int:

@@ -126,6 +126,18 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class SigningConfig:
+    """Authenticated generations (trainer/checkpoint/signing.py). Not training-relevant."""
+
+    key_file: Path | None = None
+    """A file holding the HMAC key (a mounted Secret); None: generations are not signed and
+    signatures are not checked. The key itself is never an option value."""
+    allow_unsigned: bool = False
+    """With a key: also accept unsigned generations (adopting a run that started before
+    signing); recorded in the attempt."""
+
+
+@dataclass(frozen=True)
 class RunConfig:
     output: Path | None
     """The run directory. None on the non-primary ranks of a tracked multi-process run: they
@@ -153,4 +165,5 @@ class RunConfig:
     """The run directory's store URL (s3://…) when it lives in an object store; `output` is
     then this machine's local tier of it."""
     store_config: StoreConfig = field(default_factory=StoreConfig)
+    signing: SigningConfig = field(default_factory=SigningConfig)
     argv: tuple[str, ...] = ()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.errors import UsageError
+from trainer.errors import UntrustedGeneration, UsageError
 from trainer.checkpoint.manifest import RECOVERY, verify_directory
 from trainer.checkpoint.snapshot import load_flat
 
@@ -92,6 +92,8 @@ def load_generation(path: Path) -> dict:
     if not path.is_dir():
         raise UsageError(f"{path} is not a generation directory; pass e.g. OUTPUT/checkpoints/step-00000064")
     verification = verify_directory(path)
+    if verification.untrusted:
+        raise UntrustedGeneration(f"{path} is refused: {verification.problem}")
     if not verification.ok:
         raise UsageError(f"{path} cannot be compared: {verification.problem}")
     if verification.manifest.kind != RECOVERY:

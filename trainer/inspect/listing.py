@@ -13,6 +13,7 @@ from trainer.run.attempts import RUNNING, read_attempts
 from trainer.errors import CorruptGeneration, NothingToResume, StorageFailure
 from trainer.checkpoint.manifest import Manifest, Verification, verify_directory
 from trainer.checkpoint.section import LocalSection
+from trainer.checkpoint.signing import Signing, authenticated
 from trainer.storage.location import is_url
 from trainer.layout import MANIFEST, PROGRESS_MARKER, SECTIONS, RunDirectory, generation_step
 
@@ -58,11 +59,11 @@ def attempt_rows(attempts: list[dict]) -> list[dict]:
     } for a in attempts]
 
 
-def describe_run(output: Path) -> dict:
+def describe_run(output: Path, signing: Signing | None = None) -> dict:
     attempts = read_attempts(output)
     described = {"output": str(output), "tier_of": store_named_by(attempts)}
     for section, folder in SECTIONS.items():
-        store = LocalSection(output / folder)
+        store = LocalSection(output / folder, signing)
         costs = publish_costs(attempts, section)
         described[section] = [row for name in store.names() if (row := local_row(store, name, costs))]
         described[f"{section}_uncommitted"] = store.uncommitted()
@@ -258,13 +259,13 @@ def targets(path: Path) -> list[Path]:
     return found
 
 
-def local_verifications(path: Path) -> list[tuple[str, Verification]]:
+def local_verifications(path: Path, signing: Signing | None = None) -> list[tuple[str, Verification]]:
     if not path.is_dir():
         raise NothingToResume(f"{path} does not exist or is not a directory; pass a run directory or a generation")
     found = targets(path)
     if not found:
         raise NothingToResume(f"no generations or exports under {path}")
-    return [(str(p), verify_directory(p)) for p in found]
+    return [(str(p), authenticated(verify_directory(p), signing)) for p in found]
 
 
 def print_verifications(results: list[tuple[str, Verification]], as_json: bool) -> int:

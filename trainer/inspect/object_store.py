@@ -22,6 +22,7 @@ from trainer.inspect.listing import attempt_rows, local_row, publish_costs, seal
 from trainer.checkpoint.atomic import manifest_digest
 from trainer.checkpoint.manifest import InvalidManifest, Manifest, Verification
 from trainer.checkpoint.section import LocalSection
+from trainer.checkpoint.signing import Signing
 from trainer.storage.object.lease import LEASE
 from trainer.storage.location import StoreLocation, parse_store_url
 from trainer.storage.object.client import ObjectStore
@@ -58,7 +59,7 @@ def store_attempts(objects: ObjectStore) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- list
-def describe_store_run(url: str, local_tier: Path | None) -> dict:
+def describe_store_run(url: str, local_tier: Path | None, signing: Signing | None = None) -> dict:
     """`list`'s description of a run in a store: its committed generations and exports, plus
     the ones this machine's local tier published that are not durable (yet); per row whether it
     is durable and whether the local tier holds the same copy."""
@@ -69,9 +70,9 @@ def describe_store_run(url: str, local_tier: Path | None) -> dict:
     described = {"output": objects.url, "store": objects.url, "local_tier": str(tier),
                  "local_tier_found": tier.is_dir()}
     for section, folder in SECTIONS.items():
-        remote = ObjectSection(objects, folder)
+        remote = ObjectSection(objects, folder, signing)
         scan = remote.scan()
-        described[section] = section_rows(remote, scan.committed, LocalSection(tier / folder),
+        described[section] = section_rows(remote, scan.committed, LocalSection(tier / folder, signing),
                                           publish_costs(attempts, section))
         described.update({f"{section}_uncommitted": scan.uncommitted, f"{section}_temporary": [],
                           f"{section}_replaced": scan.set_aside, f"{section}_replacing": []})
@@ -119,20 +120,20 @@ def local_copy(local: LocalSection, name: str, committed_digest: str) -> str:
 
 
 # ----------------------------------------------------------------------------- verify
-def store_verifications(url: str) -> list[tuple[str, Verification]]:
+def store_verifications(url: str, signing: Signing | None = None) -> list[tuple[str, Verification]]:
     """Stream every object of every committed generation and export (or the one the URL
     names) through sha256: the local verify's lines and exit codes (65 on damage)."""
     location = parse_store_url(url)
     target = sealed_target(location)
     objects = open_store(target[0] if target else location)
     if target:
-        section = ObjectSection(objects, target[1])
+        section = ObjectSection(objects, target[1], signing)
         if section.manifest_bytes(target[2]) is None:
             raise NothingToResume(f"{url} is not a committed generation or export (no manifest.json object); "
                                   f"`python -m trainer list` shows what is")
         found = [(section, target[2])]
     else:
-        sections = [ObjectSection(objects, folder) for folder in SECTIONS.values()]
+        sections = [ObjectSection(objects, folder, signing) for folder in SECTIONS.values()]
         found = [(section, name) for section in sections for name in section.committed()]
     if not found:
         raise NothingToResume(f"no committed generations or exports under {objects.url}")

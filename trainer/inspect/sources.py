@@ -13,11 +13,14 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 from trainer.checkpoint.manifest import Verification
+from trainer.checkpoint.signing import Signing
 
 
 class RunSource(ABC):
     where: str
     """The run directory (or generation) as the user named it."""
+    signing: Signing | None = None
+    """With a key: unsigned or mis-signed generations do not verify."""
 
     @abstractmethod
     def describe(self) -> dict:
@@ -38,20 +41,19 @@ class RunSource(ABC):
 
 
 class LocalRun(RunSource):
-    def __init__(self, path: Path):
-        self.path = path
-        self.where = str(path)
+    def __init__(self, path: Path, signing: Signing | None = None):
+        self.path, self.where, self.signing = path, str(path), signing
 
     def describe(self) -> dict:
         from trainer.inspect.listing import describe_run, require_run_directory
 
         require_run_directory(self.path)
-        return describe_run(self.path)
+        return describe_run(self.path, self.signing)
 
     def verifications(self) -> list[tuple[str, Verification]]:
         from trainer.inspect.listing import local_verifications
 
-        return local_verifications(self.path)
+        return local_verifications(self.path, self.signing)
 
     def report(self):
         from trainer.inspect.listing import run_report
@@ -63,19 +65,19 @@ class LocalRun(RunSource):
 
 
 class ObjectStoreRun(RunSource):
-    def __init__(self, url: str, local_tier: Path | None = None):
+    def __init__(self, url: str, local_tier: Path | None = None, signing: Signing | None = None):
         self.url = self.where = url
-        self.local_tier = local_tier
+        self.local_tier, self.signing = local_tier, signing
 
     def describe(self) -> dict:
         from trainer.inspect.object_store import describe_store_run
 
-        return describe_store_run(self.url, self.local_tier)
+        return describe_store_run(self.url, self.local_tier, self.signing)
 
     def verifications(self) -> list[tuple[str, Verification]]:
         from trainer.inspect.object_store import store_verifications
 
-        return store_verifications(self.url)
+        return store_verifications(self.url, self.signing)
 
     def report(self):
         from trainer.inspect.object_store import store_report
@@ -88,6 +90,8 @@ class ObjectStoreRun(RunSource):
         return local_generation(self.url, scratch)
 
 
-def open_source(location: Path | str, local_tier: Path | None = None) -> RunSource:
+def open_source(location: Path | str, local_tier: Path | None = None, signing: Signing | None = None) -> RunSource:
     """A path or an object store URL (as `location_argument` parsed it): the one place that asks."""
-    return ObjectStoreRun(location, local_tier) if isinstance(location, str) else LocalRun(location)
+    if isinstance(location, str):
+        return ObjectStoreRun(location, local_tier, signing)
+    return LocalRun(location, signing)

@@ -198,13 +198,16 @@ class AttemptStart:
     world_size: int = 1
     world_size_change: dict | None = None
     """From `world_size_change()`, when the world size differs from the restored one's."""
+    allow_unsigned: bool = False
+    """--allow-unsigned: unsigned generations were adopted under a signing key."""
 
     def fields(self) -> dict:
         fields = {"restored": self.restored, "explicit_generation": self.explicit_generation, "set_aside": [],
                   "previous_attempt": self.previous_attempt, "steps_replayed": self.steps_replayed,
                   "allowed_drift": list(self.allowed_drift), "drift": list(self.drift),
                   "checkpoint_mode": self.checkpoint_mode, "device": self.device, "fingerprint": self.fingerprint,
-                  "store": self.store, "polyaxon": self.polyaxon, "world_size": self.world_size}
+                  "store": self.store, "polyaxon": self.polyaxon, "world_size": self.world_size,
+                  "allow_unsigned": self.allow_unsigned}
         return fields | ({"world_size_change": self.world_size_change} if self.world_size_change else {})
 
 

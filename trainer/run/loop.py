@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass
 
 from trainer.config import RunConfig
-from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, CorruptGeneration, CrashLoop, FingerprintMismatch, TrainerError
+from trainer.errors import (EXIT_INTERRUPTED, EXIT_OK, CorruptGeneration, CrashLoop, FingerprintMismatch, TrainerError,
+                            UntrustedGeneration)
 from trainer.parallel.launch import LaunchEnvironment
 from trainer.parallel.ranks import Ranks, process_group, unshared_output
 from trainer.run.attempts import COMPLETED, FAILED, INTERRUPTED, PREEMPTED, new_attempt_id
@@ -37,7 +38,7 @@ from trainer.storage.opening import open_storage
 from trainer.workload import BoundWorkload, build_workload
 
 log = logging.getLogger("trainer")
-REFUSALS = (CorruptGeneration, FingerprintMismatch, CrashLoop)
+REFUSALS = (CorruptGeneration, FingerprintMismatch, CrashLoop, UntrustedGeneration)
 """Found before training: the attempt holds the run directory but refuses to go on (65, 70)."""
 
 
@@ -103,7 +104,7 @@ class TrainingRun:
         try:
             self.events.attempt_started(recorder.record)
             return self.train(claim, KeyedSeeding(dataset, config.workload.seed), checked.drift, saves, preemption)
-        except (CorruptGeneration, FingerprintMismatch) as refusal:
+        except (CorruptGeneration, FingerprintMismatch, UntrustedGeneration) as refusal:
             # Found while restoring, before the first step (a shape-changing drift, stored
             # data that disagrees with its rank): a refusal, like the ones found earlier.
             recorder.refused(refusal.exit_code, str(refusal), generation.name if generation else None)

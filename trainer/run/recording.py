@@ -68,7 +68,8 @@ def start_record(config: RunConfig, claim: Claim, checked: Checked, ranks: Ranks
         allowed_drift=config.allow_drift, drift=checked.drift, checkpoint_mode=checked.mode,
         device=str(ranks.device), fingerprint=checked.fingerprint, store=config.store,
         polyaxon=events.run_identity(previous), world_size=ranks.world_size,
-        world_size_change=world_size_change(stored_world_size, ranks.world_size).get("world_size_change"))
+        world_size_change=world_size_change(stored_world_size, ranks.world_size).get("world_size_change"),
+        allow_unsigned=config.signing.allow_unsigned)
     return AttemptRecorder.start(claim.run, claim.attempt_id, list(config.argv), start, persist=ranks.is_primary)
 
 

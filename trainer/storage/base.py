@@ -32,6 +32,7 @@ from trainer.checkpoint.coordination import Coordinator
 from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.resume import set_aside_later_line
 from trainer.checkpoint.section import LocalSection, Published
+from trainer.checkpoint.signing import Signing
 from trainer.layout import EXPORTS, GENERATIONS, RunDirectory
 
 log = logging.getLogger("trainer")
@@ -77,15 +78,17 @@ class AfterPublish:
 class RunStorage(ABC):
     """A run directory and this machine's copy of it (see the module docstring)."""
 
-    def __init__(self, local: RunDirectory, where: str):
+    def __init__(self, local: RunDirectory, where: str, signing: Signing | None):
         self.local = local
         """This machine's run directory: the run itself, or the local tier of one in an object store."""
         self.where = where
         """The run directory as the user named it (a path or a URL), for messages."""
+        self.signing = signing
+        """With a key: what this attempt publishes is signed, what it restores must be."""
 
     def section(self, kind: str) -> LocalSection:
         """This machine's generations or exports."""
-        return LocalSection(self.local.section(kind))
+        return LocalSection(self.local.section(kind), self.signing)
 
     # ----------------------------------------------------------------- claiming (rank 0)
     @abstractmethod

@@ -12,14 +12,15 @@ from trainer.checkpoint.checkpointer import Checkpointer, build_checkpointer
 from trainer.checkpoint.coordination import Coordinator
 from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.resume import verify_candidate
+from trainer.checkpoint.signing import Signing
 from trainer.layout import GENERATIONS, RunDirectory
 from trainer.storage.base import NOTHING_MOVED, RunStorage, Transfer
 from trainer.storage.lock import OutputLock
 
 
 class LocalStorage(RunStorage):
-    def __init__(self, local: RunDirectory):
-        super().__init__(local, str(local.root))
+    def __init__(self, local: RunDirectory, signing: Signing | None = None):
+        super().__init__(local, str(local.root), signing)
 
     def claim(self, attempt_id: str, held: contextlib.ExitStack, must_exist: bool) -> None:
         self.local.prepare(must_exist=must_exist)

@@ -24,6 +24,7 @@ from trainer.checkpoint.checkpointer import Checkpointer, build_checkpointer
 from trainer.checkpoint.coordination import Coordinator
 from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.section import Published
+from trainer.checkpoint.signing import Signing
 from trainer.config import RetentionConfig, StoreConfig
 from trainer.errors import CorruptGeneration
 from trainer.layout import GENERATIONS, MANIFEST, SECTIONS, RunDirectory
@@ -41,8 +42,8 @@ log = logging.getLogger("trainer")
 
 class TieredObjectStorage(RunStorage):
     def __init__(self, location: StoreLocation, local_tier: RunDirectory, settings: StoreConfig,
-                 retention: RetentionConfig):
-        super().__init__(local_tier, location.url)
+                 retention: RetentionConfig, signing: Signing | None = None):
+        super().__init__(local_tier, location.url, signing)
         self.location = location
         self.settings = settings
         self.retention = retention
@@ -61,7 +62,7 @@ class TieredObjectStorage(RunStorage):
         objects.check_reachable()
         self.lease = held.enter_context(StoreLease(objects, attempt_id, self.settings.lease_ttl_s,
                                                    self.settings.lease_wait_s))
-        self.remote = RemoteRun(objects, self.local)
+        self.remote = RemoteRun(objects, self.local, self.signing)
         self.remote.adopt_local_tier()
         self.remote.pull_attempts()
         self.tidy_local_sections(warn_uncommitted=False)  # reconcile removes them, once the attempt goes ahead
@@ -91,7 +92,7 @@ class TieredObjectStorage(RunStorage):
         """The object store's generations as this rank reaches them (rank 0 reuses its claim)."""
         if self.remote is not None:
             return self.remote.generations
-        return ObjectSection(ObjectStore(self.location, self.settings), SECTIONS[GENERATIONS])
+        return ObjectSection(ObjectStore(self.location, self.settings), SECTIONS[GENERATIONS], self.signing)
 
     def local_copy(self, generation: Verification) -> Verification:
         """The generation rank 0 verified, on this rank's own disk: its own download, verified
@@ -194,7 +195,7 @@ class DirectObjectStorage(TieredObjectStorage):
 
 
 def open_object_storage(location: StoreLocation, local_tier: RunDirectory, settings: StoreConfig,
-                        retention: RetentionConfig, processes: int) -> TieredObjectStorage:
+                        retention: RetentionConfig, processes: int, signing: Signing | None) -> TieredObjectStorage:
     kind = DirectObjectStorage if processes > 1 else TieredObjectStorage
-    return kind(location, local_tier, settings, retention)
+    return kind(location, local_tier, settings, retention, signing)
 

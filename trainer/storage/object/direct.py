@@ -20,7 +20,8 @@ from typing import Callable
 
 from trainer import seams
 from trainer.errors import TrainerError, reraise_as_storage_failure
-from trainer.checkpoint.atomic import encode_json, file_digest
+from trainer.checkpoint.atomic import file_digest
+from trainer.checkpoint.signing import encode_signed
 from trainer.checkpoint.coordination import Coordinator
 from trainer.checkpoint.manifest import GenerationFacts, Manifest
 from trainer.checkpoint.snapshot import write_snapshot
@@ -83,7 +84,7 @@ class DirectCheckpointer:
         files = {file: entry for rank_files in every for file, entry in rank_files.items()}
         manifest = Manifest.for_generation(facts, self.attempt_id, {"mode": "sync-store", **timings},
                                            dict(sorted(files.items())))
-        data = encode_json(manifest.to_json())
+        data = encode_signed(manifest.to_json(), self.target.signing)
         self.target.commit_manifest(name, data, files, self.fence)
         return digest_of(data)
 

@@ -30,6 +30,7 @@ from trainer.checkpoint.atomic import manifest_digest
 from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.resume import require_verified
 from trainer.checkpoint.section import LocalSection
+from trainer.checkpoint.signing import Signing
 from trainer.storage.object.client import ObjectClient
 from trainer.storage.base import Durable, Transfer
 from trainer.storage.object.section import ObjectSection
@@ -53,10 +54,11 @@ class StoreRetention:
 class RemoteRun:
     """A run directory in a store, and this machine's local tier of it."""
 
-    def __init__(self, objects: ObjectClient, local: RunDirectory):
+    def __init__(self, objects: ObjectClient, local: RunDirectory, signing: Signing | None = None):
         self.objects = objects
         self.local = local
-        self.sections = {kind: ObjectSection(objects, folder) for kind, folder in SECTIONS.items()}
+        self.signing = signing
+        self.sections = {kind: ObjectSection(objects, folder, signing) for kind, folder in SECTIONS.items()}
 
     @property
     def url(self) -> str:
@@ -100,7 +102,7 @@ class RemoteRun:
         return pulled
 
     def local_section(self, kind: str) -> LocalSection:
-        return LocalSection(self.local.section(kind))
+        return LocalSection(self.local.section(kind), self.signing)
 
     def reconcile(self) -> list[str]:
         """Under the lease, before choosing: the store is the truth. Remove uncommitted
