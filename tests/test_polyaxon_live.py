@@ -25,9 +25,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import FINAL, REPO, compare
-from plx_sandbox import Sandbox, haupt_binary, run_uuid_of
+from conftest import FINAL, REPO
 from trainer.integrations.polyaxon import internals
+from trainer.integrations.polyaxon.sandbox import Sandbox, haupt_binary, run_uuid_of
 from trainer.run.fingerprint import source_digest
 
 DONE = {"succeeded", "failed", "stopped"}

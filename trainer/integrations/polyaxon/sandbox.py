@@ -1,5 +1,5 @@
 """Polyaxon's own server (`haupt sandbox`, pinned in requirements-sandbox.txt) and the project's
-local agent, for the live Polyaxon tests and `make polyaxon-demo`.
+local agent on this machine, for `make polyaxon-demo` and the live tests (tests/test_polyaxon_live.py).
 
     sandbox = Sandbox(root, haupt)              # on a free loopback port, its own root
     sandbox.start()                             # about 5-25 s: migrations, then /healthz answers
@@ -27,7 +27,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
+"""The repository (the polyaxonfiles, presets and code a run uploads)."""
 BIN = Path(sys.executable).parent
 UUID = re.compile(r"\b[0-9a-f]{32}\b")
 SPURIOUS_405 = ("Status: 405", "Method Not Allowed")
