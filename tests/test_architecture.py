@@ -28,8 +28,12 @@ LAYERS = [
     # Saving on cadence and stepping the optimizer, then the loop that runs one attempt.
     {"trainer.run.saving", "trainer.run.stepping", "trainer.storage.object.backend"},
     {"trainer.run.loop"},
-    # The edges: Polyaxon tracking and where a tracked run keeps its run directory, the command line.
-    {"trainer.integrations.polyaxon.tracking", "trainer.integrations.polyaxon.placement"},
+    # The edges: Polyaxon tracking, where a tracked run keeps its run directory, a copy's seed, the
+    # Polyaxon internals they lean on, the local agent and sandbox (demo, live tests); the command line.
+    {"trainer.integrations.polyaxon.tracking", "trainer.integrations.polyaxon.placement",
+     "trainer.integrations.polyaxon.copy_seed", "trainer.integrations.polyaxon.internals",
+     "trainer.integrations.polyaxon.local_agent", "trainer.integrations.polyaxon.sandbox",
+     "trainer.integrations.polyaxon.demo"},
     {"trainer.cli", "trainer.__main__"},
 ]
 
