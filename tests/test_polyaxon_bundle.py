@@ -168,7 +168,7 @@ def test_rendered_container_runs_the_tracked_trainer_with_options_our_parser_acc
     for script in scripts:
         argv = trainer_argv(script)
         assert "--tracked" in argv and not any(a.startswith("--output") for a in argv)
-        assert "pip" not in script  # the image (docker/Dockerfile) holds the requirements and the code
+        assert "-r requirements.txt" in script  # the public base image: the pinned requirements at start
         args = train_parser().parse_args(argv)  # every rendered flag is a real trainer option
         if "interrupt_at_step" in declared:
             assert args.interrupt_at_step == 27
@@ -181,7 +181,7 @@ def test_rendered_container_runs_the_tracked_trainer_with_options_our_parser_acc
 def test_job_renders_defaults_unset_options_and_presets_as_documented(tmp_path):
     compiled = render([JOB_FILE])
     container = compiled.run.container
-    assert container.working_dir == "/opt/training-recovery"  # where docker/Dockerfile puts the code
+    assert container.working_dir is None  # the script enters the upload, else the image's code
     assert compiled.run.environment.restart_policy == "Never"
     assert re.fullmatch(r"[a-z0-9.-]+:[0-9][0-9a-z.-]+", container.image), "the image must be pinned to a version"
     (script,) = container_scripts(compiled)

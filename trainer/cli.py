@@ -172,23 +172,11 @@ def run_train(argv: list[str]) -> int:
     def train_tracked(outputs: Path) -> int:
         placement = tracked_placement(args, launch, events.run_uuid)
         events.place(placement)
-        refuse_a_racing_copy(events, placement)
-        return train_in(config_from_args(args, argv, placement.output or outputs, workload_options,
-                                         placement.local_tier), launch, events)
+        config = config_from_args(args, argv, placement.output or outputs, workload_options, placement.local_tier)
+        events.seed_if_copy(placement, config.store_config)  # `ops restart --copy` (copy_seed.py)
+        return train_in(config, launch, events)
 
     return events.track(train_tracked)
-
-
-def refuse_a_racing_copy(events, placement) -> None:
-    """`ops restart --copy` puts the original run's outputs into this run's context path; with
-    the run directory in the store they would arrive there only through the sidecar, after
-    this trainer started: nothing to resume yet, then a second line of generations and the
-    original's lease object under the live run. Refused (exit 2), naming what to do instead."""
-    if placement.direct and events.cloned_as_copy():
-        original = events.original_uuid()
-        raise UsageError(f"this run is an `ops restart --copy` of run {original}: the copy reaches {placement.output} "
-                         f"only through the sidecar, racing this trainer; continue run {original} with "
-                         f"`polyaxon ops resume -uid {original} -f presets/resume.yaml` instead")
 
 
 def tracked_placement(args: argparse.Namespace, launch: LaunchEnvironment, own_run_uuid: str | None = None):

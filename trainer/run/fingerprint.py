@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     import torch
 
 FIELDS = ("source", "dataset", "config", "python", "torch", "numpy", "os", "arch", "device", "world_size")
-PACKAGE_ROOT = Path(__file__).resolve().parent
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+"""The trainer package (this file is in trainer/run/): `source` hashes all of it."""
 
 
 def source_digest(root: Path = PACKAGE_ROOT, workload: tuple[Path, ...] = ()) -> str:
