@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import NoReturn
 
 from trainer import compat, seams
-from trainer.config import (CHECKPOINT_MODES, DEFAULT_WORKLOAD, CadenceConfig, ProgressConfig, RetentionConfig,
-                            RunConfig, StoreConfig, WorkloadConfig)
+from trainer.config import (CHECKPOINT_MODES, DEFAULT_WORKLOAD, AutoCadenceConfig, CadenceConfig, ProgressConfig,
+                            RetentionConfig, RunConfig, StoreConfig, WorkloadConfig)
 from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_failure
 from trainer.run.fingerprint import FIELDS
 from trainer.parallel.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
-from trainer.options import (location_argument, non_negative_float, non_negative_int, path_argument, positive_float,
-                             positive_int)
+from trainer.options import (AUTO, location_argument, non_negative_float, non_negative_int, path_argument,
+                             positive_float, positive_float_or_auto, positive_int)
 from trainer.storage.location import parse_store_url
 
 EXIT_STATUS_ENV = "TRAINER_EXIT_STATUS_FILE"
@@ -118,7 +118,19 @@ def trainer_parser() -> OneLineParser:
     cadence.add_argument("--recover-every-epochs", type=non_negative_int, default=1, metavar="N",
                          help="recovery generation every N epochs (0 = off; default 1)")
     cadence.add_argument("--recover-every-steps", type=positive_int, metavar="N")
-    cadence.add_argument("--recover-every-secs", type=positive_float, metavar="S")
+    cadence.add_argument("--recover-every-secs", type=positive_float_or_auto, metavar="S|auto",
+                         help="recovery generation every S seconds of training; auto: the interval that maximises "
+                              "expected goodput for the measured save cost and the run's failure rate (Daly), "
+                              "re-derived after every save")
+    cadence.add_argument("--recover-auto-min-secs", type=positive_float, default=AutoCadenceConfig.min_s,
+                         metavar="S", help="with auto: shortest interval, and the first one until a save cost is "
+                                           "known (default %(default)s)")
+    cadence.add_argument("--recover-auto-max-secs", type=positive_float, default=AutoCadenceConfig.max_s,
+                         metavar="S", help="with auto: longest interval (default %(default)s)")
+    cadence.add_argument("--assume-mtbf-secs", type=positive_float, default=AutoCadenceConfig.assume_mtbf_s,
+                         metavar="S", help="with auto: mean time between failures to plan with while the run "
+                                           "has seen fewer than 3 (e.g. the cluster's; default: the run's own "
+                                           "history)")
     cadence.add_argument("--export-every-epochs", type=positive_int, metavar="N",
                          help="safetensors export every N epochs (default: only at the end)")
     cadence.add_argument("--export-every-steps", type=positive_int, metavar="N")
@@ -185,6 +197,27 @@ def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironmen
                          f"use 1 or more (default {StoreConfig.lease_ttl_s:g})")
     if args.resume is not None and args.from_generation is not None:
         raise UsageError("--resume and --from-generation are exclusive; --from-generation already resumes")
+    check_auto_cadence(args)
+
+
+def check_auto_cadence(args: argparse.Namespace) -> None:
+    auto = {"--recover-auto-min-secs": (args.recover_auto_min_secs, AutoCadenceConfig.min_s),
+            "--recover-auto-max-secs": (args.recover_auto_max_secs, AutoCadenceConfig.max_s),
+            "--assume-mtbf-secs": (args.assume_mtbf_secs, AutoCadenceConfig.assume_mtbf_s)}
+    if args.recover_every_secs != AUTO and (given := [name for name, (value, default) in auto.items()
+                                                      if value != default]):
+        raise UsageError(f"{', '.join(given)} apply only with --recover-every-secs auto; add it, or drop them")
+    if args.recover_auto_min_secs > args.recover_auto_max_secs:
+        raise UsageError(f"--recover-auto-min-secs {args.recover_auto_min_secs:g} is above "
+                         f"--recover-auto-max-secs {args.recover_auto_max_secs:g}; make the minimum the smaller")
+
+
+def recover_cadence(args: argparse.Namespace) -> CadenceConfig:
+    auto = args.recover_every_secs == AUTO
+    return CadenceConfig(args.recover_every_epochs or None, args.recover_every_steps,
+                         None if auto else args.recover_every_secs,
+                         AutoCadenceConfig(args.recover_auto_min_secs, args.recover_auto_max_secs,
+                                           args.assume_mtbf_secs) if auto else None)
 
 
 def require_store_for_store_options(args: argparse.Namespace, in_store: bool) -> None:
@@ -223,7 +256,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str], output: Path | s
         resume=args.resume, from_generation=args.from_generation,
         allow_drift=tuple(dict.fromkeys(args.allow_drift)), checkpoint_mode=args.checkpoint_mode,
         device=args.device,
-        recover=CadenceConfig(args.recover_every_epochs or None, args.recover_every_steps, args.recover_every_secs),
+        recover=recover_cadence(args),
         export=CadenceConfig(args.export_every_epochs, args.export_every_steps, args.export_every_secs),
         export_dtype=args.export_dtype,
         retention=RetentionConfig(args.keep_last, args.keep_every, args.keep_exports),

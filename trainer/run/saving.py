@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from trainer.run.attempts import EXPORTS, GENERATIONS, AttemptRecorder, utc_now
-from trainer.run.cadence import StepPoint, build_policy
+from trainer.run.attempts import EXPORTS, GENERATIONS, AttemptRecorder, auto_prior, read_attempts, utc_now
+from trainer.run.cadence import CadenceChange, StepPoint, auto_trigger, build_policy
 from trainer.config import RunConfig
 from trainer.parallel.ranks import Ranks, StepAgreement
 from trainer.run.events import TrainingEvents
@@ -52,7 +52,12 @@ class CadencedSaves:
         self.exports = LocalSection(run.exports)
         self.lineage = lineage
         self.attempt_id = attempt_id
-        self.recover_policy = build_policy(config.recover)
+        self.recover_policy = build_policy(config.recover, prior=auto_prior(read_attempts(run.root), attempt_id)
+                                           if config.recover.auto and ranks.is_primary else None)
+        self.auto = auto_trigger(self.recover_policy)
+        """`--recover-every-secs auto`: re-derived after every recovery save (rank 0 decides)."""
+        if self.auto is not None:
+            self.cadence_changed(self.auto.current, None)
         self.export_policy = build_policy(config.export)
         self.sharded = ranks.distributed and config.workload.data_parallel == "fsdp"
         self.uploader = uploader
@@ -156,12 +161,19 @@ class CadencedSaves:
         retention = self.config.retention
         for published in published_now:
             self._published(GENERATIONS, self.generations, published, step)
+            if self.auto is not None and (change := self.auto.measured(published.blocked_s)):
+                self.cadence_changed(change, published.step)
             if not prune or not self.ranks.is_primary:  # retention is the lock holder's job
                 continue
             for name in apply_retention(self.generations, retention.keep_last, retention.keep_every,
                                         self.kept_for_the_store(GENERATIONS_SECTION)):
                 log.info("retention removed generation %s", name)
                 self.events.removed("generation", name)
+
+    def cadence_changed(self, change: CadenceChange, step: int | None) -> None:
+        if self.ranks.is_primary:
+            log.info("%s", change.line())
+        self.recorder.cadence_changed(change.as_record(step, self.recorder.elapsed_s()))
 
     def _published(self, kind: str, store: LocalSection, published: Published, step: int | None) -> None:
         self.recorder.published(kind, published, step)
