@@ -387,12 +387,15 @@ def run_report(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--png", type=path_argument, metavar="FILE",
                         help="also draw the timeline of the attempts into FILE (PNG, 1600x900)")
+    parser.add_argument("--assume-mtbf-secs", type=positive_float, default=AutoCadenceConfig.assume_mtbf_s,
+                        metavar="S", help="mean time between failures for the save-interval advice while the run "
+                                          "has seen fewer than 3 (e.g. the cluster's known rate)")
     args = parser.parse_args(argv)
     from trainer.inspect.listing import report_command
     from trainer.inspect.object_store import store_report_command
 
     command = store_report_command if isinstance(args.directory, str) else report_command
-    return command(args.directory, args.json, args.png)
+    return command(args.directory, args.json, args.png, args.assume_mtbf_secs)
 
 
 COMMANDS = {"list": run_list, "report": run_report, "verify": run_verify}

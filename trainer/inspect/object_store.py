@@ -145,7 +145,7 @@ def verify_store(url: str, as_json: bool) -> int:
 
 
 # ----------------------------------------------------------------------------- report
-def store_report_command(url: str, as_json: bool, png: Path | None) -> int:
+def store_report_command(url: str, as_json: bool, png: Path | None, assume_mtbf_s: float | None = None) -> int:
     """The recovery report from the store's attempt records (pushed at start and after every
     commit). A `running` record is live only while its attempt holds the lease; a killed one's
     wall time is estimated up to its last publish (the objects' times say nothing better)."""
@@ -158,7 +158,7 @@ def store_report_command(url: str, as_json: bool, png: Path | None) -> int:
                               f"run that has trained")
     running = {record["id"] for record in records if record.get("status") == RUNNING}
     return print_report(build_report(records, frozenset(running & {leased_attempt(objects)})), objects.url,
-                        as_json, png)
+                        as_json, png, assume_mtbf_s)
 
 
 def leased_attempt(objects: ObjectStore) -> str | None:
