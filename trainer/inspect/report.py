@@ -20,6 +20,9 @@ Definitions (the README repeats them):
 - useful: the durable step of the last attempt that trained: progress that is kept.
   computed = useful + lost + abandoned when every attempt restored a generation of the line.
 - goodput: useful / sum of computed.
+- time goodput: useful steps x the run's mean seconds per step, over the attempts' wall time
+  plus their process start-up: the share of the time spent that went into kept training (what
+  the advice predicts; start-up is known only where the record has `startup_s`).
 - wall lost to restarts: lost steps x that attempt's seconds per step, plus every restore
   (verification included), plus the whole wall time of refused attempts.
 - checkpoint overhead: the seconds the loop waited for saves and exports (`blocked_s`, all
@@ -89,6 +92,8 @@ class AttemptRow:
     download_s: float = 0.0
     progress: tuple[tuple[int, float], ...] = ()
     """Coarse (step, seconds after the attempt's start) points: where its steps happened."""
+    first_step_s: float | None = None
+    """Seconds after the attempt's start when its first step completed (build, restore, warm-up)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,10 @@ class Totals:
     lost: int
     abandoned: int
     goodput: float | None
+    time_goodput: float | None
+    """Useful steps x mean seconds per step / (wall + start-up of the attempts)."""
+    step_s: float | None
+    """Mean seconds per training step (after each attempt's first), weighted by steps."""
     wall_s: float
     span_s: float | None
     """From the first attempt's start to the last one's end, gaps between attempts included."""
@@ -203,7 +212,8 @@ def attempt_row(record: dict, live: frozenset[str], marker_unix: float | None, o
         wall_estimated=estimated, time_to_durable_s=first_publish,
         start_s=None if start is None or origin is None else start - origin,
         generations=generations, reason=record.get("reason"), startup_s=_optional(record.get("startup_s")),
-        download_s=_number(costs.get("download_s")), progress=progress_points(record))
+        download_s=_number(costs.get("download_s")), progress=progress_points(record),
+        first_step_s=_optional(record.get("first_step_s")) if started else None)
 
 
 def _optional(value) -> float | None:
@@ -231,17 +241,38 @@ def with_abandoned(rows: tuple[AttemptRow, ...], useful: int) -> tuple[AttemptRo
 
 
 def seconds_per_step(row: AttemptRow) -> float | None:
-    """Average wall time of one training step of this attempt: its wall time without the
-    restore and the time it waited for saves, over the steps it computed."""
+    """Average wall time of one training step of this attempt: its wall time after its first
+    step (else after its restore) without the time it waited for saves, over the steps since."""
     if not row.computed or row.wall_s is None:
         return None
+    if row.first_step_s is not None and row.computed > 1:
+        return max(0.0, row.wall_s - row.first_step_s - row.blocked_s) / (row.computed - 1)
     return max(0.0, row.wall_s - row.restore_s - row.blocked_s) / row.computed
+
+
+def warm_up_s(row: AttemptRow) -> float | None:
+    """Seconds from the record's start until training ran at its pace: building the model,
+    restoring, the first step's extra time."""
+    per_step = seconds_per_step(row)
+    return None if row.first_step_s is None or per_step is None else max(0.0, row.first_step_s - per_step)
 
 
 def wall_lost(row: AttemptRow) -> float:
     if row.outcome == "refused":
         return row.wall_s or 0.0
     return row.restore_s + row.lost * (seconds_per_step(row) or 0.0)
+
+
+def mean_seconds_per_step(rows) -> float | None:
+    paced = [(per_step, row.computed) for row in rows if (per_step := seconds_per_step(row)) is not None]
+    weight = sum(computed for _, computed in paced)
+    return sum(per_step * computed for per_step, computed in paced) / weight if weight else None
+
+
+def time_goodput(rows: tuple[AttemptRow, ...], useful: int) -> float | None:
+    per_step = mean_seconds_per_step(rows)
+    spent = sum((row.wall_s or 0.0) + (row.startup_s or 0.0) for row in rows)
+    return useful * per_step / spent if per_step is not None and spent else None
 
 
 def build_report(records: list[dict], live: frozenset[str] = frozenset(),
@@ -265,7 +296,8 @@ def build_report(records: list[dict], live: frozenset[str] = frozenset(),
         outcomes={name: count for name, count in outcomes.items() if count},
         useful=useful, computed=computed, replayed=sum(row.replayed for row in rows),
         lost=sum(row.lost for row in rows), abandoned=sum(row.abandoned for row in rows),
-        goodput=useful / computed if computed else None,
+        goodput=useful / computed if computed else None, time_goodput=time_goodput(rows, useful),
+        step_s=mean_seconds_per_step(rows),
         wall_s=round(wall, 3), span_s=round(max(ends), 3) if ends else None,
         wall_lost_s=round(sum(wall_lost(row) for row in rows), 3),
         restore_s=round(sum(row.restore_s for row in rows), 3),
@@ -291,6 +323,8 @@ class Advice:
     verify_s: float | None
     download_s: float | None
     load_s: float | None
+    warm_up_s: float | None
+    """Building the model and the first step's extra time, before training runs at its pace."""
     failures: int
     exposure_s: float
     mtbf_s: float | None
@@ -318,12 +352,14 @@ def advise(report: Report, assume_mtbf_s: float | None = None) -> Advice:
     cost = _mean([g.blocked_s for g in saves if g.blocked_s is not None])
     restarts = [row for row in rows if row.restored is not None]
     # start-up is measured when the record starts: after verifying and downloading, which it leaves out
-    startup = [max(0.0, row.startup_s - row.verify_s - row.download_s) for row in restarts
-               if row.startup_s is not None]
+    startup = [max(0.0, row.startup_s - row.verify_s - row.download_s) for row in restarts or rows
+               if row.startup_s is not None]  # a fresh start pays it too: the estimate before any restart
+    loads = [row.restore_s - row.verify_s - row.download_s for row in restarts]
+    warm = [max(0.0, w - load) for row, load in zip(restarts, loads) if (w := warm_up_s(row)) is not None] or \
+        [w for row in rows if (w := warm_up_s(row)) is not None]
     parts = {"startup": _mean(startup), "verify": _mean([row.verify_s for row in restarts]),
-             "download": _mean([row.download_s for row in restarts]),
-             "load": _mean([row.restore_s - row.verify_s - row.download_s for row in restarts])}
-    restart = None if not restarts else sum(v or 0.0 for v in parts.values())
+             "download": _mean([row.download_s for row in restarts]), "load": _mean(loads), "warm_up": _mean(warm)}
+    restart = None if not restarts and parts["startup"] is None else sum(v or 0.0 for v in parts.values())
     exposure = sum((row.wall_s or 0.0) + (row.startup_s or 0.0) for row in rows)
     mtbf = FailureRate(sum(row.outcome in FAILURES for row in rows), exposure).mtbf(assume_mtbf_s)
     m = mtbf.seconds if mtbf.seconds > 0 else None
@@ -338,7 +374,7 @@ def advise(report: Report, assume_mtbf_s: float | None = None) -> Advice:
     return Advice(saves=len(saves), cost_s=cost, to_durable_s=_mean([g.to_durable_s for g in saves
                                                                     if g.to_durable_s is not None]),
                   restarts=len(restarts), restart_s=restart, startup_s=parts["startup"], verify_s=parts["verify"],
-                  download_s=parts["download"], load_s=parts["load"], failures=mtbf.rate.failures,
+                  download_s=parts["download"], load_s=parts["load"], warm_up_s=parts["warm_up"], failures=mtbf.rate.failures,
                   exposure_s=round(exposure, 3), mtbf_s=m, mtbf_from=mtbf.source, trusted=mtbf.trusted,
                   young_s=young, interval_s=interval, formula=formula, predicted_goodput=predicted(interval),
                   current_interval_s=current, current_goodput=predicted(current))
@@ -351,7 +387,8 @@ def format_advice(advice: Advice) -> list[str]:
              f"    save cost C         {secs(a.cost_s)} blocked per recovery save ({a.saves} saves); "
              f"{secs(a.to_durable_s)} to durable",
              f"    restart cost R      {secs(a.restart_s)} = start-up {secs(a.startup_s)} + verify {secs(a.verify_s)} "
-             f"+ download {secs(a.download_s)} + restore {secs(a.load_s)} ({a.restarts} restarts)",
+             f"+ download {secs(a.download_s)} + restore {secs(a.load_s)} + build and first step "
+             f"{secs(a.warm_up_s)} ({a.restarts} restarts)",
              f"    failures            {a.failures} in {a.exposure_s:.1f} s of attempts: M = {secs(a.mtbf_s)} "
              f"({a.mtbf_from})"]
     if not a.trusted:
@@ -391,7 +428,8 @@ def format_report(report: Report, output: str, advice: Advice | None = None) -> 
     lines += ["", f"  attempts           {t.attempts} ({outcomes})",
               f"  useful steps       {t.useful}",
               f"  steps computed     {t.computed} (replayed {t.replayed}, lost {t.lost}, abandoned {t.abandoned})",
-              f"  goodput            {_cell(t.goodput, '{:.1%}')}",
+              f"  goodput            {_cell(t.goodput, '{:.1%}')} of the steps computed; "
+              f"{_cell(t.time_goodput, '{:.1%}')} of the time spent (start-up included)",
               f"  wall time          {t.wall_s:.1f} s in attempts"
               + (f", {t.span_s:.1f} s from first start to last end" if t.span_s is not None else ""),
               f"  lost to restarts   {t.wall_lost_s:.1f} s (restores {t.restore_s:.1f} s)",

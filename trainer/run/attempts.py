@@ -316,6 +316,8 @@ class AttemptRecorder:
         if self._marker is None:
             self._marker = os.open(self.folder / PROGRESS_MARKER, os.O_WRONLY | os.O_CREAT, 0o644)
         os.pwrite(self._marker, f"{step:>12}\n".encode(), 0)
+        if self._marked is None:  # what the restart cost before training ran: build, restore, first step
+            self._record["first_step_s"] = self.elapsed_s()
         self._marked = step
         progress = self._record["progress"]
         if step % progress["every"] == 0:
