@@ -71,12 +71,22 @@ def run_with_kills(run: Path, options: list[str], lifetimes: list[float], timeou
             process.kill()  # SIGKILL
             process.wait()
             lived.append(time.monotonic() - started)
+            if newest_status(run) == "completed":  # the kill landed in the interpreter's exit
+                return lived, trained
             trained.append(time.monotonic() - training[-1] if after_first_step else None)
             continue
         lived.append(time.monotonic() - started)
         if code != 0:
             raise SystemExit(f"the trainer exited {code}: {process.stderr.read()[-2000:]}")
         return lived, trained
+
+
+def newest_status(run: Path) -> str | None:
+    records = sorted((run / "attempts").glob("*/attempt.json"))
+    try:
+        return json.loads(records[-1].read_text()).get("status") if records else None
+    except (OSError, ValueError):
+        return None
 
 
 def report_of(run: Path) -> dict:

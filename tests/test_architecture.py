@@ -15,7 +15,7 @@ PACKAGE = REPO / "trainer"
 LAYERS = [
     # Leaves: names, errors, configuration, test seams, private-API wrappers.
     {"trainer.errors", "trainer.layout", "trainer.config", "trainer.parallel.launch", "trainer.seams", "trainer.compat",
-     "trainer.options", "trainer.storage.location"},
+     "trainer.options", "trainer.storage.location", "trainer.run.interval"},
     # Storage and recovery: generations, manifests, the publish protocol, save and restore;
     # the same sealed directories in an object store, and its lease.
     {"trainer.checkpoint", "trainer.storage"},

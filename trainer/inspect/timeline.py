@@ -183,7 +183,7 @@ def render_timeline(report: Report, path: Path, title: str) -> None:
                        or ["#1"])
     wall_ax.set_ylim(lanes - 0.5, -0.5)  # attempt 1 at the top; the lanes share the whole height
     wall_ax.set_ylabel("attempt (outcome, exit code)")
-    wall_ax.set_xlabel("wall-clock seconds since the first attempt started"
+    wall_ax.set_xlabel("wall-clock seconds since the first attempt's record started (start-up before it)"
                        + (" (idle gaps compressed)" if axis.gaps else ""))
     if axis.gaps:  # ticks in real seconds, since positions after a gap are shifted
         positions = [x(s) for s, _ in spans] + [x(e) for _, e in spans]
