@@ -25,7 +25,7 @@ H100s). C and R are scaled from the throughput measured here to a 70B-parameter 
 read by 2,048 nodes in parallel (547 MB each) at the per-process save and restore throughput
 measured here (--save-mb-s, --restore-mb-s), so storage is assumed to scale with the nodes;
 R adds the start-up measured here and --reschedule-s (assumed, not measured: rescheduling
-and collective initialisation on a cluster). The step time is assumed (10 s); only the ratios
+and collective initialisation on a cluster). The step time is assumed (30 s); only the ratios
 matter for the optimum. The defaults were measured by bench/goodput_validation.py's auto run
 on the shared 2-core machine under load (a 25.5 MB state: sync save 0.207 s = 123 MB/s,
 verify + restore 0.293 s = 87 MB/s, start-up 9.4 s): a quiet machine is several times faster,
@@ -119,10 +119,11 @@ def cadence_of(policy: str, scenario: Scenario, auto: AutoCadenceConfig) -> Cade
 
 
 def simulate(scenario: Scenario, policy: str, lifetimes: Iterator[float],
-             auto: AutoCadenceConfig = AutoCadenceConfig()) -> Result:
-    """One run to its last step. `lifetimes`: each attempt's time to failure."""
+             auto: AutoCadenceConfig = AutoCadenceConfig(), restarts: Iterator[float] | None = None) -> Result:
+    """One run to its last step. `lifetimes`: each attempt's time to failure; `restarts`: each
+    attempt's R, when they were measured one by one (else `scenario.restart_s` for all)."""
     clock, result = SimClock(), Result()
-    durable, blocked = 0, []
+    durable, blocked_s, saves = 0, 0.0, 0
     rate = FailureRate(0, 0.0)
     config = cadence_of(policy, scenario, auto)
     while durable < scenario.steps:
@@ -134,11 +135,12 @@ def simulate(scenario: Scenario, policy: str, lifetimes: Iterator[float],
             result.failures += 1
             rate = FailureRate(rate.failures + 1, rate.exposure_s + (dies - born))
 
-        if born + scenario.restart_s > dies:
+        restart = scenario.restart_s if restarts is None else next(restarts, scenario.restart_s)
+        if born + restart > dies:
             fail()
             continue
-        clock.now += scenario.restart_s
-        cadence = build_policy(config, clock, AutoPrior(rate, sum(blocked) / len(blocked) if blocked else None))
+        clock.now += restart
+        cadence = build_policy(config, clock, AutoPrior(rate, blocked_s / saves if saves else None))
         adaptive = auto_trigger(cadence)
         if adaptive is not None:
             result.intervals.append(adaptive.interval_s)
@@ -160,7 +162,7 @@ def simulate(scenario: Scenario, policy: str, lifetimes: Iterator[float],
                 clock.now += scenario.cost_s
                 durable = step
                 result.saves += 1
-                blocked.append(scenario.cost_s)
+                blocked_s, saves = blocked_s + scenario.cost_s, saves + 1
                 cadence.saved()
                 if adaptive is not None and (change := adaptive.measured(scenario.cost_s)):
                     result.intervals.append(change.interval_s)
@@ -268,7 +270,7 @@ def draw(found: dict, path: Path) -> None:
 
 
 def llama3_scenario(save_mb_s: float, restore_mb_s: float, startup_s: float, reschedule_s: float,
-                    step_s: float = 10.0) -> Scenario:
+                    step_s: float = 30.0) -> Scenario:
     per_node_mb = STATE_BYTES_70B / NODES_16K_GPUS / 1e6
     cost = per_node_mb / save_mb_s
     restart = startup_s + reschedule_s + per_node_mb / restore_mb_s

@@ -46,17 +46,19 @@ def cadence_options(policy: str, auto: AutoCadenceConfig) -> list[str]:
     return ["--recover-every-epochs", "0", "--recover-every-secs", policy]
 
 
-def run_with_kills(run: Path, options: list[str], lifetimes: list[float], timeout_s: float,
+def run_with_kills(run: Path, options: list[str], lifetimes: list[float], timeout_s: float, begun: list[float],
                    after_first_step: bool = False) -> tuple[list[float], list[float | None]]:
     """Start, `kill -9` after each lifetime, resume, until an attempt completes (or the
     lifetimes run out: then the last attempt runs to the end). Returns every attempt's lifetime.
     `after_first_step`: each lifetime counts from the attempt's first progress line (so a
     loaded machine's slow start-up cannot swallow the kills). Also returns, per killed attempt,
-    the seconds it trained before the kill (with `after_first_step`; else None)."""
+    the seconds it trained before the kill (with `after_first_step`; else None). `begun`
+    receives each attempt's start (unix time), to find its record."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     lived, pending, training, trained = [], list(lifetimes), [], []
     while True:
         started = time.monotonic()
+        begun.append(time.time())
         process = subprocess.Popen([sys.executable, "-m", "trainer", "--output", str(run), "--resume", "auto",
                                     *options], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True,
                                    stdout=subprocess.PIPE if after_first_step else subprocess.DEVNULL)
@@ -81,6 +83,22 @@ def run_with_kills(run: Path, options: list[str], lifetimes: list[float], timeou
         return lived, trained
 
 
+def per_attempt_restarts(run: Path, step_s: float, begun: list[float], lived: list[float]) -> list[float]:
+    """Each attempt's own R (start-up + build, restore and the first step's extra time), from
+    the record whose process started when the harness started it; an attempt killed before it
+    wrote a record (or its first step) spent its whole life restarting."""
+    records = [json.loads(path.read_text()) for path in sorted((run / "attempts").glob("*/attempt.json"))]
+    restarts = []
+    for start, life in zip(begun, lived):
+        record = next((r for r in records if isinstance(r.get("startup_s"), (int, float)) and
+                       abs(r["started_unix"] - r["startup_s"] - start) < 1.5), None)
+        if record is None or not isinstance(record.get("first_step_s"), (int, float)):
+            restarts.append(life + 1.0)
+            continue
+        restarts.append(record["startup_s"] + max(0.0, record["first_step_s"] - step_s))
+    return restarts
+
+
 def newest_status(run: Path) -> str | None:
     records = sorted((run / "attempts").glob("*/attempt.json"))
     try:
@@ -98,7 +116,9 @@ def report_of(run: Path) -> dict:
 def validate(policy: str, lifetimes: list[float], workload: list[str], base: Path, auto: AutoCadenceConfig,
              steps_per_epoch: int, after_first_step: bool = False) -> dict:
     run = base / policy.replace(".", "_")
-    lived, trained = run_with_kills(run, workload + cadence_options(policy, auto), lifetimes, 600, after_first_step)
+    begun: list[float] = []
+    lived, trained = run_with_kills(run, workload + cadence_options(policy, auto), lifetimes, 600, begun,
+                                    after_first_step)
     report = report_of(run)
     advice, totals = report["advice"], report["totals"]
     step_s = totals["step_s"]
@@ -108,7 +128,9 @@ def validate(policy: str, lifetimes: list[float], workload: list[str], base: Pat
     # --quick replays "killed this long after training began" after the measured R: a loaded
     # machine's start-up varies by seconds between attempts, which is not what is validated there
     replay = [t if after is None else scenario.restart_s + after for t, after in zip(killed, trained)]
-    simulated = simulate(scenario, policy, replayed_lifetimes(replay), auto)
+    restarts = None if after_first_step else per_attempt_restarts(run, step_s, begun, lived)
+    simulated = simulate(scenario, policy, replayed_lifetimes(replay), auto,
+                         None if restarts is None else iter(restarts))
     # the completed attempt up to its record's end: the interpreter's exit after it is no recovery cost
     completed = report["rows"][-1]
     measured_time = totals["useful"] * step_s / (sum(replay) + (completed["startup_s"] or 0) + completed["wall_s"])
@@ -142,13 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     generator = random.Random(args.seed)
     lifetimes = [generator.uniform(0.3, 1.5) if args.quick else generator.expovariate(1 / args.mtbf_s)
                  for _ in range(args.kills)]  # quick: 0.3-1.5 s after training began
+    # the failures are injected: the crash-loop guard would stop a cadence that saves too rarely
     workload = ["--hidden-size", str(args.hidden_size), "--layers", str(args.layers), "--samples",
-                str(args.samples), "--epochs", str(args.epochs), "--keep-last", "2"]
+                str(args.samples), "--epochs", str(args.epochs), "--keep-last", "2", "--max-failed-attempts", "0"]
     auto = AutoCadenceConfig(min_s=0.1, max_s=60.0)
     base = Path(tempfile.mkdtemp(prefix="goodput-", dir=args.dir))
+    rows = []
     try:
-        rows = [validate(policy, lifetimes, workload, base, auto, args.samples // 16, args.quick)
-                for policy in policies]
+        for policy in policies:
+            rows.append(validate(policy, lifetimes, workload, base, auto, args.samples // 16, args.quick))
+            if args.json:  # as it goes: a sweep takes minutes
+                args.json.write_text(json.dumps({"lifetimes_s": lifetimes, "rows": rows}, indent=2))
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)

@@ -27,6 +27,9 @@ def test_a_replayed_failure_costs_what_is_computed_by_hand():
     assert result.wall_s == pytest.approx(5.0 + 1 + 3 + 0.5 + 3 + 0.5 + 1 + 0.5)
     assert result.time_goodput(scenario) == pytest.approx(10 / 14.5)
     assert result.step_goodput() == 1.0
+    # the same history with each attempt's own R (as measured one by one): the second took 3 s
+    measured = simulate(scenario, "3.0", replayed_lifetimes([5.0]), restarts=iter([1.0, 3.0]))
+    assert measured.wall_s == pytest.approx(result.wall_s + 2.0) and measured.computed == 10
 
 
 def test_without_failures_the_cost_is_restart_and_saves_only():

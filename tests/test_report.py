@@ -17,7 +17,7 @@ from test_faults import start, wait_for_line
 
 from trainer.inspect.listing import attempt_rows
 from trainer.inspect.report import advise, build_report, format_report
-from trainer.inspect.timeline import HEIGHT, WIDTH, WallAxis, render_timeline, timeline_title
+from trainer.inspect.timeline import HEIGHT, WIDTH, WallAxis, lane_label, render_timeline, timeline_title
 from trainer.run.interval import daly_interval, expected_goodput
 
 
@@ -157,6 +157,9 @@ def test_a_live_running_attempt_is_running_and_loses_nothing_yet():
     assert live.rows[0].outcome == "running" and live.rows[0].lost == 0
     assert live.rows[0].wall_s == 1.0 and live.rows[0].wall_estimated  # no marker: its last publish
     assert live.totals.useful == 8 and live.totals.goodput == pytest.approx(8 / 12)
+    assert "~ running: wall time up to" in format_report(live, "RUN")  # the legend names what it marks
+    assert lane_label(1, live.rows[0]) == "#1 running" and lane_label(2, build_report(history()).rows[0]) == \
+        "#2 interrupted (75)"
 
 
 def test_odd_records_do_not_break_the_report():

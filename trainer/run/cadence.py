@@ -140,8 +140,9 @@ class AutoSeconds:
     config: AutoCadenceConfig
     prior: AutoPrior = AutoPrior()
     clock: Callable[[], float] = time.monotonic
-    costs: list = field(default_factory=list)
-    """Blocked seconds of this attempt's recovery saves."""
+    saves: int = 0
+    cost_total_s: float = 0.0
+    """Blocked seconds of this attempt's recovery saves, summed (a running mean, O(1) a save)."""
 
     def __post_init__(self) -> None:
         self.started = self.last = self.clock()
@@ -165,7 +166,8 @@ class AutoSeconds:
 
     def measured(self, cost_s: float) -> CadenceChange | None:
         """A recovery save blocked the loop `cost_s` seconds: re-derive; the change, if any."""
-        self.costs.append(max(0.0, cost_s))
+        self.saves += 1
+        self.cost_total_s += max(0.0, cost_s)
         derived = self.derive(self.interval_s)
         if abs(derived.interval_s - self.interval_s) <= CHANGE_SHARE * self.interval_s:
             return None
@@ -173,8 +175,8 @@ class AutoSeconds:
         return derived
 
     def derive(self, previous: float | None) -> CadenceChange:
-        if self.costs:
-            cost, cost_from = sum(self.costs) / len(self.costs), f"this attempt, {len(self.costs)} saves"
+        if self.saves:
+            cost, cost_from = self.cost_total_s / self.saves, f"this attempt, {self.saves} saves"
         else:
             cost, cost_from = self.prior.cost_s, "earlier attempts"
         mtbf = self.prior.rate.plus(self.clock() - self.started).mtbf(self.config.assume_mtbf_s)
