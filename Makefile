@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(PY) bench/checkpoint_bench.py --quick
 	$(PY) bench/loop_overhead.py --quick
 	$(PY) bench/store_bench.py --quick
+	$(PY) bench/goodput_sim.py --quick
 
 clean:
 	rm -rf outputs outputs-polyaxon-demo .pytest_cache

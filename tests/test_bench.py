@@ -15,7 +15,8 @@ BENCHMARKS = sorted(path for path in (REPO / "bench").glob("*.py") if "--quick" 
 
 
 def test_every_benchmark_script_is_covered():
-    assert {path.name for path in BENCHMARKS} >= {"checkpoint_bench.py", "loop_overhead.py", "store_bench.py"}
+    assert {path.name for path in BENCHMARKS} >= {"checkpoint_bench.py", "loop_overhead.py", "store_bench.py",
+                                                  "goodput_sim.py", "goodput_validation.py"}
 
 
 def store_bench_checks(report: dict) -> None:
@@ -31,7 +32,28 @@ def store_bench_checks(report: dict) -> None:
                                                 "store restore / local restore (time)"}
 
 
-CHECKS = {"store_bench.py": store_bench_checks}
+def goodput_sim_checks(report: dict) -> None:
+    """Seeded and pure, so exact enough to assert: auto within a point of the best fixed
+    interval of the sweep, and above the default cadence."""
+    assert report["auto"]["time_goodput"] >= report["best_fixed"]["time_goodput"] - 0.01
+    assert report["auto"]["time_goodput"] > report["every_epoch"]["time_goodput"]
+    assert report["daly"]["model_goodput"] >= max(row["model_goodput"] for row in report["fixed"]) - 1e-9
+
+
+def goodput_validation_checks(report: dict) -> None:
+    """Two real kill -9s, replayed by the simulator. Agreement is the bench's own verdict (2
+    points, in its table): on a loaded machine step times vary between attempts, and a test's
+    verdict must not depend on the machine's speed, so here only that both ran and agree on
+    what happened."""
+    (row,) = report["rows"]
+    assert row["kills"] == 2 and row["attempts"] == 3 and row["simulated_failures"] == 2
+    assert 0 < row["measured_step_goodput"] <= 1 and 0 < row["simulated_step_goodput"] <= 1
+    assert row["cost_s"] > 0 and row["restart_s"] > 0 and row["step_s"] > 0
+    assert "within_tolerance" in row
+
+
+CHECKS = {"store_bench.py": store_bench_checks, "goodput_sim.py": goodput_sim_checks,
+          "goodput_validation.py": goodput_validation_checks}
 
 
 @pytest.mark.parametrize("script", BENCHMARKS, ids=lambda path: path.name)

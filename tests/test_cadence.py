@@ -73,3 +73,88 @@ def test_build_policy_from_config_and_empty_never_fires():
     assert not any(build_policy(CadenceConfig()).due(p) for p in points(range(1, 100)))
     policy = build_policy(CadenceConfig(every_epochs=1, every_steps=5))
     assert [p.step for p in points(range(1, 17)) if policy.due(p)] == [5, 8, 10, 15, 16]
+
+
+# ---------------------------------------------------------------- auto: Young/Daly and the policy
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+
+from trainer.config import AutoCadenceConfig  # noqa: E402
+from trainer.run.attempts import auto_prior  # noqa: E402
+from trainer.run.cadence import AutoPrior, AutoSeconds, auto_trigger  # noqa: E402
+from trainer.run.interval import (FailureRate, best_interval, daly_interval, expected_goodput,  # noqa: E402
+                                  young_interval)
+
+
+def test_young_and_daly_agree_when_saves_are_cheap_and_daly_is_the_numeric_optimum():
+    assert young_interval(2.0, 3600.0) == pytest.approx(120.0)
+    assert daly_interval(2.0, 3600.0) == pytest.approx(120.0, rel=0.02)
+    for cost, mtbf in ((2.0, 3600.0), (60.0, 600.0), (30.0, 10_800.0)):
+        grid = [cost * 0.05 * k for k in range(1, 4000)]
+        numeric = max(grid, key=lambda tau: expected_goodput(tau, cost, 10.0, mtbf))
+        # Daly's form sits within 1% of the exact optimum of its own model; Young drifts as C/M grows
+        assert expected_goodput(daly_interval(cost, mtbf), cost, 10.0, mtbf) == pytest.approx(
+            expected_goodput(numeric, cost, 10.0, mtbf), abs=0.01)
+    assert daly_interval(50.0, 20.0) == 20.0 and best_interval(50.0, 20.0)[1].endswith("tau = M")
+
+
+def test_expected_goodput_falls_with_restart_cost_and_never_overflows():
+    assert expected_goodput(100.0, 1.0, 0.0, 1e9) == pytest.approx(100 / 101, rel=1e-3)
+    assert expected_goodput(100.0, 1.0, 60.0, 600.0) < expected_goodput(100.0, 1.0, 0.0, 600.0)
+    assert expected_goodput(1e6, 1.0, 0.0, 1.0) == 0.0 and expected_goodput(0.0, 1.0, 0.0, 10.0) == 0.0
+
+
+def test_the_mtbf_to_plan_with_says_where_it_came_from():
+    assert FailureRate(4, 400.0).mtbf(assumed_s=50.0).seconds == 100.0  # enough failures: observed wins
+    few = FailureRate(1, 400.0).mtbf(assumed_s=50.0)
+    assert (few.seconds, few.trusted) == (50.0, True) and few.source.startswith("assumed")
+    assert FailureRate(1, 400.0).mtbf().source == "observed (few failures)"
+    none = FailureRate(0, 400.0).mtbf()
+    assert (none.seconds, none.trusted) == (400.0, False) and "lower bound" in none.source
+
+
+def test_auto_starts_at_the_minimum_then_follows_the_measured_cost_within_bounds():
+    clock = FakeClock()
+    auto = AutoSeconds(AutoCadenceConfig(min_s=5.0, max_s=500.0, assume_mtbf_s=3600.0), AutoPrior(), clock)
+    assert auto.interval_s == 5.0 and auto.current.cost_s is None
+    clock.now += 5.0
+    assert auto.due(points([1])[0])
+    auto.saved()
+    change = auto.measured(2.0)
+    assert change.interval_s == pytest.approx(daly_interval(2.0, 3600.0)) and change.previous_s == 5.0
+    assert auto.measured(2.05) is None  # within 10%: no change, no log line
+    assert auto.measured(4000.0).interval_s == 500.0  # bounded
+    assert not auto.due(points([2])[0])
+
+
+def test_auto_uses_the_earlier_attempts_cost_and_failures_before_it_measures_its_own():
+    clock = FakeClock()
+    prior = AutoPrior(FailureRate(4, 4000.0), cost_s=0.5)
+    auto = AutoSeconds(AutoCadenceConfig(min_s=1.0, max_s=1e6), prior, clock)
+    assert auto.interval_s == pytest.approx(daly_interval(0.5, 1000.0))
+    assert auto.current.cost_from == "earlier attempts" and auto.current.failures == 4
+
+
+def test_auto_prior_from_records_counts_failures_and_leaves_this_attempt_out():
+    def rec(id, status, wall, blocked=(), startup=1.0):
+        return {"id": id, "status": status, "wall_s": wall, "startup_s": startup,
+                "generations_published": [{"name": "g", "blocked_s": b, "at_s": 1.0} for b in blocked]}
+    records = [rec("a", "interrupted", 9.0, [0.2, 0.4]), rec("b", "running", None, [0.3]),
+               rec("c", "refused", 0.5), rec("d", "completed", 19.0, [0.1]), rec("me", "running", None)]
+    records[1]["progress"] = {"every": 8, "points": [[8, 4.0]]}
+    prior = auto_prior(records, "me")
+    assert prior.rate == FailureRate(2, 10.0 + 5.0 + 20.0)  # a killed record: its last progress point
+    assert prior.cost_s == pytest.approx(0.25)
+
+
+def test_auto_seconds_state_round_trips_like_every_seconds_and_joins_any_of():
+    clock = FakeClock()
+    policy = build_policy(CadenceConfig(every_epochs=1, auto=AutoCadenceConfig(min_s=10.0)), clock)
+    auto = auto_trigger(policy)
+    assert auto is not None and auto_trigger(build_policy(CadenceConfig(every_s=3))) is None
+    clock.now += 7
+    assert policy.state() == {"secs_since_save": 7.0}
+    auto.load_state({"secs_since_save": 9.5})
+    clock.now += 0.5
+    assert auto.due(points([1])[0]) and not math.isnan(auto.interval_s)

@@ -19,7 +19,7 @@ def test_list_shows_an_interrupted_and_resumed_run(tmp_path):
     assert [r[4] for r in rows[:3]] + [rows[3][3]] == ["yes"] * 4  # generations, then the export
     attempt_rows = [line.split() for line in lines if line.startswith("  2")]
     assert [(r[1], r[2]) for r in attempt_rows] == [("interrupted", "75"), ("completed", "0")]
-    assert attempt_rows[1][3:6] == ["step-00000008", "3", "24"]
+    assert attempt_rows[1][3:7] == ["step-00000008", "3", "0", "24"]  # restored, replayed, abandoned, last
 
     described = json.loads(run_cli("list", run, "--json").stdout)
     assert [g["name"] for g in described["generations"]] == ["step-00000008", "step-00000016", "step-00000024"]

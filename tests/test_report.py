@@ -15,8 +15,10 @@ import pytest
 from conftest import attempts, one_error_line, run_cli, train
 from test_faults import start, wait_for_line
 
-from trainer.inspect.report import build_report, format_report
-from trainer.inspect.timeline import HEIGHT, WIDTH, render_timeline, timeline_title
+from trainer.inspect.listing import attempt_rows
+from trainer.inspect.report import advise, build_report, format_report
+from trainer.inspect.timeline import HEIGHT, WIDTH, WallAxis, lane_label, render_timeline, timeline_title
+from trainer.run.interval import daly_interval, expected_goodput
 
 
 def png_size(path) -> tuple[int, int]:
@@ -90,6 +92,64 @@ def test_rows_and_totals_of_a_known_history():
     assert "goodput            92.8%" in table and "killed" in table and "5.0~" in table
 
 
+def test_going_back_counts_abandoned_steps_and_list_agrees_with_report():
+    """Extended to 80, then sent back with --from-generation step-00000064 (and --epochs 8):
+    the 16 steps above 64 were durable, are abandoned, and nothing was replayed after all."""
+    records = [
+        record("a1", "interrupted", 0, 27, published=[(24, 6.0)], exit_code=75),
+        record("a2", "completed", 24, 64, restored=24, replayed=3, published=[(64, 6.0)], exit_code=0),
+        record("a3", "completed", 64, 80, restored=64, replayed=0, published=[(72, 2.0), (80, 4.0)], exit_code=0),
+        record("a4", "completed", 64, 64, restored=64, replayed=16, published=[], exit_code=0),
+    ]
+    report = build_report(records)
+    rows = {row.id: row for row in report.rows}
+    assert [(r.computed, r.replayed, r.lost, r.abandoned) for r in report.rows] == [
+        (27, 0, 3, 0), (40, 3, 0, 0), (16, 0, 0, 16), (0, 0, 0, 0)]
+    t = report.totals
+    assert (t.useful, t.computed, t.lost, t.abandoned) == (64, 83, 3, 16)
+    assert t.computed == t.useful + t.lost + t.abandoned
+    assert rows["a4"].replayed == 0
+    listed = attempt_rows(records)
+    assert [a["steps_replayed"] for a in listed] == [None, 3, 0, 0]  # the first attempt replayed nothing
+    assert [r.replayed for r in report.rows] == [0, 3, 0, 0]
+    assert [a["abandoned"] for a in listed] == [0, 0, 16, 0]
+    assert "abandoned 16" in format_report(report, "RUN")
+
+
+def test_advice_from_a_known_history_uses_daly_and_says_what_it_rests_on():
+    records = history()
+    for r in records:
+        r["startup_s"] = 2.0
+    report = build_report(records)
+    advice = advise(report)
+    # C: mean blocked per recovery save; R: start-up (less verify) + restore of the 3 restarts
+    assert advice.saves == 8 and advice.cost_s == pytest.approx(0.5)
+    assert advice.restarts == 3 and advice.restart_s == pytest.approx((2.0 - 0.4) + 0.4 + 0.6)
+    # M: 3 failures (interrupted, killed, preempted) over the trained attempts' wall + start-up
+    exposure = (7 + 2) + (3 + 2) + (3 + 2) + (9 + 2)  # the killed one: up to its last publish, no marker
+    assert (advice.failures, advice.exposure_s, advice.trusted) == (3, exposure, True)
+    assert advice.mtbf_s == pytest.approx(exposure / 3)
+    assert advice.interval_s == pytest.approx(daly_interval(0.5, exposure / 3))
+    assert advice.predicted_goodput == pytest.approx(expected_goodput(advice.interval_s, 0.5, 2.6, exposure / 3))
+    assert advice.current_goodput <= advice.predicted_goodput
+    table = format_report(report, "RUN", advice)
+    assert "Daly's higher-order form" in table and "too few failures" not in table
+
+    few = advise(build_report(records[-1:]))
+    assert not few.trusted and "too few failures (0)" in format_report(report, "RUN", few)
+    assumed = advise(build_report(records[-1:]), assume_mtbf_s=3600.0)
+    assert assumed.trusted and assumed.mtbf_s == 3600.0 and assumed.interval_s == pytest.approx(
+        daly_interval(0.5, 3600.0))
+
+
+def test_wall_axis_compresses_long_idle_gaps_and_keeps_attempts_to_scale():
+    axis = WallAxis.of([(0, 10), (5, 12), (100, 110), (111, 120)])
+    (left, right, idle), = axis.gaps  # the 88 s wait; the 1 s one stays
+    assert idle == 88 and right - left == pytest.approx(0.03 * 31)
+    assert axis.x(12) == 12 and axis.x(110) - axis.x(100) == pytest.approx(10)
+    assert axis.x(120) - axis.x(111) == pytest.approx(9) and axis.x(100) == pytest.approx(right)
+
+
 def test_a_live_running_attempt_is_running_and_loses_nothing_yet():
     records = [record("a1", "running", 0, 12, published=[(8, 1.0)], wall=None)]
     assert build_report(records).rows[0].outcome == "killed"
@@ -97,6 +157,9 @@ def test_a_live_running_attempt_is_running_and_loses_nothing_yet():
     assert live.rows[0].outcome == "running" and live.rows[0].lost == 0
     assert live.rows[0].wall_s == 1.0 and live.rows[0].wall_estimated  # no marker: its last publish
     assert live.totals.useful == 8 and live.totals.goodput == pytest.approx(8 / 12)
+    assert "~ running: wall time up to" in format_report(live, "RUN")  # the legend names what it marks
+    assert lane_label(1, live.rows[0]) == "#1 running" and lane_label(2, build_report(history()).rows[0]) == \
+        "#2 interrupted (75)"
 
 
 def test_odd_records_do_not_break_the_report():
@@ -165,8 +228,10 @@ def test_report_numbers_equal_those_derived_from_the_known_history(storm, tmp_pa
     assert killed_at >= 34 and killed_durable >= 32 and preempted_at >= 36
 
     png = tmp_path / "storm.png"
-    result = run_cli("report", storm, "--json", "--png", png)
+    fresh = {"MPLCONFIGDIR": str(tmp_path / "mpl")}  # matplotlib builds its font cache: it must say nothing
+    result = run_cli("report", storm, "--json", "--png", png, env=fresh)
     assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == f"timeline written to {png}"
     report = json.loads(result.stdout)
     rows = report["rows"]
     assert [r["outcome"] for r in rows] == ["interrupted", "killed", "refused", "preempted", "completed"]
@@ -192,12 +257,19 @@ def test_report_numbers_equal_those_derived_from_the_known_history(storm, tmp_pa
     # every publish has its time; the first durable point of an attempt is its first publish
     assert rows[0]["time_to_durable_s"] == records[0]["generations_published"][0]["at_s"] > 0
     assert png_size(png) == (1600, 900)
+    advice = report["advice"]  # interrupted, killed and preempted: three failures, enough to plan with
+    assert (advice["failures"], advice["trusted"], advice["restarts"]) == (3, True, 3)
+    assert advice["cost_s"] > 0 and advice["restart_s"] > advice["startup_s"] > 0
+    assert 0 < advice["predicted_goodput"] < 1 and advice["interval_s"] > 0
+    last = records[-1]  # coarse step times: every 8th global step it computed
+    assert [s for s, _ in last["progress"]["points"]] == [s for s in range(last["first_step"] + 1, 65) if s % 8 == 0]
 
     table = run_cli("report", storm)
     assert table.returncode == 0
     lines = [line.split() for line in table.stdout.splitlines() if line.startswith(("    1", "    2", "    5"))]
     assert [line[2] for line in lines] == ["interrupted", "killed", "completed"]
     assert f"goodput            {64 / computed:.1%}" in table.stdout
+    assert "save interval advice" in table.stdout and "best interval" in table.stdout
 
 
 def test_report_errors_are_one_line(storm, tmp_path):

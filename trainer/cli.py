@@ -10,6 +10,7 @@ reported for every rank. Ranks other than 0 log only warnings, prefixed with the
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import logging
 import os
 import sys
@@ -17,13 +18,13 @@ from pathlib import Path
 from typing import NoReturn
 
 from trainer import compat, seams
-from trainer.config import DEFAULT_WORKLOAD, RunConfig, SigningConfig, StoreConfig
+from trainer.config import DEFAULT_WORKLOAD, AutoCadenceConfig, RunConfig, SigningConfig, StoreConfig
 from trainer.checkpoint.signing import KEY_FILE_ENV, load_signing
 from trainer.flags import STORE_GROUP, ShowDefaults, add_flags, changed_store_flags, config_from_values
 from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_failure
 from trainer.run.fingerprint import FIELDS
 from trainer.parallel.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
-from trainer.options import location_argument, path_argument
+from trainer.options import AUTO, location_argument, path_argument, positive_float
 from trainer.storage.location import parse_store_url
 
 EXIT_STATUS_ENV = "TRAINER_EXIT_STATUS_FILE"
@@ -82,6 +83,7 @@ def trainer_parser() -> OneLineParser:
                              "reaches the store (mountArtifactsStore), else its outputs path; replaces --output")
     groups = add_flags(parser, FIELDS)
     add_signing_options(groups["recovery"], adopt=True)
+    add_auto_cadence_options(groups["cadence (any trigger that is set fires)"])
     groups[STORE_GROUP].add_argument(
         "--local-tier", type=path_argument, metavar="DIR",
         help="this machine's working copy of the run (default: $TRAINER_LOCAL_TIER or the temp dir, "
@@ -98,6 +100,35 @@ def add_signing_options(group, adopt: bool = False) -> None:
         group.add_argument("--allow-unsigned", action="store_true", default=SigningConfig.allow_unsigned,
                            help="with a signing key: also restore unsigned generations (a run that started "
                                 "before signing); recorded in the attempt")
+
+
+def add_auto_cadence_options(group) -> None:
+    """The bounds of `--recover-every-secs auto`: one AutoCadenceConfig from three options."""
+    group.add_argument("--recover-auto-min-secs", type=positive_float, default=AutoCadenceConfig.min_s, metavar="S",
+                       help="with auto: shortest interval, and the first one until a save cost is known")
+    group.add_argument("--recover-auto-max-secs", type=positive_float, default=AutoCadenceConfig.max_s, metavar="S",
+                       help="with auto: longest interval")
+    group.add_argument("--assume-mtbf-secs", type=positive_float, default=AutoCadenceConfig.assume_mtbf_s,
+                       metavar="S", help="with auto: mean time between failures to plan with while the run has seen "
+                                         "fewer than 3 (e.g. the cluster's; default: the run's own history)")
+
+
+def check_auto_cadence(args: argparse.Namespace) -> None:
+    auto = {"--recover-auto-min-secs": (args.recover_auto_min_secs, AutoCadenceConfig.min_s),
+            "--recover-auto-max-secs": (args.recover_auto_max_secs, AutoCadenceConfig.max_s),
+            "--assume-mtbf-secs": (args.assume_mtbf_secs, AutoCadenceConfig.assume_mtbf_s)}
+    if args.recover_every_secs != AUTO and (given := [name for name, (value, default) in auto.items()
+                                                      if value != default]):
+        raise UsageError(f"{', '.join(given)} apply only with --recover-every-secs auto; add it, or drop them")
+    if args.recover_auto_min_secs > args.recover_auto_max_secs:
+        raise UsageError(f"--recover-auto-min-secs {args.recover_auto_min_secs:g} is above "
+                         f"--recover-auto-max-secs {args.recover_auto_max_secs:g}; make the minimum the smaller")
+
+
+def auto_cadence(args: argparse.Namespace) -> AutoCadenceConfig | None:
+    if args.recover_every_secs != AUTO:
+        return None
+    return AutoCadenceConfig(args.recover_auto_min_secs, args.recover_auto_max_secs, args.assume_mtbf_secs)
 
 
 def signing_config(args: argparse.Namespace) -> SigningConfig:
@@ -129,6 +160,7 @@ def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironmen
                          f"use 1 or more (default {StoreConfig.lease_ttl_s:g})")
     if args.resume is not None and args.from_generation is not None:
         raise UsageError("--resume and --from-generation are exclusive; --from-generation already resumes")
+    check_auto_cadence(args)
 
 
 def require_store_for_store_options(args: argparse.Namespace, in_store: bool) -> None:
@@ -146,8 +178,9 @@ def config_from_args(args: argparse.Namespace, argv: list[str], output: Path | s
     if isinstance(output, str):  # an object store URL: `output` becomes this machine's local tier of it
         store = output
         output = args.local_tier or local_tier or parse_store_url(store).default_local_tier()
-    return config_from_values(args, tuple((name, getattr(args, name)) for name in workload_options),
-                              output=output, store=store, signing=signing_config(args), argv=tuple(argv))
+    config = config_from_values(args, tuple((name, getattr(args, name)) for name in workload_options),
+                                output=output, store=store, signing=signing_config(args), argv=tuple(argv))
+    return replace(config, recover=replace(config.recover, auto=auto_cadence(args)))
 
 
 def run_train(argv: list[str]) -> int:
@@ -263,12 +296,15 @@ def run_report(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--png", type=path_argument, metavar="FILE",
                         help="also draw the timeline of the attempts into FILE (PNG, 1600x900)")
+    parser.add_argument("--assume-mtbf-secs", type=positive_float, default=AutoCadenceConfig.assume_mtbf_s,
+                        metavar="S", help="mean time between failures for the save-interval advice while the run "
+                                          "has seen fewer than 3 (e.g. the cluster's known rate)")
     args = parser.parse_args(argv)
     from trainer.inspect.listing import print_report
     from trainer.inspect.sources import open_source
 
     source = open_source(args.directory)
-    return print_report(source.report(), source.where, args.json, args.png)
+    return print_report(source.report(), source.where, args.json, args.png, args.assume_mtbf_secs)
 
 
 COMMANDS = {"list": run_list, "report": run_report, "verify": run_verify}

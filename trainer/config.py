@@ -67,12 +67,30 @@ class WorkloadConfig:
 
 
 @dataclass(frozen=True)
+class AutoCadenceConfig:
+    """`--recover-every-secs auto`: the interval follows the measured save cost and the run's
+    failure rate (Daly's form, trainer/run/interval.py), within these bounds. Never
+    fingerprinted: it changes when saves happen, never what is trained."""
+
+    min_s: float = 30.0
+    """Shortest interval, and the starting one while no save cost is known. Lower it when saves
+    are cheap and failures frequent (each save blocks the loop for C seconds)."""
+    max_s: float = 3600.0
+    """Longest interval: bounds the work one failure can cost when failures are rare."""
+    assume_mtbf_s: float | None = None
+    """Mean time between failures to plan with while the run has seen fewer than 3 (for example
+    the cluster's known rate). None: the run's own history, as a lower bound."""
+
+
+@dataclass(frozen=True)
 class CadenceConfig:
     """When each save path fires. Any trigger that is set fires (an "any of" policy)."""
 
     every_epochs: int | None = None
     every_steps: int | None = None
     every_s: float | None = None
+    auto: AutoCadenceConfig | None = None
+    """Recovery only: a seconds trigger whose interval is derived from measurements."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from trainer.config import CHECKPOINT_MODES, RunConfig
-from trainer.options import non_negative_float, non_negative_int, positive_float, positive_int
+from trainer.options import AUTO, non_negative_float, non_negative_int, positive_float, positive_float_or_auto, positive_int
 
 DEFAULTS = RunConfig(output=None)
 """Where every flag's default comes from."""
@@ -98,8 +98,11 @@ GROUPS: dict[str, list[Flag]] = {
              to_config=lambda value: value or None, help="a recovery generation every N epochs (0 = off)"),
         Flag("--recover-every-steps", "recover.every_steps", metavar="N", type=positive_int,
              help="a recovery generation every N optimizer steps"),
-        Flag("--recover-every-secs", "recover.every_s", metavar="S", type=positive_float,
-             help="a recovery generation when S seconds passed since the previous one"),
+        Flag("--recover-every-secs", "recover.every_s", metavar="S|auto", type=positive_float_or_auto,
+             to_config=lambda value: None if value == AUTO else value,
+             help="a recovery generation when S seconds passed since the previous one; auto: the interval that "
+                  "maximises expected goodput for the measured save cost and the run's failure rate (Daly), "
+                  "re-derived after every save (cadence is not fingerprinted)"),
         Flag("--export-every-epochs", "export.every_epochs", metavar="N", type=positive_int,
              help="a safetensors export every N epochs (default: only at the end)"),
         Flag("--export-every-steps", "export.every_steps", metavar="N", type=positive_int,

@@ -53,6 +53,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+AUTO = "auto"
+
+
+def positive_float_or_auto(text: str) -> float | str:
+    """Seconds, or `auto` (the interval is derived from measurements)."""
+    return AUTO if text.strip().lower() == AUTO else positive_float(text)
+
+
 def unit_interval(text: str) -> float:
     value = _number(text, float)
     if not 0 <= value < 1:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -52,11 +53,17 @@ def local_row(store: LocalSection, name: str, costs: dict[str, dict]) -> dict | 
 
 
 def attempt_rows(attempts: list[dict]) -> list[dict]:
+    """Replayed and abandoned steps as `report` counts them (trainer.inspect.report), so the
+    two commands agree: replayed is capped at what the attempt computed."""
+    from trainer.inspect.report import build_report
+
+    counted = build_report(attempts).rows
     return [{
         "id": a.get("id"), "status": a.get("status"), "exit_code": a.get("exit_code"),
-        "restored": (a.get("restored") or {}).get("name"), "steps_replayed": a.get("steps_replayed"),
+        "restored": (a.get("restored") or {}).get("name"),
+        "steps_replayed": None if a.get("steps_replayed") is None else row.replayed, "abandoned": row.abandoned,
         "last_step": a.get("last_step"), "wall_s": a.get("wall_s"), "reason": a.get("reason"),
-    } for a in attempts]
+    } for a, row in zip(attempts, counted)]
 
 
 def describe_run(output: Path, signing: Signing | None = None) -> dict:
@@ -135,7 +142,8 @@ def sealed_columns(section: str, tiered: bool) -> list[Column]:
 ATTEMPT_COLUMNS: list[Column] = [
     ("id", "<24", lambda a: _cell(a["id"])), ("status", "<12", lambda a: _cell(a["status"])),
     ("exit", ">4", lambda a: _cell(a["exit_code"])), ("restored from", "<15", lambda a: _cell(a["restored"])),
-    ("replayed", ">8", lambda a: _cell(a["steps_replayed"])), ("last step", ">9", lambda a: _cell(a["last_step"])),
+    ("replayed", ">8", lambda a: _cell(a["steps_replayed"])), ("abandoned", ">9", lambda a: _cell(a["abandoned"])),
+    ("last step", ">9", lambda a: _cell(a["last_step"])),
     ("wall s", ">7", lambda a: _cell(a["wall_s"], "{:.1f}"))]
 
 
@@ -237,14 +245,20 @@ def write_timeline(report, png: Path) -> None:
                              f"for --png") from None
 
 
-def print_report(report, output: str, as_json: bool, png: Path | None) -> int:
-    """The report of a run, wherever its attempt records came from."""
-    from trainer.inspect.report import format_report
+def print_report(report, output: str, as_json: bool, png: Path | None, assume_mtbf_s: float | None = None) -> int:
+    """The report of a run, wherever its attempt records came from, with the save-interval
+    advice (`assume_mtbf_s`: the M to plan with while the run has seen few failures)."""
+    from dataclasses import asdict
 
+    from trainer.inspect.report import advise, format_report
+
+    advice = advise(report, assume_mtbf_s)
     if png is not None:
         write_timeline(report, png)
-    print(json.dumps({"output": output, **report.as_dict()}, indent=2) if as_json
-          else format_report(report, output))
+    print(json.dumps({"output": output, **report.as_dict(), "advice": asdict(advice)}, indent=2) if as_json
+          else format_report(report, output, advice))
+    if png is not None:  # on stderr under --json, so stdout stays one JSON document
+        print(f"timeline written to {png}", file=sys.stderr if as_json else sys.stdout)
     return 0
 
 

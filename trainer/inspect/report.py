@@ -14,18 +14,30 @@ Definitions (the README repeats them):
   there), else the one it restored, else the step it started from.
 - lost: `last_step - durable`: computed after the attempt's newest durable point, so the
   next attempt has to redo it (0 for a completed attempt and for one still running).
+- abandoned: durable steps of the attempt that a later attempt went back from
+  (`--from-generation` an earlier generation): above the lowest step any later attempt
+  restored, so they are kept on disk as superseded copies but are not progress.
 - useful: the durable step of the last attempt that trained: progress that is kept.
+  computed = useful + lost + abandoned when every attempt restored a generation of the line.
 - goodput: useful / sum of computed.
+- time goodput: useful steps x the run's mean seconds per step, over the attempts' wall time
+  plus their process start-up: the share of the time spent that went into kept training (what
+  the advice predicts; start-up is known only where the record has `startup_s`).
 - wall lost to restarts: lost steps x that attempt's seconds per step, plus every restore
   (verification included), plus the whole wall time of refused attempts.
 - checkpoint overhead: the seconds the loop waited for saves and exports (`blocked_s`, all
   of a sync save), as a share of the summed wall time of the attempts.
+
+`advise` turns the same rows into the save-interval advice (trainer/run/interval.py): C, R
+and M as measured, Daly's interval, and the goodput it and the current cadence predict.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime
+
+from trainer.run.interval import FAILURES, FailureRate, best_interval, expected_goodput, young_interval
 
 OUTCOMES = ("completed", "interrupted", "preempted", "killed", "failed", "refused", "running")
 """Every outcome a row can have; `killed` is a `running` record nobody is running any more."""
@@ -39,6 +51,10 @@ class Publish:
     step: int
     at_s: float | None
     """Seconds after the attempt's start (None in records written before it was kept)."""
+    blocked_s: float | None = None
+    """Seconds the loop was blocked by this save (C of the advice)."""
+    to_durable_s: float | None = None
+    """Seconds from the save's start until it was durable (published; with a store, committed)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +70,8 @@ class AttemptRow:
     replayed: int
     lost: int
     durable_step: int
+    abandoned: int
+    """Durable steps a later attempt went back from (see the module docstring)."""
     restore_s: float
     verify_s: float
     save_s: float
@@ -69,6 +87,13 @@ class AttemptRow:
     """Seconds after the first attempt's start (None: no readable start time)."""
     generations: tuple[Publish, ...]
     reason: str | None
+    startup_s: float | None = None
+    """Process start-up before the record started (interpreter, imports); None if unknown."""
+    download_s: float = 0.0
+    progress: tuple[tuple[int, float], ...] = ()
+    """Coarse (step, seconds after the attempt's start) points: where its steps happened."""
+    first_step_s: float | None = None
+    """Seconds after the attempt's start when its first step completed (build, restore, warm-up)."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +105,12 @@ class Totals:
     computed: int
     replayed: int
     lost: int
+    abandoned: int
     goodput: float | None
+    time_goodput: float | None
+    """Useful steps x mean seconds per step / (wall + start-up of the attempts)."""
+    step_s: float | None
+    """Mean seconds per training step (after each attempt's first), weighted by steps."""
     wall_s: float
     span_s: float | None
     """From the first attempt's start to the last one's end, gaps between attempts included."""
@@ -160,7 +190,8 @@ def attempt_row(record: dict, live: frozenset[str], marker_unix: float | None, o
     computed = max(0, last - first)
     durable = durable_step(record) if started else first
     lost = 0 if outcome in ("completed", "running") else max(0, last - durable)
-    generations = tuple(Publish(e["name"], e.get("step"), e.get("at_s"))
+    generations = tuple(Publish(e["name"], e.get("step"), e.get("at_s"), _optional(e.get("blocked_s")),
+                                _optional(e.get("durable_s", e.get("save_s"))))
                         for e in record.get("generations_published", []))
     start = start_time(record)
     wall, estimated = record.get("wall_s"), False
@@ -174,27 +205,74 @@ def attempt_row(record: dict, live: frozenset[str], marker_unix: float | None, o
         id=str(record.get("id")), outcome=outcome, exit_code=record.get("exit_code"),
         restored=(record.get("restored") or {}).get("name"), restored_step=(record.get("restored") or {}).get("step"),
         first_step=first, last_step=last, computed=computed,
-        replayed=min(computed, record.get("steps_replayed") or 0), lost=lost, durable_step=durable,
+        replayed=min(computed, record.get("steps_replayed") or 0), lost=lost, durable_step=durable, abandoned=0,
         restore_s=_number(costs.get("restore_s")), verify_s=_number(costs.get("verify_s")),
         save_s=_number(costs.get("save_s")), blocked_s=_number(costs.get("blocked_s")),
         saves=int(_number(costs.get("saves"))), wall_s=None if wall is None else float(wall),
         wall_estimated=estimated, time_to_durable_s=first_publish,
         start_s=None if start is None or origin is None else start - origin,
-        generations=generations, reason=record.get("reason"))
+        generations=generations, reason=record.get("reason"), startup_s=_optional(record.get("startup_s")),
+        download_s=_number(costs.get("download_s")), progress=progress_points(record),
+        first_step_s=_optional(record.get("first_step_s")) if started else None)
+
+
+def _optional(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def progress_points(record: dict) -> tuple[tuple[int, float], ...]:
+    points = (record.get("progress") or {}).get("points") if isinstance(record.get("progress"), dict) else None
+    return tuple((p[0], float(p[1])) for p in points or () if isinstance(p, list) and len(p) == 2
+                 and isinstance(p[0], int) and isinstance(p[1], (int, float)))
+
+
+def with_abandoned(rows: tuple[AttemptRow, ...], useful: int) -> tuple[AttemptRow, ...]:
+    """Each trained row's durable steps above the lowest step a later attempt restored (or the
+    run's useful step): the line a `--from-generation` went back from."""
+    marked, floor = [], useful
+    for row in reversed(rows):
+        if row.outcome != "refused":
+            abandoned = max(0, row.durable_step - max(row.first_step, floor)) if row.computed else 0
+            marked.append(replace(row, abandoned=min(abandoned, row.computed - row.lost)))
+            floor = min(floor, row.restored_step if isinstance(row.restored_step, int) else row.first_step)
+        else:
+            marked.append(row)
+    return tuple(reversed(marked))
 
 
 def seconds_per_step(row: AttemptRow) -> float | None:
-    """Average wall time of one training step of this attempt: its wall time without the
-    restore and the time it waited for saves, over the steps it computed."""
+    """Average wall time of one training step of this attempt: its wall time after its first
+    step (else after its restore) without the time it waited for saves, over the steps since."""
     if not row.computed or row.wall_s is None:
         return None
+    if row.first_step_s is not None and row.computed > 1:
+        return max(0.0, row.wall_s - row.first_step_s - row.blocked_s) / (row.computed - 1)
     return max(0.0, row.wall_s - row.restore_s - row.blocked_s) / row.computed
+
+
+def warm_up_s(row: AttemptRow) -> float | None:
+    """Seconds from the record's start until training ran at its pace: building the model,
+    restoring, the first step's extra time."""
+    per_step = seconds_per_step(row)
+    return None if row.first_step_s is None or per_step is None else max(0.0, row.first_step_s - per_step)
 
 
 def wall_lost(row: AttemptRow) -> float:
     if row.outcome == "refused":
         return row.wall_s or 0.0
     return row.restore_s + row.lost * (seconds_per_step(row) or 0.0)
+
+
+def mean_seconds_per_step(rows) -> float | None:
+    paced = [(per_step, row.computed) for row in rows if (per_step := seconds_per_step(row)) is not None]
+    weight = sum(computed for _, computed in paced)
+    return sum(per_step * computed for per_step, computed in paced) / weight if weight else None
+
+
+def time_goodput(rows: tuple[AttemptRow, ...], useful: int) -> float | None:
+    per_step = mean_seconds_per_step(rows)
+    spent = sum((row.wall_s or 0.0) + (row.startup_s or 0.0) for row in rows)
+    return useful * per_step / spent if per_step is not None and spent else None
 
 
 def build_report(records: list[dict], live: frozenset[str] = frozenset(),
@@ -207,6 +285,7 @@ def build_report(records: list[dict], live: frozenset[str] = frozenset(),
     rows = tuple(attempt_row(r, live, markers.get(r.get("id")), origin) for r in records)
     trained = [row for row in rows if row.outcome != "refused"]
     useful = trained[-1].durable_step if trained else 0
+    rows = with_abandoned(rows, useful)
     computed = sum(row.computed for row in rows)
     wall = sum(row.wall_s or 0.0 for row in rows)
     checkpoint = sum(row.blocked_s for row in rows)
@@ -216,7 +295,9 @@ def build_report(records: list[dict], live: frozenset[str] = frozenset(),
         attempts=len(rows), restarts=max(0, len(rows) - 1),
         outcomes={name: count for name, count in outcomes.items() if count},
         useful=useful, computed=computed, replayed=sum(row.replayed for row in rows),
-        lost=sum(row.lost for row in rows), goodput=useful / computed if computed else None,
+        lost=sum(row.lost for row in rows), abandoned=sum(row.abandoned for row in rows),
+        goodput=useful / computed if computed else None, time_goodput=time_goodput(rows, useful),
+        step_s=mean_seconds_per_step(rows),
         wall_s=round(wall, 3), span_s=round(max(ends), 3) if ends else None,
         wall_lost_s=round(sum(wall_lost(row) for row in rows), 3),
         restore_s=round(sum(row.restore_s for row in rows), 3),
@@ -224,34 +305,138 @@ def build_report(records: list[dict], live: frozenset[str] = frozenset(),
     return Report(rows, totals)
 
 
+@dataclass(frozen=True)
+class Advice:
+    """How often to save, from the run's own records (Daly's model, trainer/run/interval.py)."""
+
+    saves: int
+    """Recovery saves C is measured over."""
+    cost_s: float | None
+    """C: mean seconds the loop was blocked per recovery save."""
+    to_durable_s: float | None
+    """Mean seconds from a save's start until it was durable (published; with a store, committed)."""
+    restarts: int
+    """Attempts that restored a generation, R is measured over."""
+    restart_s: float | None
+    """R: mean start-up + verify + download + restore of those attempts."""
+    startup_s: float | None
+    verify_s: float | None
+    download_s: float | None
+    load_s: float | None
+    warm_up_s: float | None
+    """Building the model and the first step's extra time, before training runs at its pace."""
+    failures: int
+    exposure_s: float
+    mtbf_s: float | None
+    mtbf_from: str
+    trusted: bool
+    """False: fewer than 3 failures and no --assume-mtbf-secs; the interval is a guess."""
+    young_s: float | None
+    interval_s: float | None
+    formula: str
+    predicted_goodput: float | None
+    """Share of wall time that is training kept, saving every `interval_s`."""
+    current_interval_s: float | None
+    """Mean seconds of training between the run's saves so far."""
+    current_goodput: float | None
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def advise(report: Report, assume_mtbf_s: float | None = None) -> Advice:
+    """C, R and M from the rows, and the interval that maximises the expected goodput."""
+    rows = [row for row in report.rows if row.outcome != "refused"]
+    saves = [g for row in rows for g in row.generations]
+    cost = _mean([g.blocked_s for g in saves if g.blocked_s is not None])
+    restarts = [row for row in rows if row.restored is not None]
+    # start-up is measured when the record starts: after verifying and downloading, which it leaves out
+    startup = [max(0.0, row.startup_s - row.verify_s - row.download_s) for row in restarts or rows
+               if row.startup_s is not None]  # a fresh start pays it too: the estimate before any restart
+    loads = [row.restore_s - row.verify_s - row.download_s for row in restarts]
+    warm = [max(0.0, w - load) for row, load in zip(restarts, loads) if (w := warm_up_s(row)) is not None] or \
+        [w for row in rows if (w := warm_up_s(row)) is not None]
+    parts = {"startup": _mean(startup), "verify": _mean([row.verify_s for row in restarts]),
+             "download": _mean([row.download_s for row in restarts]), "load": _mean(loads), "warm_up": _mean(warm)}
+    restart = None if not restarts and parts["startup"] is None else sum(v or 0.0 for v in parts.values())
+    exposure = sum((row.wall_s or 0.0) + (row.startup_s or 0.0) for row in rows)
+    mtbf = FailureRate(sum(row.outcome in FAILURES for row in rows), exposure).mtbf(assume_mtbf_s)
+    m = mtbf.seconds if mtbf.seconds > 0 else None
+    training = sum(max(0.0, (row.wall_s or 0.0) - row.restore_s - row.blocked_s) for row in rows)
+    current = training / len(saves) if saves else None
+    interval, formula, young = None, "needs a measured save cost and failure interval", None
+    if cost is not None and m is not None:
+        interval, formula = best_interval(cost, m)
+        young = young_interval(cost, m)
+    predicted = lambda tau: None if not tau or m is None or cost is None else \
+        expected_goodput(tau, cost, restart or 0.0, m)  # noqa: E731
+    return Advice(saves=len(saves), cost_s=cost, to_durable_s=_mean([g.to_durable_s for g in saves
+                                                                    if g.to_durable_s is not None]),
+                  restarts=len(restarts), restart_s=restart, startup_s=parts["startup"], verify_s=parts["verify"],
+                  download_s=parts["download"], load_s=parts["load"], warm_up_s=parts["warm_up"], failures=mtbf.rate.failures,
+                  exposure_s=round(exposure, 3), mtbf_s=m, mtbf_from=mtbf.source, trusted=mtbf.trusted,
+                  young_s=young, interval_s=interval, formula=formula, predicted_goodput=predicted(interval),
+                  current_interval_s=current, current_goodput=predicted(current))
+
+
+def format_advice(advice: Advice) -> list[str]:
+    a = advice
+    secs = lambda value: _cell(value, "{:.3g} s")  # noqa: E731
+    lines = ["", "  save interval advice (Daly's model; README \"Recovery report\" says when not to trust it)",
+             f"    save cost C         {secs(a.cost_s)} blocked per recovery save ({a.saves} saves); "
+             f"{secs(a.to_durable_s)} to durable",
+             f"    restart cost R      {secs(a.restart_s)} = start-up {secs(a.startup_s)} + verify {secs(a.verify_s)} "
+             f"+ download {secs(a.download_s)} + restore {secs(a.load_s)} + build and first step "
+             f"{secs(a.warm_up_s)} ({a.restarts} restarts)",
+             f"    failures            {a.failures} in {a.exposure_s:.1f} s of attempts: M = {secs(a.mtbf_s)} "
+             f"({a.mtbf_from})"]
+    if not a.trusted:
+        lines.append(f"    too few failures ({a.failures}) to estimate M; pass --assume-mtbf-secs S (e.g. the "
+                     f"cluster's known rate) for a usable interval")
+    if a.interval_s is None:
+        return lines + [f"    best interval       - ({a.formula})"]
+    lines.append(f"    best interval       {secs(a.interval_s)} of training between saves ({a.formula}; Young "
+                 f"sqrt(2CM) {secs(a.young_s)}): predicted goodput {_cell(a.predicted_goodput, '{:.1%}')}")
+    if a.current_goodput is not None:
+        gap = (a.predicted_goodput - a.current_goodput) * 100
+        lines.append(f"    current cadence     every {secs(a.current_interval_s)} of training: predicted goodput "
+                     f"{a.current_goodput:.1%} ({gap:.1f} points below the best)")
+    return lines
+
+
 def _cell(value, fmt: str = "{}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def format_report(report: Report, output: str) -> str:
-    """The terminal table: one row per attempt, then the run's totals."""
+def format_report(report: Report, output: str, advice: Advice | None = None) -> str:
+    """The terminal table: one row per attempt, then the run's totals (and the advice)."""
     lines = [f"recovery report {output}", ""]
     lines.append(f"  {'#':>3} {'attempt':<24} {'outcome':<11} {'exit':>4} {'restored':<15} {'steps':>11} "
-                 f"{'computed':>8} {'replayed':>8} {'lost':>5} {'restore s':>9} {'verify s':>8} {'save s':>7} "
+                 f"{'computed':>8} {'replayed':>8} {'lost':>5} {'abandoned':>9} {'restore s':>9} {'verify s':>8} {'save s':>7} "
                  f"{'blocked s':>9} {'to durable s':>12} {'wall s':>8}")
     for number, row in enumerate(report.rows, 1):
         wall = _cell(row.wall_s, "{:.1f}") + ("~" if row.wall_estimated else "")
         lines.append(
             f"  {number:>3} {row.id:<24} {row.outcome:<11} {_cell(row.exit_code):>4} {_cell(row.restored):<15} "
             f"{f'{row.first_step}..{row.last_step}':>11} {row.computed:>8} {row.replayed:>8} {row.lost:>5} "
+            f"{row.abandoned:>9} "
             f"{row.restore_s:>9.3f} {row.verify_s:>8.3f} {row.save_s:>7.3f} {row.blocked_s:>9.3f} "
             f"{_cell(row.time_to_durable_s, '{:.2f}'):>12} {wall:>8}")
     t = report.totals
     outcomes = ", ".join(f"{count} {name}" for name, count in t.outcomes.items()) or "none"
     lines += ["", f"  attempts           {t.attempts} ({outcomes})",
               f"  useful steps       {t.useful}",
-              f"  steps computed     {t.computed} (replayed {t.replayed}, lost {t.lost})",
-              f"  goodput            {_cell(t.goodput, '{:.1%}')}",
+              f"  steps computed     {t.computed} (replayed {t.replayed}, lost {t.lost}, abandoned {t.abandoned})",
+              f"  goodput            {_cell(t.goodput, '{:.1%}')} of the steps computed; "
+              f"{_cell(t.time_goodput, '{:.1%}')} of the time spent (start-up included)",
               f"  wall time          {t.wall_s:.1f} s in attempts"
               + (f", {t.span_s:.1f} s from first start to last end" if t.span_s is not None else ""),
               f"  lost to restarts   {t.wall_lost_s:.1f} s (restores {t.restore_s:.1f} s)",
               f"  checkpoint overhead {t.checkpoint_s:.2f} s waiting for saves = "
               f"{_cell(t.checkpoint_share, '{:.1%}')} of wall time"]
-    if any(row.wall_estimated for row in report.rows):
-        lines.append("  ~ killed: wall time up to its last step marker (or last publish)")
-    return "\n".join(lines)
+    estimated = [name for name in ("killed", "running") if any(row.wall_estimated and row.outcome == name
+                                                                 for row in report.rows)]
+    if estimated:
+        lines.append(f"  ~ {' or '.join(estimated)}: wall time up to its last step marker (or last publish)")
+    return "\n".join(lines + (format_advice(advice) if advice is not None else []))

@@ -8,7 +8,11 @@ verified generation, not an attempt record, decides where training resumes.
 
 The record is changed only through `AttemptRecorder`'s methods, each named for the event it
 records (`start`, `restored`, `set_aside`, `reached`, `mark_step`, `waited`, `published`,
-`ended`, `refused`).
+`ended`, `refused`, `cadence_changed`).
+
+Coarse progress (`progress`: [step, seconds since the start] every `every` steps) lets the
+timeline and the goodput simulator replay real step times; it stays bounded by thinning
+(MAX_PROGRESS_POINTS: every other point is dropped and `every` doubles).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from trainer.layout import (ATTEMPT_RECORD, ATTEMPT_REQUIREMENTS, ATTEMPT_SUMMAR
 if TYPE_CHECKING:  # `list` and `report` read records without importing torch
     from trainer.checkpoint.restore import Restored
     from trainer.checkpoint.section import Published
+    from trainer.run.cadence import AutoPrior
 
 log = logging.getLogger("trainer")
 
@@ -41,6 +46,10 @@ REFUSED = "refused"
 UNFINISHED = (FAILED, RUNNING)  # "running" in a record nobody holds: the process was killed
 PUBLISHED = {GENERATIONS: "generations_published", EXPORTS: "exports_published"}
 """Where a record lists what it published, per kind (GENERATIONS, EXPORTS of trainer/layout.py)."""
+PROGRESS_EVERY, MAX_PROGRESS_POINTS = 8, 128
+"""Coarse progress: a point every 8 steps at first; past 128 points, every other one goes."""
+MAX_CADENCE_CHANGES = 64
+"""The newest auto-cadence changes an attempt keeps in its record."""
 
 
 def new_attempt_id(now: datetime | None = None) -> str:
@@ -162,6 +171,33 @@ def refuse_crash_loop(records: list[dict], restoring: str | None, limit: int, at
                         f"cause, then rerun (or pass --max-failed-attempts 0)")
 
 
+def exposure_s(record: dict) -> float:
+    """Seconds the attempt ran, start-up included: its wall time, or for one that never ended
+    its last recorded progress point or publish."""
+    wall = record.get("wall_s")
+    if not isinstance(wall, (int, float)):
+        points = [p[1] for p in (record.get("progress") or {}).get("points", []) if isinstance(p, list)]
+        points += [e.get("at_s") for e in record.get(PUBLISHED[GENERATIONS], [])]
+        wall = max([at for at in points if isinstance(at, (int, float))], default=0.0)
+    startup = record.get("startup_s")
+    return float(wall) + (float(startup) if isinstance(startup, (int, float)) else 0.0)
+
+
+def auto_prior(records: list[dict], own_id: str) -> "AutoPrior":
+    """What the earlier attempts say for `--recover-every-secs auto`: how many failed over how
+    many seconds, and what a recovery save blocked on average. `own_id`'s record (this
+    attempt, `running`) is left out; every other `running` record is a killed attempt."""
+    from trainer.run.cadence import AutoPrior
+    from trainer.run.interval import FailureRate
+
+    earlier = [r for r in attempts_that_trained(records) if r.get("id") != own_id]
+    failures = sum(r.get("status") in (INTERRUPTED, PREEMPTED, FAILED, RUNNING) for r in earlier)
+    blocked = [e["blocked_s"] for r in earlier for e in r.get(PUBLISHED[GENERATIONS], [])
+               if isinstance(e.get("blocked_s"), (int, float))]
+    return AutoPrior(FailureRate(failures, sum(map(exposure_s, earlier))),
+                     sum(blocked) / len(blocked) if blocked else None)
+
+
 def world_size_change(stored_world_size: int | None, world_size: int) -> dict:
     """Record fields for a resume at a different world size (allowed only with
     --allow-drift world_size): what changed, and that exactness is not promised across it."""
@@ -224,6 +260,17 @@ class RefusedStart:
                 "previous_attempt": self.previous_attempt, "polyaxon": self.polyaxon}
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc; None elsewhere): the start-up part
+    of what a restart costs (interpreter, imports), which no other clock of ours sees."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return round(max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")), 3)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def initial_record(attempt_id: str, argv: list[str], fields: dict) -> dict:
     return {
         "id": attempt_id, "status": RUNNING, "exit_code": None, "reason": None,
@@ -231,6 +278,7 @@ def initial_record(attempt_id: str, argv: list[str], fields: dict) -> dict:
         "host": socket.gethostname(), "pid": os.getpid(), "argv": argv,
         "last_step": None, PUBLISHED[GENERATIONS]: [], PUBLISHED[EXPORTS]: [],
         "costs": {"restore_s": 0.0, "save_s": 0.0, "blocked_s": 0.0, "saves": 0},
+        "startup_s": process_age_s(), "progress": {"every": PROGRESS_EVERY, "points": []},
         **fields,
     }
 
@@ -320,7 +368,23 @@ class AttemptRecorder:
         if self._marker is None:
             self._marker = os.open(self.folder / PROGRESS_MARKER, os.O_WRONLY | os.O_CREAT, 0o644)
         os.pwrite(self._marker, f"{step:>12}\n".encode(), 0)
+        if self._marked is None:  # what the restart cost before training ran: build, restore, first step
+            self._record["first_step_s"] = self.elapsed_s()
         self._marked = step
+        progress = self._record["progress"]
+        if step % progress["every"] == 0:
+            progress["points"].append([step, self.elapsed_s()])
+            if len(progress["points"]) > MAX_PROGRESS_POINTS:
+                progress["every"] *= 2
+                progress["points"] = [p for p in progress["points"] if p[0] % progress["every"] == 0]
+            self._flush()  # at most MAX_PROGRESS_POINTS writes per doubling of the steps
+
+    def cadence_changed(self, change: dict) -> None:
+        """The auto cadence re-derived its interval (`change`: CadenceChange.as_record)."""
+        changes = self._record.setdefault("cadence_changes", [])
+        changes.append(change)
+        del changes[:-MAX_CADENCE_CHANGES]
+        self._flush()
 
     def downloaded(self, download_s: float, size: int) -> None:
         """The restored generation came from the store (no matching local-tier copy)."""

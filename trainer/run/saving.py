@@ -25,8 +25,8 @@ from trainer.checkpoint.section import Published
 from trainer.config import RunConfig
 from trainer.layout import EXPORTS, GENERATIONS
 from trainer.parallel.ranks import Ranks, StepAgreement
-from trainer.run.attempts import AttemptRecorder, utc_now
-from trainer.run.cadence import StepPoint, build_policy
+from trainer.run.attempts import AttemptRecorder, auto_prior, read_attempts, utc_now
+from trainer.run.cadence import CadenceChange, StepPoint, auto_trigger, build_policy
 from trainer.run.events import TrainingEvents
 from trainer.run.state import TrainingState
 from trainer.storage.base import AfterPublish, Durable, RunStorage
@@ -62,7 +62,12 @@ class CadencedSaves:
                                                                                   lineage, ranks)
         self.recorder, self.events = witnesses.recorder, witnesses.events
         self.sections = {GENERATIONS: checkpointer.local, EXPORTS: storage.section(EXPORTS)}
-        self.recover_policy = build_policy(config.recover)
+        self.recover_policy = build_policy(config.recover, prior=auto_prior(
+            read_attempts(storage.local.root), lineage.attempt_id) if config.recover.auto and ranks.is_primary else None)
+        self.auto = auto_trigger(self.recover_policy)
+        """`--recover-every-secs auto`: re-derived after every recovery save (rank 0 decides)."""
+        if self.auto is not None:
+            self.cadence_changed(self.auto.current, None)
         self.export_policy = build_policy(config.export)
         self.sharded = ranks.distributed and config.workload.data_parallel == "fsdp"
 
@@ -131,8 +136,15 @@ class CadencedSaves:
     def record_generations(self, published_now: list[Published], step: int | None, prune: bool = True) -> None:
         for published in published_now:
             self.published(GENERATIONS, published, step)
+            if self.auto is not None and (change := self.auto.measured(published.blocked_s)):
+                self.cadence_changed(change, published.step)
             if prune and self.ranks.is_primary:  # retention is the lock holder's job
                 self.apply_retention(GENERATIONS)
+
+    def cadence_changed(self, change: CadenceChange, step: int | None) -> None:
+        if self.ranks.is_primary:
+            log.info("%s", change.line())
+        self.recorder.cadence_changed(change.as_record(step, self.recorder.elapsed_s()))
 
     def published(self, kind: str, published: Published, step: int | None) -> None:
         self.recorder.published(kind, published, step)
