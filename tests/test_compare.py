@@ -72,7 +72,9 @@ def test_compare_table_names_the_field_and_first_difference(tmp_path, baseline):
 def test_compare_equal_generation_to_itself_and_rejects_unreadable_input(tmp_path, baseline):
     assert compare(generation(baseline), generation(baseline)).returncode == 0
     missing = compare(generation(baseline), tmp_path / "nope")
-    assert missing.returncode == 2 and "not a generation directory" in missing.stderr
+    assert missing.returncode == 2 and "nope: no such directory" in missing.stderr
+    runs = compare(baseline, baseline)  # run directories, not generations: name the one to pass
+    assert runs.returncode == 2 and f"pass {baseline}/checkpoints/step-00000064" in runs.stderr
     damaged = tmp_path / "damaged"
     shutil.copytree(generation(baseline), damaged)
     (damaged / "__0_0.distcp").write_bytes(b"garbage")

@@ -32,8 +32,11 @@ EXIT_STATUS_ENV = "TRAINER_EXIT_STATUS_FILE"
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage mistake is one line on stderr and exit 2."""
 
+    help_command: str | None = None
+    """What lists every option (a workload's own appear only with `--workload X --help`)."""
+
     def error(self, message: str):
-        raise UsageError(f"{message} (see {self.prog} --help)")
+        raise UsageError(f"{message} (see {self.help_command or self.prog + ' --help'})")
 
 
 def train_parser(workload: str = DEFAULT_WORKLOAD) -> OneLineParser:
@@ -50,6 +53,8 @@ def workload_parser(workload: str) -> tuple[OneLineParser, tuple[str, ...]]:
     trainer_names = set(vars(parser.parse_known_args([])[0]))
     found = find_factory(workload)
     declared = found.add_options(parser.add_argument_group(f"options of the workload {workload}"))
+    if workload != DEFAULT_WORKLOAD:
+        parser.help_command = f"{parser.prog} --workload {workload} --help"
     if clashes := sorted(set(declared) & trainer_names):
         raise UsageError(f"--workload {workload} declares {', '.join(clashes)}, which the trainer already has; "
                          f"rename them in its add_options")

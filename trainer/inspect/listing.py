@@ -14,7 +14,7 @@ from trainer.errors import CorruptGeneration, NothingToResume, StorageFailure
 from trainer.checkpoint.manifest import Manifest, Verification, verify_directory
 from trainer.checkpoint.section import LocalSection
 from trainer.storage.location import is_url
-from trainer.layout import MANIFEST, PROGRESS_MARKER, SECTIONS, RunDirectory, generation_step
+from trainer.layout import MANIFEST, PROGRESS_MARKER, SECTIONS, RunDirectory, generation_step, not_a_run
 
 
 def directory_bytes(path: Path) -> int:
@@ -171,6 +171,8 @@ def require_run_directory(output: Path) -> None:
         raise NothingToResume(f"{output} is not a run directory; pass the --output of a run")
     if problem := RunDirectory(output).inner_part():
         raise NothingToResume(problem)
+    if not RunDirectory(output).holds_a_run():
+        raise NothingToResume(not_a_run(output))
 
 
 def list_run(output: Path, as_json: bool) -> int:
