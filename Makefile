@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench s3-server clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,13 @@ bench: $(STAMP)
 	$(PY) bench/checkpoint_bench.py --quick
 	$(PY) bench/loop_overhead.py --quick
 	$(PY) bench/store_bench.py --quick
+
+# A local S3 server (SeaweedFS, from requirements-dev.txt) to try `--output s3://BUCKET/RUN`:
+# creates BUCKET, prints the `export AWS_...` lines (also in outputs/s3-server/env.sh), runs
+# until Ctrl-C or SIGTERM. `make s3-server BUCKET=other` names another bucket.
+BUCKET ?= my-bucket
+s3-server: $(STAMP)
+	$(PY) tests/s3server.py --dir outputs/s3-server --bucket $(BUCKET)
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import REPO, compare, generation
+from conftest import REPO, compare, generation, scaled
 from trainer.inspect.compare import value_difference
 from trainer.checkpoint.manifest import Manifest, read_manifest
 from trainer.checkpoint.snapshot import load_flat
@@ -101,4 +101,4 @@ def test_a_reader_that_leaves_early_does_not_change_the_verdict(baseline):
                                env={**os.environ, "PYTHONPATH": str(REPO)})
     process.stdout.close()  # the reader is gone before compare writes
     stderr = process.stderr.read().decode()
-    assert process.wait(timeout=120) == 0 and "Traceback" not in stderr, stderr
+    assert process.wait(timeout=scaled(600)) == 0 and "Traceback" not in stderr, stderr
