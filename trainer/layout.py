@@ -190,7 +190,8 @@ def not_a_run(folder: Path) -> str:
     """Why `folder` cannot be listed or reported, naming the runs beneath it if there are any."""
     runs = runs_beneath(folder)
     if not runs:
-        return f"{folder} is not a run directory and holds none; pass the --output of a run"
+        return (f"{folder} is not a run directory (no attempt records, generations or exports) and holds none "
+                f"beneath it; pass the --output of a run")
     more = ", …" if len(runs) == RUNS_NAMED else ""
     return (f"{folder} is not a run directory; runs beneath it: {', '.join(str(run) for run in runs)}{more}; "
             f"pass one of them")
