@@ -23,6 +23,8 @@ FIELDS = ("source", "dataset", "config", "python", "torch", "numpy", "os", "arch
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 SOURCE_FILES = "source_files"
 """Beside `source`, not one of FIELDS: each file's digest, to name what changed."""
+SHOWN_FILES = 4
+"""Changed files a refusal names (then `+N more`)."""
 
 
 def source_files(root: Path = PACKAGE_ROOT, workload: tuple[Path, ...] = ()) -> list[tuple[str, Path]]:
@@ -69,9 +71,6 @@ def changed_files(old: dict | None, new: dict | None) -> str:
             parts.append(f"{verb} {', '.join(sorted(names)[:SHOWN_FILES])}"
                          + (f" (+{len(names) - SHOWN_FILES} more)" if len(names) > SHOWN_FILES else ""))
     return "; ".join(parts)
-
-
-SHOWN_FILES = 4
 
 
 def device_kind(device: torch.device) -> str:
