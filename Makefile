@@ -3,13 +3,21 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Polyaxon's server (haupt sandbox) in a venv of its own: its pins conflict with s3fs's.
+SANDBOX_VENV := .venv-sandbox
+SANDBOX_STAMP := $(SANDBOX_VENV)/.installed
 
-.PHONY: demo test bench s3-server clean
+.PHONY: demo test bench s3-server clean polyaxon-demo
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
 	touch $(STAMP)
+
+$(SANDBOX_STAMP): requirements-sandbox.txt
+	$(PYTHON) -m venv $(SANDBOX_VENV)
+	$(SANDBOX_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r requirements-sandbox.txt
+	touch $(SANDBOX_STAMP)
 
 # Interrupt a run at step 27 (exit 75), resume it, train an uninterrupted baseline, and
 # prove the two final generations are bit-identical. Re-running replaces the demo outputs.
@@ -22,8 +30,13 @@ demo: $(STAMP)
 	$(PY) -m trainer list outputs/recovery
 	$(PY) -m trainer report outputs/recovery
 
-test: $(STAMP)
+test: $(STAMP) $(SANDBOX_STAMP)
 	$(PY) -m pytest -q -n 3 tests
+
+# Optional: Polyaxon's own server and a local agent on this machine, then the bundle's three
+# commands (run -u, ops resume, ops restart --copy) with its own files (docs/polyaxon.md).
+polyaxon-demo: $(STAMP) $(SANDBOX_STAMP)
+	$(PY) -m trainer.integrations.polyaxon.demo --sandbox $(SANDBOX_VENV)/bin/haupt
 
 # Quick checkpoint benchmarks (ratios against raw disk, torch.save and stock dcp.save measured
 # in the same run; the store's against plain S3 clients on a loopback SeaweedFS it starts);
@@ -41,4 +54,4 @@ s3-server: $(STAMP)
 	$(PY) tests/s3server.py --dir outputs/s3-server --bucket $(BUCKET)
 
 clean:
-	rm -rf outputs .pytest_cache
+	rm -rf outputs outputs-polyaxon-demo .pytest_cache

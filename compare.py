@@ -2,7 +2,8 @@
 
 A and B are generation directories or their store URLs (s3://BUCKET/RUN/checkpoints/step-…,
 downloaded and verified into a temporary directory). Exit 0 iff every field is bit-identical,
-1 if any differs, 2 if an input is unreadable, 74 if a store cannot be reached or refuses our
+1 if any differs, 2 if an input is unreadable, 65 if one holds a pickle that loading would have to
+run code for (it is never unpickled), 74 if a store cannot be reached or refuses our
 credentials, 75 if interrupted (Ctrl-C, SIGTERM). The logic lives in trainer/inspect/compare.py; this
 file is only the command.
 """
@@ -17,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trainer.errors import EXIT_INTERRUPTED, StorageFailure, TrainerError
+from trainer.errors import EXIT_INTERRUPTED, StorageFailure, TrainerError, UntrustedGeneration
 
 
 def compare(argv: list[str] | None) -> int:
@@ -35,7 +36,8 @@ def compare(argv: list[str] | None) -> int:
         results = compare_inputs(args.a, args.b)
     except TrainerError as error:
         print(f"compare: error: {error}", file=sys.stderr)
-        return error.exit_code if error.exit_code in (EXIT_INTERRUPTED, StorageFailure.exit_code) else 2
+        return error.exit_code if error.exit_code in (EXIT_INTERRUPTED, StorageFailure.exit_code,
+                                                      UntrustedGeneration.exit_code) else 2
     try:
         from trainer.inspect.compare import as_json, format_table
 
@@ -51,11 +53,11 @@ def compare_inputs(a: Path | str, b: Path | str) -> list:
     """Field results of two generations; one named by store URL is downloaded (verified while it
     streams) into a temporary directory that is gone afterwards."""
     from trainer.inspect.compare import compare_states, load_generation
-    from trainer.inspect.object_store import local_generation
+    from trainer.inspect.sources import open_source
 
     with tempfile.TemporaryDirectory(prefix="compare-") as scratch:
-        return compare_states(load_generation(local_generation(a, Path(scratch) / "a")),
-                              load_generation(local_generation(b, Path(scratch) / "b")))
+        return compare_states(load_generation(open_source(a).generation(Path(scratch) / "a")),
+                              load_generation(open_source(b).generation(Path(scratch) / "b")))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,7 +76,8 @@ from trainer.checkpoint.writer import WriterConfig  # noqa: E402
 from trainer.storage.location import StoreLocation  # noqa: E402
 from trainer.storage.object.client import ObjectStore, open_filesystem  # noqa: E402
 from trainer.layout import MANIFEST, RunDirectory, generation_name  # noqa: E402
-from trainer.storage.object.tiering import GENERATIONS_SECTION, RemoteRun, StoreRetention, Uploader  # noqa: E402
+from trainer.layout import GENERATIONS  # noqa: E402
+from trainer.storage.object.tiering import RemoteRun, StoreRetention, Uploader  # noqa: E402
 
 warnings.filterwarnings("ignore")
 NO_FENCE = lambda: None  # noqa: E731 - one writer, no lease
@@ -264,7 +265,7 @@ class Bench:
         uploader = Uploader(self.remote, 2, NO_FENCE, StoreRetention(None, None, None), frozenset())
         try:
             name, started, local_s = self.publish_locally()
-            uploader.submit(GENERATIONS_SECTION, name, self.local.path(name), started)
+            uploader.submit(GENERATIONS, name, self.local.path(name), started)
             blocked = time.monotonic() - started
             (durable,) = uploader.drain()
         finally:
@@ -333,7 +334,7 @@ class Bench:
             began = time.monotonic()
             for _ in range(saves):
                 name, started, local_s = self.publish_locally()
-                waited = uploader.submit(GENERATIONS_SECTION, name, self.local.path(name), started)
+                waited = uploader.submit(GENERATIONS, name, self.local.path(name), started)
                 rows.append({"local_write_s": local_s, "waited_s": waited, "blocked_s": time.monotonic() - started})
                 names.append(name)
             loop_s = time.monotonic() - began

@@ -1,9 +1,11 @@
 """The package's layering, read from the source: dependencies point one way
-(cli → loop → recovery/export → storage), and `trainer/recovery/` never reaches up."""
+(cli → integrations → run → inspect, parts → storage → checkpoint → leaves), the loop never
+asks which backend holds the run directory, and it reads in one sitting."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -13,25 +15,29 @@ from conftest import REPO
 PACKAGE = REPO / "trainer"
 
 LAYERS = [
-    # Leaves: names, errors, configuration, test seams, private-API wrappers.
-    {"trainer.errors", "trainer.layout", "trainer.config", "trainer.parallel.launch", "trainer.seams", "trainer.compat",
-     "trainer.options", "trainer.storage.location"},
-    # Storage and recovery: generations, manifests, the publish protocol, save and restore;
-    # the same sealed directories in an object store, and its lease.
-    {"trainer.checkpoint", "trainer.storage"},
-    # What a run is made of, each usable on its own.
-    {"trainer.run.state", "trainer.run.cadence", "trainer.checkpoint.retention", "trainer.checkpoint.export", "trainer.storage.lock",
-     "trainer.run.preemption", "trainer.run.events", "trainer.run.batching", "trainer.run.fetching", "trainer.run.fingerprint",
-     "trainer.workload", "trainer.run.attempts", "trainer.parallel.ranks", "trainer.run.runtime", "trainer.inspect.compare",
-     "trainer.inspect.listing", "trainer.inspect.report", "trainer.inspect.timeline", "trainer.run.progress", "trainer.storage.object.tiering",
-     "trainer.inspect.object_store"},
-    # Saving on cadence and stepping the optimizer, then the loop that runs one attempt.
-    {"trainer.run.saving", "trainer.run.stepping", "trainer.storage.object.backend"},
+    # Leaves: names, errors, configuration, test seams, private-API wrappers, the launcher's variables.
+    {"trainer.errors", "trainer.layout", "trainer.config", "trainer.parallel.launch", "trainer.seams",
+     "trainer.compat", "trainer.options", "trainer.storage.location"},
+    # Generations and exports: manifests, the atomic publish, DCP writes and reads, save and restore.
+    {"trainer.checkpoint"},
+    # Where a run directory lives: one backend interface, local disk or an object store.
+    {"trainer.storage"},
+    # What a run is made of, each usable on its own; the read-only commands.
+    {"trainer.run.state", "trainer.run.cadence", "trainer.run.preemption", "trainer.run.events",
+     "trainer.run.batching", "trainer.run.fetching", "trainer.run.fingerprint", "trainer.run.attempts",
+     "trainer.run.runtime", "trainer.run.progress", "trainer.parallel.ranks", "trainer.workload",
+     "trainer.inspect"},
+    # One attempt, bottom up: stepping, saving on cadence and the claim; the record, the
+    # restore and the training steps; the loop that runs them.
+    {"trainer.run.saving", "trainer.run.stepping", "trainer.run.claim"},
+    {"trainer.run.recording", "trainer.run.restoring", "trainer.run.training"},
     {"trainer.run.loop"},
-    # The edges: Polyaxon tracking and where a tracked run keeps its run directory, the command line.
-    {"trainer.integrations.polyaxon.tracking", "trainer.integrations.polyaxon.placement"},
-    {"trainer.cli", "trainer.__main__"},
+    # The edges: Polyaxon, then the command line.
+    {"trainer.integrations"},
+    {"trainer.flags", "trainer.cli", "trainer.__main__"},
 ]
+PACKAGES = ["trainer.run", "trainer.parallel", "trainer.checkpoint", "trainer.storage", "trainer.inspect",
+            "trainer.integrations", "trainer.workload"]
 
 
 def module_name(path: Path) -> str:
@@ -40,27 +46,44 @@ def module_name(path: Path) -> str:
 
 
 def layer_of(module: str) -> int:
+    """The layer of the longest entry that names the module or a package above it."""
+    best = None
     for index, members in enumerate(LAYERS):
-        if any(module == member or module.startswith(member + ".") for member in members):
-            return index
-    raise AssertionError(f"{module} is in no layer: add it to LAYERS in {Path(__file__).name}")
+        for member in members:
+            if module == member or module.startswith(member + "."):
+                if best is None or len(member) > len(best[1]):
+                    best = (index, member)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS in {Path(__file__).name}")
+    return best[0]
 
 
-def trainer_imports(path: Path) -> set[str]:
-    """Every trainer module the file imports, at any depth (lazy imports count too)."""
+def trainer_imports(path: Path, top_level_only: bool = False) -> set[str]:
+    """Every trainer module the file imports, at any depth (lazy imports count too, unless
+    `top_level_only`)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trainer"):
             names = [f"{node.module}.{alias.name}" for alias in node.names]
             # `from trainer import seams` imports a module; `from trainer.x import Y` a name in x.
-            found |= {name if (PACKAGE / Path(*name.split(".")[1:])).with_suffix(".py").exists() else node.module
-                      for name in names}
+            found |= {name if _is_module(name) else node.module for name in names}
         elif isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names if alias.name.startswith("trainer")}
     return found
 
 
+def _is_module(name: str) -> bool:
+    relative = Path(*name.split(".")[1:])
+    return (PACKAGE / relative).with_suffix(".py").exists() or (PACKAGE / relative / "__init__.py").exists()
+
+
 SOURCES = sorted(PACKAGE.rglob("*.py"))
+RUN = sorted((PACKAGE / "run").glob("*.py"))
+ONE_ATTEMPT = [PACKAGE / "run" / f"{name}.py" for name in ("loop", "claim", "recording", "restoring", "training",
+                                                             "saving")]
+"""The modules the loop is made of (the parts below them are used elsewhere too)."""
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(REPO)))
@@ -70,10 +93,92 @@ def test_no_module_imports_a_higher_layer(path):
     assert not upward, f"{module} (layer {layer_of(module)}) imports {upward} from a higher layer"
 
 
-def test_recovery_imports_nothing_from_the_run_around_it():
-    forbidden = {"trainer.run.loop", "trainer.cli", "trainer.parallel.ranks", "trainer.integrations.polyaxon.tracking", "trainer.run.attempts"}
+def test_every_module_lives_in_a_package_by_concern():
+    """Top level holds only the leaves and the command line; everything else is in a package."""
+    top = {module_name(path) for path in PACKAGE.glob("*.py")}
+    assert top == {"trainer", "trainer.__main__", "trainer.cli", "trainer.flags", "trainer.errors", "trainer.layout",
+                   "trainer.config", "trainer.seams", "trainer.compat", "trainer.options"}, top
+    assert {module_name(path.parent / "__init__.py") for path in PACKAGE.glob("*/__init__.py")} | {"trainer.workload"} \
+        >= {p for p in PACKAGES}
+
+
+def test_no_import_cycles_between_modules():
+    graph = {module_name(path): {imported for imported in trainer_imports(path, top_level_only=True)}
+             for path in SOURCES}
+    state: dict[str, int] = {}
+
+    def visit(module: str, trail: list[str]) -> None:
+        if state.get(module) == 2:
+            return
+        assert state.get(module) != 1, f"import cycle: {' → '.join(trail + [module])}"
+        state[module] = 1
+        for imported in sorted(graph.get(module, ())):
+            visit(imported, trail + [module])
+        state[module] = 2
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_checkpoint_imports_nothing_from_the_run_around_it():
     for path in sorted((PACKAGE / "checkpoint").glob("*.py")):
-        assert not trainer_imports(path) & forbidden, path
+        imported = trainer_imports(path)
+        assert not {name for name in imported if name.split(".")[1] in {"run", "storage", "inspect", "integrations",
+                                                                         "cli", "parallel"}}, (path, imported)
+
+
+BACKEND_WORDS = {"store", "remote", "uploader", "storage", "lease", "tier", "checkpointer"}
+
+
+def names_a_backend(code: str) -> bool:
+    return bool(BACKEND_WORDS & set(re.findall(r"[a-z]+", code.lower())))
+
+
+def backend_questions(path: Path) -> list[str]:
+    """Places where code asks which backend it holds: `x.store is None`, `isinstance(x,
+    SomeStorage)`, `getattr(checkpointer, "…")`, or a branch on `config.store`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+            if names_a_backend(ast.unparse(node.left)):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("isinstance", "getattr"):
+            if names_a_backend(ast.unparse(node)):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, (ast.If, ast.IfExp)) and "config.store" in ast.unparse(node.test):
+            found.append(f"{path.name}:{node.lineno}: if {ast.unparse(node.test)}")
+    return found
+
+
+@pytest.mark.parametrize("path", RUN, ids=lambda p: p.name)
+def test_the_run_never_asks_which_backend_it_holds(path):
+    assert not backend_questions(path), backend_questions(path)
+
+
+def test_the_backend_check_can_fail(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("if self.store is None:\n    pass\nif getattr(self.checkpointer, 'durable_on_save', False):\n"
+                      "    pass\nx = 1 if config.store else 2\n")
+    assert len(backend_questions(sample)) == 3
+
+
+def test_the_loop_reads_in_one_sitting():
+    """loop.py ≤ 200 lines, no function over 60 lines, no class over 200, no parameter list
+    over 6 in the modules of one attempt, and no checkpoint internal imported by the loop."""
+    loop = PACKAGE / "run" / "loop.py"
+    assert len(loop.read_text().splitlines()) <= 200
+    for path in ONE_ATTEMPT:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = node.end_lineno - node.lineno + 1
+                assert size <= 60, f"{path.name}:{node.name} is {size} lines"
+                arguments = [a for a in node.args.args + node.args.kwonlyargs if a.arg not in ("self", "cls")]
+                assert len(arguments) <= 6, f"{path.name}:{node.name} takes {len(arguments)} parameters"
+            elif isinstance(node, ast.ClassDef):
+                size = node.end_lineno - node.lineno + 1
+                assert size <= 200, f"{path.name}:{node.name} is {size} lines"
+    assert not {name for name in trainer_imports(loop) if name.startswith(("trainer.checkpoint", "trainer.storage."))
+                and name != "trainer.storage.opening"}
 
 
 def test_the_layer_check_can_fail():
@@ -81,9 +186,11 @@ def test_the_layer_check_can_fail():
     assert "trainer.run.loop" in trainer_imports(PACKAGE / "cli.py")
     assert layer_of("trainer.run.loop") > layer_of("trainer.checkpoint.checkpointer")
     assert layer_of("trainer.checkpoint.section") > layer_of("trainer.layout")
+    assert layer_of("trainer.storage.base") > layer_of("trainer.checkpoint.section")
+    assert layer_of("trainer.storage.location") < layer_of("trainer.checkpoint.section")
 
 
 def test_the_loop_depends_on_the_workload_protocol_not_the_example():
-    imported = trainer_imports(PACKAGE / "run" / "loop.py") | trainer_imports(PACKAGE / "run" / "saving.py")
+    imported = set().union(*(trainer_imports(path) for path in RUN))
     assert not any(name.startswith("trainer.workload.example") or name.startswith("trainer.workload.data")
                    for name in imported), imported

@@ -64,3 +64,47 @@ def test_deterministic_algorithms_are_on_without_importing_inductor():
              "assert inductor.deterministic is True\n")
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=scaled(300))
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- the .metadata allowlist
+def test_the_metadata_allowlist_is_pinned_to_the_installed_torch():
+    """trainer/checkpoint/allowlist.py names private DCP classes too: each still exists, the
+    dtype names are exactly torch's, and the version checked is the one installed. Upgrading
+    torch fails here first, naming what to re-check."""
+    import importlib
+
+    from trainer.checkpoint import allowlist
+
+    for module, name in sorted(allowlist.METADATA_GLOBALS):
+        assert getattr(importlib.import_module(module), name, None) is not None, f"{module}.{name} is gone"
+    assert allowlist.TORCH_DTYPES == {name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
+    assert torch.__version__.split("+")[0] == allowlist.CHECKED_TORCH, "re-check the allowlist for this torch"
+
+
+def test_a_real_metadata_names_only_allowlisted_globals(tmp_path):
+    """What DCP of this torch pickles into `.metadata` for every kind of entry the trainer
+    stores (tensors of several dtypes, bytes values, nested containers) stays inside the
+    allowlist, and reads back equal through it."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.checkpoint import allowlist
+    from trainer.checkpoint.safe_load import read_metadata
+
+    state = {"w": torch.zeros(3, dtype=torch.bfloat16), "n": torch.arange(4), "b": torch.ones(2, dtype=torch.bool),
+             "lr": 0.1, "betas": (0.9, 0.99), "name": "x", "none": None, "list": [1, 2.0]}
+    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    data = (tmp_path / ".metadata").read_bytes()
+    seen = set()
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            seen.add((module, name))
+            return super().find_class(module, name)
+
+    Recording(__import__("io").BytesIO(data)).load()
+    assert all(allowlist.allowed(module, name) for module, name in seen), sorted(seen)
+    assert allowlist.metadata_problem(data) is None
+    assert read_metadata(tmp_path).state_dict_metadata.keys() == dcp.FileSystemReader(
+        str(tmp_path)).read_metadata().state_dict_metadata.keys()

@@ -146,7 +146,7 @@ def test_verify_accepts_a_good_run_and_a_single_generation(interrupted):
 
 def test_manifest_records_what_it_promises(interrupted):
     manifest = json.loads((generation(interrupted, "step-00000024") / "manifest.json").read_text())
-    assert manifest["format_version"] == 1 and manifest["kind"] == "recovery"
+    assert manifest["format_version"] == 2 and manifest["kind"] == "recovery"
     assert (manifest["step"], manifest["epoch"], manifest["position"]) == (24, 3, 0)
     assert ".metadata" in manifest["files"] and all(
         name == ".metadata" or (name.startswith("__0_") and name.endswith(".distcp")) for name in manifest["files"])

@@ -18,10 +18,14 @@ FACTS = GenerationFacts(step=24, epoch=3, position=0, fingerprint={"world_size":
                         cadence={"recover": {}, "export": {}}, created_utc="2026-12-01T00:00:00+00:00")
 
 
+INDEX = b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n)\x81."
+"""A `.metadata` that passes the allowlist check (an empty DCP Metadata), without torch."""
+
+
 def sealed(directory: Path, kind: str = "recovery", files: dict | None = None) -> Manifest:
     """A directory whose files are listed, with their real digests, in its manifest."""
     directory.mkdir()
-    names = files or ({".metadata": b"index", "__0_0.distcp": b"shard"} if kind == "recovery"
+    names = files or ({".metadata": INDEX, "__0_0.distcp": b"shard"} if kind == "recovery"
                       else {"model.safetensors": b"weights", "config.json": b"{}"})
     for name, data in names.items():
         (directory / name).write_bytes(data)
@@ -53,7 +57,9 @@ def test_export_manifest_has_no_generation_fields(tmp_path):
 
 @pytest.mark.parametrize("change, reason", [
     (lambda d: d.update(format="other"), "not a training-recovery manifest"),
-    (lambda d: d.update(format_version=2), "format_version 2 is not 1"),
+    (lambda d: d.update(format_version=3), "format_version 3 is not one this trainer reads"),
+    (lambda d: d.update(signature={"algorithm": "hmac-md5", "hmac": "0" * 32}), "signature algorithm 'hmac-md5'"),
+    (lambda d: d.update(signature={"algorithm": "hmac-sha256", "hmac": "xyz"}), "signature hmac is not 64 hex"),
     (lambda d: d.pop("files"), "no file list"),
     (lambda d: d.update(digest="md5"), "no file list"),
     (lambda d: d["files"].update({"x": {"bytes": "3"}}), "the entry for x is not {bytes, sha256}"),
@@ -126,3 +132,25 @@ def test_a_damaged_candidate_names_the_newest_earlier_one_that_verifies():
     with pytest.raises(CorruptGeneration, match="no earlier generation verifies"):
         require_verified(verify("step-00000024"), [], verify)
     require_verified(verify("step-00000008"), [], verify)  # verified: no error
+
+
+def test_a_format_1_manifest_still_reads_and_a_signature_covers_every_field(tmp_path):
+    """Generations written before safe loading (format_version 1) read as before; a signature
+    is over the manifest's canonical bytes, so changing any field (a file's sha256 included)
+    breaks it, and an unsigned manifest is refused with a key unless adopted."""
+    from trainer.checkpoint.signing import Signing, encode_signed
+
+    data = sealed(tmp_path / "g").to_json()
+    assert Manifest.from_json({**data, "format_version": 1}).step == 24
+    signing = Signing(b"k" * 16)
+    signed = Manifest.from_json(json.loads(encode_signed(data, signing)))
+    assert signing.problem(signed.signature, signed.canonical) is None
+    assert "not match" in Signing(b"o" * 16).problem(signed.signature, signed.canonical)
+    changed = json.loads(encode_signed(data, signing))
+    changed["files"][".metadata"]["sha256"] = "0" * 64
+    tampered = Manifest.from_json(changed)
+    assert "not match" in signing.problem(tampered.signature, tampered.canonical)
+    unsigned = Manifest.from_json(data)
+    assert "--allow-unsigned" in signing.problem(unsigned.signature, unsigned.canonical)
+    assert Signing(b"k" * 16, allow_unsigned=True).problem(unsigned.signature, unsigned.canonical) is None
+    assert "k" * 16 not in repr(signing)

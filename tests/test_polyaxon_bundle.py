@@ -21,7 +21,8 @@ from conftest import JOB_FILE, POLYAXONFILES, PRESETS, REPO, check_all, preset_t
 from trainer.cli import train_parser
 
 FLAG = re.compile(r"^(--[a-z0-9-]+)=")
-NOT_INPUTS = {"--output", "--tracked", "--help", "--local-tier"}  # set by the bundle itself (TRAINER_LOCAL_TIER), not by the user
+NOT_INPUTS = {"--output", "--tracked", "--help", "--local-tier",  # set by the bundle itself (TRAINER_LOCAL_TIER), not by the user
+              "--signing-key-file"}  # the bundle's mount of the Secret named by the input signing_key_secret
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +129,7 @@ def test_rendered_container_runs_the_tracked_trainer_with_options_our_parser_acc
     for script in scripts:
         argv = trainer_argv(script)
         assert "--tracked" in argv and not any(a.startswith("--output") for a in argv)
-        assert "pip" not in script  # the image (docker/Dockerfile) holds the requirements and the code
+        assert "-r requirements.txt" in script  # the public base image: the pinned requirements at start
         args = train_parser().parse_args(argv)  # every rendered flag is a real trainer option
         if "interrupt_at_step" in declared:
             assert args.interrupt_at_step == 27
@@ -141,7 +142,7 @@ def test_rendered_container_runs_the_tracked_trainer_with_options_our_parser_acc
 def test_job_renders_defaults_unset_options_and_presets_as_documented(tmp_path):
     compiled = render([JOB_FILE])
     container = compiled.run.container
-    assert container.working_dir == "/opt/training-recovery"  # where docker/Dockerfile puts the code
+    assert container.working_dir is None  # the script enters the upload, else the image's code
     assert compiled.run.environment.restart_policy == "Never"
     assert re.fullmatch(r"[a-z0-9.-]+:[0-9][0-9a-z.-]+", container.image), "the image must be pinned to a version"
     (script,) = container_scripts(compiled)
@@ -181,7 +182,7 @@ def test_job_inputs_cover_every_trainer_option_with_its_default():
     for name, io in declared.items():
         assert io.get("description"), f"input {name} has no description"
         flag = FLAG.match(io.get("argFormat", "")) or re.search(r"(--[a-z0-9-]+)=", io.get("argFormat", ""))
-        by_flag[flag.group(1) if flag else f"--{name}"] = io
+        by_flag[flag.group(1) if flag else f"--{name.replace('_', '-')}"] = io
     for action in parser._actions:
         flag = next((o for o in action.option_strings if o.startswith("--")), None)
         if flag is None or flag in NOT_INPUTS:
@@ -228,3 +229,21 @@ def test_a_plug_in_workload_and_its_own_options_reach_the_trainer_from_the_polya
     parser, _ = workload_parser(chosen_workload(argv))
     parsed = parser.parse_args(argv + ["--output", "unused"])
     assert (parsed.block_size, parsed.grad_accum) == (32, 2)
+
+
+def test_the_signing_key_is_off_by_default_and_mounted_from_a_secret_when_named():
+    """Input signing_key_secret: unset, no key option and the trainer signs nothing; set, the
+    Secret is mounted read-only and the trainer reads the key from the file (never argv)."""
+    plain = render([JOB_FILE])
+    assert not any(a.startswith("--signing-key-file") for a in trainer_argv(container_scripts(plain)[0]))
+    signed = render([JOB_FILE], {"signing_key_secret": "run-signing"})
+    argv = trainer_argv(container_scripts(signed)[0])
+    assert "--signing-key-file=/signing/signing.key" in argv
+    assert train_parser().parse_args(argv).signing_key_file == Path("/signing/signing.key")
+    volume = next(v for v in signed.run.to_dict()["volumes"] if v["name"] == "signing-key")
+    assert volume["secret"]["secretName"] == "run-signing" and volume["secret"]["optional"] is True
+    mount = next(m for m in signed.run.to_dict()["container"]["volumeMounts"] if m["name"] == "signing-key")
+    assert mount["mountPath"] == "/signing" and mount["readOnly"] is True
+    adopting = trainer_argv(container_scripts(render([JOB_FILE], {"signing_key_secret": "run-signing",
+                                                                  "allow_unsigned": True}))[0])
+    assert train_parser().parse_args(adopting).allow_unsigned

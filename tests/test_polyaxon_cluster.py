@@ -83,6 +83,18 @@ def pod_specs(resource: dict) -> list[dict]:
     return [r["template"]["spec"] for r in replicas.values()]
 
 
+def assert_runs_the_upload_else_the_image(script: str, installs: bool, torch_build: str = "cpu") -> None:
+    """`-u` runs the upload: the script enters the run's uploads when they exist, else the baked
+    image's code, else stops with exit 2; then installs requirements.txt (or not), then trains."""
+    chosen = re.search(r'if \[ -d "(?P<run>/plx-context/artifacts/[0-9a-f]+)/uploads" \]; then cd "(?P=run)/uploads";?\s*'
+                       r'elif \[ -d /opt/training-recovery \]; then cd /opt/training-recovery;?\s*else .*?exit 2;? ?fi', script)
+    assert chosen, script[:600]
+    install = f'--extra-index-url "https://download.pytorch.org/whl/{torch_build}" -r requirements.txt'
+    assert (install in script) == installs and ("pip" in script) == installs
+    if installs:
+        assert chosen.end() < script.index(install) < script.index("-m trainer")
+
+
 # ------------------------------------------------------------------------------- converter
 @pytest.mark.parametrize("files", combinations(), ids=lambda fs: "+".join(f.stem for f in fs))
 def test_every_combination_renders_the_job_the_cluster_needs(files):
@@ -102,10 +114,11 @@ def test_every_combination_renders_the_job_the_cluster_needs(files):
         containers = {c["name"]: c for c in spec["containers"]}
         assert main in containers, f"podFailurePolicy names {main}, the pod has {sorted(containers)}"
         container = containers[main]
-        assert container["image"] == f"training-recovery:2.13.0-{'cu128' if gpu else 'cpu'}"
-        assert container["workingDir"] == "/opt/training-recovery"
+        baked = PRESET["baked-image"] in files
+        assert container["image"] == ("training-recovery:2.13.0-cpu" if baked else "python:3.11.7-slim-bookworm")
+        assert "workingDir" not in container  # the script picks the code folder
         script = " ".join(container["command"] + container["args"])
-        assert "pip" not in script, "attempts must not install packages"
+        assert_runs_the_upload_else_the_image(script, installs=not baked, torch_build="cu128" if gpu else "cpu")
         args = train_parser().parse_args(trainer_argv(script))
         assert args.tracked and args.preempt_grace_secs <= KUBERNETES_DEFAULT_GRACE_S - 10
         if PRESET["from-generation"] in files:
@@ -207,11 +220,11 @@ def test_every_replica_reaches_the_artifacts_store_and_finds_the_same_run_direct
 
         placement = place_run(container_environ(container), None, world_size(polyaxonfile, workers))
         if store == "s3":
-            assert placement.output == f"s3://plx-artifacts/{UUID}/outputs"
+            assert placement.output == f"s3://plx-artifacts/training-recovery/{UUID}"
             assert placement.local_tier == Path("/local-tier") / UUID
             assert placement.environment == {}  # the credentials are environment variables already
         else:
-            assert placement.output == Path("/plx-store") / UUID / "outputs" and placement.local_tier is None
+            assert placement.output == Path("/plx-store") / "training-recovery" / UUID and placement.local_tier is None
         assert placement.connection == connection["name"] and placement.warning is None
 
 
@@ -232,7 +245,7 @@ def test_a_secret_mounted_as_files_reaches_s3fs_as_environment_variables(tmp_pat
         (folder / name).write_text(value)
     environ = {**container_environ(container), "AWS_ENDPOINT_URL": "http://set-already:9000"}
     placement = place_run(environ)
-    assert placement.output == f"s3://plx-artifacts/team/{UUID}/outputs"
+    assert placement.output == f"s3://plx-artifacts/team/training-recovery/{UUID}"
     assert placement.environment == {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "secret"}
 
 
@@ -292,7 +305,7 @@ def test_a_local_tier_the_sidecar_would_upload_is_refused(tmp_path):
 def test_a_tracked_run_writes_its_generations_straight_into_the_s3_artifacts_store(tmp_path, s3_bucket):
     """End to end through the CLI against a real S3 server, offline, with an S3 connection in the
     catalog and the AWS_* variables a mounted secret gives: every generation is committed under
-    `<bucket>/<uuid>/outputs/checkpoints/`, the local tier sits where TRAINER_LOCAL_TIER says,
+    `<bucket>/training-recovery/<uuid>/checkpoints/`, the local tier sits where TRAINER_LOCAL_TIER says,
     and the lineage points at the store's copy, not at the local tier."""
     run_uuid = "5eed0000" * 4
     connection = {**S3_STORE, "schema": {"bucket": s3_bucket.url}}
@@ -300,24 +313,26 @@ def test_a_tracked_run_writes_its_generations_straight_into_the_s3_artifacts_sto
     env = {**offline_store_env(tmp_path, run_uuid, connection, TRAINER_LOCAL_TIER=str(tier)), **s3_bucket.env()}
     result = run_cli("--tracked", "--epochs", "2", "--samples", "32", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    url = f"{s3_bucket.url}/{run_uuid}/outputs"
+    url = f"{s3_bucket.url}/training-recovery/{run_uuid}"
     assert f"tracking: generations go straight to {url} (artifacts store plx-s3; local tier {tier / run_uuid})" \
         in result.stdout
-    keys = s3_bucket.keys(f"{run_uuid}/outputs/")
+    prefix = f"training-recovery/{run_uuid}"
+    keys = s3_bucket.keys(f"{prefix}/")
     for name in ("step-00000002", "step-00000004"):
-        assert f"{run_uuid}/outputs/checkpoints/{name}/manifest.json" in keys
-    assert f"{run_uuid}/outputs/exports/step-00000004/manifest.json" in keys
-    assert any(k.startswith(f"{run_uuid}/outputs/attempts/") and k.endswith("attempt.json") for k in keys)
+        assert f"{prefix}/checkpoints/{name}/manifest.json" in keys
+    assert f"{prefix}/exports/step-00000004/manifest.json" in keys
+    assert any(k.startswith(f"{prefix}/attempts/") and k.endswith("attempt.json") for k in keys)
+    assert not s3_bucket.keys(f"{run_uuid}/outputs/checkpoints/")  # nothing where Polyaxon's copies write
     record = attempts(tier / run_uuid)[0]
     assert record["durable"]["generations_published"] == "step-00000004" and record["polyaxon"]["run_uuid"] == run_uuid
     folder = tmp_path / "offline" / "runs" / run_uuid
     assert not (folder / "outputs" / "checkpoints").exists()
-    # The reference names the store URL (in its summary); Polyaxon's own path is relative to the
-    # run, `outputs/…`, where the store holds it (a local-tier path would have become `checkpoints/…`).
+    # The reference names the store URL (in its summary); Polyaxon's own path is what follows the
+    # run uuid in it: the path inside the run directory.
     lineage = {a["name"]: a for a in json.loads((folder / "lineages.plx.json").read_text())}
     for name, path in (("generation", "checkpoints"), ("export", "exports")):
         reference = lineage[f"{name}-step-00000004"]
-        assert reference["path"] == f"outputs/{path}/step-00000004"
+        assert reference["path"] == f"{path}/step-00000004"
         assert reference["summary"]["path"] == f"{url}/{path}/step-00000004"
     outputs = json.loads((folder / "run.plx.json").read_text())["outputs"]
     assert (outputs["newest_generation"], outputs["export_path"]) == ("step-00000004", "exports/step-00000004")
@@ -376,28 +391,6 @@ def test_lineage_of_a_bucket_store_run_names_the_store_once_the_store_holds_it(t
     assert run.outputs == {"newest_generation": "step-00000008"}
 
 
-def test_a_copy_that_would_race_the_trainer_into_the_store_is_refused(tmp_path):
-    from types import SimpleNamespace
-
-    from trainer.cli import refuse_a_racing_copy
-    from trainer.integrations.polyaxon.placement import RunPlacement
-    from trainer.integrations.polyaxon.tracking import PolyaxonEvents
-
-    def events(kind):
-        run = SimpleNamespace(run_uuid=UUID, get_outputs_path=lambda: str(tmp_path),
-                              run_data=SimpleNamespace(original=SimpleNamespace(kind=kind, uuid="feedbeef")))
-        return PolyaxonEvents(run, "managed", None)
-
-    bucket = RunPlacement(f"s3://plx-artifacts/{UUID}/outputs", tmp_path / "tier", kind="bucket")
-    with pytest.raises(UsageError, match="ops restart --copy. of run feedbeef.*ops resume -uid feedbeef"):
-        refuse_a_racing_copy(events("copy"), bucket)
-    with pytest.raises(UsageError, match="racing this trainer"):
-        refuse_a_racing_copy(events("copy"), RunPlacement(tmp_path / "store", kind="volume"))
-    refuse_a_racing_copy(events("copy"), RunPlacement(None))  # the sidecar's outputs path: the copy is there
-    refuse_a_racing_copy(events("restart"), bucket)
-    refuse_a_racing_copy(events(None), bucket)
-
-
 # ------------------------------------------------------------------------------- precedence
 def test_presets_are_applied_after_params_and_set_only_what_they_are_about():
     """The documented rule, measured: a preset beats a -P of the same name, so presets here do
@@ -411,7 +404,8 @@ def test_presets_are_applied_after_params_and_set_only_what_they_are_about():
     assert "--recover-every-steps=4" in argv  # set by the preset: the preset wins (documented)
     user_choices = {"keep_last", "keep_every", "keep_exports", "epochs", "samples", "batch_size", "lr", "seed",
                     "image", "workers", "preempt_grace_secs"}
-    about = {"step-cadence": {"keep_every"}}  # milestones are part of that cadence
+    about = {"step-cadence": {"keep_every"},  # milestones are part of that cadence
+             "baked-image": {"image"}}  # the preset is the image (copied, with the user's registry)
     for preset in PRESETS:
         params = set(yaml.safe_load(preset.read_text()).get("params") or {})
         assert not params & (user_choices - about.get(preset.stem, set())), preset.name
@@ -551,63 +545,3 @@ def test_save_on_sigterm_fits_well_inside_the_grace(tmp_path):
     print(f"SIGTERM to exit 75 with step {saved['step']} saved: {elapsed:.2f} s (grace {default_grace:g} s)")
     # 1.7–2.6 s measured on the shared 2-core VM; the bound leaves room for a loaded machine.
     assert elapsed < 0.75 * default_grace, f"save on SIGTERM took {elapsed:.1f} s of a {default_grace:g} s grace"
-
-
-# ------------------------------------------------------------------------------- server path
-def server_resume(original: dict, files: list[str], recompile: bool) -> list[str]:
-    """The trainer argv of a run started with `-P original` and then given `ops resume -f FILES`
-    (`--recompile` or not), on the public server's path, rebuilt with the 2.18 client's own
-    functions. CLI (`_cli/operations.py` resume/restart): the files are merged and read as one
-    preset. Server (haupt 2.16.1 `orchestration/operations/service.py` resume_run/_clone_run →
-    init_run): without --recompile the run's original operation is compiled with that content as
-    override, but `params = op_spec.params` keeps the *original* params, which the scheduler
-    applies; with --recompile the content itself is the operation, params included."""
-    from polyaxon._config.spec import ConfigSpec
-    from polyaxon._polyaxonfile import read_polyaxonfile
-    from polyaxon.polyaxonfile import CompiledOperationSpecification, OperationSpecification, check_polyaxonfile
-    from polyaxon.schemas import V1Operation
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        started = check_polyaxonfile(polyaxonfile=[str(JOB_FILE)], params=original, is_cli=False,
-                                     strict_params=True, verbose=False)
-        content = read_polyaxonfile(ConfigSpec.read_from(files), is_preset=True).to_source_json()
-        if recompile:
-            op_spec = V1Operation.read(content)
-            compiled = OperationSpecification.compile_operation(op_spec)
-        else:
-            op_spec = V1Operation.read(started.to_json())  # the run's raw_content
-            compiled = OperationSpecification.compile_operation(op_spec, override=content,
-                                                                use_override_patch_strategy=True)
-        params = {name: param.to_dict() for name, param in (op_spec.params or {}).items()}  # run.params
-        compiled = CompiledOperationSpecification.apply_params(compiled, params=params, context={})
-        compiled = CompiledOperationSpecification.apply_operation_contexts(compiled)
-        compiled = CompiledOperationSpecification.apply_runtime_contexts(compiled)
-    env = [e if isinstance(e, dict) else e.to_dict() for e in compiled.run.container.env or []]
-    return trainer_argv(compiled.run.container.args[0]) + [f"ENV {e['name']}={e['value']}" for e in env]
-
-
-def test_ops_resume_with_presets_applies_their_runpatch_but_not_their_params(tmp_path):
-    """The override form: docs/polyaxon.md says so; if this starts failing, the server path
-    changed and the docs must follow."""
-    preset = tmp_path / "preset.yaml"
-    preset.write_text("version: 1.1\nkind: operation\nparams:\n  resume: latest\nrunPatch:\n  container:\n"
-                      "    env:\n      - name: PRESET_SEEN\n        value: 'yes'\n")
-    argv = server_resume({"interrupt_at_step": 27}, [str(preset)], recompile=False)
-    assert "ENV PRESET_SEEN=yes" in argv
-    assert "--resume=auto" in argv and "--interrupt-at-step=27" in argv  # the preset's params: not applied
-
-
-@pytest.mark.parametrize("presets, expected", [
-    (["resume"], {"--resume=latest"}),
-    (["from-generation"], {"--from-generation=step-00000016"}),
-    (["resume", "allow-drift-torch"], {"--resume=latest", "--allow-drift=torch"}),
-])
-def test_ops_resume_recompile_with_the_polyaxonfile_applies_the_presets(presets, expected):
-    """The recompile form documented for going back and accepting a drift: the whole operation
-    is replaced, so the presets' params apply (and the original -P do not: repeat them)."""
-    files = [str(JOB_FILE)] + [str(PRESET[name]) for name in presets]
-    argv = server_resume({"interrupt_at_step": 27, "keep_last": 5}, files, recompile=True)
-    assert expected <= set(argv)
-    assert not any(a.startswith(("--interrupt-at-step", "--keep-last=5")) for a in argv)
-    assert not ({"--resume=latest", "--resume=auto"} & set(argv) and "--from-generation=step-00000016" in argv)

@@ -36,7 +36,7 @@ def printed_steps(caplog) -> list[int]:
 def test_lines_every_n_global_steps_plus_first_and_last(caplog):
     caplog.set_level(logging.INFO, logger="trainer")
     clock = Clock()
-    progress = Progress(ProgressConfig(every_steps=10, every_secs=3600), total_steps=64, clock=clock)
+    progress = Progress(ProgressConfig(every_steps=10, every_s=3600), total_steps=64, clock=clock)
     for step in range(25, 38):  # a resumed attempt: 25..37, interrupted after 37
         clock.now += 0.5
         progress.step(step, 3, 1.0, 0.01, "step-00000024", last=step == 37)
@@ -49,7 +49,7 @@ def test_lines_every_n_global_steps_plus_first_and_last(caplog):
 def test_slow_steps_get_a_line_every_s_seconds(caplog):
     caplog.set_level(logging.INFO, logger="trainer")
     clock = Clock()
-    progress = Progress(ProgressConfig(every_steps=1000, every_secs=5), total_steps=100, clock=clock)
+    progress = Progress(ProgressConfig(every_steps=1000, every_s=5), total_steps=100, clock=clock)
     for step in range(1, 13):
         clock.now += 2.0
         progress.step(step, 0, 1.0, 0.01, None, last=False)

@@ -186,10 +186,15 @@ def test_pytorchjob_polyaxonfile_is_valid_and_its_launcher_reports_the_trainer_s
     assert "--allow-drift=world_size" in master and "--keep-last" not in master  # unset → not passed
     assert '--nnodes="${PET_NNODES:-$(( 0 + 1 ))}"' in master
 
-    # Run the rendered launcher as the master pod would, without PET_* (the fallback path), in
-    # this checkout instead of the image, with a local output directory instead of --tracked.
-    assert "pip" not in master  # the image holds the requirements (docker/Dockerfile)
-    script = master.replace("--tracked", f"--output {tmp_path / 'run'}")
+    assert "-r requirements.txt" in master  # the public base image installs them at start
+
+    # Run the rendered launcher as the master pod of the baked image would, without PET_* (the
+    # fallback path), in this checkout instead of the image's copy, with a local output
+    # directory instead of --tracked.
+    baked = render_pytorchjob(home, {"workers": 0, "epochs": 1, "interrupt_at_step": 3, "allow_drift": ["world_size"],
+                                     "install_requirements": False})["master"]
+    assert "pip" not in baked  # the baked image holds the requirements (docker/Dockerfile)
+    script = baked.replace("--tracked", f"--output {tmp_path / 'run'}").replace("/opt/training-recovery", str(REPO))
     env = clean_environment(RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                             PATH=f"{TORCHRUN.parent}{os.pathsep}{os.environ['PATH']}")
     launched = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=scaled(600),

@@ -17,20 +17,24 @@ from pathlib import Path
 from typing import NoReturn
 
 from trainer import compat, seams
-from trainer.config import (CHECKPOINT_MODES, DEFAULT_WORKLOAD, CadenceConfig, ProgressConfig, RetentionConfig,
-                            RunConfig, StoreConfig, WorkloadConfig)
+from trainer.config import DEFAULT_WORKLOAD, RunConfig, SigningConfig, StoreConfig
+from trainer.checkpoint.signing import KEY_FILE_ENV, load_signing
+from trainer.flags import STORE_GROUP, ShowDefaults, add_flags, changed_store_flags, config_from_values
 from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_failure
 from trainer.run.fingerprint import FIELDS
 from trainer.parallel.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
-from trainer.options import (location_argument, non_negative_float, non_negative_int, path_argument, positive_float,
-                             positive_int)
+from trainer.options import location_argument, path_argument
 from trainer.storage.location import parse_store_url
 
 EXIT_STATUS_ENV = "TRAINER_EXIT_STATUS_FILE"
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage mistake is one line on stderr and exit 2."""
+    """argparse, but a usage mistake is one line on stderr and exit 2, and an abbreviated
+    option is a mistake (`--resum` must not run as `--resume`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
     help_command: str | None = None
     """What lists every option (a workload's own appear only with `--workload X --help`)."""
@@ -69,104 +73,44 @@ def chosen_workload(argv: list[str]) -> str:
 
 
 def trainer_parser() -> OneLineParser:
-    parser = OneLineParser(prog="python -m trainer",
+    parser = OneLineParser(prog="python -m trainer", formatter_class=ShowDefaults,
+                           usage="python -m trainer --output DIR|URL [options]\n"
+                                 "       python -m trainer list|verify|report DIR|URL [--json] (see COMMAND --help)",
                            description="Train with exact, crash-safe recovery. "
                                        "Other commands: `list DIR|URL`, `report DIR|URL`, `verify DIR|GEN|URL`.")
-    parser.add_argument("--output", type=location_argument,
-                        help="run directory (generations, exports, attempt records): a local path, or a store "
-                             "URL s3://BUCKET/PREFIX (gs://, az://) to make every generation durable there")
+    parser.add_argument("--output", type=location_argument, metavar="DIR|URL",
+                        help="run directory (generations, exports, attempt records): a local path, or an object "
+                             "store URL s3://BUCKET/PREFIX (gs://, az://) to make every generation durable there")
     parser.add_argument("--tracked", action="store_true",
                         help="track with Polyaxon (in a Polyaxon job, or anywhere with POLYAXON_IS_OFFLINE=true); "
                              "the run directory is the run's outputs in its artifacts store when the container "
                              "reaches the store (mountArtifactsStore), else its outputs path; replaces --output")
-    store = parser.add_argument_group("object store (with --output s3://…, gs://…, az://…)")
-    store.add_argument("--local-tier", type=path_argument, metavar="DIR",
-                       help="this machine's working copy of the run (default: "
-                            "$TRAINER_LOCAL_TIER or the temp dir, /training-recovery/SCHEME/BUCKET/PREFIX; "
-                            "under --tracked $TRAINER_LOCAL_TIER/RUN_UUID)")
-    store.add_argument("--max-pending-uploads", type=non_negative_int, default=StoreConfig.max_pending_uploads,
-                       metavar="N", help="saves published locally but not yet durable before a save waits "
-                                         "(default %(default)s; 0: every save waits until durable)")
-    store.add_argument("--store-retries", type=non_negative_int, default=StoreConfig.retries, metavar="N",
-                       help="retries of a failed store request before exit 74 (default %(default)s)")
-    store.add_argument("--store-backoff-secs", type=positive_float, default=StoreConfig.backoff_s, metavar="S",
-                       help="first wait between retries, doubled each time, at most 8 s (default %(default)s)")
-    store.add_argument("--store-timeout-secs", type=positive_float, default=StoreConfig.timeout_s, metavar="S",
-                       help="connect and read timeout of one store request (default %(default)s)")
-    store.add_argument("--lease-ttl-secs", type=positive_float, default=StoreConfig.lease_ttl_s, metavar="S",
-                       help="the single-writer lease expires this long after its last renewal (default "
-                            "%(default)s)")
-    store.add_argument("--lease-wait-secs", type=non_negative_float, metavar="S",
-                       help="how long to wait for a held lease to expire before exit 73 (default: the "
-                            "holder's ttl + 5 s)")
-    run = parser.add_argument_group("recovery")
-    run.add_argument("--resume", nargs="?", const="latest", choices=("latest", "auto"),
-                     help="continue from the newest verified generation (latest: one must exist; "
-                          "auto: start fresh if none)")
-    run.add_argument("--from-generation", metavar="NAME", help="restore this generation (e.g. step-00000016)")
-    run.add_argument("--interrupt-at-step", type=positive_int, metavar="N",
-                     help="simulate a lost worker: exit 75 right after step N, without saving")
-    run.add_argument("--allow-drift", action="append", default=[], choices=FIELDS, metavar="FIELD",
-                     help=f"accept a fingerprint difference in FIELD ({', '.join(FIELDS)}); repeatable")
-    run.add_argument("--checkpoint-mode", default="auto", choices=CHECKPOINT_MODES,
-                     help="how recovery snapshots are written (sync: in the loop; async: staged to host "
-                          "memory and written in the background; auto: async on CUDA, sync on CPU)")
-    run.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    run.add_argument("--preempt-grace-secs", type=positive_float, default=20.0,
-                     help="on SIGTERM/SIGINT, time allowed to save before exiting 75 without publishing "
-                          "(default 20: below Kubernetes' default 30 s termination grace)")
-    run.add_argument("--max-failed-attempts", type=non_negative_int, default=3, metavar="N",
-                     help="exit 70 instead of retrying when the last N attempts restored the same "
-                          "generation and died before publishing a newer one (0 = never)")
-
-    cadence = parser.add_argument_group("cadence (any trigger that is set fires)")
-    cadence.add_argument("--recover-every-epochs", type=non_negative_int, default=1, metavar="N",
-                         help="recovery generation every N epochs (0 = off; default 1)")
-    cadence.add_argument("--recover-every-steps", type=positive_int, metavar="N")
-    cadence.add_argument("--recover-every-secs", type=positive_float, metavar="S")
-    cadence.add_argument("--export-every-epochs", type=positive_int, metavar="N",
-                         help="safetensors export every N epochs (default: only at the end)")
-    cadence.add_argument("--export-every-steps", type=positive_int, metavar="N")
-    cadence.add_argument("--export-every-secs", type=positive_float, metavar="S")
-    cadence.add_argument("--export-dtype", choices=("float32", "float16", "bfloat16"),
-                         help="dtype of exported weights (default: the training dtype)")
-
-    keep = parser.add_argument_group("retention")
-    keep.add_argument("--keep-last", type=positive_int, default=3, metavar="K",
-                      help="newest verified generations kept (default 3; keep >= 2 on clusters)")
-    keep.add_argument("--keep-every", type=positive_int, metavar="M",
-                      help="also keep generations whose step is a multiple of M")
-    keep.add_argument("--keep-exports", type=positive_int, metavar="K", help="newest exports kept (default all)")
-
-    shown = parser.add_argument_group("progress (when stdout is not a terminal; a terminal gets a status line)")
-    shown.add_argument("--log-every-steps", type=positive_int, default=ProgressConfig.every_steps, metavar="N",
-                       help=f"a progress line every N global steps (1 = every step; default "
-                            f"{ProgressConfig.every_steps}), and always the first and last step of an attempt")
-    shown.add_argument("--log-every-secs", type=positive_float, default=ProgressConfig.every_secs, metavar="S",
-                       help=f"also a line when S seconds passed since the previous one (default "
-                            f"{ProgressConfig.every_secs:g})")
-
-    work = parser.add_argument_group("training")
-    defaults = WorkloadConfig()
-    work.add_argument("--workload", default=DEFAULT_WORKLOAD, metavar="MODULE:FACTORY",
-                      help="what to train: a factory returning a trainer.workload.protocol.Workload; MODULE is "
-                           "importable (current directory or PYTHONPATH) or a path to a .py file "
-                           f"(default {DEFAULT_WORKLOAD}); its options are listed below")
-    work.add_argument("--epochs", type=positive_int, default=defaults.epochs)
-    work.add_argument("--batch-size", type=positive_int, default=defaults.batch_size,
-                      help="samples per (micro-)batch, across all processes")
-    work.add_argument("--grad-accum", type=positive_int, default=defaults.grad_accum, metavar="N",
-                      help="micro-batches per optimizer step; steps, cadence and the LR schedule count "
-                           "optimizer steps, and saves happen only between them (default 1)")
-    work.add_argument("--seed", type=non_negative_int, default=defaults.seed)
-    work.add_argument("--num-workers", type=non_negative_int, default=defaults.num_workers)
-    work.add_argument("--amp", action="store_true", help="mixed precision (bf16 on CPU, fp16+GradScaler on CUDA)")
-    work.add_argument("--threads", type=positive_int, default=defaults.threads)
-    work.add_argument("--data-parallel", choices=("ddp", "fsdp"), default=defaults.data_parallel,
-                      help="under torchrun: ddp replicates the model on every rank; fsdp shards parameters, "
-                           "gradients and optimizer state across ranks (FSDP2) for models too large to "
-                           "replicate (default ddp)")
+    groups = add_flags(parser, FIELDS)
+    add_signing_options(groups["recovery"], adopt=True)
+    groups[STORE_GROUP].add_argument(
+        "--local-tier", type=path_argument, metavar="DIR",
+        help="this machine's working copy of the run (default: $TRAINER_LOCAL_TIER or the temp dir, "
+             "/training-recovery/SCHEME/BUCKET/PREFIX; under --tracked $TRAINER_LOCAL_TIER/RUN_UUID)")
     return parser
+
+
+def add_signing_options(group, adopt: bool = False) -> None:
+    group.add_argument("--signing-key-file", type=path_argument, default=SigningConfig.key_file, metavar="FILE",
+                       help=f"sign every manifest written and refuse (65) generations not signed with this key "
+                            f"(HMAC-SHA256; the file holds the key, e.g. a mounted Secret; default: the file "
+                            f"${KEY_FILE_ENV} names, else no signing)")
+    if adopt:
+        group.add_argument("--allow-unsigned", action="store_true", default=SigningConfig.allow_unsigned,
+                           help="with a signing key: also restore unsigned generations (a run that started "
+                                "before signing); recorded in the attempt")
+
+
+def signing_config(args: argparse.Namespace) -> SigningConfig:
+    """The key file from the option, else from the environment; never the key itself."""
+    key_file = args.signing_key_file
+    if key_file is None and os.environ.get(KEY_FILE_ENV):
+        key_file = Path(os.environ[KEY_FILE_ENV])
+    return SigningConfig(key_file, getattr(args, "allow_unsigned", SigningConfig.allow_unsigned))
 
 
 def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironment) -> None:
@@ -193,8 +137,7 @@ def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironmen
 
 
 def require_store_for_store_options(args: argparse.Namespace, in_store: bool) -> None:
-    store_options = [f"--{name.replace('_', '-')}" for name, default in STORE_DEFAULTS.items()
-                     if getattr(args, name) != default]
+    store_options = changed_store_flags(args) + (["--local-tier"] if args.local_tier is not None else [])
     if store_options and not in_store:
         where = ("the run's artifacts store is not a bucket exposed to the container (polyaxonfile plugin "
                  "mountArtifactsStore)" if args.tracked else "pass --output s3://BUCKET/PREFIX")
@@ -202,39 +145,14 @@ def require_store_for_store_options(args: argparse.Namespace, in_store: bool) ->
                          f"or drop them")
 
 
-STORE_DEFAULTS = {"local_tier": None, "max_pending_uploads": StoreConfig.max_pending_uploads,
-                  "store_retries": StoreConfig.retries, "store_backoff_secs": StoreConfig.backoff_s,
-                  "store_timeout_secs": StoreConfig.timeout_s, "lease_ttl_secs": StoreConfig.lease_ttl_s,
-                  "lease_wait_secs": None}
-
-
 def config_from_args(args: argparse.Namespace, argv: list[str], output: Path | str | None,
                      workload_options: tuple[str, ...], local_tier: Path | None = None) -> RunConfig:
-    workload = WorkloadConfig(
-        epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers,
-        amp=args.amp, threads=args.threads, data_parallel=args.data_parallel, grad_accum=args.grad_accum,
-        workload=args.workload,
-        options=tuple((name, getattr(args, name)) for name in workload_options))
     store = None
-    if isinstance(output, str):  # a store URL: `output` becomes this machine's local tier of it
+    if isinstance(output, str):  # an object store URL: `output` becomes this machine's local tier of it
         store = output
         output = args.local_tier or local_tier or parse_store_url(store).default_local_tier()
-    return RunConfig(
-        store=store, store_config=StoreConfig(
-            retries=args.store_retries, backoff_s=args.store_backoff_secs, timeout_s=args.store_timeout_secs,
-            max_pending_uploads=args.max_pending_uploads, lease_ttl_s=args.lease_ttl_secs,
-            lease_wait_s=args.lease_wait_secs),
-        output=output, workload=workload, interrupt_at_step=args.interrupt_at_step,
-        resume=args.resume, from_generation=args.from_generation,
-        allow_drift=tuple(dict.fromkeys(args.allow_drift)), checkpoint_mode=args.checkpoint_mode,
-        device=args.device,
-        recover=CadenceConfig(args.recover_every_epochs or None, args.recover_every_steps, args.recover_every_secs),
-        export=CadenceConfig(args.export_every_epochs, args.export_every_steps, args.export_every_secs),
-        export_dtype=args.export_dtype,
-        retention=RetentionConfig(args.keep_last, args.keep_every, args.keep_exports),
-        preempt_grace_secs=args.preempt_grace_secs,
-        progress=ProgressConfig(args.log_every_steps, args.log_every_secs),
-        max_failed_attempts=args.max_failed_attempts, argv=tuple(argv))
+    return config_from_values(args, tuple((name, getattr(args, name)) for name in workload_options),
+                              output=output, store=store, signing=signing_config(args), argv=tuple(argv))
 
 
 def run_train(argv: list[str]) -> int:
@@ -242,6 +160,7 @@ def run_train(argv: list[str]) -> int:
     parser, workload_options = workload_parser(chosen_workload(argv))
     args = parser.parse_args(argv)
     check_option_combinations(args, launch)
+    load_signing(signing_config(args))  # a missing or unusable key file: one line now, before any work
     seams.install(seams.Seams.from_environment(os.environ, launch.rank))
     if not args.tracked:
         return train_in(config_from_args(args, argv, args.output, workload_options), launch)
@@ -258,23 +177,11 @@ def run_train(argv: list[str]) -> int:
     def train_tracked(outputs: Path) -> int:
         placement = tracked_placement(args, launch, events.run_uuid)
         events.place(placement)
-        refuse_a_racing_copy(events, placement)
-        return train_in(config_from_args(args, argv, placement.output or outputs, workload_options,
-                                         placement.local_tier), launch, events)
+        config = config_from_args(args, argv, placement.output or outputs, workload_options, placement.local_tier)
+        events.seed_if_copy(placement, config.store_config)  # `ops restart --copy` (copy_seed.py)
+        return train_in(config, launch, events)
 
     return events.track(train_tracked)
-
-
-def refuse_a_racing_copy(events, placement) -> None:
-    """`ops restart --copy` puts the original run's outputs into this run's context path; with
-    the run directory in the store they would arrive there only through the sidecar, after
-    this trainer started: nothing to resume yet, then a second line of generations and the
-    original's lease object under the live run. Refused (exit 2), naming what to do instead."""
-    if placement.direct and events.cloned_as_copy():
-        original = events.original_uuid()
-        raise UsageError(f"this run is an `ops restart --copy` of run {original}: the copy reaches {placement.output} "
-                         f"only through the sidecar, racing this trainer; continue run {original} with "
-                         f"`polyaxon ops resume -uid {original} -f presets/resume.yaml` instead")
 
 
 def tracked_placement(args: argparse.Namespace, launch: LaunchEnvironment, own_run_uuid: str | None = None):
@@ -318,24 +225,24 @@ def run_list(argv: list[str]) -> int:
                         help="with a DIR that is the local tier of a run in a store: list that run, DIR as its "
                              "local tier (the same as `list URL --local-tier DIR`)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    add_signing_options(parser)
     args = parser.parse_args(argv)
-    from trainer.inspect.listing import list_run, require_run_directory
-    from trainer.inspect.object_store import list_store_run
+    signing = load_signing(signing_config(args))
+    from trainer.inspect.listing import print_run, require_run_directory
+    from trainer.inspect.sources import open_source
 
-    if isinstance(args.directory, str):
-        if args.store is not None:
-            raise UsageError("--store goes with a local run directory; with a URL, name the local tier with "
-                             "--local-tier DIR")
-        return list_store_run(args.directory, args.local_tier, args.json)
-    if args.local_tier is not None:
+    if isinstance(args.directory, str) and args.store is not None:
+        raise UsageError("--store goes with a local run directory; with a URL, name the local tier with "
+                         "--local-tier DIR")
+    if not isinstance(args.directory, str) and args.local_tier is not None:
         raise UsageError("--local-tier goes with a store URL; for a local run directory that is the local tier "
                          "of a run in a store, add --store URL")
     if args.store is None:
-        return list_run(args.directory, args.json)
+        return print_run(open_source(args.directory, args.local_tier, signing).describe(), args.json)
     if not isinstance(args.store, str):
         raise UsageError(f"--store takes a store URL (s3://BUCKET/RUN), not the path {args.store}")
     require_run_directory(args.directory)
-    return list_store_run(args.store, args.directory, args.json)
+    return print_run(open_source(args.store, args.directory, signing).describe(), args.json)
 
 
 def run_verify(argv: list[str]) -> int:
@@ -344,11 +251,13 @@ def run_verify(argv: list[str]) -> int:
     parser.add_argument("path", type=location_argument, metavar="DIR|GEN|URL",
                         help="a run directory or one generation/export directory, or the store URL of either")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    add_signing_options(parser)
     args = parser.parse_args(argv)
-    from trainer.inspect.listing import verify_path
-    from trainer.inspect.object_store import verify_store
+    signing = load_signing(signing_config(args))
+    from trainer.inspect.listing import print_verifications
+    from trainer.inspect.sources import open_source
 
-    return verify_store(args.path, args.json) if isinstance(args.path, str) else verify_path(args.path, args.json)
+    return print_verifications(open_source(args.path, signing=signing).verifications(), args.json)
 
 
 def run_report(argv: list[str]) -> int:
@@ -360,11 +269,11 @@ def run_report(argv: list[str]) -> int:
     parser.add_argument("--png", type=path_argument, metavar="FILE",
                         help="also draw the timeline of the attempts into FILE (PNG, 1600x900)")
     args = parser.parse_args(argv)
-    from trainer.inspect.listing import report_command
-    from trainer.inspect.object_store import store_report_command
+    from trainer.inspect.listing import print_report
+    from trainer.inspect.sources import open_source
 
-    command = store_report_command if isinstance(args.directory, str) else report_command
-    return command(args.directory, args.json, args.png)
+    source = open_source(args.directory)
+    return print_report(source.report(), source.where, args.json, args.png)
 
 
 COMMANDS = {"list": run_list, "report": run_report, "verify": run_verify}

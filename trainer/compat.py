@@ -66,12 +66,15 @@ TORCH_SET_DETERMINISTIC = PrivateName(
     "torch._C", "_set_deterministic_algorithms", "torch", "2.13.0",
     "turning deterministic algorithms on without `torch.use_deterministic_algorithms`, which imports "
     "the whole of inductor (0.9 s of every start) only to set its `deterministic` flag")
+DCP_SET_ELEMENT = PrivateName(
+    "torch.distributed.checkpoint._traverse", "set_element", "torch", "2.13.0",
+    "putting a non-tensor value loaded weights-only where DCP's default planner would put it")
 SCHEDULER_LAST_LR = "_last_lr"
 """Attribute of every torch LRScheduler (checked against torch 2.13.0) behind
 `get_last_lr()`; it has no public setter."""
 
 PRIVATE_NAMES = (DCP_STORAGE_INFO, DCP_FLATTEN_STATE_DICT, TORCH_ELEMENT_SIZE, RUN_EXIT_HANDLERS, DCP_INIT_OPTIM_STATE,
-                 TORCH_SET_DETERMINISTIC)
+                 TORCH_SET_DETERMINISTIC, DCP_SET_ELEMENT)
 INDUCTOR_DETERMINISTIC_ENV = "TORCHINDUCTOR_DETERMINISTIC"
 """Read by torch._inductor.config at import (checked against torch 2.13.0): "1" makes its
 `deterministic` flag True, as `torch.use_deterministic_algorithms(True)` would."""
@@ -85,6 +88,11 @@ def flatten_state_dict(state_dict: dict) -> dict:
     """The state dict's leaves by DCP's flat keys ("model.net.0.weight")."""
     flat, _ = DCP_FLATTEN_STATE_DICT.resolve()(state_dict)
     return flat
+
+
+def set_element(root: dict, path, value) -> None:
+    """Put `value` at `path` (a tuple of keys and indices) inside a nested state dict."""
+    DCP_SET_ELEMENT.resolve()(root, path, value)
 
 
 def element_size(dtype) -> int:

@@ -1,6 +1,7 @@
-"""Run configuration as frozen dataclasses.
+"""Run configuration as frozen dataclasses: the one source of every default.
 
-`cli.py` is the one place that turns command-line options into these objects; everything
+`cli.py` (with `flags.py`, which takes every option's default from here) is the one place
+that turns command-line options into these objects; everything
 below it receives plain, immutable values. Which fields are *training-relevant* (and so part
 of the fingerprint) is decided here, next to the fields themselves.
 """
@@ -71,7 +72,7 @@ class CadenceConfig:
 
     every_epochs: int | None = None
     every_steps: int | None = None
-    every_secs: float | None = None
+    every_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class ProgressConfig:
 
     every_steps: int = 10
     """A line every N global steps (1: every step)."""
-    every_secs: float = 60.0
+    every_s: float = 60.0
     """Also a line when this many seconds passed since the previous one (slow steps)."""
 
 
@@ -125,6 +126,18 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class SigningConfig:
+    """Authenticated generations (trainer/checkpoint/signing.py). Not training-relevant."""
+
+    key_file: Path | None = None
+    """A file holding the HMAC key (a mounted Secret); None: generations are not signed and
+    signatures are not checked. The key itself is never an option value."""
+    allow_unsigned: bool = False
+    """With a key: also accept unsigned generations (adopting a run that started before
+    signing); recorded in the attempt."""
+
+
+@dataclass(frozen=True)
 class RunConfig:
     output: Path | None
     """The run directory. None on the non-primary ranks of a tracked multi-process run: they
@@ -142,7 +155,8 @@ class RunConfig:
     export: CadenceConfig = field(default_factory=CadenceConfig)
     export_dtype: str | None = None
     retention: RetentionConfig = field(default_factory=RetentionConfig)
-    preempt_grace_secs: float = 20.0
+    preempt_grace_s: float = 20.0
+    """On SIGTERM/SIGINT, time allowed to save before exiting 75 without publishing."""
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     max_failed_attempts: int = 3
     """Stop (exit 70) when this many attempts in a row restored the same generation and died
@@ -151,4 +165,5 @@ class RunConfig:
     """The run directory's store URL (s3://…) when it lives in an object store; `output` is
     then this machine's local tier of it."""
     store_config: StoreConfig = field(default_factory=StoreConfig)
+    signing: SigningConfig = field(default_factory=SigningConfig)
     argv: tuple[str, ...] = ()

@@ -28,6 +28,22 @@ class CorruptGeneration(TrainerError):
     exit_code = 65
 
 
+class UntrustedGeneration(TrainerError):
+    """A generation holds something loading would have to run code for (a pickled object
+    outside DCP's metadata classes, a value that does not load weights-only), or, with a
+    signing key, it is unsigned or its signature does not match: refused, nothing deleted."""
+
+    exit_code = 65
+
+
+class UnloadableState(TrainerError):
+    """The training state holds a value that only an unrestricted unpickler could load back
+    (a workload's stateful object returning a custom class): refused at the save, not at
+    the resume hours later."""
+
+    exit_code = 65
+
+
 class FingerprintMismatch(TrainerError):
     """The environment or configuration differs from the one that wrote the generation."""
 

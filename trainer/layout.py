@@ -25,14 +25,14 @@ from pathlib import Path
 
 from trainer.errors import NothingToResume, RefuseOverwrite, UsageError, storage_failure
 
-CHECKPOINTS = "checkpoints"
-EXPORTS = "exports"
+GENERATIONS, EXPORTS = "generations", "exports"
+"""The two kinds of sealed directory a run directory holds (one word each, everywhere)."""
+SECTIONS = {GENERATIONS: "checkpoints", EXPORTS: "exports"}
+"""Each kind's folder in the run directory (and prefix in an object store)."""
 ATTEMPTS = "attempts"
 LOCK = ".trainer.storage.lock"
 STORE_MARKER = ".trainer-store"
 """In a local tier: the store URL whose working copy it is (a tier serves one store run)."""
-SECTIONS = {"generations": CHECKPOINTS, "exports": EXPORTS}
-"""The two stores of sealed directories, by the name `list` gives them."""
 
 MANIFEST = "manifest.json"
 SNAPSHOT_INDEX = ".metadata"
@@ -94,13 +94,17 @@ def file_temporary(path: Path) -> Path:
 class RunDirectory:
     root: Path
 
+    def section(self, kind: str) -> Path:
+        """The folder of GENERATIONS or EXPORTS."""
+        return self.root / SECTIONS[kind]
+
     @property
     def checkpoints(self) -> Path:
-        return self.root / CHECKPOINTS
+        return self.section(GENERATIONS)
 
     @property
     def exports(self) -> Path:
-        return self.root / EXPORTS
+        return self.section(EXPORTS)
 
     @property
     def attempts(self) -> Path:
@@ -148,7 +152,8 @@ class RunDirectory:
 
     def holds_a_run(self) -> bool:
         """Whether anything of the layout is here: a trainer has worked on this directory."""
-        return any((self.root / name).exists() for name in (CHECKPOINTS, EXPORTS, ATTEMPTS, LOCK, STORE_MARKER))
+        return any(path.exists() for path in (self.checkpoints, self.exports, self.attempts, self.lock,
+                                              self.root / STORE_MARKER))
 
     def inner_part(self) -> str | None:
         """Why this directory looks like a part of a run directory (its `checkpoints/`, or one

@@ -82,10 +82,10 @@ def temporary_sibling(parent: Path, name: str, tag: str) -> Path:
     return path
 
 
-def seal_directory(temporary: Path, describe, known: dict[str, dict] | None = None):
+def seal_directory(temporary: Path, describe, known: dict[str, dict] | None = None, encode=encode_json):
     """Write into `temporary` a manifest listing every file's size and sha256, and make it
-    all durable. `describe(files)` makes the manifest (a `Manifest`) from the file list;
-    returns it as written.
+    all durable. `describe(files)` makes the manifest (a `Manifest`) from the file list,
+    `encode(json)` its bytes (signed, with a key); returns it as written.
 
     `known` holds {bytes, sha256} of files whose writer hashed them while writing and has
     already fsynced them; they are not read back (only their size is re-checked). Every
@@ -103,10 +103,11 @@ def seal_directory(temporary: Path, describe, known: dict[str, dict] | None = No
             files[entry.name] = file_digest(entry, sync=True)
     seams.crash_point("after-files-fsync")
     sealed = describe(files)
-    write_file_durably(temporary / MANIFEST, encode_json(sealed.to_json()))
+    data = encode(sealed.to_json())
+    write_file_durably(temporary / MANIFEST, data)
     fsync_dir(temporary)
     seams.crash_point("after-manifest")
-    return sealed
+    return type(sealed).from_json(json.loads(data))
 
 
 def rename_into_place(temporary: Path, final: Path) -> None:

@@ -23,6 +23,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -38,6 +39,27 @@ from trainer.checkpoint.writer import HashingFileSystemWriter, WriterConfig
 from trainer.layout import generation_name
 
 log = logging.getLogger("trainer")
+
+
+class Checkpointer(Protocol):
+    """What the attempt needs of a recovery checkpointer (sync, async, or direct to an object
+    store). `save()` and `finalize()` return the generations that became published during the
+    call, so they are recorded (and pruned) only once they really exist."""
+
+    mode: str
+    local: LocalSection
+    """Where it publishes on this machine (a scratch directory, for a direct checkpointer)."""
+
+    def save(self, state_dict: dict, facts: GenerationFacts) -> list[Published]: ...
+
+    def wait_for_staging(self) -> float:
+        """Block until a staged copy is complete (before parameters change); the seconds waited."""
+
+    def finalize(self) -> list[Published]:
+        """Drain everything in flight before the process exits."""
+
+    def close_after_failure(self) -> list[Published]:
+        """After a failure: finish what is in flight; never raises."""
 
 
 def effective_mode(requested: str, device: torch.device, world_size: int = 1) -> str:
@@ -56,12 +78,12 @@ def effective_mode(requested: str, device: torch.device, world_size: int = 1) ->
     return requested
 
 
-def build_checkpointer(mode: str, store: LocalSection, attempt_id: str, device: torch.device,
+def build_checkpointer(mode: str, local: LocalSection, attempt_id: str, device: torch.device,
                        coordinator: Coordinator = SingleProcess(), config: WriterConfig = WriterConfig()):
     """The checkpointer for an effective mode ("sync" or "async")."""
     if mode == "async":
-        return AsyncCheckpointer(store, attempt_id, device, config)
-    return SyncCheckpointer(store, attempt_id, config, coordinator)
+        return AsyncCheckpointer(local, attempt_id, device, config)
+    return SyncCheckpointer(local, attempt_id, config, coordinator)
 
 
 class _Checkpointer:
@@ -69,8 +91,8 @@ class _Checkpointer:
 
     mode = ""
 
-    def __init__(self, store: LocalSection, attempt_id: str, config: WriterConfig):
-        self.store = store
+    def __init__(self, local: LocalSection, attempt_id: str, config: WriterConfig):
+        self.local = local
         self.attempt_id = attempt_id
         self.config = config
         self._unreported: list[Published] = []
@@ -79,13 +101,13 @@ class _Checkpointer:
 
     def _begin(self, step: int) -> Path:
         try:
-            return self.store.begin(step, self.attempt_id)
+            return self.local.begin(step, self.attempt_id)
         except OSError as error:
             raise storage_failure(error, f"creating generation {generation_name(step)}") from None
 
     def _publish(self, temporary: Path, facts: GenerationFacts, timings: dict, digests: dict | None) -> str:
         timings = {"mode": self.mode, **timings}
-        return self.store.publish(temporary, facts.step,
+        return self.local.publish(temporary, facts.step,
                                   lambda files: Manifest.for_generation(facts, self.attempt_id, timings, files),
                                   digests)
 
@@ -124,9 +146,9 @@ class SyncCheckpointer(_Checkpointer):
 
     mode = "sync"
 
-    def __init__(self, store: LocalSection, attempt_id: str, config: WriterConfig = WriterConfig(),
+    def __init__(self, local: LocalSection, attempt_id: str, config: WriterConfig = WriterConfig(),
                  coordinator: Coordinator = SingleProcess()):
-        super().__init__(store, attempt_id, config)
+        super().__init__(local, attempt_id, config)
         self.coordinator = coordinator
 
     def save(self, state_dict: dict, facts: GenerationFacts) -> list[Published]:
@@ -181,9 +203,9 @@ class AsyncCheckpointer(_Checkpointer):
 
     mode = "async"
 
-    def __init__(self, store: LocalSection, attempt_id: str, device: torch.device,
+    def __init__(self, local: LocalSection, attempt_id: str, device: torch.device,
                  config: WriterConfig = WriterConfig()):
-        super().__init__(store, attempt_id, config)
+        super().__init__(local, attempt_id, config)
         self.stager = ReusableStager(device)
         # One thread that waits for each background write and then publishes it, so a
         # generation becomes durable as soon as it is written, not at the next save.

@@ -6,8 +6,10 @@ here for both kinds (`for_generation`, `for_export`), written with `to_json`, re
 with `from_json`, which validates every field readers rely on.
 
 A directory is *verified* when its manifest parses, lists every file a loader of its kind
-reads (and the files that kind requires), and every file it lists exists with the recorded
-size and sha256. Verification never modifies anything.
+reads (and the files that kind requires), every file it lists exists with the recorded
+size and sha256, and a recovery generation's `.metadata` names nothing outside DCP's
+metadata classes (trainer/checkpoint/allowlist.py: a planted pickle is refused here, before
+any loader sees it). Verification never modifies anything.
 """
 
 from __future__ import annotations
@@ -17,12 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from trainer.checkpoint.allowlist import MAX_METADATA_BYTES, metadata_problem
 from trainer.checkpoint.atomic import file_digest
+from trainer.checkpoint.signing import SIGNATURE, canonical_bytes, signature_problem
 from trainer.layout import (EXPORT_CONFIG, EXPORT_WEIGHTS, MANIFEST, SNAPSHOT_INDEX, SNAPSHOT_SHARD_SUFFIX,
                              generation_name)
 
 FORMAT = "training-recovery"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: written by a trainer that loads without unpickling (the writer refuses a value that
+needs more than `torch.load(weights_only=True)`), possibly signed. Version 1 generations
+hold the same stock DCP files; they load through the same safe path (docs/security.md,
+"Format versions")."""
+READABLE_VERSIONS = (1, 2)
 DIGEST = "sha256"
 RECOVERY, EXPORT = "recovery", "export"
 REQUIRED_FILES = {RECOVERY: (SNAPSHOT_INDEX,), EXPORT: (EXPORT_WEIGHTS, EXPORT_CONFIG)}
@@ -62,6 +71,10 @@ class Manifest:
     """Recovery generations only."""
     timings: Mapping[str, object] = field(default_factory=dict)
     """Recovery generations only: how the save went (mode, write_s, …)."""
+    signature: Mapping[str, str] | None = None
+    """{"algorithm", "hmac"} as read from a signed manifest (trainer/checkpoint/signing.py)."""
+    canonical: bytes = field(default=b"", compare=False, repr=False)
+    """As read: the bytes a signature covers (the manifest without its signature)."""
 
     @classmethod
     def for_generation(cls, facts: GenerationFacts, attempt: str, timings: dict, files: dict) -> "Manifest":
@@ -95,8 +108,12 @@ class Manifest:
     def from_json(cls, data) -> "Manifest":
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise InvalidManifest(f"{MANIFEST}: not a {FORMAT} manifest")
-        if data.get("format_version") != FORMAT_VERSION:
-            raise InvalidManifest(f"{MANIFEST}: format_version {data.get('format_version')!r} is not {FORMAT_VERSION}")
+        if data.get("format_version") not in READABLE_VERSIONS:
+            raise InvalidManifest(f"{MANIFEST}: format_version {data.get('format_version')!r} is not one this "
+                                  f"trainer reads ({', '.join(map(str, READABLE_VERSIONS))}); use the trainer "
+                                  f"version that wrote it")
+        if SIGNATURE in data and (problem := signature_problem(data[SIGNATURE])):
+            raise InvalidManifest(f"{MANIFEST}: {problem}")
         files = data.get("files")
         if not isinstance(files, dict) or data.get("digest") != DIGEST:
             raise InvalidManifest(f"{MANIFEST}: no file list")
@@ -115,7 +132,7 @@ class Manifest:
             facts = GenerationFacts(data["step"], data["epoch"], data["position"], data["fingerprint"],
                                     tuple(data["allowed_drift"]), data["cadence"], data["created_utc"])
         return cls(kind, data["name"], data["step"], data["epoch"], data["attempt"], files, facts,
-                   data.get("timings", {}))
+                   data.get("timings", {}), data.get(SIGNATURE), canonical_bytes(data))
 
 
 def _require(data: dict, types: dict[str, type]) -> None:
@@ -142,6 +159,8 @@ class Verification:
     manifest: Manifest | None
     problem: str | None
     """None when verified; else "FILE: what is wrong" naming the first bad file."""
+    untrusted: bool = False
+    """The problem is content that loading would have to run code for (not damage)."""
 
     @property
     def ok(self) -> bool:
@@ -193,7 +212,7 @@ def verify_directory(directory: Path) -> Verification:
         on_disk = sorted(entry.name for entry in directory.iterdir() if entry.name != MANIFEST)
     except OSError as error:
         return Verification(directory, manifest, f"{directory.name}: unreadable ({error.strerror})")
-    problem = unlisted_problem(manifest, on_disk)
+    problem = unlisted_problem(manifest, on_disk) or oversized_index(manifest)
     if problem:
         return Verification(directory, manifest, problem)
     for name, expected in sorted(manifest.files.items()):
@@ -205,4 +224,26 @@ def verify_directory(directory: Path) -> Verification:
         problem = file_problem(name, expected, actual)
         if problem:
             return Verification(directory, manifest, problem)
+    if manifest.kind == RECOVERY:
+        return index_verification(directory, manifest, (directory / SNAPSHOT_INDEX).read_bytes)
     return Verification(directory, manifest, None)
+
+
+def oversized_index(manifest: Manifest) -> str | None:
+    """A `.metadata` the manifest says is larger than any DCP index is refused before any
+    byte of it is read or hashed."""
+    size = manifest.files.get(SNAPSHOT_INDEX, {}).get("bytes", 0) if manifest.kind == RECOVERY else 0
+    return f"{SNAPSHOT_INDEX}: {size} bytes, more than any DCP index ({MAX_METADATA_BYTES} at most)" \
+        if size > MAX_METADATA_BYTES else None
+
+
+def index_verification(where: Path, manifest: Manifest, read_index) -> Verification:
+    """A recovery generation whose files match its manifest verifies if its `.metadata`
+    unpickles against the allowlist (trainer/checkpoint/allowlist.py). `read_index()` returns
+    the file's bytes; its size is the manifest's, already checked."""
+    if problem := oversized_index(manifest):
+        return Verification(where, manifest, problem)
+    found = metadata_problem(read_index())
+    if found is None:
+        return Verification(where, manifest, None)
+    return Verification(where, manifest, f"{SNAPSHOT_INDEX}: {found[0]}", untrusted=found[1])

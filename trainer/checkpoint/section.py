@@ -12,6 +12,7 @@ from typing import Callable
 from trainer.checkpoint.atomic import (finish_interrupted_replacements, fsync_dir, manifest_digest, rename_aside,
                                      rename_into_place, seal_directory, set_aside, temporary_sibling)
 from trainer.checkpoint.manifest import Manifest, Verification, verify_directory
+from trainer.checkpoint.signing import Signing, authenticated, encode_signed
 from trainer.layout import DELETING, MANIFEST, REMOVABLE, REPLACED, REPLACING, generation_name, generation_step
 
 
@@ -31,8 +32,10 @@ class Published:
 class LocalSection:
     """Published `step-%08d` directories under one root (recovery generations or exports)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, signing: Signing | None = None):
         self.root = root
+        self.signing = signing
+        """With a key: what this section publishes is signed, and what it verifies must be."""
         # Verification re-hashes every file; remember results per manifest identity so
         # retention after each save does not re-read every kept generation.
         self._verified: dict[tuple[str, int, int], Verification] = {}
@@ -62,7 +65,7 @@ class LocalSection:
             stat = (self.path(name) / MANIFEST).stat()
             key = (name, stat.st_ino, stat.st_mtime_ns)
         except OSError:
-            return verify_directory(self.path(name))
+            return authenticated(verify_directory(self.path(name)), self.signing)
         if not cached or key not in self._verified:
             self._verified[key] = self._verify_named(name)
         return self._verified[key]
@@ -77,7 +80,7 @@ class LocalSection:
             return Verification(verification.path, manifest,
                                 f"{MANIFEST}: describes {manifest.name} (step {manifest.step}), not {name}; "
                                 f"a copied or renamed directory")
-        return verification
+        return authenticated(verification, self.signing)
 
     def temporaries(self) -> list[Path]:
         if not self.root.is_dir():
@@ -140,7 +143,7 @@ class LocalSection:
         after a resume), the existing directory stays and the new copy is dropped: replays
         do not pile up superseded copies."""
         name = generation_name(step)
-        sealed = seal_directory(temporary, describe, known)
+        sealed = seal_directory(temporary, describe, known, lambda data: encode_signed(data, self.signing))
         if self.path(name).is_dir() and not self.path(name).is_symlink():
             existing = self.verify(name, cached=True)
             if existing.ok and existing.manifest.files == sealed.files:

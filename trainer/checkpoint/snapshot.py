@@ -2,6 +2,8 @@
 
 The on-disk format is stock DCP (a `.metadata` file and `*.distcp` shards), so a generation
 can always be read back by `dcp.load` or `format_utils.dcp_to_torch_save` without our code.
+Our own reads never unpickle anything but DCP's metadata classes and plain values
+(trainer/checkpoint/safe_load.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from trainer.errors import CorruptGeneration, TrainerError, root_cause
+from trainer.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from trainer.checkpoint.writer import HashingFileSystemWriter, WriterConfig
 
 # DCP warns on every call that it assumes a single process when no process group exists;
@@ -35,20 +39,26 @@ def write_snapshot(state_dict: dict, directory: Path, config: WriterConfig = Wri
     writes, hashes and fsyncs its own shards (on shared storage rank 0's fsync could not make
     another node's writes durable)."""
     writer = HashingFileSystemWriter(directory, config)
-    dcp.save(state_dict, storage_writer=writer, no_dist=single_process())
+    try:
+        dcp.save(state_dict, storage_writer=writer, no_dist=single_process())
+    except dcp.CheckpointException as error:
+        raised = _raised_by_rank(error)
+        if isinstance(raised, TrainerError):  # the writer's refusal of an unloadable value: one line
+            raise raised from None
+        raise
     return writer.digests
 
 
 def stored_entries(directory: Path) -> dict:
     """Flattened key -> DCP storage metadata (tensor shape/dtype, or bytes for objects)."""
-    return dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    return read_metadata(directory).state_dict_metadata
 
 
 READ_THREADS = 4
 
 
-class ParallelFileSystemReader(dcp.FileSystemReader):
-    """Stock `FileSystemReader`, but the shard files are read concurrently, one thread per
+class ParallelFileSystemReader(SafeFileSystemReader):
+    """The safe `FileSystemReader`, but the shard files are read concurrently, one thread per
     file: stock DCP reads file after file on one thread, which leaves a disk that serves
     parallel reads (and the cores that deserialize) idle. Each thread runs the stock
     `read_data` on the part of the plan that reads its file, so the parsing is unchanged."""
@@ -61,10 +71,9 @@ class ParallelFileSystemReader(dcp.FileSystemReader):
         per_file: dict[str, list] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        parts = [dataclasses.replace(plan, items=items) for items in per_file.values()]
+        parts = [(dataclasses.replace(plan, items=items), file) for file, items in per_file.items()]
         with ThreadPoolExecutor(max_workers=max(1, min(self.threads, len(parts)))) as pool:
-            for done in pool.map(lambda part: super(ParallelFileSystemReader, self).read_data(part, planner),
-                                 parts):
+            for done in pool.map(lambda part: self.read_file_items(part[0], planner, part[1]), parts):
                 done.wait()
         finished: Future[None] = Future()
         finished.set_result(None)
@@ -73,8 +82,30 @@ class ParallelFileSystemReader(dcp.FileSystemReader):
 
 def load_snapshot(template: dict, directory: Path) -> None:
     """Fill `template` in place: tensors must be pre-allocated with the stored shapes;
-    non-tensor values are replaced by the stored objects."""
-    dcp.load(template, storage_reader=ParallelFileSystemReader(directory), no_dist=single_process())
+    non-tensor values are replaced by the stored values (loaded weights-only). A refusal or
+    a damaged value is raised as its own one-line error, not DCP's per-rank wrapper."""
+    try:
+        dcp.load(template, storage_reader=ParallelFileSystemReader(directory), planner=SafeLoadPlanner(),
+                 no_dist=single_process())
+    except dcp.CheckpointException as error:  # DCP wraps whatever a rank raised
+        raised = _raised_by_rank(error)
+        if isinstance(raised, TrainerError):  # a refusal of ours, already one line
+            raise raised from None
+        cause = root_cause(raised)
+        if isinstance(cause, OSError):
+            raise cause from None
+        detail = (str(cause).strip().splitlines() or ["no detail"])[0][:160]
+        raise CorruptGeneration(f"{Path(directory).name} cannot be loaded ({cause.__class__.__name__}: {detail}); "
+                                f"restore an earlier generation with --from-generation") from None
+
+
+def _raised_by_rank(error: BaseException) -> BaseException:
+    """The exception a rank raised inside DCP, out of its CheckpointException."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        return _raised_by_rank(first[0] if isinstance(first, tuple) else first)
+    return error
 
 
 def load_flat(directory: Path) -> dict:

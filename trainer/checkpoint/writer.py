@@ -38,6 +38,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from trainer import compat
+from trainer.checkpoint.safe_load import unsafe_globals
+from trainer.errors import UnloadableState
 from trainer.layout import SNAPSHOT_SHARD_SUFFIX
 
 _CHUNK = 8 << 20
@@ -188,7 +190,7 @@ class HashingFileSystemWriter(dcp.FileSystemWriter):
             for item in ordered:
                 offset = stream.tell()
                 if item.type == WriteItemType.BYTE_IO:
-                    stream.write(planner.resolve_data(item).getbuffer())
+                    stream.write(_loadable_bytes(item, planner.resolve_data(item).getbuffer()))
                 else:
                     torch.save(_tensor_for_write(planner, item), stream)
                 length = stream.tell() - offset
@@ -199,6 +201,17 @@ class HashingFileSystemWriter(dcp.FileSystemWriter):
             os.close(fd)
         self.digests[name] = {"bytes": stream.position, "sha256": stream.digest.hexdigest()}
         return written
+
+
+def _loadable_bytes(item: WriteItem, data: memoryview) -> memoryview:
+    """A non-tensor value as DCP pickled it, if it loads back weights-only (every read path
+    refuses anything else, trainer/checkpoint/safe_load.py)."""
+    needs = unsafe_globals(bytes(data))
+    if needs:
+        raise UnloadableState(f"the training state holds {', '.join(needs)} at {item.index.fqn}, which could only be "
+                              f"loaded back by running code; make the workload's state_dict() return tensors and "
+                              f"plain Python values (numbers, strings, lists, dicts)")
+    return data
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.errors import UsageError
+from trainer.errors import UntrustedGeneration, UsageError
 from trainer.checkpoint.manifest import RECOVERY, verify_directory
 from trainer.checkpoint.snapshot import load_flat
 
@@ -99,6 +99,8 @@ def load_generation(path: Path) -> dict:
         raise UsageError(f"{path} is a run directory, not a generation; pass {path}/checkpoints/{example} "
                          f"(a generation of that run)")
     verification = verify_directory(path)
+    if verification.untrusted:
+        raise UntrustedGeneration(f"{path} is refused: {verification.problem}")
     if not verification.ok:
         raise UsageError(f"{path} cannot be compared: {verification.problem}")
     if verification.manifest.kind != RECOVERY:

@@ -13,6 +13,7 @@ from trainer.run.attempts import RUNNING, read_attempts
 from trainer.errors import CorruptGeneration, NothingToResume, StorageFailure
 from trainer.checkpoint.manifest import Manifest, Verification, verify_directory
 from trainer.checkpoint.section import LocalSection
+from trainer.checkpoint.signing import Signing, authenticated
 from trainer.storage.location import is_url
 from trainer.layout import MANIFEST, PROGRESS_MARKER, SECTIONS, RunDirectory, generation_step, not_a_run
 
@@ -58,11 +59,11 @@ def attempt_rows(attempts: list[dict]) -> list[dict]:
     } for a in attempts]
 
 
-def describe_run(output: Path) -> dict:
+def describe_run(output: Path, signing: Signing | None = None) -> dict:
     attempts = read_attempts(output)
     described = {"output": str(output), "tier_of": store_named_by(attempts)}
     for section, folder in SECTIONS.items():
-        store = LocalSection(output / folder)
+        store = LocalSection(output / folder, signing)
         costs = publish_costs(attempts, section)
         described[section] = [row for name in store.names() if (row := local_row(store, name, costs))]
         described[f"{section}_uncommitted"] = store.uncommitted()
@@ -175,11 +176,6 @@ def require_run_directory(output: Path) -> None:
         raise NothingToResume(not_a_run(output))
 
 
-def list_run(output: Path, as_json: bool) -> int:
-    require_run_directory(output)
-    return print_run(describe_run(output), as_json)
-
-
 def print_run(described: dict, as_json: bool) -> int:
     print(json.dumps(described, indent=2) if as_json else format_run(described))
     return 0
@@ -243,10 +239,6 @@ def write_timeline(report, png: Path) -> None:
                              f"for --png") from None
 
 
-def report_command(output: Path, as_json: bool, png: Path | None) -> int:
-    return print_report(run_report(output), str(output), as_json, png)
-
-
 def print_report(report, output: str, as_json: bool, png: Path | None) -> int:
     """The report of a run, wherever its attempt records came from."""
     from trainer.inspect.report import format_report
@@ -269,13 +261,13 @@ def targets(path: Path) -> list[Path]:
     return found
 
 
-def verify_path(path: Path, as_json: bool) -> int:
+def local_verifications(path: Path, signing: Signing | None = None) -> list[tuple[str, Verification]]:
     if not path.is_dir():
         raise NothingToResume(f"{path} does not exist or is not a directory; pass a run directory or a generation")
     found = targets(path)
     if not found:
         raise NothingToResume(f"no generations or exports under {path}")
-    return print_verifications([(str(p), verify_directory(p)) for p in found], as_json)
+    return [(str(p), authenticated(verify_directory(p), signing)) for p in found]
 
 
 def print_verifications(results: list[tuple[str, Verification]], as_json: bool) -> int:

@@ -18,11 +18,11 @@ from pathlib import Path
 from trainer.run.attempts import RUNNING, read_attempts
 from trainer.config import StoreConfig
 from trainer.errors import NothingToResume, UsageError
-from trainer.inspect.listing import (attempt_rows, local_row, print_report, print_run, print_verifications, publish_costs,
-                             sealed_row)
+from trainer.inspect.listing import attempt_rows, local_row, publish_costs, sealed_row
 from trainer.checkpoint.atomic import manifest_digest
-from trainer.checkpoint.manifest import InvalidManifest, Manifest
+from trainer.checkpoint.manifest import InvalidManifest, Manifest, Verification
 from trainer.checkpoint.section import LocalSection
+from trainer.checkpoint.signing import Signing
 from trainer.storage.object.lease import LEASE
 from trainer.storage.location import StoreLocation, parse_store_url
 from trainer.storage.object.client import ObjectStore
@@ -59,11 +59,7 @@ def store_attempts(objects: ObjectStore) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- list
-def list_store_run(url: str, local_tier: Path | None, as_json: bool) -> int:
-    return print_run(describe_store_run(url, local_tier), as_json)
-
-
-def describe_store_run(url: str, local_tier: Path | None) -> dict:
+def describe_store_run(url: str, local_tier: Path | None, signing: Signing | None = None) -> dict:
     """`list`'s description of a run in a store: its committed generations and exports, plus
     the ones this machine's local tier published that are not durable (yet); per row whether it
     is durable and whether the local tier holds the same copy."""
@@ -74,9 +70,9 @@ def describe_store_run(url: str, local_tier: Path | None) -> dict:
     described = {"output": objects.url, "store": objects.url, "local_tier": str(tier),
                  "local_tier_found": tier.is_dir()}
     for section, folder in SECTIONS.items():
-        remote = ObjectSection(objects, folder)
+        remote = ObjectSection(objects, folder, signing)
         scan = remote.scan()
-        described[section] = section_rows(remote, scan.committed, LocalSection(tier / folder),
+        described[section] = section_rows(remote, scan.committed, LocalSection(tier / folder, signing),
                                           publish_costs(attempts, section))
         described.update({f"{section}_uncommitted": scan.uncommitted, f"{section}_temporary": [],
                           f"{section}_replaced": scan.set_aside, f"{section}_replacing": []})
@@ -124,28 +120,28 @@ def local_copy(local: LocalSection, name: str, committed_digest: str) -> str:
 
 
 # ----------------------------------------------------------------------------- verify
-def verify_store(url: str, as_json: bool) -> int:
+def store_verifications(url: str, signing: Signing | None = None) -> list[tuple[str, Verification]]:
     """Stream every object of every committed generation and export (or the one the URL
     names) through sha256: the local verify's lines and exit codes (65 on damage)."""
     location = parse_store_url(url)
     target = sealed_target(location)
     objects = open_store(target[0] if target else location)
     if target:
-        section = ObjectSection(objects, target[1])
+        section = ObjectSection(objects, target[1], signing)
         if section.manifest_bytes(target[2]) is None:
             raise NothingToResume(f"{url} is not a committed generation or export (no manifest.json object); "
                                   f"`python -m trainer list` shows what is")
         found = [(section, target[2])]
     else:
-        sections = [ObjectSection(objects, folder) for folder in SECTIONS.values()]
+        sections = [ObjectSection(objects, folder, signing) for folder in SECTIONS.values()]
         found = [(section, name) for section in sections for name in section.committed()]
     if not found:
         raise NothingToResume(f"no committed generations or exports under {objects.url}")
-    return print_verifications([(section.url(name), section.verify(name)) for section, name in found], as_json)
+    return [(section.url(name), section.verify(name)) for section, name in found]
 
 
 # ----------------------------------------------------------------------------- report
-def store_report_command(url: str, as_json: bool, png: Path | None) -> int:
+def store_report(url: str):
     """The recovery report from the store's attempt records (pushed at start and after every
     commit). A `running` record is live only while its attempt holds the lease; a killed one's
     wall time is estimated up to its last publish (the objects' times say nothing better)."""
@@ -157,8 +153,7 @@ def store_report_command(url: str, as_json: bool, png: Path | None) -> int:
         raise NothingToResume(f"no attempt records under {objects.url_of(ATTEMPTS)}; pass the --output URL of a "
                               f"run that has trained")
     running = {record["id"] for record in records if record.get("status") == RUNNING}
-    return print_report(build_report(records, frozenset(running & {leased_attempt(objects)})), objects.url,
-                        as_json, png)
+    return build_report(records, frozenset(running & {leased_attempt(objects)}))
 
 
 def leased_attempt(objects: ObjectStore) -> str | None:

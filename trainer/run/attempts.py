@@ -19,14 +19,16 @@ import os
 import secrets
 import socket
 import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer.errors import CrashLoop
+from trainer.errors import CrashLoop, TrainerError
 from trainer.checkpoint.atomic import atomic_write_bytes, atomic_write_json
-from trainer.layout import ATTEMPT_RECORD, ATTEMPT_REQUIREMENTS, ATTEMPT_SUMMARY, PROGRESS_MARKER, RunDirectory
+from trainer.layout import (ATTEMPT_RECORD, ATTEMPT_REQUIREMENTS, ATTEMPT_SUMMARY, EXPORTS, GENERATIONS, PROGRESS_MARKER,
+                            RunDirectory)
 
 if TYPE_CHECKING:  # `list` and `report` read records without importing torch
     from trainer.checkpoint.restore import Restored
@@ -37,7 +39,8 @@ log = logging.getLogger("trainer")
 RUNNING, COMPLETED, INTERRUPTED, PREEMPTED, FAILED = "running", "completed", "interrupted", "preempted", "failed"
 REFUSED = "refused"
 UNFINISHED = (FAILED, RUNNING)  # "running" in a record nobody holds: the process was killed
-GENERATIONS, EXPORTS = "generations_published", "exports_published"
+PUBLISHED = {GENERATIONS: "generations_published", EXPORTS: "exports_published"}
+"""Where a record lists what it published, per kind (GENERATIONS, EXPORTS of trainer/layout.py)."""
 
 
 def new_attempt_id(now: datetime | None = None) -> str:
@@ -87,7 +90,7 @@ def read_attempts(output: Path) -> list[dict]:
 OPTIONAL_INT = (int, type(None))
 RECORD_SHAPE = {"id": (str,), "status": (str,), "exit_code": OPTIONAL_INT, "restored": (dict, type(None)),
                 "last_step": OPTIONAL_INT, "steps_replayed": OPTIONAL_INT, "wall_s": (int, float, type(None)),
-                "reason": (str, type(None)), GENERATIONS: (list,), EXPORTS: (list,)}
+                "reason": (str, type(None)), PUBLISHED[GENERATIONS]: (list,), PUBLISHED[EXPORTS]: (list,)}
 """The fields whose types readers rely on (the crash-loop guard, `list`, steps replayed)."""
 
 
@@ -100,7 +103,7 @@ def is_well_formed(record) -> bool:
     restored = record["restored"]
     if restored is not None and not isinstance(restored.get("name"), str):
         return False
-    published = record[GENERATIONS] + record[EXPORTS]
+    published = record[PUBLISHED[GENERATIONS]] + record[PUBLISHED[EXPORTS]]
     return all(isinstance(entry, dict) and isinstance(entry.get("name"), str) for entry in published)
 
 
@@ -125,7 +128,7 @@ def steps_replayed(previous: dict | None, restored_step: int | None) -> int | No
 
 def newest_generation(record: dict) -> str | None:
     """The generation an attempt would fall back to now: its newest publish, else what it restored."""
-    published = record.get(GENERATIONS) or [record.get("restored") or {}]
+    published = record.get(PUBLISHED[GENERATIONS]) or [record.get("restored") or {}]
     return published[-1].get("name")
 
 
@@ -148,7 +151,7 @@ def is_crash_loop(records: list[dict], restoring: str | None, limit: int) -> boo
     if limit <= 0 or len(records) < limit:
         return False
     recent = records[-limit:]
-    return all((r.get("restored") or {}).get("name") == restoring and not r.get(GENERATIONS)
+    return all((r.get("restored") or {}).get("name") == restoring and not r.get(PUBLISHED[GENERATIONS])
                and r.get("status") in UNFINISHED for r in recent)
 
 
@@ -173,12 +176,60 @@ def world_size_change(stored_world_size: int | None, world_size: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- writing
+@dataclass(frozen=True)
+class AttemptStart:
+    """What an attempt knows when its record starts: the typed half of attempt.json (the
+    recorder's events add the rest). `fields()` is its one serialisation."""
+
+    restored: dict | None = None
+    """{name, step, manifest_sha256} of the generation this attempt restores."""
+    explicit_generation: bool = False
+    """The operator chose it (--from-generation)."""
+    previous_attempt: str | None = None
+    steps_replayed: int | None = None
+    allowed_drift: tuple[str, ...] = ()
+    drift: tuple[str, ...] = ()
+    checkpoint_mode: str | None = None
+    device: str | None = None
+    fingerprint: dict = field(default_factory=dict)
+    store: str | None = None
+    """The object store URL of the run directory (None: on this disk)."""
+    polyaxon: dict | None = None
+    world_size: int = 1
+    world_size_change: dict | None = None
+    """From `world_size_change()`, when the world size differs from the restored one's."""
+    allow_unsigned: bool = False
+    """--allow-unsigned: unsigned generations were adopted under a signing key."""
+
+    def fields(self) -> dict:
+        fields = {"restored": self.restored, "explicit_generation": self.explicit_generation, "set_aside": [],
+                  "previous_attempt": self.previous_attempt, "steps_replayed": self.steps_replayed,
+                  "allowed_drift": list(self.allowed_drift), "drift": list(self.drift),
+                  "checkpoint_mode": self.checkpoint_mode, "device": self.device, "fingerprint": self.fingerprint,
+                  "store": self.store, "polyaxon": self.polyaxon, "world_size": self.world_size,
+                  "allow_unsigned": self.allow_unsigned}
+        return fields | ({"world_size_change": self.world_size_change} if self.world_size_change else {})
+
+
+@dataclass(frozen=True)
+class RefusedStart:
+    """The record of an attempt that held the run directory and refused to train (65, 70)."""
+
+    considered_generation: str | None
+    previous_attempt: str | None
+    polyaxon: dict | None
+
+    def fields(self) -> dict:
+        return {"restored": None, "considered_generation": self.considered_generation,
+                "previous_attempt": self.previous_attempt, "polyaxon": self.polyaxon}
+
+
 def initial_record(attempt_id: str, argv: list[str], fields: dict) -> dict:
     return {
         "id": attempt_id, "status": RUNNING, "exit_code": None, "reason": None,
         "started_utc": utc_now(), "started_unix": round(time.time(), 3), "ended_utc": None, "wall_s": None,
         "host": socket.gethostname(), "pid": os.getpid(), "argv": argv,
-        "last_step": None, GENERATIONS: [], EXPORTS: [],
+        "last_step": None, PUBLISHED[GENERATIONS]: [], PUBLISHED[EXPORTS]: [],
         "costs": {"restore_s": 0.0, "save_s": 0.0, "blocked_s": 0.0, "saves": 0},
         **fields,
     }
@@ -202,20 +253,21 @@ class AttemptRecorder:
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
-    def start(cls, run: RunDirectory, attempt_id: str, argv: list[str], fields: dict,
+    def start(cls, run: RunDirectory, attempt_id: str, argv: list[str], start: AttemptStart,
               persist: bool = True) -> "AttemptRecorder":
         """Write the `running` record; its wall time counts from here."""
-        recorder = cls(run, attempt_id, initial_record(attempt_id, argv, fields), persist)
+        recorder = cls(run, attempt_id, initial_record(attempt_id, argv, start.fields()), persist)
         recorder._create_folder()
         recorder._flush()
         return recorder
 
     @classmethod
-    def refused_before_start(cls, run: RunDirectory, attempt_id: str, argv: list[str], exit_code: int,
-                             reason: str, fields: dict, started: float) -> None:
+    def refused_before_start(cls, run: RunDirectory, attempt_id: str, argv: list[str], refusal: TrainerError,
+                             start: RefusedStart, started: float) -> None:
         """One write: this attempt held the output and refused to train. `started` is the
         monotonic time the attempt began, for its wall time."""
-        recorder = cls(run, attempt_id, initial_record(attempt_id, argv, fields), started=started)
+        exit_code, reason = refusal.exit_code, str(refusal)
+        recorder = cls(run, attempt_id, initial_record(attempt_id, argv, start.fields()), started=started)
         recorder._record["started_unix"] = round(time.time() - (time.monotonic() - started), 3)
         recorder._create_folder()
         recorder.ended(REFUSED, exit_code, reason)
@@ -277,11 +329,11 @@ class AttemptRecorder:
 
     def durable(self, kind: str, name: str, upload_s: float, durable_s: float) -> None:
         """A published generation (GENERATIONS) or export (EXPORTS) was committed in the store."""
-        for entry in reversed(self._record[kind]):
+        for entry in reversed(self._record[PUBLISHED[kind]]):
             if entry["name"] == name:
                 entry.update(durable_s=round(durable_s, 6), upload_s=round(upload_s, 6))
                 break
-        self._record.setdefault("durable", {})[kind] = name
+        self._record.setdefault("durable", {})[PUBLISHED[kind]] = name
         self._add_cost(upload_s=upload_s)
         self._flush()
 
@@ -293,7 +345,7 @@ class AttemptRecorder:
     def published(self, kind: str, published: "Published", step: int | None = None) -> None:
         """A generation (GENERATIONS) or export (EXPORTS) was published while training stood
         at `step` (None: where it last stood)."""
-        self._record[kind].append({"name": published.name, "step": published.step,
+        self._record[PUBLISHED[kind]].append({"name": published.name, "step": published.step,
                                    "save_s": round(published.save_s, 6), "blocked_s": round(published.blocked_s, 6),
                                    "at_s": self.elapsed_s()})
         self._add_cost(save_s=published.save_s, blocked_s=published.blocked_s)
@@ -318,7 +370,7 @@ class AttemptRecorder:
     @property
     def newest_durable(self) -> str | None:
         """The newest generation this attempt made durable in a store."""
-        return self._record.get("durable", {}).get(GENERATIONS)
+        return self._record.get("durable", {}).get(PUBLISHED[GENERATIONS])
 
     @property
     def restore_s(self) -> float:

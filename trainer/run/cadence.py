@@ -114,6 +114,6 @@ def build_policy(config: CadenceConfig, clock: Callable[[], float] = time.monoto
         policies.append(EveryEpochs(config.every_epochs))
     if config.every_steps:
         policies.append(EverySteps(config.every_steps))
-    if config.every_secs:
-        policies.append(EverySeconds(config.every_secs, clock))
+    if config.every_s:
+        policies.append(EverySeconds(config.every_s, clock))
     return AnyOf(policies)

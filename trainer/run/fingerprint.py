@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 FIELDS = ("source", "dataset", "config", "python", "torch", "numpy", "os", "arch", "device", "world_size")
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+"""The trainer package (this file is in trainer/run/): `source` hashes all of it."""
 SOURCE_FILES = "source_files"
 """Beside `source`, not one of FIELDS: each file's digest, to name what changed."""
 SHOWN_FILES = 4

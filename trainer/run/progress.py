@@ -49,7 +49,7 @@ class LinePolicy:
     or S seconds since the previous line (the cadence triggers, reused)."""
 
     def __init__(self, config: ProgressConfig, clock: Callable[[], float] = time.monotonic):
-        self.triggers = build_policy(CadenceConfig(None, config.every_steps, config.every_secs), clock)
+        self.triggers = build_policy(CadenceConfig(None, config.every_steps, config.every_s), clock)
         self.started = False
 
     def due(self, step: int, last: bool) -> bool:

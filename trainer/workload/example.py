@@ -46,11 +46,16 @@ class ExampleWorkload:
     @staticmethod
     def add_options(group) -> None:
         defaults = ExampleOptions()
-        group.add_argument("--samples", type=positive_int, default=defaults.samples)
-        group.add_argument("--lr", type=positive_float, default=defaults.lr)
-        group.add_argument("--hidden-size", type=positive_int, default=defaults.hidden_size)
-        group.add_argument("--layers", type=positive_int, default=defaults.layers)
-        group.add_argument("--dropout", type=unit_interval, default=defaults.dropout)
+        group.add_argument("--samples", type=positive_int, default=defaults.samples, metavar="N",
+                           help="samples in the generated dataset (an epoch is samples / --batch-size batches)")
+        group.add_argument("--lr", type=positive_float, default=defaults.lr, metavar="LR",
+                           help="initial learning rate (SGD with momentum, decayed per step)")
+        group.add_argument("--hidden-size", type=positive_int, default=defaults.hidden_size, metavar="N",
+                           help="width of each hidden layer")
+        group.add_argument("--layers", type=positive_int, default=defaults.layers, metavar="N",
+                           help="hidden layers")
+        group.add_argument("--dropout", type=unit_interval, default=defaults.dropout, metavar="P",
+                           help="dropout probability (exercises the RNG that a resume must restore)")
         group.set_defaults(features=defaults.features, classes=defaults.classes)
 
     def __init__(self, options: argparse.Namespace):

@@ -1,21 +1,29 @@
 """Where a `--tracked` run keeps its run directory: straight in the Polyaxon run's artifacts
 store when the container can reach it, else in the sidecar-synced outputs path.
 
+In the store the run directory is `<store path>/training-recovery/<run uuid>`: beside the run's
+own folder `<store path>/<run uuid>`, never inside it. Polyaxon writes into that folder from
+outside the trainer: the init step of `ops restart --copy` copies the original's whole folder
+into the new run's context, and the sidecar uploads the context to `<store path>/<new uuid>`
+whenever it next syncs, unverified and after the trainer started. A run directory inside it
+would be raced by that copy (the original's generations, attempts and lease object landing
+under the live run); beside it, nothing of Polyaxon's reaches it (copy_seed.py seeds a copy).
+
 Polyaxon (2.18) gives the main container the artifacts store's connection only with
 `plugins: {mountArtifactsStore: true}` (the polyaxonfiles here set it): the connection catalog
 (POLYAXON_CONNECTIONS_CATALOG, JSON), the store's name (POLYAXON_ARTIFACTS_STORE_NAME), the
 connection's secret as environment variables (or its files at `secret.mountPath`), and a
-volume store mounted at its `schema.mountPath`. The run's outputs in the store are
-`<store path>/<run uuid>/outputs`, the prefix the sidecar uploads the run's outputs to.
+volume store mounted at its `schema.mountPath`.
 
-- **Bucket store** (s3, gcs, wasb): the run directory is that prefix as a store URL, so every
+- **Bucket store** (s3, gcs, wasb): the run directory is a store URL, so every
   generation is durable in the store once its manifest is committed there (no sidecar in
   between), and the working copy (local tier) is `$TRAINER_LOCAL_TIER/<run uuid>` (the
-  polyaxonfiles mount an emptyDir at /local-tier), never under /plx-context/artifacts: the
-  sidecar would upload it a second time, and delete from the store what the trainer removes.
+  polyaxonfiles mount an emptyDir at /local-tier), never under the context's artifacts folder
+  (`$POLYAXON_CONTEXT_ROOT/artifacts`): the sidecar would upload it a second time, and delete
+  from the store what the trainer removes.
 - **Volume store** (host_path, volume_claim, mounted): the run directory is the local path
-  `<mountPath>/<run uuid>/outputs`, written and fsynced there directly (a shared filesystem:
-  the flock applies as for any local directory).
+  `<mountPath>/training-recovery/<run uuid>`, written and fsynced there directly (a shared
+  filesystem: the flock applies as for any local directory).
 - **Nothing exposed** (a polyaxonfile without mountArtifactsStore): the outputs path as before,
   with one warning in a managed run: a generation is then only as durable as the sidecar's
   next sync.
@@ -43,8 +51,8 @@ CATALOG_ENV = "POLYAXON_CONNECTIONS_CATALOG"
 STORE_NAME_ENV = "POLYAXON_ARTIFACTS_STORE_NAME"
 RUN_INSTANCE_ENV = "POLYAXON_RUN_INSTANCE"
 MANAGED_ENV = "POLYAXON_IS_MANAGED"
-SYNCED_CONTEXT = Path("/plx-context/artifacts")
-"""What the sidecar uploads (and mirrors deletions of): polyaxon._contexts.paths.CONTEXT_MOUNT_ARTIFACTS."""
+RUN_DIRECTORIES = "training-recovery"
+"""The folder of the artifacts store that holds every tracked run's run directory, by run uuid."""
 BUCKET_SCHEMES = {"s3": "s3", "gcs": "gs", "wasb": "az"}
 """Polyaxon's bucket kinds and the store URL scheme the trainer uses for each."""
 WASB = re.compile(r"^wasbs?://(?P<container>[^@/]+)@(?P<account>[^.]+)\.blob\.core\.windows\.net(?:/|$)")
@@ -150,6 +158,13 @@ def client_environment(connection, environ: Mapping[str, str]) -> dict[str, str]
     return {name: value for name, value in found.items() if not environ.get(name)}
 
 
+def run_directory_in(store: Path | str, run_uuid: str) -> Path | str:
+    """The run directory of run `run_uuid` in a store's path (a mounted folder or a store URL)."""
+    if isinstance(store, Path):
+        return store / RUN_DIRECTORIES / run_uuid
+    return f"{store.rstrip('/')}/{RUN_DIRECTORIES}/{run_uuid}"
+
+
 def under(path: Path, folder: Path) -> bool:
     path, folder = Path(os.path.abspath(path)), Path(os.path.abspath(folder))
     return path == folder or folder in path.parents
@@ -173,17 +188,20 @@ def place_run(environ: Mapping[str, str], own_run_uuid: str | None = None, world
         return RunPlacement(None, warning=warning)
     run_uuid = run_uuid_from(environ, own_run_uuid, world_size)
     if connection.is_mount:
-        return RunPlacement(Path(connection.store_path) / run_uuid / "outputs", kind="volume",
+        return RunPlacement(run_directory_in(Path(connection.store_path), run_uuid), kind="volume",
                             connection=connection.name)
-    url = f"{store_url_of(connection)}/{run_uuid}/outputs"
+    url = run_directory_in(store_url_of(connection), run_uuid)
     location = parse_store_url(url)
     source = "--local-tier"
     if local_tier is None:
         parent = environ.get(LOCAL_TIER_ENV)
         source = f"{LOCAL_TIER_ENV}={parent}" if parent else "the default local tier"
         local_tier = Path(parent) / run_uuid if parent else location.default_local_tier()
-    if under(local_tier, SYNCED_CONTEXT):
-        raise UsageError(f"{source}: the local tier {local_tier} is under {SYNCED_CONTEXT}, which Polyaxon's "
+    from trainer.integrations.polyaxon.internals import synced_context
+
+    synced = synced_context()
+    if under(local_tier, synced):
+        raise UsageError(f"{source}: the local tier {local_tier} is under {synced}, which Polyaxon's "
                          f"sidecar uploads to the store a second time (and mirrors deletions of); point it at a "
                          f"volume of its own (the polyaxonfiles mount an emptyDir at /local-tier)")
     return RunPlacement(location.url, local_tier, kind="bucket", connection=connection.name,

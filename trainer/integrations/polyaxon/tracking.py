@@ -5,9 +5,11 @@ an untracked run never pays.
 
 Where it runs:
 - *Managed* (a Polyaxon job; the agent sets POLYAXON_RUN_INSTANCE and POLYAXON_IS_MANAGED):
-  the run is the job's run. `ops resume` and retries reuse it (and its run directory in the
-  store, or the outputs `autoResume` restores); `ops restart --copy` is a new run whose context
-  outputs are a copy, which the trainer refuses when it writes to the store itself (cli.py).
+  the run is the job's run, POLYAXON_RUN_INSTANCE and nothing else (the client would otherwise
+  prefer the project and run of a CLI cache in ~/.polyaxon; if it still resolves another run
+  the trainer stops with exit 2). `ops resume` and retries reuse it (and its run directory in
+  the store, or the outputs `autoResume` restores); `ops restart --copy` is a new run, seeded
+  from the original's newest committed generation (copy_seed.py).
 - *Offline* (POLYAXON_IS_OFFLINE=true, anywhere): the run lives under POLYAXON_OFFLINE_ROOT
   (default /tmp/plx/offline) in `runs/<uuid>/`. Setting POLYAXON_RUN_INSTANCE to
   `owner.project.runs.<uuid>` reopens that run, the local analogue of `ops resume`; without it
@@ -39,14 +41,18 @@ What is recorded:
   steps computed, replayed and lost, time lost to restarts, checkpoint overhead) and the
   timeline of all attempts so far as an image (`recovery-timeline`, step = number of
   attempts). Best effort: a failure is a warning and never changes the exit status.
-- The final status, *offline only*, from the exit code: 0 succeeded, 75 stopped (resumable;
-  without it an offline run would be closed as succeeded), anything else failed. A managed run
-  posts no status: the agent derives it from the container's exit and the Job's retries. The
-  2.18 client says so itself (`log_succeeded`/`log_stopped`/`log_failed`/`log_status`: "If you
-  are executing a managed run, you don't need to call this method manually"; its managed exit
-  handler only flushes, it never calls `log_succeeded`), and the server keeps the first final
-  status it receives (haupt `db/managers/statuses.py` `new_status`: "Do not override final
-  status"): a `failed` posted from the pod would end the run while maxRetries retries the pod.
+- The final status from the exit code, 0 succeeded, 75 stopped (resumable), anything else
+  failed, wherever nothing else would record it truthfully:
+  - *offline*: nothing else records the outcome (closing an offline run marks it succeeded);
+  - *managed with a process sidecar* (POLYAXON_HAS_PROCESS_SIDECAR, set by Polyaxon's docker and
+    process executors): traceml registers a forced exit handler that calls `log_succeeded()`
+    whatever the exit code, and the server keeps the first final status it receives (haupt
+    `db/managers/statuses.py`, `new_status`: "Do not override final status"), so the
+    executor's later `failed` would be dropped. The trainer replaces that handler by the
+    flush-only one (internals.py) and posts the status itself.
+  - *managed on Kubernetes* (no process sidecar): nothing is posted. The agent derives the
+    status from the pod's exit and the Job's retries; a `failed` posted from the pod would end
+    the run while maxRetries retries the pod. The client's managed exit handler only flushes.
 """
 
 from __future__ import annotations
@@ -57,7 +63,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, NothingToResume, TrackingUnavailable, TrainerError
+from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, NothingToResume, TrackingUnavailable, TrainerError, UsageError
+from trainer.integrations.polyaxon.internals import PROCESS_SIDECAR_ENV, flush_only_at_exit
 from trainer.run.events import TrainingEvents
 
 log = logging.getLogger("trainer")
@@ -68,8 +75,8 @@ METRICS = ("loss", "lr")
 TIMELINE = "recovery-timeline"
 DONE_STATUSES = frozenset({"succeeded", "failed", "stopped", "skipped", "upstream_failed"})
 PLAIN_RESTART_HINT = ("on Polyaxon, a plain `ops restart` starts with empty outputs: continue the original run "
-                      "with `ops resume -uid UUID -f presets/resume.yaml` (`ops restart -uid UUID --copy "
-                      "-f presets/resume.yaml` only where the artifacts store is not exposed to the trainer)")
+                      "with `ops resume -uid UUID -f presets/resume.yaml`, or continue it in a new run with "
+                      "`ops restart -uid UUID --copy`")
 
 
 def parse_run_instance(value: str) -> tuple[str, str, str]:
@@ -79,6 +86,16 @@ def parse_run_instance(value: str) -> tuple[str, str, str]:
         raise TrackingUnavailable(f"{RUN_INSTANCE_ENV}={value!r} is not owner.project.runs.UUID; "
                                   f"fix it, or unset it to start a new offline run")
     return parts[0], parts[1], parts[3]
+
+
+def require_identity(instance: str, run) -> None:
+    """A managed run is POLYAXON_RUN_INSTANCE: a client that resolved another run (a CLI cache in
+    ~/.polyaxon naming one) would track one run while writing another's run directory."""
+    owner, project, run_uuid = parse_run_instance(instance)
+    resolved = (run.owner, run.project, run.run_uuid)
+    if resolved != (owner, project, run_uuid):
+        raise UsageError(f"the Polyaxon client resolved run {'.'.join(map(str, resolved))}, but this job is "
+                         f"{RUN_INSTANCE_ENV}={instance}; remove the CLI cache (~/.polyaxon) from the job's HOME")
 
 
 def cloning_kind(original_kind: str | None, run_uuid: str, previous_attempt: dict | None) -> str | None:
@@ -122,6 +139,11 @@ class PolyaxonEvents(TrainingEvents):
         """(kind, name) → (path in the run directory, Published): published on the local tier of
         a bucket-store run, not yet committed in the store."""
         self.last_loss: float | None = None
+        self.posts_status = mode == "offline"
+        self.copied_from = None
+        """A copy's seed (copy_seed.CopiedFrom), for the attempt record."""
+        """Whether the trainer records the final status (module docstring): offline, and managed
+        with a process sidecar."""
 
     @property
     def run_uuid(self) -> str:
@@ -145,6 +167,14 @@ class PolyaxonEvents(TrainingEvents):
     def original_uuid(self) -> str | None:
         return getattr(self.original(), "uuid", None)
 
+    def seed_if_copy(self, placement, store_config) -> None:
+        """`ops restart --copy`: seed this run's directory from the original's newest committed
+        generation (copy_seed.py), once; what was copied goes into the attempt record."""
+        if self.cloned_as_copy():
+            from trainer.integrations.polyaxon.copy_seed import seed_copy
+
+            self.copied_from = seed_copy(placement, self.run_uuid, self.original_uuid(), store_config)
+
     def cloned_as_copy(self) -> bool:
         """`ops restart --copy`: a new run whose outputs were copied into its context path."""
         original = self.original()
@@ -167,11 +197,15 @@ class PolyaxonEvents(TrainingEvents):
         if config.no_op:
             raise TrackingUnavailable("--tracked, but Polyaxon tracking is switched off (POLYAXON_NO_OP); "
                                       "unset it, or run without --tracked and with --output DIR")
+        instance = os.environ.get(RUN_INSTANCE_ENV)
         if config.is_managed:
-            mode, identity = "managed", {}
+            if not instance:
+                raise UsageError(f"a managed Polyaxon run needs {RUN_INSTANCE_ENV} (owner.project.runs.UUID), "
+                                 f"which the agent sets in every container; run the job through Polyaxon")
+            owner, project, run_uuid = parse_run_instance(instance)
+            mode, identity = "managed", {"owner": owner, "project": project, "run_uuid": run_uuid}
         elif config.is_offline:
             mode = "offline"
-            instance = os.environ.get(RUN_INSTANCE_ENV)
             identity = {}
             if instance:
                 owner, project, run_uuid = parse_run_instance(instance)
@@ -179,8 +213,13 @@ class PolyaxonEvents(TrainingEvents):
         else:
             raise TrackingUnavailable(f"--tracked outside a Polyaxon job needs offline mode: set "
                                       f"{OFFLINE_ENV}=true (or run without --tracked and with --output DIR)")
+        process_sidecar = mode == "managed" and os.environ.get(PROCESS_SIDECAR_ENV, "").lower() == "true"
         try:
             run = Run(**identity, track_code=False, track_logs=False)
+            if mode == "managed":
+                require_identity(instance, run)
+            if process_sidecar:
+                flush_only_at_exit(run)
             outputs = run.get_outputs_path()
             if not outputs or not run.run_uuid:
                 raise RuntimeError("no outputs path was assigned")
@@ -197,6 +236,7 @@ class PolyaxonEvents(TrainingEvents):
             raise TrackingUnavailable(f"Polyaxon tracking could not start ({mode}): "
                                       f"{error.__class__.__name__}: {error}") from None
         events = cls(run, mode, logged_through)
+        events.posts_status = mode == "offline" or process_sidecar
         log.info("tracking: polyaxon %s run %s, outputs %s", mode, run.run_uuid, events.outputs_path)
         return events
 
@@ -221,14 +261,15 @@ class PolyaxonEvents(TrainingEvents):
         return exit_code
 
     def close(self, exit_code: int, message: str | None) -> None:
-        """The final loss as an output; offline, the final status. 75 must be `stopped`: closing
-        an offline run without a status marks it succeeded. Managed: the exit code is the status
-        (module docstring), so only a log line says how the attempt ended."""
+        """The final loss as an output, and the final status where the trainer records it
+        (`posts_status`). 75 must be `stopped`: closing an offline run without a status, or
+        a process-sidecar run with traceml's handler, marks it succeeded. On Kubernetes the
+        agent sets the status from the exit code, so only a log line says how it ended."""
         self.log_recovery_report()
         try:
             if self.last_loss is not None:
                 self.run.log_outputs(final_loss=self.last_loss)
-            if self.mode == "managed":
+            if not self.posts_status:
                 log.info("tracking: exit %d; the Polyaxon agent sets run %s's status from it",
                          exit_code, self.run.run_uuid)
             elif exit_code == EXIT_OK:
@@ -269,7 +310,8 @@ class PolyaxonEvents(TrainingEvents):
         original_kind = getattr(getattr(original, "kind", None), "value", getattr(original, "kind", None))
         return {"run_uuid": self.run.run_uuid, "mode": self.mode,
                 "cloning": cloning_kind(original_kind, self.run.run_uuid, previous_attempt),
-                "original_uuid": getattr(original, "uuid", None)}
+                "original_uuid": getattr(original, "uuid", None),
+                "copied_from": self.copied_from.to_json() if self.copied_from else None}
 
     def attempt_started(self, record: dict) -> None:
         restored = record.get("restored") or {}

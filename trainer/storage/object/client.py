@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Protocol, TypeVar
 
 from trainer.config import StoreConfig
 from trainer.errors import NothingToResume, StorageFailure, UsageError
@@ -105,6 +105,46 @@ def is_precondition_failure(error: BaseException) -> bool:
 def describe(error: BaseException) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return f"{error.__class__.__name__}: {text}" if text else error.__class__.__name__
+
+
+class ObjectClient(Protocol):
+    """What the object-store backend needs of a client: objects under one run prefix, keyed
+    relative to it. `ObjectStore` is the real one (fsspec, bounded retries); tests of the
+    uploader's threading and the lease's policy use an in-memory one (tests/memory_objects.py)."""
+
+    conditional: bool
+    """Whether conditional writes (create-only, If-Match) are available."""
+
+    @property
+    def url(self) -> str: ...
+
+    def url_of(self, key: str) -> str: ...
+
+    def check_reachable(self) -> None: ...
+
+    def list(self, key: str) -> list[str]: ...
+
+    def read(self, key: str) -> bytes | None: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def size(self, key: str) -> int | None: ...
+
+    def download(self, key: str, destination: Path) -> dict: ...
+
+    def digest(self, key: str) -> dict | None: ...
+
+    def upload(self, source: Path, key: str) -> None: ...
+
+    def write(self, key: str, data: bytes) -> None: ...
+
+    def copy(self, source: str, target: str) -> None: ...
+
+    def delete(self, keys: list[str]) -> None: ...
+
+    def etag(self, key: str) -> tuple[bytes, str] | None: ...
+
+    def write_conditionally(self, key: str, data: bytes, if_match: str | None) -> str: ...
 
 
 class ObjectStore:

@@ -20,7 +20,8 @@ from typing import Callable
 
 from trainer import seams
 from trainer.errors import TrainerError, reraise_as_storage_failure
-from trainer.checkpoint.atomic import encode_json, file_digest
+from trainer.checkpoint.atomic import file_digest
+from trainer.checkpoint.signing import encode_signed
 from trainer.checkpoint.coordination import Coordinator
 from trainer.checkpoint.manifest import GenerationFacts, Manifest
 from trainer.checkpoint.snapshot import write_snapshot
@@ -30,19 +31,17 @@ from trainer.storage.object.section import ObjectSection, digest_of
 from trainer.layout import SNAPSHOT_INDEX, generation_name, temporary_name
 
 
-class StoreCheckpointer:
-    """Same verbs as the local checkpointers (`save`, `wait_for_staging`, `finalize`,
-    `close_after_failure`); `store` is this rank's scratch (nothing is published there)."""
+class DirectCheckpointer:
+    """A `Checkpointer` whose generations are committed in the object store when `save()`
+    returns; `local` is this rank's scratch (nothing is published there)."""
 
     mode = "sync"
-    durable_on_save = True
-    """A generation is committed in the store when `save()` returns (no uploader)."""
 
-    def __init__(self, section: ObjectSection, scratch: LocalSection, attempt_id: str,
+    def __init__(self, target: ObjectSection, scratch: LocalSection, attempt_id: str,
                  coordinator: Coordinator, fence: Callable[[], None] | None,
                  config: WriterConfig = WriterConfig()):
-        self.section = section
-        self.store = scratch
+        self.target = target
+        self.local = scratch
         self.attempt_id = attempt_id
         self.coordinator = coordinator
         self.fence = fence if fence is not None else (lambda: None)
@@ -52,7 +51,7 @@ class StoreCheckpointer:
         started = time.monotonic()
         coordinator, name = self.coordinator, generation_name(facts.step)
         token = coordinator.decide_on_primary(lambda: self._prepare(name), f"preparing generation {name}")
-        scratch = self.store.root / token
+        scratch = self.local.root / token
         try:
             scratch.mkdir(parents=True, exist_ok=True)
             files = write_snapshot(state_dict, scratch, self.config)
@@ -60,7 +59,7 @@ class StoreCheckpointer:
             if coordinator.is_primary:
                 files[SNAPSHOT_INDEX] = file_digest(scratch / SNAPSHOT_INDEX, sync=True)
             written = time.monotonic()
-            self.section.upload_files(name, scratch, sorted(files), lambda: None)
+            self.target.upload_files(name, scratch, sorted(files), lambda: None)
             uploaded = time.monotonic()
             every = coordinator.gather(files, f"gathering the shards of {name}")
             timings = {"write_s": written - started, "upload_s": uploaded - written}
@@ -69,7 +68,7 @@ class StoreCheckpointer:
         except BaseException as error:
             if isinstance(error, TrainerError):
                 raise
-            reraise_as_storage_failure(error, f"writing generation {name} to {self.section.url(name)}")
+            reraise_as_storage_failure(error, f"writing generation {name} to {self.target.url(name)}")
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         elapsed = time.monotonic() - started
@@ -78,15 +77,15 @@ class StoreCheckpointer:
     def _prepare(self, name: str) -> str:
         """Rank 0: the prefix is ours to fill (fenced), emptied of leftovers; the scratch name."""
         self.fence()
-        self.section.clear(name)
+        self.target.clear(name)
         return temporary_name(name, self.attempt_id)
 
     def _commit(self, name: str, facts: GenerationFacts, every: list[dict], timings: dict) -> str:
         files = {file: entry for rank_files in every for file, entry in rank_files.items()}
         manifest = Manifest.for_generation(facts, self.attempt_id, {"mode": "sync-store", **timings},
                                            dict(sorted(files.items())))
-        data = encode_json(manifest.to_json())
-        self.section.commit_manifest(name, data, files, self.fence)
+        data = encode_signed(manifest.to_json(), self.target.signing)
+        self.target.commit_manifest(name, data, files, self.fence)
         return digest_of(data)
 
     def wait_for_staging(self) -> float:

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 
 from trainer.errors import OutputLocked
-from trainer.storage.object.client import ObjectStore, PreconditionFailed
+from trainer.storage.object.client import ObjectClient, PreconditionFailed
 
 log = logging.getLogger("trainer")
 LEASE = ".trainer.lease"
@@ -76,7 +76,7 @@ class Holder:
 
 
 class StoreLease:
-    def __init__(self, objects: ObjectStore, attempt: str, ttl_s: float, wait_s: float | None):
+    def __init__(self, objects: ObjectClient, attempt: str, ttl_s: float, wait_s: float | None):
         self.objects = objects
         self.holder = Holder(attempt, socket.gethostname(), os.getpid(), ttl_s)
         self.wait_s = wait_s

@@ -24,9 +24,12 @@ from typing import Callable
 
 from trainer import seams
 from trainer.checkpoint.atomic import fsync_dir, rename_into_place, temporary_sibling, write_file_durably
-from trainer.checkpoint.manifest import InvalidManifest, Manifest, Verification, file_problem, unlisted_problem
-from trainer.storage.object.client import ObjectStore
-from trainer.layout import MANIFEST, REPLACED, generation_step, hidden_name
+from trainer.checkpoint.manifest import (RECOVERY, InvalidManifest, Manifest, Verification, file_problem,
+                                        index_verification, oversized_index, unlisted_problem)
+from trainer.checkpoint.signing import Signing, authenticated
+from trainer.storage.base import Transfer
+from trainer.storage.object.client import ObjectClient
+from trainer.layout import MANIFEST, REPLACED, SNAPSHOT_INDEX, generation_step, hidden_name
 
 PARALLEL_OBJECTS = 8
 """Objects uploaded or downloaded at once (each large one is also multipart)."""
@@ -42,12 +45,6 @@ class SectionScan:
     """Hidden `.step-…replaced-…` copies: superseded, kept for inspection."""
 
 
-@dataclass(frozen=True)
-class Transfer:
-    bytes: int
-    seconds: float
-
-
 def digest_of(data: bytes) -> str:
     import hashlib
     return hashlib.sha256(data).hexdigest()
@@ -56,9 +53,11 @@ def digest_of(data: bytes) -> str:
 class ObjectSection:
     """Sealed directories of one section (`checkpoints` or `exports`) of a run in a store."""
 
-    def __init__(self, objects: ObjectStore, section: str):
+    def __init__(self, objects: ObjectClient, section: str, signing: Signing | None = None):
         self.objects = objects
         self.section = section
+        self.signing = signing
+        """With a key: a manifest must be authentic before anything it lists is downloaded."""
 
     def key(self, name: str, file: str | None = None) -> str:
         return f"{self.section}/{name}" + (f"/{file}" if file else "")
@@ -155,9 +154,11 @@ class ObjectSection:
             manifest = Manifest.from_json(json.loads(manifest_data))
         except (InvalidManifest, ValueError) as reason:
             return Verification(parent / name, None, str(reason)), Transfer(0, 0.0)
-        problem = self._naming_problem(name, manifest) or unlisted_problem(manifest, [])
-        if problem:
-            return Verification(parent / name, manifest, problem), Transfer(0, 0.0)
+        problem = self._naming_problem(name, manifest) or unlisted_problem(manifest, []) or \
+            oversized_index(manifest)
+        checked = authenticated(Verification(parent / name, manifest, problem), self.signing)
+        if not checked.ok:
+            return checked, Transfer(0, 0.0)
         parent.mkdir(parents=True, exist_ok=True)
         temporary = temporary_sibling(parent, name, "fetch")
         files = sorted(manifest.files)
@@ -189,11 +190,14 @@ class ObjectSection:
             manifest = Manifest.from_json(json.loads(data))
         except (InvalidManifest, ValueError) as reason:
             return Verification(where, None, str(reason))
-        problem = self._naming_problem(name, manifest) or unlisted_problem(manifest, [])
+        problem = self._naming_problem(name, manifest) or unlisted_problem(manifest, []) or \
+            oversized_index(manifest) or authenticated(Verification(where, manifest, None), self.signing).problem
         for file in sorted(manifest.files):
             if problem:
                 break
             problem = file_problem(file, manifest.files[file], self.objects.digest(self.key(name, file)))
+        if not problem and manifest.kind == RECOVERY:
+            return index_verification(where, manifest, lambda: self.objects.read(self.key(name, SNAPSHOT_INDEX)) or b"")
         return Verification(where, manifest, problem)
 
     @staticmethod

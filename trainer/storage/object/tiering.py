@@ -30,25 +30,14 @@ from trainer.checkpoint.atomic import manifest_digest
 from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.resume import require_verified
 from trainer.checkpoint.section import LocalSection
-from trainer.storage.object.client import ObjectStore
-from trainer.storage.object.section import ObjectSection, Transfer
+from trainer.checkpoint.signing import Signing
+from trainer.storage.object.client import ObjectClient
+from trainer.storage.base import Durable, Transfer
+from trainer.storage.object.section import ObjectSection
 from trainer.checkpoint.retention import Candidate, select_deletions
-from trainer.layout import ATTEMPTS, CHECKPOINTS, EXPORTS, MANIFEST, STORE_MARKER, RunDirectory
+from trainer.layout import ATTEMPTS, EXPORTS, GENERATIONS, MANIFEST, SECTIONS, STORE_MARKER, RunDirectory
 
 log = logging.getLogger("trainer")
-GENERATIONS_SECTION, EXPORTS_SECTION = "generations", "exports"
-
-
-@dataclass(frozen=True)
-class Durable:
-    kind: str
-    """GENERATIONS_SECTION or EXPORTS_SECTION."""
-    name: str
-    bytes: int
-    upload_s: float
-    """Seconds the upload itself took."""
-    durable_s: float
-    """Seconds from the save's start to its manifest committed in the store."""
 
 
 @dataclass(frozen=True)
@@ -59,17 +48,17 @@ class StoreRetention:
 
     def limits(self, kind: str) -> tuple[int | None, int | None]:
         """(keep_last, keep_every) for generations or exports."""
-        return (self.keep_last, self.keep_every) if kind == GENERATIONS_SECTION else (self.keep_exports, None)
+        return (self.keep_last, self.keep_every) if kind == GENERATIONS else (self.keep_exports, None)
 
 
 class RemoteRun:
     """A run directory in a store, and this machine's local tier of it."""
 
-    def __init__(self, objects: ObjectStore, local: RunDirectory):
+    def __init__(self, objects: ObjectClient, local: RunDirectory, signing: Signing | None = None):
         self.objects = objects
         self.local = local
-        self.sections = {GENERATIONS_SECTION: ObjectSection(objects, CHECKPOINTS),
-                         EXPORTS_SECTION: ObjectSection(objects, EXPORTS)}
+        self.signing = signing
+        self.sections = {kind: ObjectSection(objects, folder, signing) for kind, folder in SECTIONS.items()}
 
     @property
     def url(self) -> str:
@@ -77,7 +66,7 @@ class RemoteRun:
 
     @property
     def generations(self) -> ObjectSection:
-        return self.sections[GENERATIONS_SECTION]
+        return self.sections[GENERATIONS]
 
     def adopt_local_tier(self) -> None:
         """The local tier is this store run's working copy, or empty: reconcile deletes what the
@@ -112,8 +101,8 @@ class RemoteRun:
             pulled += 1
         return pulled
 
-    def local_store(self, kind: str) -> LocalSection:
-        return LocalSection(self.local.checkpoints if kind == GENERATIONS_SECTION else self.local.exports)
+    def local_section(self, kind: str) -> LocalSection:
+        return LocalSection(self.local.section(kind), self.signing)
 
     def reconcile(self) -> list[str]:
         """Under the lease, before choosing: the store is the truth. Remove uncommitted
@@ -126,21 +115,21 @@ class RemoteRun:
                 log.warning("%s has no %s: an uncommitted leftover of a writer that died before its commit; "
                             "never selected, removed", section.url(name), MANIFEST)
                 section.discard(name)
-            local = self.local_store(kind)
+            local = self.local_section(kind)
             for name in local.names():
                 if name not in scan.committed or section.manifest_digest(name) != manifest_digest(local.path(name)):
                     log.warning("dropped the local copy of %s/%s: it is not the generation committed in %s",
                                 local.root.name, name, self.url)
                     local.remove(name)
             committed[kind] = scan.committed
-        return committed[GENERATIONS_SECTION]
+        return committed[GENERATIONS]
 
     def restorable(self, name: str, committed: list[str]) -> tuple[Verification, Transfer]:
         """The committed generation `name` on the local tier, verified: the local copy when its
         manifest is the committed one (reconcile made sure) and it still verifies, else a
         download streamed through sha256. A damaged generation is refused (65) naming the
         newest earlier one that verifies in the store."""
-        local = self.local_store(GENERATIONS_SECTION)
+        local = self.local_section(GENERATIONS)
         if name in local.names():
             verification = local.verify(name)
             if verification.ok:
@@ -155,7 +144,7 @@ class RemoteRun:
         """Going back with --from-generation: later committed generations and exports in the
         store are copied to hidden superseded prefixes and removed (exports first, as locally)."""
         abandoned = []
-        for kind in (EXPORTS_SECTION, GENERATIONS_SECTION):
+        for kind in (EXPORTS, GENERATIONS):
             section = self.sections[kind]
             for name in section.committed():
                 if int(name.split("-")[1]) > step:

@@ -1,0 +1,199 @@
+"""Every training option: its flag, the configuration field it sets, and its help.
+
+The frozen dataclasses in trainer/config.py are the one source of every default: a flag
+shows the default of the field it sets and never writes one of its own, and
+`config_from_values` builds the configuration by replacing only the fields given. Units:
+`_s` in code, `-secs` on the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from trainer.config import CHECKPOINT_MODES, RunConfig
+from trainer.options import non_negative_float, non_negative_int, positive_float, positive_int
+
+DEFAULTS = RunConfig(output=None)
+"""Where every flag's default comes from."""
+
+
+def default_of(path: str):
+    """The default of a field named `section.field` (or a field of RunConfig itself)."""
+    value = DEFAULTS
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+@dataclass(frozen=True)
+class Flag:
+    flag: str
+    path: str
+    """The configuration field it sets: `field` of RunConfig, or `section.field`."""
+    help: str
+    metavar: str | None = None
+    type: Callable | None = None
+    options: dict = field(default_factory=dict)
+    """More argparse settings (choices, action, nargs, const)."""
+    to_config: Callable = lambda value: value
+    """From the parsed value to the field's (e.g. 0 → None for "off")."""
+    shown_default: object = None
+    """The default as the command line spells it, when it differs from the field's."""
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    def default(self):
+        if self.options.get("action") == "append":
+            return list(default_of(self.path))
+        if self.shown_default is not None:
+            return self.shown_default
+        return default_of(self.path)
+
+
+GROUPS: dict[str, list[Flag]] = {
+    "object store (with --output s3://…, gs://…, az://…)": [  # STORE_GROUP
+        Flag("--max-pending-uploads", "store_config.max_pending_uploads", metavar="N", type=non_negative_int,
+             help="saves published locally but not yet durable before a save waits (0: every save waits until "
+                  "durable)"),
+        Flag("--store-retries", "store_config.retries", metavar="N", type=non_negative_int,
+             help="retries of a failed object-store request before exit 74"),
+        Flag("--store-backoff-secs", "store_config.backoff_s", metavar="S", type=positive_float,
+             help="first wait between retries, doubled each time, at most 8 s"),
+        Flag("--store-timeout-secs", "store_config.timeout_s", metavar="S", type=positive_float,
+             help="connect and read timeout of one object-store request"),
+        Flag("--lease-ttl-secs", "store_config.lease_ttl_s", metavar="S", type=positive_float,
+             help="the single-writer lease expires this long after its last renewal"),
+        Flag("--lease-wait-secs", "store_config.lease_wait_s", metavar="S", type=non_negative_float,
+             help="how long to wait for a held lease to expire before exit 73 (default: the holder's ttl + 5 s)"),
+    ],
+    "recovery": [
+        Flag("--resume", "resume", options={"nargs": "?", "const": "latest", "choices": ("latest", "auto")},
+             help="continue from the newest verified generation (latest, the same as a bare --resume: one must "
+                  "exist; auto: start fresh if none)"),
+        Flag("--from-generation", "from_generation", metavar="NAME",
+             help="restore this generation (e.g. step-00000016); going back sets later ones aside"),
+        Flag("--interrupt-at-step", "interrupt_at_step", metavar="N", type=positive_int,
+             help="simulate a lost worker: exit 75 right after step N, without saving"),
+        Flag("--allow-drift", "allow_drift", metavar="FIELD", options={"action": "append"},
+             to_config=lambda names: tuple(dict.fromkeys(names)),
+             help="accept a fingerprint difference in FIELD ({choices}); repeatable"),
+        Flag("--checkpoint-mode", "checkpoint_mode", options={"choices": CHECKPOINT_MODES},
+             help="how recovery snapshots are written (sync: in the loop; async: staged to host memory and "
+                  "written in the background; auto: async on CUDA, sync on CPU)"),
+        Flag("--device", "device", options={"choices": ("auto", "cpu", "cuda")},
+             help="where to train (auto: CUDA when available)"),
+        Flag("--preempt-grace-secs", "preempt_grace_s", metavar="S", type=positive_float,
+             help="on SIGTERM/SIGINT, time allowed to save before exiting 75 without publishing (below "
+                  "Kubernetes' default 30 s termination grace)"),
+        Flag("--max-failed-attempts", "max_failed_attempts", metavar="N", type=non_negative_int,
+             help="exit 70 instead of retrying when the last N attempts restored the same generation and died "
+                  "before publishing a newer one (0 = never)"),
+    ],
+    "cadence (any trigger that is set fires)": [
+        Flag("--recover-every-epochs", "recover.every_epochs", metavar="N", type=non_negative_int,
+             to_config=lambda value: value or None, help="a recovery generation every N epochs (0 = off)"),
+        Flag("--recover-every-steps", "recover.every_steps", metavar="N", type=positive_int,
+             help="a recovery generation every N optimizer steps"),
+        Flag("--recover-every-secs", "recover.every_s", metavar="S", type=positive_float,
+             help="a recovery generation when S seconds passed since the previous one"),
+        Flag("--export-every-epochs", "export.every_epochs", metavar="N", type=positive_int,
+             help="a safetensors export every N epochs (default: only at the end)"),
+        Flag("--export-every-steps", "export.every_steps", metavar="N", type=positive_int,
+             help="a safetensors export every N optimizer steps"),
+        Flag("--export-every-secs", "export.every_s", metavar="S", type=positive_float,
+             help="a safetensors export when S seconds passed since the previous one"),
+        Flag("--export-dtype", "export_dtype", options={"choices": ("float32", "float16", "bfloat16")},
+             help="dtype of exported weights (default: the training dtype)"),
+    ],
+    "retention": [
+        Flag("--keep-last", "retention.keep_last", metavar="K", type=positive_int,
+             help="newest verified generations kept (keep >= 2 on clusters)"),
+        Flag("--keep-every", "retention.keep_every", metavar="M", type=positive_int,
+             help="also keep generations whose step is a multiple of M"),
+        Flag("--keep-exports", "retention.keep_exports", metavar="K", type=positive_int,
+             help="newest exports kept (default: all)"),
+    ],
+    "progress (when stdout is not a terminal; a terminal gets a status line)": [
+        Flag("--log-every-steps", "progress.every_steps", metavar="N", type=positive_int,
+             help="a progress line every N global steps (1 = every step), and always the first and last step "
+                  "of an attempt"),
+        Flag("--log-every-secs", "progress.every_s", metavar="S", type=positive_float,
+             help="also a line when S seconds passed since the previous one"),
+    ],
+    "training": [
+        Flag("--workload", "workload.workload", metavar="MODULE:FACTORY",
+             help="what to train: a factory returning a trainer.workload.protocol.Workload; MODULE is importable "
+                  "(current directory or PYTHONPATH) or a path to a .py file; its options are listed below "
+                  "(with --workload X --help, those of X)"),
+        Flag("--epochs", "workload.epochs", metavar="N", type=positive_int,
+             help="total epochs (a larger value extends a finished run on resume)"),
+        Flag("--batch-size", "workload.batch_size", metavar="N", type=positive_int,
+             help="samples per (micro-)batch, across all processes"),
+        Flag("--grad-accum", "workload.grad_accum", metavar="N", type=positive_int,
+             help="micro-batches per optimizer step; steps, cadence and the LR schedule count optimizer steps, "
+                  "and saves happen only between them"),
+        Flag("--seed", "workload.seed", metavar="N", type=non_negative_int,
+             help="seeds the model, the batch order and every sample's randomness"),
+        Flag("--num-workers", "workload.num_workers", metavar="N", type=non_negative_int,
+             help="DataLoader worker processes (may change between attempts: it does not change training)"),
+        Flag("--amp", "workload.amp", options={"action": "store_true"},
+             help="mixed precision (bf16 on CPU, fp16+GradScaler on CUDA)"),
+        Flag("--threads", "workload.threads", metavar="N", type=positive_int,
+             help="intra-op CPU threads (fixed, so reductions run in the same order on resume)"),
+        Flag("--data-parallel", "workload.data_parallel", options={"choices": ("ddp", "fsdp")},
+             help="under torchrun: ddp replicates the model on every rank; fsdp shards parameters, gradients "
+                  "and optimizer state across ranks (FSDP2) for models too large to replicate"),
+    ],
+}
+
+
+class ShowDefaults(argparse.RawDescriptionHelpFormatter):
+    """Every option with a default shows it, unless its help already says what it is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "(default" in text or default is None or default is False or default == [] or \
+                default == argparse.SUPPRESS or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def add_flags(parser: argparse.ArgumentParser, allowed_drift: tuple[str, ...]) -> dict[str, argparse._ArgumentGroup]:
+    """Every flag, in its group; returns the groups by title (so others can join one)."""
+    groups = {}
+    for title, flags in GROUPS.items():
+        group = groups[title] = parser.add_argument_group(title)
+        for flag in flags:
+            options = {"metavar": flag.metavar, "type": flag.type, **flag.options}
+            if flag.dest == "allow_drift":
+                options["choices"] = allowed_drift
+            group.add_argument(flag.flag, default=flag.default(), help=flag.help.replace("{choices}",
+                               ", ".join(allowed_drift)), **{key: value for key, value in options.items()
+                                                              if value is not None})
+    return groups
+
+
+ALL_FLAGS = tuple(flag for flags in GROUPS.values() for flag in flags)
+STORE_GROUP = "object store (with --output s3://…, gs://…, az://…)"
+
+
+def config_from_values(args: argparse.Namespace, workload_options: tuple[tuple[str, object], ...],
+                       **given) -> RunConfig:
+    """The configuration the flags in `args` describe, the workload's own options, and the
+    `given` fields of RunConfig (output, store, argv) as they are."""
+    top, nested = dict(given), {"workload": {"options": workload_options}}
+    for flag in ALL_FLAGS:
+        section, _, name = flag.path.rpartition(".")
+        (nested.setdefault(section, {}) if section else top)[name] = flag.to_config(getattr(args, flag.dest))
+    return replace(DEFAULTS, **top, **{section: replace(default_of(section), **values)
+                                       for section, values in nested.items()})
+
+
+def changed_store_flags(args: argparse.Namespace) -> list[str]:
+    """The object-store flags the command line set to something other than their defaults."""
+    return [flag.flag for flag in GROUPS[STORE_GROUP] if getattr(args, flag.dest) != flag.default()]

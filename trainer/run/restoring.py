@@ -1,0 +1,56 @@
+"""Restore is the mirror of a save: put a verified generation back into the live state, then
+continue what spans processes (an allowed config change, the cadence counters, and, going
+back, the abandoned later line)."""
+
+from __future__ import annotations
+
+import logging
+
+from trainer.checkpoint.restore import restore
+from trainer.config import RunConfig
+from trainer.errors import CorruptGeneration
+from trainer.parallel.ranks import Ranks
+from trainer.run.attempts import AttemptRecorder
+from trainer.run.claim import Claim
+from trainer.run.saving import CadencedSaves
+from trainer.run.state import TrainingState
+from trainer.storage.base import RunStorage
+from trainer.workload import BoundWorkload
+
+log = logging.getLogger("trainer")
+
+
+class Restorer:
+    def __init__(self, config: RunConfig, storage: RunStorage, ranks: Ranks, workload: BoundWorkload):
+        self.config, self.storage, self.ranks, self.workload = config, storage, ranks, workload
+
+    def restore(self, claim: Claim, state: TrainingState, drift: tuple[str, ...], saves: CadencedSaves,
+                recorder: AttemptRecorder) -> None:
+        generation = claim.generation if self.ranks.is_primary else self.storage.local_copy(claim.generation)
+        restored = restore(generation, state)
+        if state.progress.global_step != restored.step:
+            raise CorruptGeneration(f"generation {restored.name} holds step {state.progress.global_step}, but its "
+                                    f"manifest says {restored.step}; restore another one with --from-generation")
+        if any(change.startswith("config.") for change in drift):
+            self.workload.adopt_config(state.optimizer, state.scheduler)  # an allowed --lr change takes effect
+            if not self.workload.adopts_config:
+                log.warning("config drift accepted, but the workload has no adopt_config: the restored optimizer "
+                            "and scheduler keep the values they were saved with (e.g. the learning rate)")
+        saves.load_cadence(restored.manifest.cadence)
+        recorder.restored(restored, claim.verify_s)
+        recorder.set_aside(self.ranks.decide_on_primary(lambda: self.abandon_later_line(restored.step),
+                                                        "setting aside the abandoned line"))
+        progress = state.progress
+        log.info("restored %s (step=%d epoch=%d position=%d) in %.3fs", restored.name, progress.global_step,
+                 progress.epoch, progress.position, recorder.restore_s)
+
+    def abandon_later_line(self, restored_step: int) -> list[str]:
+        """Rank 0, once the restore succeeded: going back with --from-generation abandons
+        every later generation and export (see `set_aside_later_line`)."""
+        if self.config.from_generation is None:
+            return []
+        abandoned = self.storage.set_aside_later_than(restored_step)
+        if abandoned:
+            log.warning("went back to %s: set aside %d later generations and exports (%s), kept as "
+                        "superseded copies", self.config.from_generation, len(abandoned), ", ".join(abandoned))
+        return abandoned

@@ -1,0 +1,92 @@
+"""The live training state of one attempt, and its optimizer steps in order.
+
+`build_training` makes the state the loop trains and saves; `train_steps` yields once per
+optimizer step, after the ranks agreed on it, so the loop decides what each step leads to
+(record, save, stop) and the accumulation of micro-batches stays out of its way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from trainer.config import RunConfig
+from trainer.parallel.ranks import Ranks, StepAgreement
+from trainer.run.batching import EpochBatchOrder
+from trainer.run.cadence import StepPoint
+from trainer.run.fetching import KeyedSeeding, epoch_loader
+from trainer.run.preemption import PreemptionGuard
+from trainer.run.saving import CadencedSaves
+from trainer.run.state import TrainingState
+from trainer.run.stepping import OptimizerSteps
+from trainer.workload import BoundWorkload
+
+
+@dataclass(frozen=True)
+class Training:
+    config: RunConfig
+    ranks: Ranks
+    state: TrainingState
+    steps: OptimizerSteps
+    batches_per_epoch: int
+    total_steps: int
+
+
+@dataclass(frozen=True)
+class StepDone:
+    step: int
+    lr: float
+    agreed: StepAgreement
+
+
+def build_training(config: RunConfig, workload: BoundWorkload, ranks: Ranks, samples: int) -> Training:
+    """The live state, and the module to run forward/backward through: the model itself,
+    DDP around it, or (under FSDP) the same module sharded in place, which is why the
+    optimizer is built after wrapping."""
+    device = ranks.device
+    model = workload.build_model().to(device)
+    trained: nn.Module = ranks.data_parallel(model, config.workload.data_parallel)
+    optimizer = workload.build_optimizer(model)
+    scheduler = workload.build_scheduler(optimizer)
+    scaler = torch.amp.GradScaler(device.type, enabled=config.workload.amp and device.type == "cuda")
+    state = TrainingState(model, optimizer, scheduler, scaler, rank=ranks.rank, world_size=ranks.world_size,
+                          extras=workload.stateful())
+    steps = OptimizerSteps(workload, state, trained, device, config.workload.amp)
+    batches_per_epoch = len(EpochBatchOrder(samples, config.workload.batch_size, config.workload.seed, 0, 0))
+    total_steps = config.workload.epochs * -(-batches_per_epoch // config.workload.grad_accum)
+    return Training(config, ranks, state, steps, batches_per_epoch, total_steps)
+
+
+def batch_order(training: Training, samples: int) -> EpochBatchOrder:
+    """This rank's batches for the rest of the current epoch."""
+    config, progress, ranks = training.config.workload, training.state.progress, training.ranks
+    return EpochBatchOrder(samples, config.batch_size, config.seed, progress.epoch, progress.position, ranks.rank,
+                           ranks.world_size)
+
+
+def train_steps(training: Training, dataset: KeyedSeeding, saves: CadencedSaves,
+                preemption: PreemptionGuard) -> Iterator[StepDone]:
+    """Every remaining optimizer step of the run. Micro-batches accumulate into windows of
+    --grad-accum; an epoch's last window may be shorter. A step is yielded only once its
+    window is complete, so saves and stops never see partial gradients."""
+    state, steps, accumulate = training.state, training.steps, training.config.workload.grad_accum
+    while state.progress.global_step < training.total_steps:
+        window, seen, loss = 0, 0, None
+        for batch in epoch_loader(dataset, batch_order(training, len(dataset)), training.config.workload.num_workers):
+            if seen == 0:
+                saves.wait_for_staging()  # the staged copy must be complete before parameters change
+                window = steps.open_window(min(accumulate, training.batches_per_epoch - state.progress.position))
+            part = steps.micro_batch(batch, window)
+            loss = part if loss is None else loss + part
+            seen += 1
+            if seen < window:
+                continue
+            lr = steps.step()
+            epoch_completed = state.progress.advance(window, training.batches_per_epoch)
+            step = state.progress.global_step
+            agreed = saves.agree(StepPoint(step, state.progress.epoch, epoch_completed), loss, preemption.requested)
+            seen, loss = 0, None
+            yield StepDone(step, float(lr), agreed)
