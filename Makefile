@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 SANDBOX_VENV := .venv-sandbox
 SANDBOX_STAMP := $(SANDBOX_VENV)/.installed
 
-.PHONY: demo test bench clean polyaxon-demo
+.PHONY: demo test bench s3-server clean polyaxon-demo
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,13 @@ bench: $(STAMP)
 	$(PY) bench/loop_overhead.py --quick
 	$(PY) bench/store_bench.py --quick
 	$(PY) bench/goodput_sim.py --quick
+
+# A local S3 server (SeaweedFS, from requirements-dev.txt) to try `--output s3://BUCKET/RUN`:
+# creates BUCKET, prints the `export AWS_...` lines (also in outputs/s3-server/env.sh), runs
+# until Ctrl-C or SIGTERM. `make s3-server BUCKET=other` names another bucket.
+BUCKET ?= my-bucket
+s3-server: $(STAMP)
+	$(PY) tests/s3server.py --dir outputs/s3-server --bucket $(BUCKET)
 
 clean:
 	rm -rf outputs outputs-polyaxon-demo .pytest_cache

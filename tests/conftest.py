@@ -1,11 +1,25 @@
-"""Shared helpers: run the real CLI in a subprocess, on temporary directories."""
+"""Shared test helpers, in this one module (test files import them from here, never from
+each other): run the real CLI in a subprocess on temporary directories, start a live trainer,
+wait for its lines, the shared baselines, and a real S3 server.
+
+Every wall-clock limit in tests/ goes through `scaled()`: the limits are generous (they catch
+a hang, they do not measure speed), and `TEST_TIMEOUT_SCALE` (default 1) multiplies all of
+them for a slow or loaded machine. Tests wait for progress (a line, a file, a count of
+kills), never for a fixed time.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
+import socket
+import struct
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,14 +29,84 @@ from s3server import SeaweedServer
 
 REPO = Path(__file__).resolve().parent.parent
 FINAL = "step-00000064"
+SHORT = ("--epochs", 3)
+"""A 24-step run (3 epochs of the default workload): what `short_baseline` trains."""
+SHORT_FINAL = "step-00000024"
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+TIMEOUT_SCALE_ENV = "TEST_TIMEOUT_SCALE"
+CLI_TIMEOUT_S = 600
+"""One CLI run (a few seconds on an idle machine): only a hang reaches it."""
 
 
-def run_cli(*args, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python -m trainer ARGS` (or `python compare.py ...` when args start with compare.py)."""
+def timeout_scale(environ=os.environ) -> float:
+    text = environ.get(TIMEOUT_SCALE_ENV, "1")
+    try:
+        scale = float(text)
+    except ValueError:
+        scale = 0
+    if not scale > 0:
+        raise pytest.UsageError(f"{TIMEOUT_SCALE_ENV}={text!r}: give a positive number (e.g. 3 on a loaded machine)")
+    return scale
+
+
+TIMEOUT_SCALE = timeout_scale()
+
+
+def scaled(seconds: float) -> float:
+    """A wall-clock limit of the tests, times TEST_TIMEOUT_SCALE."""
+    return seconds * TIMEOUT_SCALE
+
+
+def trainer_env(env: dict | None = None) -> dict:
+    """The environment of a trainer subprocess: ours, the repository importable, unbuffered
+    output (a test reads progress lines as they come), then `env`."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
+def run_cli(*args, env: dict | None = None, timeout: float = CLI_TIMEOUT_S, **options) -> subprocess.CompletedProcess:
+    """`python -m trainer ARGS` (or `python compare.py ...` when args start with compare.py);
+    `options` go to subprocess.run (preexec_fn, ...)."""
     command = [sys.executable, *map(str, args)] if str(args[0]).endswith(".py") else \
         [sys.executable, "-m", "trainer", *map(str, args)]
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, cwd=REPO, env=trainer_env(env), capture_output=True, text=True,
+                          timeout=scaled(timeout), **options)
+
+
+def start(output, *args, env: dict | None = None, command: tuple = (sys.executable, "-m", "trainer"),
+          **options) -> subprocess.Popen:
+    """The trainer (or `command`, e.g. torchrun ... -m trainer) on `output` as a live process
+    with a progress line per step, arriving unbuffered; `options` go to Popen
+    (start_new_session, ...)."""
+    return subprocess.Popen([*map(str, command), "--output", str(output), "--log-every-steps", "1",
+                             *map(str, args)], cwd=REPO, env=trainer_env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **options)
+
+
+def wait_for_line(process: subprocess.Popen, prefix: str) -> str:
+    """Read the process's stdout up to the first line starting with `prefix` (progress, not
+    time: the line comes when the trainer gets there, however slow the machine)."""
+    for line in process.stdout:
+        if line.startswith(prefix):
+            return line
+    raise AssertionError(f"process ended before printing {prefix!r}: {process.stderr.read()}")
+
+
+def finish(process: subprocess.Popen, timeout: float = CLI_TIMEOUT_S) -> tuple[str, str]:
+    """The rest of a live process's output once it exited (killed if it hangs past the limit)."""
+    try:
+        return process.communicate(timeout=scaled(timeout))
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+
+
+def wait_until(condition, what: str, timeout: float = CLI_TIMEOUT_S, every: float = 0.05) -> None:
+    """Poll `condition` until it holds; fail naming `what` if the (scaled) limit passes."""
+    deadline = time.monotonic() + scaled(timeout)
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {scaled(timeout):.0f} s")
+        time.sleep(every)
 
 
 def train(output: Path, *args, expect: int = 0, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -52,6 +136,26 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def png_size(path) -> tuple[int, int]:
+    """Width and height from the PNG header (signature, then the IHDR chunk)."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def clean_environment(**extra: str) -> dict:
+    """Our environment without launcher variables from an outer launcher."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PET_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return {**env, "PYTHONPATH": str(REPO), **extra}
+
+
 @pytest.fixture(scope="session")
 def baseline(tmp_path_factory) -> Path:
     """An uninterrupted default run, shared by every test that compares against it."""
@@ -60,7 +164,29 @@ def baseline(tmp_path_factory) -> Path:
     return output
 
 
+@pytest.fixture(scope="session")
+def short_baseline(tmp_path_factory) -> Path:
+    """An uninterrupted 3-epoch local run (`SHORT`), shared by every short local and store run
+    that must end equal to it."""
+    output = tmp_path_factory.mktemp("short-baseline") / "run"
+    train(output, *SHORT)
+    return output
+
+
 # -- a real S3 server (SeaweedFS) for the object-store tests ---------------------------------------
+def store_env(server: SeaweedServer, **extra) -> dict:
+    return {**server.env(), **extra}
+
+
+def keys(server: SeaweedServer, bucket: str, prefix: str) -> list[str]:
+    listed = server.client().list_objects_v2(Bucket=bucket, Prefix=prefix)
+    return sorted(item["Key"] for item in listed.get("Contents", []))
+
+
+def committed(server: SeaweedServer, bucket: str, run: str = "run") -> list[str]:
+    return sorted(key.split("/")[2] for key in keys(server, bucket, f"{run}/checkpoints/")
+                  if key.endswith("/manifest.json"))
+
 
 # Variables a developer's shell may carry that would change or break what boto3/s3fs do here.
 INHERITED_AWS = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
@@ -118,7 +244,7 @@ def s3_server(tmp_path_factory) -> SeaweedServer:
     with pytest.MonkeyPatch.context() as patch:
         for name in INHERITED_AWS:
             patch.delenv(name, raising=False)
-        server = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"))
+        server = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"), start_timeout=scaled(60))
         server.start()
         yield server
         server.stop()
@@ -135,3 +261,42 @@ def s3_bucket(s3_server: SeaweedServer):
         s3_server.delete_bucket(bucket.name)
     except Exception:  # noqa: BLE001 - cleanup only; a broken server shows up in the next test
         pass
+
+
+# -- the Polyaxon bundle (polyaxonfiles, presets, `polyaxon check`) ---------------------------------
+POLYAXON = Path(sys.executable).with_name("polyaxon")
+POLYAXONFILES = sorted((REPO / "polyaxonfiles").glob("*.yaml"))
+PRESETS = sorted((REPO / "presets").glob("*.yaml"))
+JOB_FILE = REPO / "polyaxonfiles" / "polyaxonfile.yaml"
+COMBINES = re.compile(r"^# Combines with: (.+)$", re.MULTILINE)
+FLAG = re.compile(r"^(--[a-z0-9-]+)=")
+
+
+def preset_targets(preset: Path) -> list[Path]:
+    """The polyaxonfiles a preset says (in its `# Combines with:` line) it is meant for."""
+    match = COMBINES.search(preset.read_text())
+    assert match, f"{preset.name} must say at its top which polyaxonfiles it combines with"
+    named = match.group(1).strip()
+    if named == "every polyaxonfiles/*.yaml":
+        return POLYAXONFILES
+    return [REPO / name for name in named.split()]
+
+
+def polyaxon_check(env: dict, files: list[Path], params: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    command = [str(POLYAXON), "check", "--strict-params"]
+    for file in files:
+        command += ["-f", str(file)]
+    for param in params:
+        command += ["-P", param]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=scaled(300))
+
+
+def check_all(env: dict, cases: list[tuple[list[Path], tuple[str, ...]]]) -> list[subprocess.CompletedProcess]:
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return list(pool.map(lambda case: polyaxon_check(env, *case), cases))
+
+
+def trainer_argv(script: str) -> list[str]:
+    """The arguments after `python -m trainer` in a rendered container script."""
+    tail = script.split("-m trainer", 1)[1]
+    return shlex.split(re.split(r"[;&\n]", tail)[0])

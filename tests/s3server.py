@@ -17,7 +17,8 @@ before it has elected itself leader (a race inside `weed server`: the volume ser
 fixed 5 s before it tries again; no flag shortens that). Stop is 2 s: SIGTERM alone takes > 10 s.
 Written objects survive SIGKILL (they are in the page cache and leveldb's journal).
 
-`python tests/s3server.py [DIR]` runs one in the foreground and prints `export AWS_...` lines.
+`make s3-server` (`python tests/s3server.py [--dir DIR] [--bucket NAME]`) runs one for a user:
+it creates the bucket, prints the `export AWS_...` lines and stops on SIGINT or SIGTERM (`serve`).
 """
 
 from __future__ import annotations
@@ -348,17 +349,57 @@ class SeaweedServer:
         return f"<SeaweedServer {self.endpoint_url if self.ports else '(never started)'} {state} root={self.root}>"
 
 
-if __name__ == "__main__":  # python tests/s3server.py [DIR]: run one until Ctrl-C, print its env
+def serve(argv: list[str] | None = None) -> int:
+    """`make s3-server` (python tests/s3server.py): a local S3 server to try `--output s3://…`
+    with. Starts one with fresh credentials, creates the bucket, prints the `export` lines
+    (also written to DIR/env.sh), and runs until SIGINT or SIGTERM, then stops the server and
+    exits 0. Both signals are caught explicitly, so it also stops when it runs in the
+    background (where a shell leaves SIGINT ignored)."""
+    import argparse
+    import secrets
     import tempfile
+    import threading
 
-    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="seaweed-"))
-    server = SeaweedServer(root).start()
-    print(f"# started in {server.start_seconds:.1f} s; data in {root}")
-    for key, value in server.env().items():
-        print(f"export {key}={value}")
+    parser = argparse.ArgumentParser(prog="make s3-server", description=serve.__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, help="where the server keeps its data (default: a new temporary "
+                                                 "folder); objects survive a restart with the same --dir")
+    parser.add_argument("--bucket", default="my-bucket", help="the bucket to create (default %(default)s)")
+    args = parser.parse_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    root = args.dir or Path(tempfile.mkdtemp(prefix="s3-server-"))
+    server = SeaweedServer(root, access_key=f"local-{secrets.token_hex(4)}", secret_key=secrets.token_hex(20))
     try:
-        signal.pause()
-    except KeyboardInterrupt:
-        pass
+        server.start()
+        client = server.client()
+        if args.bucket not in {bucket["Name"] for bucket in client.list_buckets().get("Buckets", [])}:
+            try:
+                client.create_bucket(Bucket=args.bucket)
+            except Exception as error:  # noqa: BLE001 - botocore's ClientError: an invalid name, most likely
+                print(f"s3-server: error: cannot create bucket {args.bucket!r} ({error}); use 3-63 lowercase "
+                      f"letters, digits, '-' or '.'", file=sys.stderr)
+                return 2
+        lines = [f"export {key}={value}" for key, value in server.env().items()]
+        with open(os.open(root / "env.sh", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as env_file:
+            env_file.write("\n".join(lines) + "\n")  # holds the secret key: for this user only
+        print("\n".join(lines))
+        print(f"# S3 server on {server.endpoint_url} (data in {root}), bucket s3://{args.bucket}; these lines are "
+              f"also in {root / 'env.sh'}")
+        print(f"# try: python -m trainer --output s3://{args.bucket}/run1")
+        print(f"# stop: Ctrl-C, or kill {os.getpid()}", flush=True)
+        while not stop.wait(0.5):
+            if not server.running:
+                print(f"# the server exited; its log: {server.log_path}", file=sys.stderr)
+                return 1
+    except (ServerError, FileNotFoundError) as error:
+        print(f"s3-server: error: {str(error).splitlines()[0]}", file=sys.stderr)
+        return 1
     finally:
         server.stop()
+    print("# stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve())

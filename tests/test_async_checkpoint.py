@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import resource
 import signal
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
 
-from conftest import REPO, attempts, compare, generation, one_error_line, train
+from conftest import attempts, compare, generation, one_error_line, run_cli, scaled, train
 from trainer.config import WorkloadConfig
 from trainer.errors import StorageFailure
 from trainer.checkpoint.atomic import file_digest
@@ -46,7 +43,7 @@ class GatedWriter(HashingFileSystemWriter):
             self.tracker["running"] += 1
             self.tracker["peak"] = max(self.tracker["peak"], self.tracker["running"])
         try:
-            assert self.gate.wait(30), "test gate never opened"
+            assert self.gate.wait(scaled(300)), "test gate never opened"
             return super().write_data(plan, planner)
         finally:
             with self.tracker["lock"]:
@@ -130,11 +127,8 @@ def test_background_disk_failure_exits_74_and_is_recorded(tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
 
-    result = subprocess.run(
-        [sys.executable, "-m", "trainer", "--output", str(run), "--checkpoint-mode", "async",
-         "--hidden-size", "512", "--epochs", "2"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-        timeout=120, preexec_fn=limit_file_size)
+    result = run_cli("--output", run, "--checkpoint-mode", "async", "--hidden-size", 512, "--epochs", 2,
+                     preexec_fn=limit_file_size)
     assert result.returncode == 74, result.stderr
     line = one_error_line(result)
     assert "writing generation step-00000008 failed: File too large" in line

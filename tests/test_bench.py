@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, scaled
 
 BENCHMARKS = sorted(path for path in (REPO / "bench").glob("*.py") if "--quick" in path.read_text())
 
@@ -62,7 +62,7 @@ def test_benchmark_runs_at_its_quick_size(script, tmp_path):
     env = {name: value for name, value in os.environ.items() if not name.startswith("AWS_")}
     result = subprocess.run([sys.executable, str(script), "--quick", "--dir", str(tmp_path),
                              "--json", str(tmp_path / "result.json")], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=scaled(600))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "|---" in result.stdout, result.stdout[-2000:]  # it printed its table
     assert "Traceback" not in result.stderr

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import REPO, compare, generation
+from conftest import REPO, compare, generation, scaled
 from trainer.inspect.compare import value_difference
 from trainer.checkpoint.manifest import Manifest, read_manifest
 from trainer.checkpoint.snapshot import load_flat
@@ -72,7 +72,9 @@ def test_compare_table_names_the_field_and_first_difference(tmp_path, baseline):
 def test_compare_equal_generation_to_itself_and_rejects_unreadable_input(tmp_path, baseline):
     assert compare(generation(baseline), generation(baseline)).returncode == 0
     missing = compare(generation(baseline), tmp_path / "nope")
-    assert missing.returncode == 2 and "not a generation directory" in missing.stderr
+    assert missing.returncode == 2 and "nope: no such directory" in missing.stderr
+    runs = compare(baseline, baseline)  # run directories, not generations: name the one to pass
+    assert runs.returncode == 2 and f"pass {baseline}/checkpoints/step-00000064" in runs.stderr
     damaged = tmp_path / "damaged"
     shutil.copytree(generation(baseline), damaged)
     (damaged / "__0_0.distcp").write_bytes(b"garbage")
@@ -99,4 +101,4 @@ def test_a_reader_that_leaves_early_does_not_change_the_verdict(baseline):
                                env={**os.environ, "PYTHONPATH": str(REPO)})
     process.stdout.close()  # the reader is gone before compare writes
     stderr = process.stderr.read().decode()
-    assert process.wait(timeout=120) == 0 and "Traceback" not in stderr, stderr
+    assert process.wait(timeout=scaled(600)) == 0 and "Traceback" not in stderr, stderr

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, scaled
 from trainer import compat
 
 
@@ -62,7 +62,7 @@ def test_deterministic_algorithms_are_on_without_importing_inductor():
              "assert 'torch._inductor.config' not in sys.modules\n"
              "import torch._inductor.config as inductor\n"
              "assert inductor.deterministic is True\n")
-    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=scaled(300))
     assert result.returncode == 0, result.stderr[-2000:]
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import attempts, generation, one_error_line, run_cli, train
-from trainer.run.fingerprint import check_fingerprint, fingerprint_diff
+from trainer.run.fingerprint import SOURCE_FILES, changed_files, check_fingerprint, fingerprint_diff, source_files
 from trainer.errors import FingerprintMismatch
 
 
@@ -56,6 +56,19 @@ def test_fingerprint_diff_is_per_field():
     assert "--allow-drift config --allow-drift world_size" in str(refused.value)
     assert "torch" not in str(refused.value).split("different environment:")[1].split(";")[0]
     assert len(check_fingerprint("step-00000008", old, new, ("config", "torch", "world_size"))) == 3
+
+
+def test_source_covers_the_whole_trainer_package_and_a_refusal_names_the_changed_files():
+    """Pure: `source` hashes every module of the package (cli.py and the loop alike, not only
+    the folder fingerprint.py lives in), and a source refusal names the files, not digests."""
+    names = [name for name, _ in source_files()]
+    assert {"cli.py", "run/loop.py", "checkpoint/restore.py", "workload/example.py"} <= set(names)
+    old = {"source": "a", SOURCE_FILES: {"cli.py": "1", "run/loop.py": "2", "gone.py": "3"}}
+    new = {"source": "b", SOURCE_FILES: {"cli.py": "1", "run/loop.py": "9", "workload/mine.py": "4"}}
+    with pytest.raises(FingerprintMismatch) as refused:
+        check_fingerprint("step-00000008", old, new, ())
+    assert "(changed run/loop.py; added workload/mine.py; removed gone.py)" in str(refused.value)
+    assert changed_files(None, new[SOURCE_FILES]) == ""  # a generation written before the list was kept
 
 
 def test_source_change_is_detected(tmp_path, interrupted):

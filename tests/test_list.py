@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import run_cli, train
+from conftest import one_error_line, run_cli, train
 
 
 def test_list_shows_an_interrupted_and_resumed_run(tmp_path):
@@ -32,6 +32,28 @@ def test_list_shows_an_interrupted_and_resumed_run(tmp_path):
 def test_list_of_a_missing_directory_is_one_line(tmp_path):
     result = run_cli("list", tmp_path / "nope")
     assert result.returncode == 66 and "not a run directory" in result.stderr
+
+
+def test_list_or_report_of_a_folder_that_is_not_a_run_names_the_runs_beneath(tmp_path):
+    """`list outputs` used to print empty tables and exit 0 (issue #24)."""
+    outputs = tmp_path / "outputs"
+    (outputs / "a" / "attempts").mkdir(parents=True)  # what a run directory holds once a trainer started
+    (outputs / "nested" / "b" / "checkpoints").mkdir(parents=True)
+    (outputs / "a" / "attempts" / "x").mkdir()
+    for command in ("list", "report"):
+        result = run_cli(command, outputs)
+        line = one_error_line(result)
+        assert result.returncode == 66 and f"runs beneath it: {outputs / 'a'}, {outputs / 'nested' / 'b'}" in line, line
+    empty = run_cli("list", outputs / "nested" / "b" / "checkpoints" / "..")  # a run's own folder still lists
+    assert empty.returncode == 0, empty.stderr
+    none = run_cli("list", tmp_path / "outputs" / "a" / "attempts" / "x")
+    assert none.returncode == 66 and "holds none" in one_error_line(none)
+
+
+def test_a_store_url_without_its_package_names_the_package_not_output():
+    result = run_cli("list", "gs://bucket/run")
+    line = one_error_line(result)
+    assert result.returncode == 2 and "gcsfs" in line and "--output" not in line, line
 
 
 def test_a_foreign_attempt_record_is_ignored_by_list_and_resume(tmp_path):

@@ -10,38 +10,19 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
-import subprocess
-import sys
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import JOB_FILE, POLYAXONFILES, PRESETS, REPO, check_all, preset_targets, trainer_argv
 
 from trainer.cli import train_parser
 
-POLYAXON = Path(sys.executable).with_name("polyaxon")
-POLYAXONFILES = sorted((REPO / "polyaxonfiles").glob("*.yaml"))
-PRESETS = sorted((REPO / "presets").glob("*.yaml"))
-JOB_FILE = REPO / "polyaxonfiles" / "polyaxonfile.yaml"
-COMBINES = re.compile(r"^# Combines with: (.+)$", re.MULTILINE)
 FLAG = re.compile(r"^(--[a-z0-9-]+)=")
 NOT_INPUTS = {"--output", "--tracked", "--help", "--local-tier",  # set by the bundle itself (TRAINER_LOCAL_TIER), not by the user
               "--signing-key-file"}  # the bundle's mount of the Secret named by the input signing_key_secret
-
-
-def preset_targets(preset: Path) -> list[Path]:
-    """The polyaxonfiles a preset says (in its `# Combines with:` line) it is meant for."""
-    match = COMBINES.search(preset.read_text())
-    assert match, f"{preset.name} must say at its top which polyaxonfiles it combines with"
-    named = match.group(1).strip()
-    if named == "every polyaxonfiles/*.yaml":
-        return POLYAXONFILES
-    return [REPO / name for name in named.split()]
 
 
 @pytest.fixture(scope="module")
@@ -49,20 +30,6 @@ def cli_env(tmp_path_factory) -> dict:
     home = tmp_path_factory.mktemp("polyaxon-home")
     env = {k: v for k, v in os.environ.items() if not k.startswith("POLYAXON_")}
     return {**env, "HOME": str(home), "POLYAXON_NO_OP": "false"}
-
-
-def polyaxon_check(env: dict, files: list[Path], params: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    command = [str(POLYAXON), "check", "--strict-params"]
-    for file in files:
-        command += ["-f", str(file)]
-    for param in params:
-        command += ["-P", param]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-
-
-def check_all(env: dict, cases: list[tuple[list[Path], tuple[str, ...]]]) -> list[subprocess.CompletedProcess]:
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        return list(pool.map(lambda case: polyaxon_check(env, *case), cases))
 
 
 def inputs_of(polyaxonfile: Path) -> dict[str, dict]:
@@ -104,12 +71,6 @@ def container_scripts(compiled) -> list[str]:
 
     walk(run)
     return found
-
-
-def trainer_argv(script: str) -> list[str]:
-    """The arguments after `python -m trainer` in a rendered container script."""
-    tail = script.split("-m trainer", 1)[1]
-    return shlex.split(re.split(r"[;&\n]", tail)[0])
 
 
 # ---------------------------------------------------------------------------------- polyaxon check

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import FINAL, REPO
+from conftest import FINAL, REPO, scaled
 from trainer.integrations.polyaxon import internals
 from trainer.integrations.polyaxon.sandbox import Sandbox, haupt_binary, run_uuid_of
 from trainer.run.fingerprint import source_digest
@@ -95,7 +95,7 @@ class Project:
     def wait_for_record(self, run_uuid: str, previous: int | None) -> list[dict]:
         import time
 
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(600)
         while time.monotonic() < deadline:
             records = [r for r in self.agent.records() if r.get("run") == run_uuid and "sidecar_copy" not in r]
             if len(records) > (previous or 0):

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, one_error_line, run_cli
+from conftest import CLI_TIMEOUT_S, REPO, one_error_line, run_cli, scaled
 
 from trainer.config import ProgressConfig
 from trainer.run.progress import CLEAR_LINE, Progress, StepInfo, render_status
@@ -112,7 +112,7 @@ def test_progress_options_are_validated_in_one_line(tmp_path):
 def read_all(fd: int, process: subprocess.Popen) -> bytes:
     chunks = []
     while True:
-        ready, _, _ = select.select([fd], [], [], 60)
+        ready, _, _ = select.select([fd], [], [], scaled(CLI_TIMEOUT_S))
         if not ready:
             break
         try:
@@ -122,7 +122,7 @@ def read_all(fd: int, process: subprocess.Popen) -> bytes:
         if not chunk:
             break
         chunks.append(chunk)
-    process.wait(timeout=60)
+    process.wait(timeout=scaled(CLI_TIMEOUT_S))
     return b"".join(chunks)
 
 
@@ -137,7 +137,8 @@ def test_the_cli_shows_a_status_line_on_a_terminal_and_lines_through_a_pipe(tmp_
         out = read_all(parent, process).decode()
         os.close(parent)
     else:
-        result = subprocess.run(list(map(str, command)), cwd=REPO, env=env, capture_output=True, text=True)
+        result = subprocess.run(list(map(str, command)), cwd=REPO, env=env, capture_output=True, text=True,
+                                timeout=scaled(CLI_TIMEOUT_S))
         process, out = result, result.stdout
     assert process.returncode == 0, out
     steps = re.findall(r"^step=(\d+) ", out.replace("\r\n", "\n").replace(CLEAR_LINE, "\n"), re.MULTILINE)

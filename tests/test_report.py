@@ -8,24 +8,15 @@ from __future__ import annotations
 
 import json
 import signal
-import struct
 
 import pytest
 
-from conftest import attempts, one_error_line, run_cli, train
-from test_faults import start, wait_for_line
+from conftest import attempts, finish, one_error_line, png_size, run_cli, start, train, wait_for_line
 
 from trainer.inspect.listing import attempt_rows
 from trainer.inspect.report import advise, build_report, format_report
 from trainer.inspect.timeline import HEIGHT, WIDTH, WallAxis, lane_label, render_timeline, timeline_title
 from trainer.run.interval import daly_interval, expected_goodput
-
-
-def png_size(path) -> tuple[int, int]:
-    """Width and height from the PNG header (signature, then the IHDR chunk)."""
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
-    return struct.unpack(">II", data[16:24])
 
 
 def record(id, status, first, last, restored=None, replayed=None, published=(), wall=10.0, exit_code=None,
@@ -214,7 +205,8 @@ def storm(tmp_path_factory):
     process = start(run, *EPOCHS, "--resume")
     wait_for_line(process, "step=36 ")
     process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 75
+    finish(process)
+    assert process.returncode == 75
     train(run, *EPOCHS, "--resume")
     return run
 

@@ -7,28 +7,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, attempts, compare, generation, one_error_line, run_cli, train
+from conftest import (REPO, TORCHRUN, attempts, clean_environment, compare, finish, free_port, generation,
+                      one_error_line, run_cli, scaled, train, wait_until)
 
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 EPOCHS = 2  # 16 steps: enough for mid-run generations, short enough for CI
 FINAL_2P = "step-00000016"
 TORCHRUN_CHILD_FAILED = 1
 """What torchrun itself exits with when any child exits non-zero, 75 included (measured)."""
-
-
-def clean_environment(**extra: str) -> dict:
-    """Our environment without launcher variables from an outer launcher."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("PET_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return {**env, "PYTHONPATH": str(REPO), **extra}
 
 
 def torchrun(output: Path, *args, expect: int = 0, env: dict | None = None, tmp: Path) -> subprocess.CompletedProcess:
@@ -38,7 +29,7 @@ def torchrun(output: Path, *args, expect: int = 0, env: dict | None = None, tmp:
     status_file = tmp / f"status-{len(list(tmp.glob('status-*')))}"
     command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "trainer",
                "--output", str(output), "--epochs", str(EPOCHS), "--threads", "1", *map(str, args)]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120,
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=scaled(600),
                             env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status_file), **(env or {})))
     trainer_status = int(status_file.read_text()) if status_file.exists() else None
     assert trainer_status == expect, (f"trainer status {trainer_status}, wanted {expect} (torchrun {result.returncode})\n"
@@ -69,7 +60,7 @@ def test_two_processes_survive_an_interrupt_and_a_rank_killed_mid_save(tmp_path,
     # waiting at the barrier. torchrun reports the failure; nothing is written for the child.
     crashed = subprocess.run(
         [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "trainer", "--output", str(run),
-         "--epochs", str(EPOCHS), "--resume"], cwd=REPO, capture_output=True, text=True, timeout=120,
+         "--epochs", str(EPOCHS), "--resume"], cwd=REPO, capture_output=True, text=True, timeout=scaled(600),
         env=clean_environment(TRAINER_FAULT_POINT="after-write", TRAINER_FAULT_RANK="1"))
     assert crashed.returncode == TORCHRUN_CHILD_FAILED
     assert "fault injection: killing at after-write" in crashed.stderr and "exitcode  : -9" in crashed.stderr
@@ -104,11 +95,10 @@ def test_sigterm_to_torchrun_saves_once_on_every_rank_and_exits_75(tmp_path):
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status_file)))
     try:
-        deadline = time.monotonic() + 90
-        while len(list((run / "checkpoints").glob("step-*"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)  # two time-triggered generations
+        wait_until(lambda: len(list((run / "checkpoints").glob("step-*"))) >= 2 or launcher.poll() is not None,
+                   "two time-triggered generations", every=0.2)
         launcher.send_signal(signal.SIGTERM)
-        stdout, stderr = launcher.communicate(timeout=90)
+        stdout, stderr = finish(launcher)
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -185,7 +175,7 @@ def test_pytorchjob_polyaxonfile_is_valid_and_its_launcher_reports_the_trainer_s
     home.mkdir()
     checked = subprocess.run([str(Path(sys.executable).with_name("polyaxon")), "check", "-f",
                               "polyaxonfiles/pytorchjob.yaml"], cwd=REPO, capture_output=True, text=True,
-                             timeout=120, env={**os.environ, "HOME": str(home)})
+                             timeout=scaled(600), env={**os.environ, "HOME": str(home)})
     assert checked.returncode == 0 and "Polyaxonfile valid" in checked.stdout, checked.stdout + checked.stderr
 
     rendered = render_pytorchjob(home, {"workers": 0, "epochs": 1, "interrupt_at_step": 3,
@@ -207,7 +197,8 @@ def test_pytorchjob_polyaxonfile_is_valid_and_its_launcher_reports_the_trainer_s
     script = baked.replace("--tracked", f"--output {tmp_path / 'run'}").replace("/opt/training-recovery", str(REPO))
     env = clean_environment(RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                             PATH=f"{TORCHRUN.parent}{os.pathsep}{os.environ['PATH']}")
-    launched = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    launched = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=scaled(600),
+                              env=env)
     assert launched.returncode == 75, launched.stdout[-2000:] + launched.stderr[-3000:]
     assert [r["status"] for r in attempts(tmp_path / "run")] == ["interrupted"]
 
@@ -233,15 +224,9 @@ print(json.dumps({"master": run.master.container.args[0], "worker": run.worker.c
 def render_pytorchjob(home: Path, params: dict) -> dict:
     """The container scripts as Polyaxon's own compiler resolves them for these params."""
     result = subprocess.run([sys.executable, "-c", RENDER, json.dumps(params)], cwd=REPO, capture_output=True,
-                            text=True, timeout=120, env={**os.environ, "HOME": str(home)})
+                            text=True, timeout=scaled(600), env={**os.environ, "HOME": str(home)})
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # ------------------------------------------------------------------ pure logic, no processes
@@ -264,7 +249,7 @@ def test_one_of_several_processes_skips_the_teardown_but_not_the_exit_handlers(t
     teardown; a single process still exits normally."""
     env = clean_environment(WORLD_SIZE=world_size, RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
     result = subprocess.run([sys.executable, "-c", EXIT_PROBE, str(tmp_path / "missing")], cwd=REPO,
-                            capture_output=True, text=True, timeout=60, env=env)
+                            capture_output=True, text=True, timeout=scaled(300), env=env)
     assert result.returncode == 66, result.stderr
     assert one_error_line(result).startswith("trainer: error: ") and "not a run directory" in result.stderr
     assert "exit handlers ran" in result.stdout

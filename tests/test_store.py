@@ -8,46 +8,20 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import FINAL, REPO, attempts, compare, generation, one_error_line, run_cli, train
+from conftest import (FINAL, SHORT, SHORT_FINAL, attempts, committed, compare, finish, generation, keys, one_error_line,
+                      run_cli, scaled, start, store_env, train, wait_for_line)
 from s3server import SeaweedServer
 
-
-
-def store_env(server: SeaweedServer, **extra) -> dict:
-    return {**server.env(), **extra}
-
-
-def keys(server: SeaweedServer, bucket: str, prefix: str) -> list[str]:
-    listed = server.client().list_objects_v2(Bucket=bucket, Prefix=prefix)
-    return sorted(item["Key"] for item in listed.get("Contents", []))
-
-
-def committed(server: SeaweedServer, bucket: str, run: str = "run") -> list[str]:
-    return sorted(key.split("/")[2] for key in keys(server, bucket, f"{run}/checkpoints/")
-                  if key.endswith("/manifest.json"))
-
-
-SHORT = ("--epochs", 3)
-SHORT_FINAL = "step-00000024"
 
 
 @pytest.fixture
 def bucket(s3_bucket) -> str:
     return s3_bucket.name
-
-
-@pytest.fixture(scope="module")
-def short_baseline(tmp_path_factory) -> Path:
-    """An uninterrupted 3-epoch local run: what every short store run must end equal to."""
-    output = tmp_path_factory.mktemp("short-baseline") / "run"
-    train(output, *SHORT)
-    return output
 
 
 def same_as(baseline: Path, run: Path, name: str = SHORT_FINAL) -> bool:
@@ -160,9 +134,9 @@ def test_uncommitted_is_never_selected_and_a_damaged_commit_is_refused(s3_server
 
 
 # ----------------------------------------------------------------- the store going away
-def stopped(process: subprocess.Popen, timeout: float = 60) -> bool:
-    """Whether the process stopped itself (SIGSTOP: state T), waiting up to `timeout`."""
-    deadline = time.monotonic() + timeout
+def stopped(process: subprocess.Popen, timeout: float = 600) -> bool:
+    """Whether the process stopped itself (SIGSTOP: state T), waiting up to `timeout` (scaled)."""
+    deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline and process.poll() is None:
         if Path(f"/proc/{process.pid}/stat").read_text().split(") ", 1)[1].startswith("T"):
             return True
@@ -182,23 +156,20 @@ def test_store_stopped_mid_save_fails_within_the_bound_then_resumes_exactly(tmp_
         train(url, "--local-tier", tier, "--epochs", 1, env=env)  # step-00000008 committed
         args = ("--local-tier", tier, *SHORT, "--resume", "--store-retries", 2, "--store-backoff-secs", 0.2,
                 "--store-timeout-secs", 2)
-        process = subprocess.Popen([sys.executable, "-m", "trainer", "--output", url, *map(str, args)], cwd=REPO,
-                                   env={**os.environ, "PYTHONPATH": str(REPO), **env,
-                                        "TRAINER_PAUSE_POINT": "store-before-manifest"},
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        process = start(url, *args, env={**env, "TRAINER_PAUSE_POINT": "store-before-manifest"})
         try:
             assert stopped(process), "the trainer never reached its pause point"
             server.kill()
             gone = time.monotonic()
         finally:
             process.send_signal(signal.SIGCONT)
-        out, err = process.communicate(timeout=120)
+        out, err = finish(process)
         failed_after = time.monotonic() - gone
         assert process.returncode == 74, err[-2000:]
         line = [l for l in err.splitlines() if l.startswith("trainer: error:")]
         assert len(line) == 1 and url in line[0] and "after 3 tries" in line[0]
         assert "Traceback" not in err
-        assert failed_after < 60  # bounded: 3 tries of at most 2 x 2 s, 0.6 s of backoff, plus the rest
+        assert failed_after < scaled(60)  # bounded: 3 tries of at most 2 x 2 s, 0.6 s of backoff, plus the rest
         server.start()
         assert committed(server, bucket)[0] == "step-00000008"  # the earlier generation intact
         train(url, "--local-tier", tier, *SHORT, "--resume", env=env)
@@ -210,14 +181,9 @@ def test_store_stopped_mid_save_fails_within_the_bound_then_resumes_exactly(tmp_
 # ----------------------------------------------------------------- single writer
 def test_a_second_trainer_on_the_same_prefix_is_refused_naming_the_holder(s3_server, bucket, tmp_path):
     env, url = store_env(s3_server), f"s3://{bucket}/run"
-    command = [sys.executable, "-m", "trainer", "--output", url, "--local-tier", str(tmp_path / "a"),
-               "--epochs", 30, "--log-every-steps", 1]
-    first = subprocess.Popen(list(map(str, command)), cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = start(url, "--local-tier", tmp_path / "a", "--epochs", 30, env=env)
     try:
-        for line in first.stdout:
-            if line.startswith("step="):
-                break
+        wait_for_line(first, "step=")
         second = run_cli("--output", url, "--local-tier", tmp_path / "b", "--resume", "auto",
                          "--lease-wait-secs", 0, env=env)
         assert second.returncode == 73
@@ -226,7 +192,7 @@ def test_a_second_trainer_on_the_same_prefix_is_refused_naming_the_holder(s3_ser
         assert first.poll() is None  # untouched
     finally:
         first.send_signal(signal.SIGTERM)
-        _, said = first.communicate(timeout=60)
+        _, said = finish(first)
     assert first.returncode == 75
     # Preempted: the step reached is saved and made durable before exit, and the 75 line says so.
     stopped = [line for line in said.splitlines() if line.startswith("trainer: stopped, resumable (exit 75)")]

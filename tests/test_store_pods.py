@@ -6,25 +6,22 @@ writer whose lease was taken over cannot commit."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, compare, one_error_line, run_cli
-from test_scale_out import TORCHRUN, clean_environment, free_port
-from test_store import committed, keys, store_env
+from conftest import (REPO, TORCHRUN, clean_environment, committed, compare, finish, free_port, keys, one_error_line,
+                      run_cli, start, store_env, wait_for_line)
 
 EPOCHS = ("--epochs", 2)  # 16 steps with two processes
 FINAL = "step-00000016"
 
 
 def two_nodes(url: str, tmp: Path, *args, env: dict, fault: dict | None = None,
-              timeout: float = 180) -> list[subprocess.CompletedProcess]:
+              timeout: float = 600) -> list[subprocess.CompletedProcess]:
     """`torchrun --nnodes 2` twice on loopback (node 0 and node 1, one process each), each node
     with its own --local-tier; the trainer's status of each node from TRAINER_EXIT_STATUS_FILE."""
     port = free_port()
@@ -39,7 +36,7 @@ def two_nodes(url: str, tmp: Path, *args, env: dict, fault: dict | None = None,
                                            stderr=subprocess.PIPE, text=True), status))
     results = []
     for process, status in processes:
-        out, err = process.communicate(timeout=timeout)
+        out, err = finish(process, timeout)
         result = subprocess.CompletedProcess(process.args, process.returncode, out, err)
         result.trainer_status = int(status.read_text()) if status.exists() else None
         results.append(result)
@@ -112,22 +109,14 @@ def test_a_zombie_writer_whose_lease_was_taken_over_cannot_commit(s3_server, s3_
     touching the new attempt's line."""
     bucket = s3_bucket.name
     url, env = f"s3://{bucket}/run", store_env(s3_server)
-    common = ["--output", url, "--epochs", 40, "--recover-every-steps", 4, "--lease-ttl-secs", 2,
-              "--log-every-steps", 1]
-    zombie = subprocess.Popen([sys.executable, "-m", "trainer", *map(str, common), "--local-tier",
-                               str(tmp_path / "zombie")], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    common = ["--epochs", 40, "--recover-every-steps", 4, "--lease-ttl-secs", 2]
+    zombie = start(url, *common, "--local-tier", tmp_path / "zombie", env=env)
     successor = zombie
     try:
-        for line in zombie.stdout:
-            if line.startswith("durable generation step-00000008"):
-                break
+        wait_for_line(zombie, "durable generation step-00000008")
         zombie.send_signal(signal.SIGSTOP)
         paused = time.monotonic()
-        successor = subprocess.Popen([sys.executable, "-m", "trainer", *map(str, common), "--local-tier",
-                                      str(tmp_path / "successor"), "--resume"], cwd=REPO,
-                                     env={**os.environ, "PYTHONPATH": str(REPO), **env},
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        successor = start(url, *common, "--local-tier", tmp_path / "successor", "--resume", env=env)
         said = []
         for line in successor.stdout:
             said.append(line)
@@ -137,11 +126,11 @@ def test_a_zombie_writer_whose_lease_was_taken_over_cannot_commit(s3_server, s3_
         assert time.monotonic() - paused >= 2  # only once the paused holder's lease expired
         restored = int(next(line for line in said if line.startswith("restored ")).split()[1].split("-")[1])
         zombie.send_signal(signal.SIGCONT)
-        _, zombie_err = zombie.communicate(timeout=120)
+        _, zombie_err = finish(zombie)
         assert zombie.returncode == 73, zombie_err[-2000:]
         assert "lost the lease" in zombie_err and "exiting without touching the newer attempt's line" in zombie_err
         successor.send_signal(signal.SIGTERM)
-        successor.communicate(timeout=120)
+        finish(successor)
         assert successor.returncode == 75
         # The new line is the successor's alone: every generation after the one it restored.
         attempts_by_start = sorted((tmp_path / "successor" / "attempts").iterdir())

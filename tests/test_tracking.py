@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import attempts, compare, generation, one_error_line, run_cli
-from test_report import png_size
+from conftest import attempts, compare, generation, one_error_line, png_size, run_cli
 
 from trainer.errors import TrackingUnavailable
 from trainer.integrations.polyaxon.tracking import PolyaxonEvents, cloning_kind, parse_run_instance

@@ -13,6 +13,7 @@ import pytest
 from conftest import REPO, attempts, compare, generation, one_error_line, run_cli, train
 
 TOY = "tests/workloads/toy.py:ToyWorkload"
+EDGE = ("--workload", "tests/workloads/edge_cases.py:EdgeCase", "--epochs", 3, "--batch-size", 8)
 RUN = ("--workload", TOY, "--epochs", 3, "--batch-size", 8)  # 3 batches per epoch, 9 steps
 FINAL = "step-00000009"
 
@@ -115,15 +116,17 @@ def test_source_covers_the_workloads_whole_package_or_its_module(tmp_path, monke
     (tmp_path / "mypkg" / "__init__.py").write_text("")
     (tmp_path / "mypkg" / "models" / "__init__.py").write_text("WIDTH = 8\n")
     (tmp_path / "mypkg" / "factory.py").write_text("class Factory:\n    pass\n")
-    (tmp_path / "single.py").write_text("class Factory:\n    pass\n")
+    (tmp_path / "lone").mkdir()  # apart from mypkg: a lone module's source includes what is imported below it
+    (tmp_path / "lone" / "single.py").write_text("class Factory:\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path / "lone"))
     packaged = find_factory("mypkg.factory:Factory").source_files()
     assert packaged == ((tmp_path / "mypkg").resolve(),)
-    (tmp_path / "helpers.py").write_text("CLIP = 1.0\n")  # a helper beside a lone module
+    (tmp_path / "lone" / "helpers.py").write_text("CLIP = 1.0\n")  # a helper beside a lone module
     lone = find_factory("single:Factory").source_files()
-    assert lone == ((tmp_path / "helpers.py").resolve(), (tmp_path / "single.py").resolve())
+    assert lone == ((tmp_path / "lone" / "helpers.py").resolve(), (tmp_path / "lone" / "single.py").resolve())
     before_helper = source_digest(workload=lone)
-    (tmp_path / "helpers.py").write_text("CLIP = 0.01\n")
+    (tmp_path / "lone" / "helpers.py").write_text("CLIP = 0.01\n")
     assert source_digest(workload=lone) != before_helper
     assert find_factory(DEFAULT_WORKLOAD).source_files() == ()  # inside the trainer: its digest alone
     before = source_digest(workload=packaged)
@@ -160,3 +163,65 @@ def test_the_cnn_example_refuses_a_run_longer_than_its_schedule(tmp_path):
     result = run_cli("--output", tmp_path / "run", "--workload", "examples/small_cnn.py:SmallCNN", "--epochs", "30")
     assert result.returncode == 2 and "--total-steps 64" in one_error_line(result)
     assert not (tmp_path / "run").exists()
+
+
+def test_workload_mistakes_before_training_are_one_line_and_exit_2(tmp_path):
+    """Issue #24: an optimizer holding a tensor that is not a model parameter is refused
+    before the first step (it used to train, then crash at the first save and lose it all);
+    a factory that raises, a missing dependency and a misspelt option say what is wrong."""
+    foreign = run_cli("--output", tmp_path / "foreign", *EDGE, "--case", "foreign-tensor")
+    line = one_error_line(foreign)
+    assert foreign.returncode == 2 and "not parameters of the model" in line and "nn.Parameter" in line, line
+    assert not list((tmp_path / "foreign").glob("checkpoints/step-*"))
+    raising = run_cli("--output", tmp_path / "raising", *EDGE, "--case", "raising-factory")
+    line = one_error_line(raising)
+    assert raising.returncode == 2 and "its factory failed: ValueError: bad --width 8" in line, line
+    assert not (tmp_path / "raising").exists()
+    (tmp_path / "needs_dep.py").write_text("import no_such_dependency_24\n\nclass W:\n    pass\n")
+    missing = run_cli("--output", tmp_path / "dep", "--workload", f"{tmp_path / 'needs_dep.py'}:W")
+    line = one_error_line(missing)
+    assert missing.returncode == 2 and "imports 'no_such_dependency_24', which is not installed" in line, line
+    assert "run from the directory" not in line
+    misspelt = run_cli("--output", tmp_path / "typo", *EDGE, "--widht", 3)
+    assert misspelt.returncode == 2 and "--workload tests/workloads/edge_cases.py:EdgeCase --help" in \
+        one_error_line(misspelt)
+
+
+def test_a_parameter_the_optimizer_does_not_cover_trains_and_resumes_exactly(tmp_path):
+    """Legal: the head stays fixed. Its gradients are cleared every step (they used to pile
+    up across steps, which a resumed process could not repeat)."""
+    baseline, run = tmp_path / "baseline", tmp_path / "run"
+    train(baseline, *EDGE, "--case", "uncovered")
+    train(run, *EDGE, "--case", "uncovered", "--recover-every-steps", 2, "--interrupt-at-step", 5, expect=75)
+    train(run, *EDGE, "--case", "uncovered", "--resume")
+    result = compare(generation(baseline, FINAL), generation(run, FINAL))
+    assert result.returncode == 0, result.stdout
+
+
+def test_an_extra_state_tensor_shaped_at_the_first_step_is_named_at_restore(tmp_path):
+    run = tmp_path / "run"
+    train(run, *EDGE, "--case", "lazy-extra", "--recover-every-steps", 2, "--interrupt-at-step", 5, expect=75)
+    refused = run_cli("--output", run, *EDGE, "--case", "lazy-extra", "--resume")
+    line = one_error_line(refused)
+    assert refused.returncode == 65 and "stateful() extra 'average'" in line and "build_model" in line, line
+    assert "drift" not in line
+
+
+def test_a_workload_by_path_imports_its_helpers_and_an_edited_one_is_refused(tmp_path):
+    """Issue #24: `--workload ../proj/my_workload.py:Mine` imports `my_helpers` beside it and
+    `helpers/my_helpers.py` below it (as `python file.py` would); an edit to the one in the
+    sub-package between attempts is refused (65) naming that file."""
+    project = tmp_path / "proj"
+    (project / "helpers").mkdir(parents=True)
+    shutil.copy(REPO / "tests" / "workloads" / "toy.py", project / "my_helpers.py")
+    (project / "helpers" / "my_helpers.py").write_text("DECAY = 0.9\n")
+    (project / "my_workload.py").write_text(
+        "import torch\n\nfrom helpers import my_helpers as schedule\nfrom my_helpers import ToyWorkload\n\n\n"
+        "class Mine(ToyWorkload):\n    def build_scheduler(self, optimizer):\n"
+        "        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule.DECAY ** step)\n")
+    run, mine = tmp_path / "run", ("--workload", f"{project / 'my_workload.py'}:Mine", "--epochs", 2)
+    train(run, *mine, "--interrupt-at-step", 4, expect=75)
+    (project / "helpers" / "my_helpers.py").write_text("DECAY = 0.8\n")
+    refused = run_cli("--output", run, *mine, "--resume")
+    line = one_error_line(refused)
+    assert refused.returncode == 65 and "changed workload/helpers/my_helpers.py" in line, line

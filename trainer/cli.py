@@ -37,8 +37,11 @@ class OneLineParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
+    help_command: str | None = None
+    """What lists every option (a workload's own appear only with `--workload X --help`)."""
+
     def error(self, message: str):
-        raise UsageError(f"{message} (see {self.prog} --help)")
+        raise UsageError(f"{message} (see {self.help_command or self.prog + ' --help'})")
 
 
 def train_parser(workload: str = DEFAULT_WORKLOAD) -> OneLineParser:
@@ -55,6 +58,8 @@ def workload_parser(workload: str) -> tuple[OneLineParser, tuple[str, ...]]:
     trainer_names = set(vars(parser.parse_known_args([])[0]))
     found = find_factory(workload)
     declared = found.add_options(parser.add_argument_group(f"options of the workload {workload}"))
+    if workload != DEFAULT_WORKLOAD:
+        parser.help_command = f"{parser.prog} --workload {workload} --help"
     if clashes := sorted(set(declared) & trainer_names):
         raise UsageError(f"--workload {workload} declares {', '.join(clashes)}, which the trainer already has; "
                          f"rename them in its add_options")

@@ -150,6 +150,11 @@ class RunDirectory:
             raise RefuseOverwrite(f"{problem}; this is not a run directory of ours, so nothing was changed: "
                                   f"move it away or choose another --output")
 
+    def holds_a_run(self) -> bool:
+        """Whether anything of the layout is here: a trainer has worked on this directory."""
+        return any(path.exists() for path in (self.checkpoints, self.exports, self.attempts, self.lock,
+                                              self.root / STORE_MARKER))
+
     def inner_part(self) -> str | None:
         """Why this directory looks like a part of a run directory (its `checkpoints/`, or one
         generation) rather than one: training there would nest a second run inside the first."""
@@ -158,3 +163,40 @@ class RunDirectory:
             return (f"{self.root} is part of a run directory (a section or a generation), not one; "
                     f"pass the run directory that contains it")
         return None
+
+
+RUNS_NAMED = 5
+"""How many runs beneath a folder that is not one an error line names."""
+
+
+def runs_beneath(folder: Path, depth: int = 3, limit: int = RUNS_NAMED) -> list[Path]:
+    """Run directories at most `depth` levels below `folder` (`list outputs` names the runs
+    in it), the first `limit` in sorted order; hidden folders and the sections of a run are
+    not searched."""
+    found: list[Path] = []
+    level = [folder]
+    for _ in range(depth):
+        below = []
+        for parent in level:
+            try:
+                children = sorted(p for p in parent.iterdir() if p.is_dir() and not p.name.startswith("."))
+            except OSError:
+                continue
+            for child in children:
+                if RunDirectory(child).holds_a_run():
+                    found.append(child)
+                elif child.name not in SECTIONS.values():
+                    below.append(child)
+        level = below
+    return sorted(found)[:limit]
+
+
+def not_a_run(folder: Path) -> str:
+    """Why `folder` cannot be listed or reported, naming the runs beneath it if there are any."""
+    runs = runs_beneath(folder)
+    if not runs:
+        return (f"{folder} is not a run directory (no attempt records, generations or exports) and holds none "
+                f"beneath it; pass the --output of a run")
+    more = ", …" if len(runs) == RUNS_NAMED else ""
+    return (f"{folder} is not a run directory; runs beneath it: {', '.join(str(run) for run in runs)}{more}; "
+            f"pass one of them")

@@ -109,6 +109,18 @@ def refuse_shape_changes(generation: str, template: dict, stored: dict) -> None:
         entry = stored.get(key)
         if isinstance(value, torch.Tensor) and entry is not None and hasattr(entry, "size") \
                 and tuple(entry.size) != tuple(value.shape):
+            if key.startswith("workload."):
+                raise FingerprintMismatch(lazily_shaped_extra(generation, key, tuple(entry.size), tuple(value.shape)))
             raise FingerprintMismatch(f"{generation} cannot be restored into this model: {key} is "
                                       f"{tuple(entry.size)} there, {tuple(value.shape)} here; a shape-changing "
                                       f"drift cannot be allowed, start a new --output instead")
+
+
+def lazily_shaped_extra(generation: str, key: str, stored: tuple, built: tuple) -> str:
+    """A workload's extra state (`stateful()`) restores in place into tensors of the shape
+    it has when built; one that gets its shape later (an EMA allocated at the first step)
+    cannot take the stored values."""
+    name = key.split(".")[1]
+    return (f"{generation} cannot be restored: the workload's stateful() extra {name!r} ({key}) is {stored} in the "
+            f"generation but {built} when built; allocate it at its final shape in build_model or the factory "
+            f"(not at the first step), so it restores in place")

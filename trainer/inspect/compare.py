@@ -89,8 +89,15 @@ def compare_states(a: dict, b: dict) -> list[FieldResult]:
 
 def load_generation(path: Path) -> dict:
     """Verify, then load every stored field; an unusable input is a usage error (exit 2)."""
+    if not path.exists():
+        raise UsageError(f"{path}: no such directory; pass a generation, e.g. OUTPUT/checkpoints/step-00000064")
     if not path.is_dir():
         raise UsageError(f"{path} is not a generation directory; pass e.g. OUTPUT/checkpoints/step-00000064")
+    if (path / "checkpoints").is_dir() and not (path / "manifest.json").exists():
+        newest = sorted(p.name for p in (path / "checkpoints").glob("step-*") if (p / "manifest.json").is_file())
+        example = newest[-1] if newest else "step-00000064"
+        raise UsageError(f"{path} is a run directory, not a generation; pass {path}/checkpoints/{example} "
+                         f"(a generation of that run)")
     verification = verify_directory(path)
     if verification.untrusted:
         raise UntrustedGeneration(f"{path} is refused: {verification.problem}")

@@ -16,7 +16,7 @@ from trainer.checkpoint.manifest import Manifest, Verification, verify_directory
 from trainer.checkpoint.section import LocalSection
 from trainer.checkpoint.signing import Signing, authenticated
 from trainer.storage.location import is_url
-from trainer.layout import MANIFEST, PROGRESS_MARKER, SECTIONS, RunDirectory, generation_step
+from trainer.layout import MANIFEST, PROGRESS_MARKER, SECTIONS, RunDirectory, generation_step, not_a_run
 
 
 def directory_bytes(path: Path) -> int:
@@ -180,6 +180,8 @@ def require_run_directory(output: Path) -> None:
         raise NothingToResume(f"{output} is not a run directory; pass the --output of a run")
     if problem := RunDirectory(output).inner_part():
         raise NothingToResume(problem)
+    if not RunDirectory(output).holds_a_run():
+        raise NothingToResume(not_a_run(output))
 
 
 def print_run(described: dict, as_json: bool) -> int:

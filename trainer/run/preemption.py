@@ -1,7 +1,9 @@
 """Preemption: SIGTERM/SIGINT ask the loop to stop at the next step boundary.
 
-The first signal only sets a flag: the loop finishes the current optimizer step, writes a
-recovery generation and exits 75. A grace timer exits 75 without publishing if that takes
+The first signal only sets a flag: the loop finishes the optimizer step in progress, writes a
+recovery generation and exits 75 (one further step when the signal lands after a step's
+stop check, while its line is printed or its save written). DataLoader workers ignore the
+signal, whenever it reaches them. A grace timer exits 75 without publishing if that takes
 longer than the orchestrator's grace period allows (an unpublished temporary is never
 selected, so nothing is half-published). A second signal exits 75 at once, equally safely.
 """
@@ -25,6 +27,7 @@ class PreemptionGuard:
         self.signal_name: str | None = None
         self._previous: dict = {}
         self._timer: threading.Timer | None = None
+        self._pid = os.getpid()
         self.last_words: Callable[[str], None] | None = None
         """Set once the attempt record exists: records `preempted` before a hard exit, so the
         record never stays `running` (which would count towards a crash loop)."""
@@ -34,6 +37,10 @@ class PreemptionGuard:
         return self.signal_name is not None
 
     def _handle(self, signum, frame) -> None:
+        if os.getpid() != self._pid:
+            # A DataLoader worker, forked with this handler, signalled with its process group
+            # before its worker_init_fn ignores stop signals: the main process decides.
+            return
         name = signal.Signals(signum).name
         if self.requested:
             self._exit_now(f"second {name}: exited at once without publishing")

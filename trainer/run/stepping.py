@@ -27,8 +27,12 @@ class OptimizerSteps:
         """Micro-batches this attempt has trained on (for a test seam)."""
 
     def open_window(self, size: int) -> int:
-        """Start accumulating `size` micro-batches; returns `size`."""
+        """Start accumulating `size` micro-batches; returns `size`. Every gradient of the
+        model is cleared, not only the optimizer's: a parameter the optimizer does not hold
+        would otherwise carry gradients over from earlier steps (into gradient clipping, say),
+        which a resumed process, starting with none, could not repeat."""
         self.state.optimizer.zero_grad(set_to_none=True)
+        self.state.model.zero_grad(set_to_none=True)
         return size
 
     def micro_batch(self, batch, window: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from trainer.config import WorkloadConfig
 from trainer.errors import UsageError
-from trainer.workload.loading import find_factory
+from trainer.workload.loading import find_factory, first_line
 from trainer.workload.protocol import Workload
 
 __all__ = ["BoundWorkload", "Workload", "build_workload"]
@@ -28,11 +28,18 @@ def build_workload(config: WorkloadConfig) -> BoundWorkload:
     options = {**found.defaults(), **dict(config.options)}
     trainer = {"seed": config.seed, "batch_size": config.batch_size, "grad_accum": config.grad_accum,
                "amp": config.amp, "epochs": config.epochs}
-    workload = found.factory(argparse.Namespace(**options, **trainer))
+    try:
+        workload = found.factory(argparse.Namespace(**options, **trainer))
+    except UsageError:
+        raise
+    except Exception as error:  # the factory refused its options (or failed): one line, as at import
+        raise UsageError(f"--workload {config.workload}: its factory failed: {error.__class__.__name__}: "
+                         f"{first_line(error)}; fix the option it names (see --workload "
+                         f"{config.workload} --help)") from None
     if missing := [name for name in REQUIRED if not callable(getattr(workload, name, None))]:
         raise UsageError(f"--workload {config.workload} returned a {type(workload).__name__}, which lacks "
                          f"{', '.join(missing)}: the factory must return a Workload (trainer/workload/protocol.py)")
-    return BoundWorkload(workload, found.source_files())
+    return BoundWorkload(workload, found.source_files(), config.workload)
 
 
 
@@ -43,6 +50,8 @@ class BoundWorkload:
     workload: Workload
     source_files: tuple[Path, ...]
     """The workload's source outside the trainer package (hashed into `source`)."""
+    spec: str = "the workload"
+    """`--workload` as given, for error lines."""
 
     def build_dataset(self):
         return self.workload.build_dataset()
@@ -51,7 +60,9 @@ class BoundWorkload:
         return self.workload.build_model()
 
     def build_optimizer(self, model):
-        return self.workload.build_optimizer(model)
+        optimizer = self.workload.build_optimizer(model)
+        refuse_foreign_tensors(optimizer, model, self.spec)
+        return optimizer
 
     def build_scheduler(self, optimizer):
         return self.workload.build_scheduler(optimizer)
@@ -84,6 +95,23 @@ class BoundWorkload:
         hook = getattr(self.workload, name, None)
         if hook is not None:
             hook(*args)
+
+
+def refuse_foreign_tensors(optimizer, model, spec: str) -> None:
+    """Refuse, before the first step, an optimizer that holds a tensor which is not a
+    parameter of the model: a save stores optimizer state by model parameter name, so that
+    tensor's state has no name and the first save would fail after training (DCP's
+    KeyError). A model parameter the optimizer does not hold is fine (it is saved, not
+    trained)."""
+    own = {id(parameter) for parameter in model.parameters()}
+    foreign = [(index, tuple(tensor.shape)) for group in optimizer.param_groups
+               for index, tensor in enumerate(group["params"]) if id(tensor) not in own]
+    if foreign:
+        index, shape = foreign[0]
+        raise UsageError(f"--workload {spec}: build_optimizer gave the optimizer {len(foreign)} tensor(s) that are "
+                         f"not parameters of the model (the first: a {shape} tensor); their state could not be "
+                         f"saved: make each one an nn.Parameter of the model built by build_model "
+                         f"(e.g. model.temperature = nn.Parameter(...)) and pass model.parameters()")
 
 
 def dataset_fingerprint(dataset) -> str:

@@ -2,7 +2,8 @@
 declares, and the source files the fingerprint hashes.
 
 MODULE is a dotted module name importable from `sys.path` (the current directory, or
-PYTHONPATH), or a path to a `.py` file. Every failure is one line and exit 2.
+PYTHONPATH), or a path to a `.py` file, whose folder then goes first on `sys.path`, as
+`python file.py` puts it (so a helper beside it imports). Every failure is one line and exit 2.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class WorkloadFactory:
             try:
                 declare(recording)
             except (argparse.ArgumentError, TypeError, ValueError) as error:
-                raise UsageError(f"--workload {self.spec}: its add_options failed: {_first_line(error)}") from None
+                raise UsageError(f"--workload {self.spec}: its add_options failed: {first_line(error)}") from None
         return recording.declared
 
     def defaults(self) -> dict[str, object]:
@@ -46,8 +47,10 @@ class WorkloadFactory:
 
     def source_files(self) -> tuple[Path, ...]:
         """What `source` hashes besides the trainer: the workload's whole top-level package,
-        or, for a module in none, every .py file beside it (the helper modules it imports from
-        its own folder change training too); nothing when it lives in the trainer."""
+        or, for a module in none, every .py file beside it and every module it imported from
+        below its folder (`from helpers import my_helpers`: sub-packages at any depth change
+        training too); nothing when it lives in the trainer. Call it once the factory ran:
+        what the module, or the factory, imported by then is what counts."""
         module_file = Path(self.module.__file__).resolve()
         if module_file.is_relative_to(TRAINER_ROOT):
             return ()
@@ -55,7 +58,28 @@ class WorkloadFactory:
         package = sys.modules.get(top)
         if top != self.module.__name__ and package is not None and hasattr(package, "__path__"):
             return tuple(sorted(Path(path).resolve() for path in package.__path__))
-        return tuple(sorted(module_file.parent.glob("*.py")))
+        folder = module_file.parent
+        return tuple(sorted(set(folder.glob("*.py")) | set(imported_below(folder))))
+
+
+def imported_below(folder: Path) -> list[Path]:
+    """The source files of every module imported so far from `folder` or below it, leaving
+    out installed packages (a virtual environment inside the project) and the trainer."""
+    found = []
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__file__", None)
+        if not name or not name.endswith(".py"):
+            continue
+        path = Path(name).resolve()
+        if not path.is_relative_to(folder) or path.is_relative_to(TRAINER_ROOT):
+            continue
+        if not any(part.startswith(".") or part in INSTALLED for part in path.relative_to(folder).parts):
+            found.append(path)
+    return found
+
+
+INSTALLED = ("site-packages", "dist-packages")
+"""Folders of installed packages: their versions are in the attempt's requirements, not `source`."""
 
 
 class RecordingGroup:
@@ -83,8 +107,8 @@ class RecordingGroup:
 def find_factory(spec: str) -> WorkloadFactory:
     module_name, separator, factory_name = spec.rpartition(":")
     if not separator or not module_name or not factory_name:
-        raise UsageError(f"--workload {spec!r}: give MODULE:FACTORY, e.g. examples.gpt.workload:GPTWorkload "
-                         f"or path/to/my_workload.py:MyWorkload")
+        raise UsageError(f"--workload {spec!r}: give MODULE:FACTORY, e.g. examples/char_gpt.py:CharGPT "
+                         f"or mypackage.workload:MyWorkload")
     module = _import(spec, module_name)
     factory = getattr(module, factory_name, None)
     if not callable(factory):
@@ -100,16 +124,30 @@ def _import(spec: str, module_name: str) -> ModuleType:
     except UsageError:
         raise
     except ModuleNotFoundError as error:
-        raise UsageError(f"--workload {spec}: cannot import {module_name} ({error}); run from the directory "
-                         f"that holds it or add that directory to PYTHONPATH") from None
+        if not module_name.endswith(".py") and _is_the_module_or_its_package(error.name, module_name):
+            raise UsageError(f"--workload {spec}: cannot import {module_name} ({error}); run from the directory "
+                             f"that holds it, add that directory to PYTHONPATH, or give the path to its .py "
+                             f"file") from None
+        raise UsageError(f"--workload {spec}: {module_name} imports {error.name!r}, which is not installed in this "
+                         f"environment (nor beside the workload); install it (pip install …) or add it to "
+                         f"your requirements") from None
     except Exception as error:  # the user's module failed while importing: still one line
         raise UsageError(f"--workload {spec}: importing {module_name} failed: "
-                         f"{error.__class__.__name__}: {_first_line(error)}") from None
+                         f"{error.__class__.__name__}: {first_line(error)}") from None
+
+
+def _is_the_module_or_its_package(missing: str | None, module_name: str) -> bool:
+    """Whether the module not found is the one named by --workload (or a package above it),
+    rather than a dependency it imports."""
+    return missing is None or module_name == missing or module_name.startswith(missing + ".")
 
 
 def _import_file(path: Path) -> ModuleType:
     if not path.is_file():
         raise UsageError(f"--workload {path}: no such file")
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:  # as `python file.py` does: its helpers beside it import
+        sys.path.insert(0, folder)
     name = path.stem
     if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(path.resolve()):
         return sys.modules[name]
@@ -120,6 +158,6 @@ def _import_file(path: Path) -> ModuleType:
     return module
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return lines[0] if lines else error.__class__.__name__

@@ -64,7 +64,7 @@ def open_filesystem(location: StoreLocation, config: StoreConfig):
     try:
         module = importlib.import_module(package)
     except ImportError:
-        raise UsageError(f"--output {location.url}: {location.scheme}:// needs the {package} package; "
+        raise UsageError(f"{location.url}: {location.scheme}:// needs the {package} package; "
                          f"pip install {package}") from None
     if location.scheme == "s3":
         timeouts = {"connect_timeout": config.timeout_s, "read_timeout": config.timeout_s,
