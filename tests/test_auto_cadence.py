@@ -7,8 +7,7 @@ Cost: three trainer processes (~3 s each on a quiet machine) and two usage check
 
 from __future__ import annotations
 
-from conftest import attempts, compare, generation, one_error_line, run_cli, train
-from test_faults import start, wait_for_line
+from conftest import attempts, compare, generation, one_error_line, run_cli, start, train, wait_for_line
 
 AUTO = ("--recover-every-epochs", 0, "--recover-every-secs", "auto", "--recover-auto-min-secs", 0.02)
 
