@@ -28,6 +28,8 @@ class PrivateName:
     checked: str
     """The `package` version this use was checked against."""
     why: str
+    listed_in = "trainer/compat.py"
+    """The file to update when the name moves (a class attribute, not a field)."""
 
     def resolve(self):
         try:
@@ -35,7 +37,7 @@ class PrivateName:
         except (ImportError, AttributeError):
             raise PrivateApiMoved(
                 f"{self.module}.{self.name} is gone ({self.package} {installed_version(self.package)} installed, "
-                f"checked against {self.checked}); it is used for {self.why}: update trainer/compat.py") from None
+                f"checked against {self.checked}); it is used for {self.why}: update {self.listed_in}") from None
 
 
 def installed_version(package: str) -> str:

@@ -67,18 +67,19 @@ class EverySteps(StatelessTrigger):
         return point.step % self.steps == 0
 
 
-@dataclass
-class EverySeconds:
-    seconds: float
-    clock: Callable[[], float] = time.monotonic
-    last: float = field(default=None)
+class SinceLastSave:
+    """What both seconds triggers share: the time of the last save on an injected clock,
+    carried across processes as "seconds since the last save". Subclasses say `interval_s`."""
 
-    def __post_init__(self) -> None:
-        if self.last is None:
-            self.last = self.clock()
+    clock: Callable[[], float]
+    last: float
+
+    @property
+    def interval_s(self) -> float:
+        raise NotImplementedError
 
     def due(self, point: StepPoint) -> bool:
-        return self.clock() - self.last >= self.seconds
+        return self.clock() - self.last >= self.interval_s
 
     def saved(self) -> None:
         self.last = self.clock()
@@ -88,6 +89,21 @@ class EverySeconds:
 
     def load_state(self, state: dict) -> None:
         self.last = self.clock() - float(state.get("secs_since_save", 0.0))
+
+
+@dataclass
+class EverySeconds(SinceLastSave):
+    seconds: float
+    clock: Callable[[], float] = time.monotonic
+    last: float = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.last is None:
+            self.last = self.clock()
+
+    @property
+    def interval_s(self) -> float:
+        return self.seconds
 
 
 @dataclass(frozen=True)
@@ -132,7 +148,7 @@ CHANGE_SHARE = 0.1
 
 
 @dataclass
-class AutoSeconds:
+class AutoSeconds(SinceLastSave):
     """A seconds trigger whose interval is Daly's optimum for the measured C and the run's M,
     bounded by `config`. Starts from `config.min_s` (the safe side) until a save cost is known
     from this attempt or the earlier ones."""
@@ -151,18 +167,6 @@ class AutoSeconds:
     @property
     def interval_s(self) -> float:
         return self.current.interval_s
-
-    def due(self, point: StepPoint) -> bool:
-        return self.clock() - self.last >= self.interval_s
-
-    def saved(self) -> None:
-        self.last = self.clock()
-
-    def state(self) -> dict:
-        return {"secs_since_save": round(self.clock() - self.last, 6)}
-
-    def load_state(self, state: dict) -> None:
-        self.last = self.clock() - float(state.get("secs_since_save", 0.0))
 
     def measured(self, cost_s: float) -> CadenceChange | None:
         """A recovery save blocked the loop `cost_s` seconds: re-derive; the change, if any."""

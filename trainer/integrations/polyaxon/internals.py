@@ -21,14 +21,7 @@ from trainer.compat import PrivateApiMoved, PrivateName, installed_version
 
 @dataclass(frozen=True)
 class PolyaxonName(PrivateName):
-    def resolve(self):
-        try:
-            return super().resolve()
-        except PrivateApiMoved:
-            raise PrivateApiMoved(
-                f"{self.module}.{self.name} is gone ({self.package} {installed_version(self.package)} installed, "
-                f"checked against {self.checked}); it is used for {self.why}: update "
-                f"trainer/integrations/polyaxon/internals.py") from None
+    listed_in = "trainer/integrations/polyaxon/internals.py"
 
 
 PROCESS_EXECUTOR = PolyaxonName(
