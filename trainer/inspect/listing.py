@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from trainer.inspect.report import cell
 from trainer.run.attempts import RUNNING, read_attempts
 from trainer.errors import CorruptGeneration, NothingToResume, StorageFailure
 from trainer.checkpoint.manifest import Manifest, Verification, verify_directory
@@ -94,10 +95,6 @@ def store_named_by(attempts: list[dict]) -> str | None:
     return None
 
 
-def _cell(value, fmt: str = "{}") -> str:
-    return "-" if value is None else fmt.format(value)
-
-
 UNCOMMITTED = {False: "uncommitted copy without a manifest (never selected, kept)",
                True: "uncommitted prefix without a manifest (never selected; the next trainer removes it)"}
 """A store's leftovers are cleaned up under the next trainer's lease; a local copy is never deleted."""
@@ -128,23 +125,23 @@ def verified_cell(row: dict) -> str:
 
 def sealed_columns(section: str, tiered: bool) -> list[Column]:
     """The generations (with position) or exports table; a run in a store adds durable/local."""
-    columns: list[Column] = [("name", "<15", lambda r: r["name"]), ("epoch", ">5", lambda r: _cell(r["epoch"]))]
+    columns: list[Column] = [("name", "<15", lambda r: r["name"]), ("epoch", ">5", lambda r: cell(r["epoch"]))]
     if section == "generations":
-        columns.append(("pos", ">4", lambda r: _cell(r["position"])))
+        columns.append(("pos", ">4", lambda r: cell(r["position"])))
     columns += [("MB", ">9", lambda r: f"{r['bytes'] / 1e6:.3f}"), ("verified", "<9", verified_cell)]
     if tiered:
         columns += [("durable", "<7", lambda r: "yes" if r["durable"] else "no"),
                     ("local", "<7", lambda r: LOCAL_CELLS[r["local"]])]
-    return columns + [("save s", ">7", lambda r: _cell(r["save_s"], "{:.3f}")),
-                      (" attempt", "", lambda r: " " + _cell(r["attempt"]))]
+    return columns + [("save s", ">7", lambda r: cell(r["save_s"], "{:.3f}")),
+                      (" attempt", "", lambda r: " " + cell(r["attempt"]))]
 
 
 ATTEMPT_COLUMNS: list[Column] = [
-    ("id", "<24", lambda a: _cell(a["id"])), ("status", "<12", lambda a: _cell(a["status"])),
-    ("exit", ">4", lambda a: _cell(a["exit_code"])), ("restored from", "<15", lambda a: _cell(a["restored"])),
-    ("replayed", ">8", lambda a: _cell(a["steps_replayed"])), ("abandoned", ">9", lambda a: _cell(a["abandoned"])),
-    ("last step", ">9", lambda a: _cell(a["last_step"])),
-    ("wall s", ">7", lambda a: _cell(a["wall_s"], "{:.1f}"))]
+    ("id", "<24", lambda a: cell(a["id"])), ("status", "<12", lambda a: cell(a["status"])),
+    ("exit", ">4", lambda a: cell(a["exit_code"])), ("restored from", "<15", lambda a: cell(a["restored"])),
+    ("replayed", ">8", lambda a: cell(a["steps_replayed"])), ("abandoned", ">9", lambda a: cell(a["abandoned"])),
+    ("last step", ">9", lambda a: cell(a["last_step"])),
+    ("wall s", ">7", lambda a: cell(a["wall_s"], "{:.1f}"))]
 
 
 def table(columns: list[Column], rows: list[dict]) -> list[str]:

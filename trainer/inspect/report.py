@@ -382,7 +382,7 @@ def advise(report: Report, assume_mtbf_s: float | None = None) -> Advice:
 
 def format_advice(advice: Advice) -> list[str]:
     a = advice
-    secs = lambda value: _cell(value, "{:.3g} s")  # noqa: E731
+    secs = lambda value: cell(value, "{:.3g} s")  # noqa: E731
     lines = ["", "  save interval advice (Daly's model; README \"Recovery report\" says when not to trust it)",
              f"    save cost C         {secs(a.cost_s)} blocked per recovery save ({a.saves} saves); "
              f"{secs(a.to_durable_s)} to durable",
@@ -397,7 +397,7 @@ def format_advice(advice: Advice) -> list[str]:
     if a.interval_s is None:
         return lines + [f"    best interval       - ({a.formula})"]
     lines.append(f"    best interval       {secs(a.interval_s)} of training between saves ({a.formula}; Young "
-                 f"sqrt(2CM) {secs(a.young_s)}): predicted goodput {_cell(a.predicted_goodput, '{:.1%}')}")
+                 f"sqrt(2CM) {secs(a.young_s)}): predicted goodput {cell(a.predicted_goodput, '{:.1%}')}")
     if a.current_goodput is not None:
         gap = (a.predicted_goodput - a.current_goodput) * 100
         lines.append(f"    current cadence     every {secs(a.current_interval_s)} of training: predicted goodput "
@@ -405,7 +405,7 @@ def format_advice(advice: Advice) -> list[str]:
     return lines
 
 
-def _cell(value, fmt: str = "{}") -> str:
+def cell(value, fmt: str = "{}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
@@ -416,25 +416,25 @@ def format_report(report: Report, output: str, advice: Advice | None = None) -> 
                  f"{'computed':>8} {'replayed':>8} {'lost':>5} {'abandoned':>9} {'restore s':>9} {'verify s':>8} {'save s':>7} "
                  f"{'blocked s':>9} {'to durable s':>12} {'wall s':>8}")
     for number, row in enumerate(report.rows, 1):
-        wall = _cell(row.wall_s, "{:.1f}") + ("~" if row.wall_estimated else "")
+        wall = cell(row.wall_s, "{:.1f}") + ("~" if row.wall_estimated else "")
         lines.append(
-            f"  {number:>3} {row.id:<24} {row.outcome:<11} {_cell(row.exit_code):>4} {_cell(row.restored):<15} "
+            f"  {number:>3} {row.id:<24} {row.outcome:<11} {cell(row.exit_code):>4} {cell(row.restored):<15} "
             f"{f'{row.first_step}..{row.last_step}':>11} {row.computed:>8} {row.replayed:>8} {row.lost:>5} "
             f"{row.abandoned:>9} "
             f"{row.restore_s:>9.3f} {row.verify_s:>8.3f} {row.save_s:>7.3f} {row.blocked_s:>9.3f} "
-            f"{_cell(row.time_to_durable_s, '{:.2f}'):>12} {wall:>8}")
+            f"{cell(row.time_to_durable_s, '{:.2f}'):>12} {wall:>8}")
     t = report.totals
     outcomes = ", ".join(f"{count} {name}" for name, count in t.outcomes.items()) or "none"
     lines += ["", f"  attempts           {t.attempts} ({outcomes})",
               f"  useful steps       {t.useful}",
               f"  steps computed     {t.computed} (replayed {t.replayed}, lost {t.lost}, abandoned {t.abandoned})",
-              f"  goodput            {_cell(t.goodput, '{:.1%}')} of the steps computed; "
-              f"{_cell(t.time_goodput, '{:.1%}')} of the time spent (start-up included)",
+              f"  goodput            {cell(t.goodput, '{:.1%}')} of the steps computed; "
+              f"{cell(t.time_goodput, '{:.1%}')} of the time spent (start-up included)",
               f"  wall time          {t.wall_s:.1f} s in attempts"
               + (f", {t.span_s:.1f} s from first start to last end" if t.span_s is not None else ""),
               f"  lost to restarts   {t.wall_lost_s:.1f} s (restores {t.restore_s:.1f} s)",
               f"  checkpoint overhead {t.checkpoint_s:.2f} s waiting for saves = "
-              f"{_cell(t.checkpoint_share, '{:.1%}')} of wall time"]
+              f"{cell(t.checkpoint_share, '{:.1%}')} of wall time"]
     estimated = [name for name in ("killed", "running") if any(row.wall_estimated and row.outcome == name
                                                                  for row in report.rows)]
     if estimated:
