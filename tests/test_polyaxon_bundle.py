@@ -247,3 +247,8 @@ def test_the_signing_key_is_off_by_default_and_mounted_from_a_secret_when_named(
     adopting = trainer_argv(container_scripts(render([JOB_FILE], {"signing_key_secret": "run-signing",
                                                                   "allow_unsigned": True}))[0])
     assert train_parser().parse_args(adopting).allow_unsigned
+    # The multi-node job: the same Secret in every replica (master and workers share the spec).
+    job = REPO / "polyaxonfiles" / "pytorchjob.yaml"
+    replicas = container_scripts(render([job], {"signing_key_secret": "run-signing", "workers": 1}))
+    assert len(replicas) == 2 and all("--signing-key-file=/signing/signing.key" in s for s in replicas)
+    assert not any("--signing-key-file" in s for s in container_scripts(render([job], {"workers": 1})))

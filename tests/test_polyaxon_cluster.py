@@ -213,8 +213,7 @@ def test_every_replica_reaches_the_artifacts_store_and_finds_the_same_run_direct
         if store == "s3":
             for key in connection["secret"]["items"]:
                 assert env[key]["valueFrom"] == {"secretKeyRef": {"key": key, "name": "aws-creds"}}
-            signing = set() if polyaxonfile == PYTORCHJOB else {"signing-key"}  # the (optional) key Secret
-            assert set(mounts) == {"local-tier", "artifacts-context", "shm"} | signing
+            assert set(mounts) == {"local-tier", "artifacts-context", "shm", "signing-key"}  # the key: optional
         else:
             assert mounts["plx-host"] == "/plx-store"
             assert volumes["plx-host"]["hostPath"] == {"path": "/mnt/plx-store"}
