@@ -181,7 +181,7 @@ def test_store_stopped_mid_save_fails_within_the_bound_then_resumes_exactly(tmp_
 # ----------------------------------------------------------------- single writer
 def test_a_second_trainer_on_the_same_prefix_is_refused_naming_the_holder(s3_server, bucket, tmp_path):
     env, url = store_env(s3_server), f"s3://{bucket}/run"
-    first = start(url, "--local-tier", tmp_path / "a", "--epochs", 30, env=env)
+    first = start(url, "--local-tier", tmp_path / "a", "--epochs", 400, env=env)  # outlasts the second start, however slow
     try:
         wait_for_line(first, "step=")
         second = run_cli("--output", url, "--local-tier", tmp_path / "b", "--resume", "auto",
