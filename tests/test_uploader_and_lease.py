@@ -75,7 +75,7 @@ def test_back_pressure_holds_the_save_beyond_the_bound(tier):
     assert blocked.is_alive(), "a third save went ahead with two uploads still pending"
     assert len(uploader.not_durable(GENERATIONS)) == 2
     objects.upload_gate.set()
-    blocked.join(30)
+    blocked.join(scaled(30))
     assert waited and waited[0] >= 0.25
     assert [done.name for done in uploader.drain()] == [generation_name(step) for step in (1, 2, 3)]
     uploader.close()
