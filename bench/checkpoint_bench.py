@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import evict, facts_for, median, state_bytes, training_state  # noqa: E402
 
 from trainer.checkpoint.checkpointer import AsyncCheckpointer, SyncCheckpointer  # noqa: E402
+from trainer.checkpoint.commit import RenameCommit  # noqa: E402
 from trainer.layout import generation_name  # noqa: E402
 from trainer.checkpoint.snapshot import load_snapshot, stored_entries  # noqa: E402
 from trainer.checkpoint.section import LocalSection  # noqa: E402
@@ -133,7 +134,7 @@ def dcp_default_save(state_dict: dict, directory: Path) -> float:
 
 def sync_save(state, directory: Path, config: WriterConfig) -> float:
     store = LocalSection(directory)
-    checkpointer = SyncCheckpointer(store, "bench", config)
+    checkpointer = SyncCheckpointer(RenameCommit(store), "bench", config)
     started = time.perf_counter()
     checkpointer.save(state.state_dict(), facts_for(1))
     return time.perf_counter() - started
@@ -143,7 +144,7 @@ def async_saves(state, directory: Path, config: WriterConfig, repeat: int) -> di
     """One checkpointer, repeat+1 saves: the first allocates the staging buffers (reported
     apart), the rest reuse them (the steady state a training run sees)."""
     store = LocalSection(directory)
-    checkpointer = AsyncCheckpointer(store, "bench", torch.device("cpu"), config)
+    checkpointer = AsyncCheckpointer(RenameCommit(store), "bench", torch.device("cpu"), config)
     blocking, calls, totals, buffer_bytes = [], [], [], 0
     for step in range(1, repeat + 2):
         state_dict = state.state_dict()

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import facts_for, state_bytes, train_step, training_state  # noqa: E402
 
 from trainer.checkpoint.checkpointer import build_checkpointer  # noqa: E402
+from trainer.checkpoint.commit import RenameCommit  # noqa: E402
 from trainer.checkpoint.section import LocalSection  # noqa: E402
 from trainer.checkpoint.writer import WriterConfig  # noqa: E402
 
@@ -38,7 +39,7 @@ def run(mode: str, size_mb: float, steps: int, every: int, keep: int, base: Path
         config: WriterConfig) -> dict:
     state, workload = training_state(size_mb, device)
     store = LocalSection(base / mode / "checkpoints")
-    checkpointer = None if mode == "none" else build_checkpointer(mode, store, "bench", device, config=config)
+    checkpointer = None if mode == "none" else build_checkpointer(mode, RenameCommit(store), "bench", device, config=config)
     blocked = 0.0
     train_step(state, workload, device)  # warm-up
     if device.type == "cuda":

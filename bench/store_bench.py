@@ -69,6 +69,7 @@ from common import evict, facts_for, median, state_bytes, training_state  # noqa
 
 from trainer.config import StoreConfig  # noqa: E402
 from trainer.checkpoint.checkpointer import SyncCheckpointer  # noqa: E402
+from trainer.checkpoint.commit import RenameCommit  # noqa: E402
 from trainer.checkpoint.manifest import Manifest  # noqa: E402
 from trainer.checkpoint.snapshot import load_snapshot, stored_entries  # noqa: E402
 from trainer.checkpoint.section import LocalSection  # noqa: E402
@@ -217,7 +218,7 @@ class Bench:
         self.tier = RunDirectory(base / "tier")
         self.local = LocalSection(self.tier.checkpoints)
         self.local.root.mkdir(parents=True, exist_ok=True)
-        self.checkpointer = SyncCheckpointer(self.local, "bench", writer)
+        self.checkpointer = SyncCheckpointer(RenameCommit(self.local), "bench", writer)
         self.fs = open_filesystem(StoreLocation("s3", "bench", ""), StoreConfig())
         """One s3fs filesystem (its connection pool) for every round, as one trainer has."""
         self.step = 0

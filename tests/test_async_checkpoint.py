@@ -18,6 +18,7 @@ from trainer.config import WorkloadConfig
 from trainer.errors import StorageFailure
 from trainer.checkpoint.atomic import file_digest
 from trainer.checkpoint.checkpointer import AsyncCheckpointer, SyncCheckpointer, effective_mode
+from trainer.checkpoint.commit import RenameCommit
 from trainer.checkpoint.manifest import GenerationFacts, verify_directory
 from trainer.checkpoint.snapshot import load_flat
 from trainer.checkpoint.section import LocalSection
@@ -77,7 +78,7 @@ class WithWriter(AsyncCheckpointer):
     """An AsyncCheckpointer whose DCP writer is `make_writer(path)`."""
 
     def __init__(self, store, make_writer):
-        super().__init__(store, "test", CPU)
+        super().__init__(RenameCommit(store), "test", CPU)
         self.make_writer = make_writer
 
     def new_writer(self, directory):
@@ -170,7 +171,7 @@ def test_background_failure_is_raised_at_the_next_call(tmp_path, surfaced_by):
         if surfaced_by == "save":
             checkpointer.save(state.state_dict(), facts(2))
         elif surfaced_by == "wait_for_staging":
-            while not checkpointer._in_flight.published.done():
+            while not checkpointer._in_flight[-1].committed.done():
                 threading.Event().wait(0.01)
             checkpointer.wait_for_staging()
         else:
@@ -214,9 +215,9 @@ def test_finalize_drains_and_publishes_the_save_in_flight(tmp_path):
 def test_sync_and_async_publish_the_same_state_and_verified_digests(tmp_path):
     state = small_state(hidden=256)
     sync_store = LocalSection(tmp_path / "sync")
-    [sync] = SyncCheckpointer(sync_store, "test").save(state.state_dict(), facts(5))
+    [sync] = SyncCheckpointer(RenameCommit(sync_store), "test").save(state.state_dict(), facts(5))
     async_store = LocalSection(tmp_path / "async")
-    checkpointer = AsyncCheckpointer(async_store, "test", CPU)
+    checkpointer = AsyncCheckpointer(RenameCommit(async_store), "test", CPU)
     checkpointer.save(state.state_dict(), facts(5))
     [async_] = checkpointer.finalize()
     a, b = load_flat(sync_store.path(sync.name)), load_flat(async_store.path(async_.name))

@@ -106,10 +106,3 @@ def test_interrupt_exits_75_and_records_it(tmp_path):
 def test_help_exits_0():
     result = run_cli("--help")
     assert result.returncode == 0 and "--resume" in result.stdout
-
-
-def test_async_checkpoints_are_refused_under_torchrun(tmp_path):
-    launched = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
-    result = run_cli("--output", tmp_path / "run", "--checkpoint-mode", "async", env=launched)
-    assert result.returncode == 2 and "single-process only" in one_error_line(result)
-    assert not (tmp_path / "run").exists()

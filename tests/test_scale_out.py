@@ -50,26 +50,47 @@ def baseline_2p(tmp_path_factory) -> Path:
     return root / "run"
 
 
+def crash(run: Path, point: str, rank: int, *args) -> subprocess.CompletedProcess:
+    """A resume during which rank `rank` dies by SIGKILL at crash point `point`; torchrun
+    reports the failure (nothing is written for a killed child)."""
+    crashed = subprocess.run(
+        [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "trainer", "--output", str(run),
+         "--epochs", str(EPOCHS), "--threads", "1", "--resume", *args], cwd=REPO, capture_output=True, text=True,
+        timeout=scaled(600), env=clean_environment(TRAINER_FAULT_POINT=point, TRAINER_FAULT_RANK=str(rank)))
+    assert crashed.returncode == TORCHRUN_CHILD_FAILED
+    assert f"fault injection: killing at {point}" in crashed.stderr and "exitcode  : -9" in crashed.stderr
+    return crashed
+
+
 def test_two_processes_survive_an_interrupt_and_a_rank_killed_mid_save(tmp_path, baseline_2p):
+    """Sync then async saves under torchrun: a rank killed at any point of a save leaves the
+    last committed generation the newest, and the async resume ends bit-identical to the
+    uninterrupted sync run (either mode resumes the other's generations)."""
     run = tmp_path / "run"
     interrupted = torchrun(run, "--interrupt-at-step", 11, expect=75, tmp=tmp_path)
     assert interrupted.stderr.count("exitcode  : 75") == 2, "every rank must exit 75"
     assert interrupted.stdout.count("step=11 ") == 1, "only rank 0 logs progress"
 
-    # Rank 1 dies by SIGKILL right after writing its shards of step-00000016; rank 0 is
-    # waiting at the barrier. torchrun reports the failure; nothing is written for the child.
-    crashed = subprocess.run(
-        [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "trainer", "--output", str(run),
-         "--epochs", str(EPOCHS), "--resume"], cwd=REPO, capture_output=True, text=True, timeout=scaled(600),
-        env=clean_environment(TRAINER_FAULT_POINT="after-write", TRAINER_FAULT_RANK="1"))
-    assert crashed.returncode == TORCHRUN_CHILD_FAILED
-    assert "fault injection: killing at after-write" in crashed.stderr and "exitcode  : -9" in crashed.stderr
-    published = sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith("."))
-    assert published == ["step-00000008"]
+    def published() -> list[str]:
+        return sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith("."))
+
+    # Sync: rank 1 dies right after writing its shards of step-00000016 (rank 0 waits at the barrier).
+    crash(run, "after-write", 1)
+    # Async: rank 1 dies once its host copy is staged, before its write (rank 0's background
+    # write loses its peer); then rank 0 dies after every rank wrote and every file was
+    # hashed and fsynced, before the manifest (rank 1 waits for rank 0's verdict).
+    crash(run, "after-staging", 1, "--checkpoint-mode", "async")
+    crash(run, "after-files-fsync", 0, "--checkpoint-mode", "async")
+    assert published() == ["step-00000008"]
+    assert list((run / "checkpoints").glob(".step-00000016.tmp-*")), "the torn save stays a temporary"
     verified = run_cli("verify", run)
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
-    resumed = torchrun(run, "--resume", tmp=tmp_path)
+    # Three attempts in a row died restoring step-00000008: the crash-loop guard stops a fourth
+    # (exit 70) unless the operator says to go on.
+    looping = torchrun(run, "--resume", "--checkpoint-mode", "async", expect=70, tmp=tmp_path)
+    assert "the last 3 attempts all started from step-00000008" in trainer_error_lines(looping)[0]
+    resumed = torchrun(run, "--resume", "--checkpoint-mode", "async", "--max-failed-attempts", 0, tmp=tmp_path)
     assert "restored step-00000008 (step=8 epoch=1 position=0)" in resumed.stdout
     assert not list((run / "checkpoints").glob(".step-*.tmp-*")), "stale temporaries are cleaned on start"
     result = compare(generation(baseline_2p, FINAL_2P), generation(run, FINAL_2P))
@@ -77,21 +98,59 @@ def test_two_processes_survive_an_interrupt_and_a_rank_killed_mid_save(tmp_path,
     assert "rng_by_rank.1.torch" in result.stdout and "data_by_rank.1.position" in result.stdout
     shard_ranks = {p.name.split("_")[2] for p in generation(run, FINAL_2P).glob("__*_*.distcp")}
     assert shard_ranks == {"0", "1"}  # one generation holding both ranks' shards
+    manifest = json.loads((generation(run, FINAL_2P) / "manifest.json").read_text())
+    assert manifest["timings"]["mode"] == "async" and manifest["timings"]["save_blocked_s"] < manifest["timings"]["write_s"]
     records = attempts(run)  # one record per attempt, written by rank 0 only
-    assert [(r["status"], r["exit_code"], r["world_size"]) for r in (records[0], records[2])] == \
+    assert [(r["status"], r["exit_code"], r["world_size"]) for r in (records[0], records[-1])] == \
         [("interrupted", 75, 2), ("completed", 0, 2)]
-    assert records[1]["status"] in ("failed", "running")  # "running" if rank 0 was stopped first
+    assert all(r["status"] in ("failed", "running") for r in records[1:4])  # "running" if rank 0 was stopped first
+    assert records[4]["status"] == "refused" and records[4]["exit_code"] == 70
     assert records[1]["steps_replayed"] == 3
+    assert records[-1]["checkpoint_mode"] == "async"
+
+
+def test_async_staging_with_several_ranks_holds_the_values_of_the_moment_it_was_staged(tmp_path):
+    """FSDP2 on two ranks: after staging, every rank mutates its parameter shards and optimizer
+    state in place before the background write starts; the generation still holds the staged
+    values (tests/rank_staging_isolation.py compares it with a sync save of the same state)."""
+    result = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2",
+                             str(REPO / "tests" / "rank_staging_isolation.py"), str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=scaled(600),
+                            env=clean_environment(PYTHONPATH=str(REPO)))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "isolated 12 tensors" in result.stdout
+
+
+def test_a_disk_full_on_one_rank_fails_every_rank_with_74_and_commits_nothing(tmp_path):
+    """Rank 1 alone may write only 1 KiB per file (its shards are larger): its background write
+    fails, every rank learns of it at the next save and exits 74, rank 0 prints one line."""
+    run, status_file = tmp_path / "run", tmp_path / "status"
+    wrapper = tmp_path / "one-rank-limited.sh"
+    wrapper.write_text(f'#!/bin/bash\nif [ "$RANK" = 1 ]; then ulimit -f 1; fi\nexec {sys.executable} -m trainer "$@"\n')
+    wrapper.chmod(0o755)
+    result = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--no-python", str(wrapper),
+                             "--output", str(run), "--epochs", str(EPOCHS), "--threads", "1",
+                             "--checkpoint-mode", "async"], cwd=REPO, capture_output=True, text=True,
+                            timeout=scaled(600), env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status_file)))
+    assert result.returncode == TORCHRUN_CHILD_FAILED and int(status_file.read_text()) == 74, result.stderr[-3000:]
+    assert result.stderr.count("exitcode  : 74") == 2, "every rank exits 74"
+    [line] = trainer_error_lines(result)
+    assert line.startswith("trainer: error: writing generation step-00000008 failed: File too large"), line
+    assert "rerun with --resume auto" in line
+    assert not [p for p in (run / "checkpoints").iterdir()], "nothing committed, no temporary left"
+    record = attempts(run)[-1]
+    assert record["status"] == "failed" and record["exit_code"] == 74 and not record["generations_published"]
 
 
 def test_sigterm_to_torchrun_saves_once_on_every_rank_and_exits_75(tmp_path):
     """SIGTERM reaches the ranks at slightly different moments; they agree on one step, save
     it together and exit 75. Rank 0's clock alone drives the seconds trigger meanwhile (if
-    ranks disagreed on a save, one would wait in the save while the other trains: a hang)."""
+    ranks disagreed on a save, one would wait in the save while the other trains: a hang).
+    Async saves: the last one is drained and committed on the way out."""
     run, status_file = tmp_path / "run", tmp_path / "status"
     launcher = subprocess.Popen(
         [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "trainer", "--output", str(run),
-         "--epochs", "2000", "--recover-every-epochs", "0", "--recover-every-secs", "0.5"],
+         "--epochs", "2000", "--recover-every-epochs", "0", "--recover-every-secs", "0.5", "--checkpoint-mode", "async"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status_file)))
     try:
@@ -138,15 +197,17 @@ def test_world_size_change_is_refused_then_allowed_with_the_override(tmp_path):
 
 
 def test_fsdp_two_process_interrupt_and_resume_matches_uninterrupted_fsdp(tmp_path):
-    """--data-parallel fsdp: each rank writes only its shards, a 2-process resume is exact,
+    """--data-parallel fsdp: each rank writes only its shards (sync, then async), a 2-process resume is exact,
     the export holds whole tensors, and a resume must keep the choice (it is fingerprinted)."""
     baseline, run = tmp_path / "baseline", tmp_path / "run"
     torchrun(baseline, "--data-parallel", "fsdp", tmp=tmp_path)
     torchrun(run, "--data-parallel", "fsdp", "--interrupt-at-step", 11, expect=75, tmp=tmp_path)
-    resumed = torchrun(run, "--data-parallel", "fsdp", "--resume", tmp=tmp_path)
+    # The resume writes async: each rank stages its own shards (DTensors) and writes them in the background.
+    resumed = torchrun(run, "--data-parallel", "fsdp", "--resume", "--checkpoint-mode", "async", tmp=tmp_path)
     assert "restored step-00000008 (step=8 epoch=1 position=0)" in resumed.stdout
     result = compare(generation(baseline, FINAL_2P), generation(run, FINAL_2P))
     assert result.returncode == 0, result.stdout
+    assert json.loads((generation(run, FINAL_2P) / "manifest.json").read_text())["timings"]["mode"] == "async"
 
     from torch.distributed.checkpoint import FileSystemReader
 

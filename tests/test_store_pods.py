@@ -6,6 +6,7 @@ writer whose lease was taken over cannot commit."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -20,10 +21,11 @@ EPOCHS = ("--epochs", 2)  # 16 steps with two processes
 FINAL = "step-00000016"
 
 
-def two_nodes(url: str, tmp: Path, *args, env: dict, fault: dict | None = None,
+def two_nodes(url: str, tmp: Path, *args, env: dict, fault: dict | None = None, per_node: dict | None = None,
               timeout: float = 600) -> list[subprocess.CompletedProcess]:
     """`torchrun --nnodes 2` twice on loopback (node 0 and node 1, one process each), each node
-    with its own --local-tier; the trainer's status of each node from TRAINER_EXIT_STATUS_FILE."""
+    with its own --local-tier (and `per_node[node]` added to its environment); the trainer's
+    status of each node from TRAINER_EXIT_STATUS_FILE."""
     port = free_port()
     processes = []
     for node in (0, 1):
@@ -31,7 +33,8 @@ def two_nodes(url: str, tmp: Path, *args, env: dict, fault: dict | None = None,
         command = [str(TORCHRUN), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
                    "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "trainer",
                    "--output", url, "--local-tier", str(tmp / f"node-{node}"), *map(str, EPOCHS + args)]
-        node_env = clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), **env, **(fault or {}))
+        node_env = clean_environment(TRAINER_EXIT_STATUS_FILE=str(status),
+                                     **{**env, **(fault or {}), **(per_node or {}).get(node, {})})
         processes.append((subprocess.Popen(command, cwd=REPO, env=node_env, stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, text=True), status))
     results = []
@@ -80,19 +83,28 @@ def test_two_nodes_without_a_shared_disk_survive_an_interrupt_and_a_node_killed_
     # No node kept a local copy of a save (no shared disk to publish on).
     assert not (tmp_path / "node-1" / "checkpoints" / "step-00000008").exists()
 
-    # Node 1's rank dies by SIGKILL after uploading its first shard of step-00000016.
-    crashed = two_nodes(url, tmp_path, "--resume", env=env,
+    # Async from here on: each node uploads its shards in the background. Node 1's rank dies
+    # by SIGKILL after uploading its first shard of step-00000016.
+    crashed = two_nodes(url, tmp_path, "--resume", "--checkpoint-mode", "async", env=env,
                         fault={"TRAINER_FAULT_POINT": "store-after-first-object", "TRAINER_FAULT_RANK": "1"})
     assert "fault injection: killing at store-after-first-object" in crashed[1].stderr
     assert 0 not in statuses(crashed)
     assert committed(s3_server, bucket) == ["step-00000008"]  # the torn step-00000016 is not committed
 
-    resumed = two_nodes(url, tmp_path, "--resume", env=env)
+    resumed = two_nodes(url, tmp_path, "--resume", "--checkpoint-mode", "async", env=env)
     assert statuses(resumed) == [0, 0], resumed[0].stdout[-2000:] + resumed[1].stderr[-2000:]
     assert "restored step-00000008" in resumed[0].stdout
     assert "step-00000016 has no manifest.json" in resumed[0].stdout  # the torn prefix, removed
     final = download(s3_server, bucket, f"run/checkpoints/{FINAL}", tmp_path / "final")
     assert compare(baseline_two_nodes, final).returncode == 0
+    manifest = json.loads((final / "manifest.json").read_text())
+    assert manifest["timings"]["mode"] == "async-store"
+    assert {name.split("_")[2] for name in manifest["files"] if name.endswith(".distcp")} == {"0", "1"}
+    record = json.loads((tmp_path / "node-0" / "attempts" / sorted(
+        (tmp_path / "node-0" / "attempts").iterdir())[-1].name / "attempt.json").read_text())
+    [saved] = [entry for entry in record["generations_published"] if entry["name"] == FINAL]
+    assert saved["durable_s"] >= saved["upload_s"] > 0 and record["checkpoint_mode"] == "async"
+    assert not (tmp_path / "node-1" / "checkpoints" / FINAL).exists()
 
     # A different world size keeps today's behaviour: refused, or allowed with the override.
     one = ("--output", url, "--local-tier", tmp_path / "single", "--epochs", 3, "--resume")
@@ -144,4 +156,69 @@ def test_a_zombie_writer_whose_lease_was_taken_over_cannot_commit(s3_server, s3_
     finally:
         for process in (zombie, successor):
             if process.poll() is None:
+                process.kill()
+
+
+
+def test_one_node_losing_the_store_fails_both_nodes_with_74_and_commits_nothing(s3_server, s3_bucket, tmp_path):
+    """Async saves; node 1 reaches no object store (its endpoint is a closed port): its
+    background upload fails after the retry bound, every rank learns of it at the next save
+    and exits 74 (rank 0 prints one line naming rank 1), and nothing is committed."""
+    bucket = s3_bucket.name
+    url, env = f"s3://{bucket}/run", store_env(s3_server)
+    results = two_nodes(url, tmp_path, "--checkpoint-mode", "async", "--store-retries", 1, "--store-timeout-secs", 2,
+                        env=env, per_node={1: {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}})
+    assert statuses(results) == [74, 74], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+    [line] = [line for line in results[0].stderr.splitlines() if line.startswith("trainer:")]
+    assert line.startswith("trainer: error: rank 1: uploading to "), line
+    assert "rerun with --resume auto" in line
+    assert not [line for line in results[1].stderr.splitlines() if line.startswith("trainer:")], \
+        "rank 0 alone prints the failure every rank shares"
+    assert committed(s3_server, bucket) == []
+    assert not list((tmp_path / "node-1" / "checkpoints").glob("*")), "node 1's scratch is gone"
+
+
+def test_a_paused_rank_0_of_two_nodes_is_fenced_after_a_takeover(s3_server, s3_bucket, tmp_path):
+    """Async saves on two nodes; rank 0 stops (SIGSTOP) right before committing step-00000008's
+    manifest, past its lease. A new single-process attempt takes the lease over and commits its
+    own line; once continued, the old rank 0's commit is refused by the fence: both old nodes
+    exit 73 and the new line is untouched."""
+    bucket = s3_bucket.name
+    url, env = f"s3://{bucket}/run", store_env(s3_server)
+    port, processes = free_port(), []
+    for node in (0, 1):
+        command = [str(TORCHRUN), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+                   "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "trainer", "--output", url,
+                   "--local-tier", str(tmp_path / f"node-{node}"), *EPOCHS, "--checkpoint-mode", "async",
+                   "--lease-ttl-secs", "2"]
+        processes.append(subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          env=clean_environment(**env, TRAINER_EXIT_STATUS_FILE=str(tmp_path / f"s-{node}"),
+                                                                TRAINER_PAUSE_POINT="store-before-manifest",
+                                                                TRAINER_FAULT_RANK="0")))
+    successor = None
+    try:
+        for line in processes[0].stderr:  # torchrun's stderr carries its child's
+            if "fault injection: pausing at store-before-manifest" in line:
+                break
+        successor = start(url, "--epochs", 1, "--local-tier", tmp_path / "successor", "--allow-drift", "world_size",
+                          "--resume", env=env)
+        _, successor_err = finish(successor)
+        assert successor.returncode == 0, successor_err[-2000:]
+        assert committed(s3_server, bucket) == ["step-00000008"]  # its own, in place of the zombie's objects
+        successor_id = sorted((tmp_path / "successor" / "attempts").iterdir())[-1].name
+        trainer_pid = next(int(line.split()[0]) for line in subprocess.run(
+            ["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+            if line.split()[1] == str(processes[0].pid))
+        os.kill(trainer_pid, signal.SIGCONT)
+        outputs = [finish(process) for process in processes]
+        old = [int((tmp_path / f"s-{node}").read_text()) for node in (0, 1)]
+        assert old == [73, 73], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+        assert "lost the lease" in outputs[0][1]
+        assert committed(s3_server, bucket) == ["step-00000008"]  # the zombie committed nothing
+        manifest = json.loads(s3_server.client().get_object(
+            Bucket=bucket, Key="run/checkpoints/step-00000008/manifest.json")["Body"].read())
+        assert manifest["attempt"] == successor_id
+    finally:
+        for process in [*processes, successor]:
+            if process is not None and process.poll() is None:
                 process.kill()

@@ -13,6 +13,7 @@ import torch
 from conftest import scaled, wait_until
 from memory_objects import MemoryObjects
 from trainer.checkpoint.checkpointer import SyncCheckpointer
+from trainer.checkpoint.commit import RenameCommit
 from trainer.checkpoint.manifest import GenerationFacts
 from trainer.checkpoint.section import LocalSection
 from trainer.errors import OutputLocked, TrainerError
@@ -28,7 +29,7 @@ def tier(tmp_path):
     """A local tier with a checkpointer that publishes tiny real generations."""
     run = RunDirectory(tmp_path / "tier")
     run.checkpoints.mkdir(parents=True)
-    checkpointer = SyncCheckpointer(LocalSection(run.checkpoints), "attempt")
+    checkpointer = SyncCheckpointer(RenameCommit(LocalSection(run.checkpoints)), "attempt")
 
     def publish(step: int):
         facts = GenerationFacts(step, 0, step, {"source": "s"}, (), {}, "2026-12-01T00:00:00Z")

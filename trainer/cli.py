@@ -146,9 +146,6 @@ def signing_config(args: argparse.Namespace) -> SigningConfig:
 
 def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironment) -> None:
     """Cheap checks that need no import, done before tracking or torch start."""
-    if launch.world_size > 1 and args.checkpoint_mode == "async":
-        raise UsageError("--checkpoint-mode async is single-process only; under torchrun use "
-                         "--checkpoint-mode sync (or auto)")
     if args.data_parallel == "fsdp" and launch.world_size == 1:
         raise UsageError("--data-parallel fsdp shards the model across processes and needs torchrun with "
                          "--nproc_per_node 2 or more; drop it for a single-process run")

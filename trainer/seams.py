@@ -38,10 +38,11 @@ SKIP_RNG_ENV = "TRAINER_DEBUG_SKIP_RNG_RESTORE"
 SIGNAL_ENV = "TRAINER_SIGNAL_AT_MICRO_BATCH"
 PAUSE_ENV = "TRAINER_PAUSE_POINT"
 
-CRASH_POINTS = ("after-write", "after-files-fsync", "after-manifest", "after-rename",
+CRASH_POINTS = ("after-staging", "after-write", "after-files-fsync", "after-manifest", "after-rename",
                 "store-after-first-object", "store-before-manifest", "store-after-manifest",
                 "store-retention-after-uncommit")
-"""Where a crash can be injected, in publish order: shards written, every file hashed and
+"""Where a crash can be injected, in publish order: an async save's host copy complete (its
+write not started), shards written, every file hashed and
 fsynced, manifest written, directory renamed into place; then in a store: one data object
 uploaded, every data object uploaded, the manifest committed; and retention in a store
 between removing a generation's manifest and its data."""

@@ -6,20 +6,28 @@ Lifecycle verbs, as the loop sees them: `save()` after a step the cadence picked
 `finalize()` return the generations that became published during the call, so the loop
 records them and applies retention only once a generation really exists.
 
-* `SyncCheckpointer` writes and publishes inside `save()`; the other two verbs are no-ops.
+* `SyncCheckpointer` writes and commits inside `save()`; the other two verbs are no-ops.
 * `AsyncCheckpointer` stages a host copy of the state and writes it in the background with
-  `dcp.async_save`; the generation is published (manifest, fsync, rename) by a background
-  thread as soon as the write completed, and reported at the next `save()`/`finalize()`.
+  `dcp.async_save`; a background thread commits the generation as soon as the write
+  completed, and it is reported at the next `save()`/`finalize()`.
 
-Both write through `HashingFileSystemWriter` (stock DCP format) and publish through
-`LocalSection.publish`, so they produce the same files and the same manifests.
+Both write through `HashingFileSystemWriter` (stock DCP format) and commit through the same
+commit strategy (checkpoint/commit.py: a rename on one disk, a manifest in an object store),
+so they produce the same files and the same manifests, with one process or under torchrun.
+
+Under torchrun an async save is still one DCP checkpoint of every rank's shards. Its
+collectives (DCP's planning and its final gather, the commit's agreement) run on background
+threads, each on a gloo group of its own (`Coordinator.background()`), never on the group the
+loop trains with. A failure on any rank (a write error, a full disk, a lost upload or lease)
+reaches every rank at the next `save()` or at `finalize()`, where the ranks agree in the
+loop's thread (`raise_if_any_failed`): every rank exits with the same status, none hangs.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +37,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from trainer import seams
-from trainer.errors import TrainerError, as_storage_failure, reraise_as_storage_failure, root_cause, storage_failure
-from trainer.checkpoint.coordination import Coordinator, SingleProcess
+from trainer.errors import TrainerError, as_storage_failure, reraise_as_storage_failure, root_cause
+from trainer.checkpoint.commit import Commit
+from trainer.checkpoint.coordination import Coordinator, SingleProcess, raise_if_any_failed
 from trainer.checkpoint.manifest import GenerationFacts, Manifest
 from trainer.checkpoint.snapshot import single_process, write_snapshot
 from trainer.checkpoint.staging import ReusableStager
@@ -62,54 +71,44 @@ class Checkpointer(Protocol):
         """After a failure: finish what is in flight; never raises."""
 
 
-def effective_mode(requested: str, device: torch.device, world_size: int = 1) -> str:
+def effective_mode(requested: str, device: torch.device) -> str:
     """The mode a requested `--checkpoint-mode` (auto | sync | async, validated by the CLI)
     runs as. `auto` is async on CUDA, where staging is a DMA into pinned memory that runs
     beside the GPU's work, and sync on CPU, where staging is a memcpy on the same cores the
-    loop needs, so async saves little there (bench/loop_overhead.py measures it).
-
-    Multi-process runs write sync: the async path publishes from a background thread of one
-    process, and the cross-rank protocol (rank 0 creates, all write, barrier, rank 0
-    publishes) is not built for it yet; the CLI refuses an explicit `async` there."""
-    if world_size > 1:
-        return "sync"
+    loop needs, so async saves little there (bench/loop_overhead.py and
+    bench/scale_out_bench.py measure it). The same with one process and under torchrun."""
     if requested == "auto":
         return "async" if device.type == "cuda" else "sync"
     return requested
 
 
-def build_checkpointer(mode: str, local: LocalSection, attempt_id: str, device: torch.device,
+def build_checkpointer(mode: str, commit: Commit, attempt_id: str, device: torch.device,
                        coordinator: Coordinator = SingleProcess(), config: WriterConfig = WriterConfig()):
-    """The checkpointer for an effective mode ("sync" or "async")."""
+    """The checkpointer for an effective mode ("sync" or "async"). Every rank calls it at the
+    same point (an async one creates its background process groups)."""
     if mode == "async":
-        return AsyncCheckpointer(local, attempt_id, device, config)
-    return SyncCheckpointer(local, attempt_id, config, coordinator)
+        return AsyncCheckpointer(commit, attempt_id, device, config, coordinator)
+    return SyncCheckpointer(commit, attempt_id, config, coordinator)
 
 
 class _Checkpointer:
-    """What both modes share: temporaries, sealing the manifest, one-line failures."""
+    """What both modes share: the commit strategy, the manifest, one-line failures."""
 
     mode = ""
 
-    def __init__(self, local: LocalSection, attempt_id: str, config: WriterConfig):
-        self.local = local
+    def __init__(self, commit: Commit, attempt_id: str, config: WriterConfig, coordinator: Coordinator):
+        self.commit = commit
+        self.local = commit.local
         self.attempt_id = attempt_id
         self.config = config
+        self.coordinator = coordinator
         self._unreported: list[Published] = []
         """Published generations not yet returned to the loop (a save failed right after
         draining them); handed over by `close_after_failure()` so the record stays complete."""
 
-    def _begin(self, step: int) -> Path:
-        try:
-            return self.local.begin(step, self.attempt_id)
-        except OSError as error:
-            raise storage_failure(error, f"creating generation {generation_name(step)}") from None
-
-    def _publish(self, temporary: Path, facts: GenerationFacts, timings: dict, digests: dict | None) -> str:
-        timings = {"mode": self.mode, **timings}
-        return self.local.publish(temporary, facts.step,
-                                  lambda files: Manifest.for_generation(facts, self.attempt_id, timings, files),
-                                  digests)
+    def _describe(self, facts: GenerationFacts, timings: dict):
+        timings = {"mode": self.mode + self.commit.mode_suffix, **timings}
+        return lambda files: Manifest.for_generation(facts, self.attempt_id, timings, files)
 
     @staticmethod
     def _failure(error: BaseException, step: int) -> BaseException:
@@ -119,15 +118,18 @@ class _Checkpointer:
         return failure if failure is not None else root_cause(error)
 
     def close_after_failure(self) -> list[Published]:
-        """After a failure elsewhere in the loop: finish what is in flight (it publishes if
-        it succeeds, so no writer thread outlives the output lock). Its own error is logged,
+        """After a failure elsewhere in the loop: finish what is in flight (it commits if it
+        succeeds, so no writer thread outlives the output lock). Its own error is logged,
         not raised: the original failure is the one to report."""
         unreported, self._unreported = self._unreported, []
         try:
-            return unreported + self.finalize()
+            return unreported + self._finish_quietly()
         except BaseException as error:  # noqa: BLE001 - reporting the first failure matters more
             log.warning("recovery save in flight did not complete: %s", error)
             return unreported
+
+    def _finish_quietly(self) -> list[Published]:
+        return []
 
     def wait_for_staging(self) -> float:
         return 0.0
@@ -137,51 +139,35 @@ class _Checkpointer:
 
 
 class SyncCheckpointer(_Checkpointer):
-    """Writes the snapshot in the loop (`dcp.save`, our hashing writer), then publishes.
+    """Writes the snapshot in the loop (`dcp.save`, our hashing writer), then commits.
 
-    In a multi-process run all ranks write into one temporary whose name rank 0 chose and
-    broadcast, so the generation is a single DCP checkpoint with every rank's shards; after
-    a barrier rank 0 alone seals and publishes, and every rank learns the outcome.
-    """
+    In a multi-process run all ranks write one DCP checkpoint (into one temporary whose name
+    rank 0 chose, or each into its own scratch for an object store), and the commit strategy
+    makes it a generation; every rank learns the outcome."""
 
     mode = "sync"
 
-    def __init__(self, local: LocalSection, attempt_id: str, config: WriterConfig = WriterConfig(),
+    def __init__(self, commit: Commit, attempt_id: str, config: WriterConfig = WriterConfig(),
                  coordinator: Coordinator = SingleProcess()):
-        super().__init__(local, attempt_id, config)
-        self.coordinator = coordinator
+        super().__init__(commit, attempt_id, config, coordinator)
 
     def save(self, state_dict: dict, facts: GenerationFacts) -> list[Published]:
         started = time.monotonic()
         step, coordinator = facts.step, self.coordinator
         name = generation_name(step)
-        temporary = coordinator.decide_on_primary(lambda: self._begin(step), f"creating generation {name}")
+        temporary = self.commit.begin(step, self.attempt_id, coordinator)
         try:
             digests = write_snapshot(state_dict, temporary, self.config)
             seams.crash_point("after-write")
-            coordinator.barrier(f"writing generation {name}")
             timings = {"write_s": time.monotonic() - started}
-            # Rank 0 knows the digests of its own shards only; with several ranks it hashes
-            # the others' (already fsynced by their writers) while sealing.
-            known = digests if not coordinator.distributed else None
-            digest = coordinator.decide_on_primary(lambda: self._publish_or_fail(temporary, facts, timings, known),
-                                                   f"publishing generation {name}")
+            committed = self.commit.commit(temporary, step, self._describe(facts, timings), digests, coordinator)
         except BaseException as error:
-            if coordinator.is_primary:
-                shutil.rmtree(temporary, ignore_errors=True)
+            self.commit.abandon(temporary, coordinator)
             if isinstance(error, TrainerError):
                 raise
             reraise_as_storage_failure(error, f"writing generation {name}")
         elapsed = time.monotonic() - started
-        return [Published(name, step, digest, elapsed, elapsed)]
-
-    def _publish_or_fail(self, temporary: Path, facts: GenerationFacts, timings: dict, known) -> str:
-        """Seal and rename (rank 0); a storage error becomes StorageFailure here, so every
-        rank exits with its status (74), not just rank 0."""
-        try:
-            return self._publish(temporary, facts, timings, known)
-        except BaseException as error:
-            reraise_as_storage_failure(error, f"writing generation {generation_name(facts.step)}")
+        return [Published(name, step, committed.manifest_sha256, elapsed, elapsed, committed.upload_s)]
 
 
 @dataclass(frozen=True)
@@ -189,28 +175,36 @@ class _InFlight:
     step: int
     staging: Future
     """Done when the staged copy is complete and the live state may change again."""
-    published: Future
-    """Result: the Published generation, once written, sealed and renamed."""
+    written: Future
+    """Done when DCP wrote every shard (the staging buffers may be reused)."""
+    committed: Future
+    """Result: the Published generation (on every rank), once committed."""
 
 
 class AsyncCheckpointer(_Checkpointer):
     """Stages the state into host memory and writes it in the background (`dcp.async_save`).
 
-    At most one save is in flight: `save()` first waits for the previous one to be published
-    (its staging buffers are reused). A background failure is raised at the next `save()`,
-    `wait_for_staging()` or `finalize()`; storage errors become `StorageFailure` (exit 74).
+    One write at a time (the staging buffers are reused): `save()` first waits for the
+    previous write; commits queue behind it, at most `commit.max_pending` at once (one on a
+    disk; `--max-pending-uploads` in an object store). A background failure is raised at the
+    next `save()` or `finalize()` (with one process also at `wait_for_staging()`); storage
+    errors become `StorageFailure` (exit 74).
     """
 
     mode = "async"
 
-    def __init__(self, local: LocalSection, attempt_id: str, device: torch.device,
-                 config: WriterConfig = WriterConfig()):
-        super().__init__(local, attempt_id, config)
+    def __init__(self, commit: Commit, attempt_id: str, device: torch.device,
+                 config: WriterConfig = WriterConfig(), coordinator: Coordinator = SingleProcess()):
+        super().__init__(commit, attempt_id, config, coordinator)
         self.stager = ReusableStager(device)
-        # One thread that waits for each background write and then publishes it, so a
-        # generation becomes durable as soon as it is written, not at the next save.
-        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recovery-publish")
-        self._in_flight: _InFlight | None = None
+        # Two groups of their own: DCP's collectives run on its writer thread, the commit's on
+        # the committer thread; a commit may still be agreeing while the next write plans.
+        self._write_group = coordinator.background()
+        self._commit_group = coordinator.background()
+        # One thread that waits for each background write and then commits it, in save order,
+        # so a generation is committed as soon as it is written, not at the next save.
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recovery-commit")
+        self._in_flight: deque[_InFlight] = deque()
         self._closed = False
 
     def new_writer(self, directory: Path) -> HashingFileSystemWriter:
@@ -222,75 +216,116 @@ class AsyncCheckpointer(_Checkpointer):
             raise RuntimeError("AsyncCheckpointer.save() after finalize()")
         started = time.monotonic()
         step = facts.step
-        self._unreported += self.drain()
-        temporary = self._begin(step)
+        self._unreported += self._settle(keep=max(0, self.commit.max_pending - 1))
+        temporary = self.commit.begin(step, self.attempt_id, self.coordinator)
         try:
             writer = self.new_writer(temporary)
             response = dcp.async_save(state_dict, storage_writer=writer, async_stager=self.stager,
-                                      no_dist=single_process())
+                                      process_group=self._write_group.group, no_dist=single_process())
         except BaseException as error:
-            shutil.rmtree(temporary, ignore_errors=True)
+            self.commit.abandon(temporary, self.coordinator)
             raise self._failure(error, step) from None
         blocked = time.monotonic() - started
-        published = self._publisher.submit(self._publish_when_written, response.upload_completion, writer,
+        committed = self._committer.submit(self._commit_when_written, response.upload_completion, writer,
                                            temporary, facts, started, blocked)
-        self._in_flight = _InFlight(step, response.staging_completion, published)
+        self._in_flight.append(_InFlight(step, response.staging_completion, response.upload_completion, committed))
         done, self._unreported = self._unreported, []
         return done
 
-    def _publish_when_written(self, upload: Future, writer: HashingFileSystemWriter, temporary: Path,
-                              facts: GenerationFacts, started: float, blocked: float) -> Published:
-        """Runs on the publisher thread: the atomic publish, only after the write completed."""
+    def _commit_when_written(self, written: Future, writer: HashingFileSystemWriter, temporary: Path,
+                             facts: GenerationFacts, started: float, blocked: float) -> Published:
+        """Runs on the committer thread: the commit, only after the write completed."""
         try:
-            upload.result()
+            written.result()
             seams.crash_point("after-write")
             timings = {"write_s": time.monotonic() - started, "save_blocked_s": blocked,
                        "staging_s": self.stager.last_staging_s or 0.0}
-            digest = self._publish(temporary, facts, timings, writer.digests)
+            committed = self.commit.commit(temporary, facts.step, self._describe(facts, timings), writer.digests,
+                                           self._commit_group)
         except BaseException:
-            shutil.rmtree(temporary, ignore_errors=True)
+            self.commit.abandon(temporary, self.coordinator)
             raise
-        return Published(generation_name(facts.step), facts.step, digest, time.monotonic() - started, blocked)
+        return Published(generation_name(facts.step), facts.step, committed.manifest_sha256,
+                         time.monotonic() - started, blocked, committed.upload_s)
 
-    def drain(self) -> list[Published]:
-        """Wait for the save in flight to be published; raise its failure if it failed."""
-        in_flight = self._in_flight
-        if in_flight is None:
-            return []
+    def _settle(self, keep: int) -> list[Published]:
+        """Wait for the write in flight, and for commits until at most `keep` are pending;
+        the ranks then agree on the outcome: any rank's failure is raised on every rank."""
+        published: list[Published] = []
+        failure: BaseException | None = None
         try:
-            published = in_flight.published.result()
+            if self._in_flight:
+                self._in_flight[-1].written.exception()  # the staging buffers are free again
+            while self._in_flight and (len(self._in_flight) > keep or self._in_flight[0].committed.done()):
+                published += self._collect(self._in_flight[0])
+        except TrainerError as error:
+            failure = error
         except BaseException as error:
-            if not in_flight.published.done():
-                raise  # interrupted while waiting: the save is still in flight
-            self._in_flight = None
+            if self._in_flight and not self._in_flight[0].committed.done():
+                raise  # interrupted while waiting (a signal): the save is still in flight
+            failure = error
+        if not self.coordinator.distributed:
+            if failure is not None:
+                raise failure
+            return published
+        raise_if_any_failed(self.coordinator, failure, "writing a recovery generation")
+        # Every rank reports rank 0's publishes, so every rank's record of them agrees.
+        return self.coordinator.decide_on_primary(lambda: published, "reporting the generations committed")
+
+    def _collect(self, in_flight: _InFlight) -> list[Published]:
+        """The oldest save's outcome (waiting for it); its failure in one-line form."""
+        try:
+            published = in_flight.committed.result()
+        except BaseException as error:
+            if not in_flight.committed.done():
+                raise
+            self._in_flight.popleft()
             raise self._failure(error, in_flight.step) from None
-        self._in_flight = None
+        self._in_flight.popleft()
         return [published]
 
     def wait_for_staging(self) -> float:
-        """Block until the staged copy is complete; returns the seconds blocked."""
-        in_flight = self._in_flight
-        if in_flight is None:
+        """Block until the staged copy is complete; returns the seconds blocked. With one
+        process a failed save is raised here already; with several it waits for the next
+        save, where every rank learns of it."""
+        if not self._in_flight:
             return 0.0
+        in_flight = self._in_flight[-1]
         started = time.monotonic()
-        try:
-            in_flight.staging.result()
-        except Exception:
-            self.drain()  # the write fails with the staging error: raise it in one-line form
-            raise
-        published = in_flight.published
-        if published.done() and published.exception() is not None:
-            self.drain()
+        staging_failed = in_flight.staging.exception() is not None
+        if not self.coordinator.distributed:
+            if staging_failed or (in_flight.committed.done() and in_flight.committed.exception() is not None):
+                while self._in_flight:  # the write fails with the staging error: raise it in one-line form
+                    self._collect(self._in_flight[0])
         return time.monotonic() - started
 
     def finalize(self) -> list[Published]:
-        """Drain the save in flight (publishing it) and release the staging buffers."""
+        """Commit everything in flight, agree on it, and release the staging buffers."""
         if self._closed:
             return []
         try:
-            return self.drain()
+            return self._settle(keep=0)
         finally:
-            if self._in_flight is None:
-                self._closed = True
-                self._publisher.shutdown(wait=True)
-                self.stager.close()
+            if not self._in_flight:
+                self._close()
+
+    def _finish_quietly(self) -> list[Published]:
+        """After a failure: wait for this rank's saves in flight without any collective (the
+        other ranks may be gone); rank 0 returns what it committed."""
+        published = []
+        while self._in_flight:
+            in_flight = self._in_flight.popleft()
+            error = in_flight.committed.exception()
+            if error is None:
+                published.append(in_flight.committed.result())
+            else:
+                log.warning("recovery save of step %d did not complete: %s", in_flight.step,
+                            self._failure(error, in_flight.step))
+        self._close()
+        return published if self.coordinator.is_primary else []
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._committer.shutdown(wait=True)
+            self.stager.close()

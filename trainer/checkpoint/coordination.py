@@ -1,15 +1,20 @@
 """What the recovery layer needs from the processes of a run, and nothing more.
 
-A multi-process save is one DCP checkpoint written by every rank into a temporary directory
-that rank 0 created; rank 0 alone seals and publishes it. The checkpointer only needs a way
-to let the primary decide and tell everyone, and a barrier. `trainer.parallel.ranks.Ranks`
+A multi-process save is one DCP checkpoint written by every rank; a commit strategy
+(checkpoint/commit.py) turns it into a generation. The checkpointer only needs a way to let
+the primary decide and tell everyone, a barrier and a gather, and, for saves written in the
+background, a second coordinator on a process group of its own (`background()`): collectives
+of two threads on one group can interleave differently on different ranks and deadlock, so
+background work never touches the group the training loop uses. `trainer.parallel.ranks.Ranks`
 satisfies this protocol under torchrun; `SingleProcess` is the trivial case, so the recovery
 package never imports the process-group code above it.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
+
+from trainer.errors import DecidedOnPrimary, TrainerError, as_storage_failure, root_cause
 
 T = TypeVar("T")
 
@@ -19,6 +24,8 @@ class Coordinator(Protocol):
     """This process seals, publishes and records."""
     distributed: bool
     """Several processes take part in each save."""
+    group: Any
+    """The torch.distributed process group its collectives run on (None: the default one, or none)."""
 
     def decide_on_primary(self, decide: Callable[[], T], what: str) -> T:
         """Run `decide` on the primary only; every process gets its result (or its error)."""
@@ -29,12 +36,17 @@ class Coordinator(Protocol):
     def gather(self, value: T, what: str) -> list[T]:
         """Every process's `value`, in rank order, on every process."""
 
+    def background(self) -> "Coordinator":
+        """A coordinator on a new CPU (gloo) group for one background thread: every process
+        must call this at the same point, as with any collective."""
+
 
 class SingleProcess:
     """One process: it is the primary, decisions are local calls, barriers are no-ops."""
 
     is_primary = True
     distributed = False
+    group = None
 
     def decide_on_primary(self, decide: Callable[[], T], what: str) -> T:
         return decide()
@@ -44,3 +56,32 @@ class SingleProcess:
 
     def gather(self, value: T, what: str) -> list[T]:
         return [value]
+
+    def background(self) -> "SingleProcess":
+        return self
+
+
+def failure_summary(error: BaseException, what: str) -> tuple[str, int]:
+    """A failure as (one line, exit status), to tell the other ranks."""
+    if isinstance(error, TrainerError):
+        return str(error), error.exit_code
+    storage = as_storage_failure(error, what)
+    if storage is not None:
+        return str(storage), storage.exit_code
+    cause = root_cause(error)
+    detail = (str(cause).strip().splitlines() or [cause.__class__.__name__])[0][:300]
+    return f"{what} failed: {cause.__class__.__name__}: {detail}", 1
+
+
+def raise_if_any_failed(coordinator: Coordinator, failure: BaseException | None, what: str) -> None:
+    """Every rank says whether its part of `what` failed; if any rank's did, every rank
+    raises, so no rank goes on alone and none waits for one that stopped. Rank 0 prints one
+    line naming the first failing rank; every rank exits with that failure's status."""
+    reports = coordinator.gather(None if failure is None else failure_summary(failure, what), what)
+    first = next(((rank, report) for rank, report in enumerate(reports) if report is not None), None)
+    if first is None:
+        return
+    rank, (message, exit_code) = first
+    if rank == 0 and coordinator.is_primary and failure is not None:
+        raise failure
+    raise DecidedOnPrimary(message if rank == 0 else f"rank {rank}: {message}", exit_code)

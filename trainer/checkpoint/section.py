@@ -27,6 +27,9 @@ class Published:
     """Wall time of the whole save, write + hash/fsync + publish."""
     blocked_s: float
     """Time the training loop was blocked by it (all of it, in sync mode)."""
+    upload_s: float = 0.0
+    """Seconds uploading, when the publish is itself the commit in an object store (several
+    processes sharing no disk); 0 otherwise."""
 
 
 class LocalSection:

@@ -17,8 +17,13 @@ so a tensor re-created between saves gets a new pinned buffer each time. Here:
 * on CPU (no pinning, no non-blocking copy there) one background thread does the copies,
   overlapping them with whatever the loop does before `wait_for_staging()`.
 
+* a DTensor (FSDP2's sharded parameters and optimizer state) is staged as its local shard
+  only, into a buffer of the shard's size, and handed to DCP as a DTensor with the same
+  sharding spec around that buffer: DCP writes each rank's shard as it would from the live
+  tensor, and nothing is gathered.
+
 The buffers are reused, so a new staging may start only after the write of the previous one
-finished; `AsyncCheckpointer` guarantees that (at most one save in flight).
+finished; `AsyncCheckpointer` guarantees that (one write in flight).
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+from torch.distributed.tensor import DTensor
+
+from trainer import seams
 
 
 class ReusableStager:
@@ -80,6 +88,7 @@ class ReusableStager:
             if event is not None:
                 event.synchronize()
             self.last_staging_s = time.monotonic() - started
+            seams.crash_point("after-staging")
             return staged
 
         return self._worker.submit(complete)
@@ -87,6 +96,9 @@ class ReusableStager:
     def _mirror(self, value, path: tuple, host_copies: list, device_copies: list):
         """The state dict with every tensor replaced by its staging buffer (copies are only
         listed here, not done) and every other value deep-copied."""
+        if isinstance(value, DTensor):
+            local = self._mirror(value._local_tensor, path, host_copies, device_copies)
+            return DTensor(local, value._spec, requires_grad=False)
         if isinstance(value, torch.Tensor):
             target = self._buffer(path, value)
             (device_copies if value.device.type == "cuda" else host_copies).append((value.detach(), target))

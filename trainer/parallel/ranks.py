@@ -101,13 +101,27 @@ class StepAgreement:
 class Ranks:
     """This process's place in the run and the collectives the loop needs."""
 
-    def __init__(self, launch: LaunchEnvironment, device: torch.device):
+    def __init__(self, launch: LaunchEnvironment, device: torch.device, group=None):
         self.launch = launch
         self.rank = launch.rank
         self.world_size = launch.world_size
         self.distributed = launch.distributed
         self.is_primary = launch.is_primary
         self.device = device
+        self.group = group
+        """The process group of these collectives: None for the training (default) group."""
+
+    def background(self) -> "Ranks":
+        """The same ranks on a new gloo group, for one background thread (async saves: DCP's
+        own collectives, and the commit's agreement). Gloo because DCP's async save needs a
+        CPU-capable group and because it reaches every node over TCP, as the training group
+        does; a peer that dies shows up there as a reset connection (an error), not a hang.
+        A collective: every rank calls it at the same point."""
+        if not self.distributed:
+            return self
+        with self._collective("creating the background process group"):
+            group = dist.new_group(backend="gloo")
+        return Ranks(self.launch, torch.device("cpu"), group)
 
     def data_parallel(self, model: nn.Module, kind: str = "ddp") -> nn.Module:
         """The module to run forward/backward through; build the optimizer on `model` after this.
@@ -159,9 +173,9 @@ class Ranks:
             return
         with self._collective(what):
             if self.device.type == "cuda":
-                dist.barrier(device_ids=[self.device.index])
+                dist.barrier(group=self.group, device_ids=[self.device.index])
             else:
-                dist.barrier()
+                dist.barrier(group=self.group)
 
     def decide_on_primary(self, decide: Callable[[], T], what: str) -> T:
         """Run `decide` on rank 0 only and return its result on every rank. If it raises,
@@ -179,7 +193,7 @@ class Ranks:
             except BaseException as error:
                 raised, outcome[0] = error, ("error", f"rank 0 failed while {what}: {_first_line(error)}", 1)
         with self._collective(what):
-            dist.broadcast_object_list(outcome, src=PRIMARY)
+            dist.broadcast_object_list(outcome, src=PRIMARY, group=self.group)
         if raised is not None:
             raise raised
         kind, *payload = outcome[0]
@@ -194,7 +208,7 @@ class Ranks:
             return [value]
         gathered: list = [None] * self.world_size
         with self._collective(what):
-            dist.all_gather_object(gathered, value)
+            dist.all_gather_object(gathered, value, group=self.group)
         return gathered
 
     def require_on_every_rank(self, problem: str | None, what: str) -> None:

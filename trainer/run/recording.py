@@ -50,7 +50,7 @@ def check_attempt(config: RunConfig, workload: BoundWorkload, claim: Claim, data
     ranks.decide_on_primary(lambda: refuse_crash_loop(history, restoring, config.max_failed_attempts,
                                                       claim.run.attempts), "checking for a crash loop")
     return Checked(fingerprint, tuple(drift), history,
-                   effective_mode(config.checkpoint_mode, ranks.device, ranks.world_size))
+                   effective_mode(config.checkpoint_mode, ranks.device))
 
 
 def start_record(config: RunConfig, claim: Claim, checked: Checked, ranks: Ranks,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 
 from trainer.checkpoint.checkpointer import Checkpointer, build_checkpointer
+from trainer.checkpoint.commit import RenameCommit
 from trainer.checkpoint.coordination import Coordinator
 from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.resume import verify_candidate
@@ -41,4 +42,4 @@ class LocalStorage(RunStorage):
         return verify_candidate(self.section(GENERATIONS), name), NOTHING_MOVED
 
     def checkpointer(self, mode: str, attempt_id: str, coordinator: Coordinator, device) -> Checkpointer:
-        return build_checkpointer(mode, self.section(GENERATIONS), attempt_id, device, coordinator)
+        return build_checkpointer(mode, RenameCommit(self.section(GENERATIONS)), attempt_id, device, coordinator)

@@ -7,8 +7,9 @@ committed once the attempt goes ahead. Two ways to save:
 * `TieredObjectStorage` (one process): generations and exports are published on the local
   tier as on a local disk, and the `Uploader` makes them durable in the background.
 * `DirectObjectStorage` (several processes, which share no disk): every rank writes its own
-  shards and uploads them, and rank 0 commits inside the save (storage/object/direct.py);
-  exports, written by rank 0 alone, are tiered as above.
+  shards and uploads them, and rank 0 commits the manifest (storage/object/commit.py): inside
+  the save when sync, on background threads when async; exports, written by rank 0 alone,
+  are tiered as above.
 
 Every rank other than 0 restores from its own verified download.
 """
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 from trainer.checkpoint.checkpointer import Checkpointer, build_checkpointer
+from trainer.checkpoint.commit import RenameCommit
 from trainer.checkpoint.coordination import Coordinator
 from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.section import Published
@@ -32,7 +34,7 @@ from trainer.storage.base import AfterPublish, Durable, RunStorage, Transfer
 from trainer.storage.location import StoreLocation
 from trainer.storage.lock import OutputLock
 from trainer.storage.object.client import ObjectStore
-from trainer.storage.object.direct import DirectCheckpointer
+from trainer.storage.object.commit import ObjectCommit
 from trainer.storage.object.lease import StoreLease
 from trainer.storage.object.section import ObjectSection
 from trainer.storage.object.tiering import RemoteRun, StoreRetention, Uploader, apply_store_retention
@@ -112,7 +114,7 @@ class TieredObjectStorage(RunStorage):
         return fetched
 
     def checkpointer(self, mode: str, attempt_id: str, coordinator: Coordinator, device) -> Checkpointer:
-        return build_checkpointer(mode, self.section(GENERATIONS), attempt_id, device, coordinator)
+        return build_checkpointer(mode, RenameCommit(self.section(GENERATIONS)), attempt_id, device, coordinator)
 
     # ----------------------------------------------------------------- after each publish
     def start_uploads(self, protected: frozenset[str], attempt_folder: Path) -> None:
@@ -172,20 +174,23 @@ class DirectObjectStorage(TieredObjectStorage):
     """Several processes: generations go straight to the object store from every rank."""
 
     def recorded(self, folder: Path) -> None:
-        """Direct commits happen in the loop: the record that now says so goes to the object
-        store at once (tiered commits push it from the uploader)."""
+        """A direct commit is durable once the checkpointer reports it: the record that now says
+        so goes to the object store at once (tiered commits push it from the uploader)."""
         self.push_record(folder)
 
     def checkpointer(self, mode: str, attempt_id: str, coordinator: Coordinator, device) -> Checkpointer:
-        return DirectCheckpointer(self.objects_section(), self.section(GENERATIONS), attempt_id, coordinator,
-                                  self.fence)
+        """Sync: durable when `save()` returns. Async: the loop waits for staging only; each
+        rank uploads in the background, at most `--max-pending-uploads` generations at once."""
+        commit = ObjectCommit(self.objects_section(), self.section(GENERATIONS), self.fence,
+                              self.settings.max_pending_uploads)
+        return build_checkpointer(mode, commit, attempt_id, device, coordinator)
 
     def after_publish(self, kind: str, published: Published, directory: Path) -> AfterPublish:
         """A generation is durable already (committed inside the save); rank 0 prunes the
         object store (the scratch copies are gone: nothing to prune locally)."""
         if kind != GENERATIONS:
             return super().after_publish(kind, published, directory)
-        durable = Durable(GENERATIONS, published.name, 0, published.save_s, published.save_s)
+        durable = Durable(GENERATIONS, published.name, 0, published.upload_s, published.save_s)
         if self.remote is None:
             return AfterPublish((durable,))
         removed = apply_store_retention(self.remote.generations, self.retention.keep_last, self.retention.keep_every,

@@ -1,0 +1,106 @@
+"""Commit strategies: how the shards every rank wrote become one generation.
+
+A checkpointer (checkpoint/checkpointer.py) decides *when* a save is written, in the loop
+(sync) or in the background (async); a commit strategy decides *where* each rank writes and
+what makes the result a generation, as Orbax separates its checkpointers from their commit
+strategies. There are two:
+
+* `RenameCommit` (here): one disk that every rank sees, a local run or a shared filesystem.
+  Every rank writes its shards into one temporary directory rank 0 created; rank 0 seals it
+  (a manifest with every file's sha256) and renames it into place.
+* `ObjectCommit` (storage/object/commit.py): ranks that share no disk. Each rank writes its
+  shards to its own disk and uploads them; rank 0 commits the manifest in the object store.
+
+Both run the same way in the loop's thread (sync) and on a background thread (async), with
+the coordinator they are handed: the training group's ranks, or a background group's.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+from trainer.checkpoint.coordination import Coordinator
+from trainer.checkpoint.manifest import Manifest
+from trainer.checkpoint.section import LocalSection
+from trainer.errors import reraise_as_storage_failure, storage_failure
+from trainer.layout import generation_name
+
+Describe = Callable[[dict], Manifest]
+"""The manifest for a generation's files ({file: {bytes, sha256}})."""
+
+
+@dataclass(frozen=True)
+class Committed:
+    manifest_sha256: str
+    upload_s: float = 0.0
+    """Seconds the slowest rank spent uploading its shards (0: nothing to upload)."""
+
+
+class Commit(Protocol):
+    local: LocalSection
+    """This rank's generations on its own disk (where it writes its shards)."""
+    mode_suffix: str
+    """Appended to the checkpoint mode in the manifest ("-store": committed in an object store)."""
+    max_pending: int
+    """Saves that may be written and not yet committed at once (async only)."""
+    durable_on_commit: bool
+    """A commit is already durable beyond this machine (nothing is left to upload)."""
+
+    def begin(self, step: int, attempt_id: str, coordinator: Coordinator) -> Path:
+        """Every rank: the directory it writes its shards of `step` into (rank 0 names it)."""
+
+    def commit(self, temporary: Path, step: int, describe: Describe, digests: dict[str, dict],
+               coordinator: Coordinator) -> Committed:
+        """Every rank, once its write is complete: make the shards a generation; every rank
+        gets the outcome (or the same error)."""
+
+    def abandon(self, temporary: Path, coordinator: Coordinator) -> None:
+        """The write failed on this rank: delete what it left (no collectives)."""
+
+
+class RenameCommit:
+    """One disk every rank sees: one temporary, sealed and renamed by rank 0."""
+
+    mode_suffix = ""
+    max_pending = 1
+    durable_on_commit = False
+
+    def __init__(self, local: LocalSection):
+        self.local = local
+
+    def begin(self, step: int, attempt_id: str, coordinator: Coordinator) -> Path:
+        name = generation_name(step)
+        return coordinator.decide_on_primary(lambda: self._create(step, attempt_id), f"creating generation {name}")
+
+    def _create(self, step: int, attempt_id: str) -> Path:
+        try:
+            return self.local.begin(step, attempt_id)
+        except OSError as error:
+            raise storage_failure(error, f"creating generation {generation_name(step)}") from None
+
+    def commit(self, temporary: Path, step: int, describe: Describe, digests: dict[str, dict],
+               coordinator: Coordinator) -> Committed:
+        name = generation_name(step)
+        coordinator.barrier(f"writing generation {name}")
+        # Rank 0 knows the digests of its own shards only; with several ranks it hashes the
+        # others' (already fsynced by their writers) while sealing.
+        known = digests if not coordinator.distributed else None
+        digest = coordinator.decide_on_primary(lambda: self._publish(temporary, step, describe, known),
+                                               f"publishing generation {name}")
+        return Committed(digest)
+
+    def _publish(self, temporary: Path, step: int, describe: Describe, known: dict | None) -> str:
+        """Seal and rename (rank 0); a storage error becomes StorageFailure here, so every rank
+        exits with its status (74), not just rank 0."""
+        try:
+            return self.local.publish(temporary, step, describe, known)
+        except BaseException as error:
+            shutil.rmtree(temporary, ignore_errors=True)
+            reraise_as_storage_failure(error, f"writing generation {generation_name(step)}")
+
+    def abandon(self, temporary: Path, coordinator: Coordinator) -> None:
+        if coordinator.is_primary:
+            shutil.rmtree(temporary, ignore_errors=True)
