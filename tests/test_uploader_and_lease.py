@@ -129,7 +129,8 @@ def test_a_silent_holder_is_taken_over_after_one_ttl_on_the_watchers_clock():
         assert Holder.parse(objects.read(LEASE)).attempt == "new-attempt"
         lease.fence()
     assert waited >= 0.6, f"took over after {waited:.2f}s, before one ttl of the holder passed"
-    assert objects.read(LEASE) is None, "a released lease is deleted"
+    released = Holder.parse(objects.read(LEASE))
+    assert (released.attempt, released.released) == ("new-attempt", True), "a released lease is a tombstone"
 
 
 def test_a_renewed_lease_is_not_taken_over_and_the_second_trainer_gets_73():
@@ -163,3 +164,21 @@ def test_a_write_whose_response_was_lost_is_adopted_and_a_deleted_lease_taken_ag
     lease.fence()
     assert Holder.parse(objects.read(LEASE)).attempt == "mine"
     lease.release()
+
+
+def test_a_zombie_that_wakes_after_its_successor_released_the_lease_is_still_fenced():
+    """The successor took the lease over, finished and released it; the zombie's fence must
+    not mistake the released lease for a free one (were it deleted, the zombie would take it
+    again and commit over the successor's line). A new trainer takes a released lease at once."""
+    objects = MemoryObjects()
+    zombie = StoreLease(objects, "zombie", ttl_s=30.0, wait_s=0.0).acquire()
+    zombie._stop.set()  # paused: no more renewals
+    objects.write_conditionally(LEASE, foreign_holder(30.0), objects.etag(LEASE)[1])  # a takeover...
+    objects.write_conditionally(LEASE, Holder("old-attempt", "another-host", 12345, 30.0).encode(1, released=True),
+                                objects.etag(LEASE)[1])  # ...then a release by the attempt that took it over
+    with pytest.raises(LeaseLost, match="lost the lease .*released: that attempt ended"):
+        zombie.fence()
+    started = time.monotonic()
+    with StoreLease(objects, "next", ttl_s=30.0, wait_s=10.0):
+        assert time.monotonic() - started < 1.0, "a released lease is taken at once"
+        assert Holder.parse(objects.read(LEASE)).attempt == "next"

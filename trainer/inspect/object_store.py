@@ -157,12 +157,15 @@ def store_report(url: str):
 
 
 def leased_attempt(objects: ObjectStore) -> str | None:
-    """The attempt whose trainer holds the lease now: it renewed it less than its ttl ago. Every
+    """The attempt whose trainer holds the lease now: it renewed it less than its ttl ago and has
+    not released it. Every
     holder renews, on whichever host it runs, so this sees a pod elsewhere (as far as the two
     machines' clocks agree, to a second or so), which a local run's lock file cannot."""
     data = objects.read(LEASE)
     try:
         holder = json.loads(data) if data is not None else {}
+        if holder.get("released"):  # the holder ended and let go
+            return None
         renewed = datetime.strptime(holder["renewed_utc"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
         return str(holder["attempt"]) if time.time() - renewed.timestamp() < float(holder["ttl_s"]) else None
     except (ValueError, KeyError, TypeError, AttributeError):

@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from torch import nn
 
 from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.coordination import raise_if_any_failed
 from trainer.checkpoint.export import full_weights, write_export
 from trainer.checkpoint.manifest import GenerationFacts
 from trainer.checkpoint.retention import apply_retention
 from trainer.checkpoint.section import Published
 from trainer.config import RunConfig
+from trainer.errors import TrainerError
 from trainer.layout import EXPORTS, GENERATIONS
 from trainer.parallel.ranks import Ranks, StepAgreement
 from trainer.run.attempts import AttemptRecorder, auto_prior, read_attempts, utc_now
@@ -70,6 +72,8 @@ class CadencedSaves:
             self.cadence_changed(self.auto.current, None)
         self.export_policy = build_policy(config.export)
         self.sharded = ranks.distributed and config.workload.data_parallel == "fsdp"
+        self.upload_failure: TrainerError | None = None
+        """Rank 0's background upload failure, held for the next point where every rank agrees."""
 
     @property
     def generations(self):
@@ -91,13 +95,32 @@ class CadencedSaves:
 
     def after_step(self, state: TrainingState, model: nn.Module, workload: Workload, agreed: StepAgreement,
                    final: bool) -> None:
-        self.record_durable(self.storage.completed())
+        self.record_durable(self.completed())
         if agreed.recover or final or agreed.preempt:
             self.save_generation(state)
         if (agreed.export or final) and (self.ranks.is_primary or self.sharded):
             self.save_export(state, model, workload)
 
+    def completed(self) -> tuple[Durable, ...]:
+        """What became durable since the last step. A background upload's failure (rank 0's:
+        exports, tiered saves) ends the attempt at once with one process; with several it
+        waits for the next save or the end, where every rank learns of it (a rank that stopped
+        alone would leave the others waiting in a collective)."""
+        try:
+            return self.storage.completed()
+        except TrainerError as failure:
+            if not self.ranks.distributed:
+                raise
+            self.upload_failure = self.upload_failure or failure
+            return ()
+
+    def agree_on_uploads(self) -> None:
+        """Every rank raises rank 0's background upload failure, if there was one."""
+        if self.ranks.distributed:
+            raise_if_any_failed(self.ranks, self.upload_failure, "uploading to the object store")
+
     def save_generation(self, state: TrainingState) -> None:
+        self.agree_on_uploads()
         progress = state.progress
         facts = GenerationFacts(progress.global_step, progress.epoch, progress.position, self.lineage.fingerprint,
                                 self.lineage.allowed_drift, {"recover": {}, "export": self.export_policy.state()},
@@ -121,6 +144,7 @@ class CadencedSaves:
         """Drain the save in flight (it publishes), then the uploads (they make it durable),
         before the attempt ends."""
         self.record_generations(self.checkpointer.finalize(), step)
+        self.agree_on_uploads()
         self.record_durable(self.storage.drain())
         self.storage.close()
 

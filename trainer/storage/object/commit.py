@@ -28,6 +28,7 @@ from trainer.checkpoint.section import LocalSection
 from trainer.checkpoint.signing import encode_signed
 from trainer.errors import reraise_as_storage_failure, storage_failure
 from trainer.layout import SNAPSHOT_INDEX, generation_name, temporary_name
+from trainer.storage.object.lease import lost_lease
 from trainer.storage.object.section import ObjectSection, digest_of
 
 
@@ -87,6 +88,9 @@ class ObjectCommit:
         try:
             self.target.commit_manifest(name, data, files, self.fence)
         except BaseException as error:
+            lost = lost_lease(self.fence)  # a takeover explains any failure that follows it
+            if lost is not None:
+                raise lost from None
             reraise_as_storage_failure(error, f"committing generation {name} to {self.target.url(name)}")
         return digest_of(data)
 

@@ -14,6 +14,12 @@ lease was taken over cannot commit over the newer attempt's line: its next commi
 (73) and it exits. What remains is the window of one request between that check and the
 write; the README says so.
 
+Releasing does not delete the object: it is overwritten with a released record (a
+tombstone), which a new trainer takes at once. Were it deleted, a zombie that wakes after its
+successor ended would find no lease, take it again, and commit its own line over the
+successor's; a tombstone is another writer's record, so the zombie's fence refuses. A lease
+that is *missing* (an operator or a lifecycle rule deleted it) is taken again.
+
 A store without conditional writes (gs://, az:// through fsspec) gets an unconditional lease:
 one warning line, and the weaker guarantee documented.
 """
@@ -27,8 +33,9 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
-from trainer.errors import OutputLocked
+from trainer.errors import OutputLocked, TrainerError
 from trainer.storage.object.client import ObjectClient, PreconditionFailed
 
 log = logging.getLogger("trainer")
@@ -46,22 +53,26 @@ class Holder:
     host: str
     pid: int
     ttl_s: float
+    released: bool = False
+    """The holder ended and let go (a tombstone): free to take, never to be taken back by it."""
 
     @classmethod
     def parse(cls, data: bytes) -> "Holder":
         try:
             value = json.loads(data)
-            return cls(str(value["attempt"]), str(value["host"]), int(value["pid"]), float(value["ttl_s"]))
+            return cls(str(value["attempt"]), str(value["host"]), int(value["pid"]), float(value["ttl_s"]),
+                       bool(value.get("released", False)))
         except (ValueError, KeyError, TypeError):
             return cls("?", "?", -1, 0.0)  # unreadable: treat as expired after the watcher's own ttl
 
-    def encode(self, renewed: int) -> bytes:
+    def encode(self, renewed: int, released: bool = False) -> bytes:
         return json.dumps({"attempt": self.attempt, "host": self.host, "pid": self.pid, "ttl_s": self.ttl_s,
-                           "renewals": renewed, "renewed_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                time.gmtime())}).encode()
+                           "renewals": renewed, "renewed_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           **({"released": True} if released else {})}).encode()
 
     def describe(self) -> str:
-        return f"attempt {self.attempt}, host {self.host}, pid {self.pid}"
+        return (f"attempt {self.attempt}, host {self.host}, pid {self.pid}"
+                + (" (released: that attempt ended)" if self.released else ""))
 
     def gone_from_this_host(self) -> bool:
         if self.host != socket.gethostname() or self.pid <= 0:
@@ -110,6 +121,10 @@ class StoreLease:
             if seen is None or seen[0] != etag:
                 seen = (etag, time.monotonic())
             expired = time.monotonic() - seen[1] > (other.ttl_s or self.holder.ttl_s)
+            if other.released:
+                if self._write(etag):
+                    break
+                continue
             if other.gone_from_this_host() or expired:
                 how = "its process is gone" if not expired else f"not renewed for {other.ttl_s:.0f}s"
                 if self._write(etag):
@@ -132,9 +147,9 @@ class StoreLease:
         data = self.objects.read(LEASE)
         return None if data is None else (data, str(hash(data)))
 
-    def _write(self, if_match: str | None) -> bool:
+    def _write(self, if_match: str | None, released: bool = False) -> bool:
         """One conditional write of our holder record; False if another writer won."""
-        body = self.holder.encode(self._renewals)
+        body = self.holder.encode(self._renewals, released)
         if not self.objects.conditional:
             self.objects.write(LEASE, body)
             self._etag = str(hash(body))
@@ -207,7 +222,7 @@ class StoreLease:
         try:
             current = self._read()
             if current is not None and (not self.objects.conditional or current[1] == self._etag):
-                self.objects.delete([LEASE])
+                self._write(self._etag, released=True)  # a tombstone, not a deletion (module docstring)
         except Exception as error:  # noqa: BLE001 - the lease expires on its own
             log.warning("could not release the lease on %s (%s); it expires in %.0fs", self.objects.url, error,
                         self.holder.ttl_s)
@@ -217,3 +232,15 @@ class StoreLease:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def lost_lease(fence: Callable[[], None]) -> TrainerError | None:
+    """After a store operation failed: the lost lease, when a takeover explains the failure (a
+    successor removes what a zombie uploaded), else None (the store being down explains it)."""
+    try:
+        fence()
+    except TrainerError as lost:
+        return lost
+    except Exception:  # noqa: BLE001 - the store is down: the original error says so
+        return None
+    return None

@@ -33,6 +33,7 @@ from trainer.checkpoint.section import LocalSection
 from trainer.checkpoint.signing import Signing
 from trainer.storage.object.client import ObjectClient
 from trainer.storage.base import Durable, Transfer
+from trainer.storage.object.lease import lost_lease
 from trainer.storage.object.section import ObjectSection
 from trainer.checkpoint.retention import Candidate, select_deletions
 from trainer.layout import ATTEMPTS, EXPORTS, GENERATIONS, MANIFEST, SECTIONS, STORE_MARKER, RunDirectory
@@ -258,7 +259,7 @@ class Uploader:
                 self._apply_retention(kind, name)
                 self.push_record()
             except BaseException as error:  # noqa: BLE001 - handed to the loop's thread
-                error = self._lease_lost() or error  # a takeover explains any failure that follows it
+                error = lost_lease(self.fence) or error  # a takeover explains any failure that follows it
                 with self._condition:
                     self._failure = error if isinstance(error, TrainerError) else _as_failure(error, self.remote.url)
                     self._queue.clear()
@@ -270,15 +271,6 @@ class Uploader:
                 self._newest_durable[kind] = max(name, self._newest_durable.get(kind, ""))
                 self._done.append(durable)
                 self._condition.notify_all()
-
-    def _lease_lost(self) -> TrainerError | None:
-        try:
-            self.fence()
-        except TrainerError as lost:
-            return lost
-        except Exception:  # noqa: BLE001 - the store is down: the original error says so
-            return None
-        return None
 
     def _apply_retention(self, kind: str, committed_now: str) -> None:
         keep_last, keep_every = self.retention.limits(kind)
