@@ -113,7 +113,10 @@ class _Checkpointer:
     @staticmethod
     def _failure(error: BaseException, step: int) -> BaseException:
         """A storage error as StorageFailure (exit 74, one line); anything else unwrapped
-        from DCP's per-rank CheckpointException so its message stays one line."""
+        from DCP's per-rank CheckpointException so its message stays one line. Our own errors
+        stay as they are (a lost lease explains the failed commit it interrupted)."""
+        if isinstance(error, TrainerError):
+            return error
         failure = as_storage_failure(error, f"writing generation {generation_name(step)}")
         return failure if failure is not None else root_cause(error)
 

@@ -20,6 +20,7 @@ T = TypeVar("T")
 
 
 class Coordinator(Protocol):
+    rank: int
     is_primary: bool
     """This process seals, publishes and records."""
     distributed: bool
@@ -44,6 +45,7 @@ class Coordinator(Protocol):
 class SingleProcess:
     """One process: it is the primary, decisions are local calls, barriers are no-ops."""
 
+    rank = 0
     is_primary = True
     distributed = False
     group = None
@@ -82,6 +84,6 @@ def raise_if_any_failed(coordinator: Coordinator, failure: BaseException | None,
     if first is None:
         return
     rank, (message, exit_code) = first
-    if rank == 0 and coordinator.is_primary and failure is not None:
+    if rank == coordinator.rank == 0 and failure is not None:
         raise failure
     raise DecidedOnPrimary(message if rank == 0 else f"rank {rank}: {message}", exit_code)

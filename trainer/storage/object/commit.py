@@ -49,7 +49,9 @@ class ObjectCommit:
     def begin(self, step: int, attempt_id: str, coordinator: Coordinator) -> Path:
         name = generation_name(step)
         token = coordinator.decide_on_primary(lambda: self._prepare(name, attempt_id), f"preparing generation {name}")
-        scratch = self.local.root / token
+        # One scratch per rank: ranks on one node share its local tier, and each deletes its
+        # scratch once its own upload is done.
+        scratch = self.local.root / f"{token}-rank{coordinator.rank}"
         try:
             scratch.mkdir(parents=True, exist_ok=True)
         except OSError as error:
