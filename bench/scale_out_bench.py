@@ -15,7 +15,7 @@ does. Per run, from rank 0's attempt record:
                   less the final export's)
   committed_s     per save, its start until the generation is committed (renamed on disk,
                   manifest in the store): what a crash right after would keep
-  step_s          seconds per optimizer step over the whole run, saves included
+  step_s          seconds per optimizer step from the first step to the end, saves included
 
 Ratios are measured in the same run of this script: async blocked / sync blocked, locally and
 in the store (goals on CPU: <= 0.25 locally, <= 0.1 in the store). The first async save
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -51,7 +52,7 @@ def model_for(size_mb: float) -> tuple[int, int]:
     """(hidden, layers) of the example MLP whose state (fp32 weights + SGD momentum) is about
     `size_mb` in all: 8 x (layers - 1) x hidden^2 bytes."""
     layers = 5
-    hidden = int(((size_mb * 1e6) / (8 * (layers - 1))) ** 0.5) // 64 * 64
+    hidden = math.ceil(((size_mb * 1e6) / (8 * (layers - 1))) ** 0.5 / 64) * 64  # at least size_mb
     return max(hidden, 64), layers
 
 
@@ -91,11 +92,12 @@ def figures(record: dict, saves_expected: int) -> dict:
     exports = record.get("exports_published", [])
     blocked_total = record["costs"]["blocked_s"] - sum(entry["blocked_s"] for entry in exports)
     committed = [entry.get("durable_s", entry["save_s"]) for entry in generations]
-    steps = record["last_step"] - (record["first_step"] or 1) + 1
+    # From the first step to the end (the final save included): start-up and restore are not steps.
+    steps = record["last_step"] - record["first_step"]
     return {"saves": len(generations), "blocked_s": blocked_total / len(generations),
             "save_call_s": [entry["blocked_s"] for entry in generations],
             "committed_s": statistics.median(committed[1:] or committed), "first_committed_s": committed[0],
-            "step_s": (record["wall_s"] - record["startup_s"]) / max(1, steps), "mode": record["checkpoint_mode"]}
+            "step_s": (record["wall_s"] - record["first_step_s"]) / max(1, steps), "mode": record["checkpoint_mode"]}
 
 
 def measure(args, base: Path, stack: ExitStack) -> dict:
