@@ -31,7 +31,7 @@ demo: $(STAMP)
 	$(PY) -m trainer report outputs/recovery
 
 test: $(STAMP) $(SANDBOX_STAMP)
-	$(PY) -m pytest -q -n 3 tests
+	$(PY) -m pytest -q -n 3 --dist loadgroup tests
 
 # Optional: Polyaxon's own server and a local agent on this machine, then the bundle's three
 # commands (run -u, ops resume, ops restart --copy) with its own files (docs/polyaxon.md).

@@ -3,7 +3,7 @@ disk and in an object store? Real runs of the trainer, `torchrun --standalone --
 2` with FSDP2 (each rank holds and writes half of the state), read back from the attempt record.
 
     python bench/scale_out_bench.py                  # 2 x 256 MB per rank, 4 saves per run (minutes)
-    python bench/scale_out_bench.py --quick          # a tiny model, 2 saves per run (the suite's)
+    python bench/scale_out_bench.py --quick          # a tiny model, one process, 2 saves per run (the suite's)
     python bench/scale_out_bench.py --nproc 1 --with-none   # torchrun with one process (bench/gpu_check.sh)
 
 Four runs, each `--recover-every-steps K` over the same steps: (local, store) x (sync, async).
@@ -17,7 +17,9 @@ does. Per run, from rank 0's attempt record:
                   manifest in the store): what a crash right after would keep
   step_s          seconds per optimizer step from the first step to the end, saves included
 
-Ratios are measured in the same run of this script: async blocked / sync blocked, locally and
+With one process a run in an object store is tiered in both modes (published on the local
+tier, uploaded in the background); with several, sync is durable when the save returns and
+async uploads in the background (docs/scale-out.md). Ratios are measured in the same run of this script: async blocked / sync blocked, locally and
 in the store (goals on CPU: <= 0.25 locally, <= 0.1 in the store). The first async save
 allocates the staging buffers; medians over the saves are reported with the first apart.
 """
@@ -182,10 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local-only", action="store_true", help="no object-store runs")
     parser.add_argument("--no-torchrun", dest="torchrun", action="store_false",
                         help="one process with `python -m trainer` (needs --nproc 1)")
-    parser.add_argument("--quick", action="store_true", help="a tiny model, 2 saves per run (the suite's)")
+    parser.add_argument("--quick", action="store_true", help="a tiny model, one process without torchrun, 2 saves per run (the suite's)")
     parser.add_argument("--dir", type=Path, help="where the runs go (default: a temporary folder)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.quick:  # the suite's smoke test: one process, no torchrun agent (the tests run torchrun)
+        args.nproc, args.torchrun = 1, False
     if not args.torchrun and args.nproc != 1:
         parser.error("--no-torchrun runs one process: drop --nproc")
     with ExitStack() as stack:

@@ -15,7 +15,7 @@ import torch
 
 from conftest import attempts, compare, generation, one_error_line, run_cli, scaled, train
 from trainer.config import WorkloadConfig
-from trainer.errors import StorageFailure
+from trainer.errors import StorageFailure, root_cause
 from trainer.checkpoint.atomic import file_digest
 from trainer.checkpoint.checkpointer import AsyncCheckpointer, SyncCheckpointer, effective_mode
 from trainer.checkpoint.commit import RenameCommit
@@ -253,3 +253,52 @@ def test_cuda_staging_reuses_pinned_buffers(tmp_path):
     assert first["w"].is_pinned() and second["w"].data_ptr() == first["w"].data_ptr()
     assert torch.equal(second["w"], source["w"].cpu())
     stager.close()
+
+
+class HeldCommit(RenameCommit):
+    """A rename commit that holds every commit until `gate` is set (an upload to a slow store),
+    allowing `max_pending` commits in flight as an object store's commit does."""
+
+    def __init__(self, local, gate: threading.Event, max_pending: int):
+        super().__init__(local)
+        self.gate, self.max_pending = gate, max_pending
+
+    def commit(self, *args):
+        assert self.gate.wait(scaled(300)), "test gate never opened"
+        return super().commit(*args)
+
+
+def test_async_saves_wait_only_once_max_pending_commits_are_in_flight(tmp_path):
+    """Two commits may be outstanding (--max-pending-uploads 2): the first two saves return at
+    once, the third waits for the oldest commit; all three commit in order."""
+    gate = threading.Event()
+    store = LocalSection(tmp_path / "checkpoints")
+    checkpointer = AsyncCheckpointer(HeldCommit(store, gate, max_pending=2), "test", CPU)
+    state = small_state()
+    assert checkpointer.save(state.state_dict(), facts(1)) == []
+    checkpointer.wait_for_staging()
+    assert checkpointer.save(state.state_dict(), facts(2)) == []  # the write of 1 is done; its commit is not
+    third: list = []
+    saver = threading.Thread(target=lambda: third.append(checkpointer.save(state.state_dict(), facts(3))))
+    saver.start()
+    saver.join(0.5)
+    assert saver.is_alive(), "the third save must wait while two commits are outstanding"
+    gate.set()
+    saver.join(scaled(60))
+    assert third[0] and third[0][0].name == "step-00000001"  # 2 as well, if it committed meanwhile
+    rest = checkpointer.finalize()
+    assert [published.name for published in third[0] + rest] == ["step-00000001", "step-00000002", "step-00000003"]
+    assert store.names() == ["step-00000001", "step-00000002", "step-00000003"]
+
+
+def test_root_cause_stops_where_the_chain_of_errors_loops():
+    """An inner error re-raised while its wrapper is handled gets the wrapper as its context:
+    the chain loops, and digging for the root cause must still end (with the inner OSError)."""
+    inner = OSError(errno.EFBIG, "File too large")
+    wrapper = RuntimeError("rank 1 failed")
+    wrapper.__cause__, inner.__context__ = inner, wrapper
+    assert root_cause(wrapper) is inner and root_cause(inner) is inner
+    looped = ValueError("no OSError anywhere")
+    other = KeyError("other")
+    looped.__context__, other.__context__ = other, looped
+    assert root_cause(looped) is other

@@ -52,7 +52,16 @@ def goodput_validation_checks(report: dict) -> None:
     assert "within_tolerance" in row
 
 
-CHECKS = {"store_bench.py": store_bench_checks, "goodput_sim.py": goodput_sim_checks,
+def scale_out_bench_checks(report: dict) -> None:
+    """Structure only: the four runs, each with its saves, and the ratios between them."""
+    assert set(report["runs"]) == {"local-sync", "local-async", "store-sync", "store-async"}
+    for name, run in report["runs"].items():
+        assert run["saves"] == 2 and run["blocked_s"] > 0 and run["committed_s"] > 0, name
+        assert run["mode"] == name.split("-")[1], name
+    assert {"local async/sync blocked", "store async/sync blocked"} <= set(report["ratios"])
+
+
+CHECKS = {"store_bench.py": store_bench_checks, "scale_out_bench.py": scale_out_bench_checks, "goodput_sim.py": goodput_sim_checks,
           "goodput_validation.py": goodput_validation_checks}
 
 

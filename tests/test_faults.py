@@ -25,14 +25,24 @@ def published_all_verify(output):
     return names
 
 
+@pytest.fixture(scope="module")
+def interrupted_at_10(tmp_path_factory) -> Path:
+    """A short run interrupted at step 10 (step-00000008 published): each crash test below
+    starts from its own copy of it."""
+    run = tmp_path_factory.mktemp("interrupted") / "run"
+    train(run, *SHORT, "--interrupt-at-step", 10, expect=75)
+    return run
+
+
 @pytest.mark.parametrize("point, mode", [
     ("after-write", "sync"), ("after-files-fsync", "sync"), ("after-manifest", "sync"), ("after-rename", "sync"),
-    ("after-write", "async"),  # in the background publisher, after the background write
+    ("after-write", "async"),  # in the background committer, after the background write
     ("after-manifest", "async"),
 ])
-def test_crash_at_each_publish_point_keeps_complete_generations(tmp_path, short_baseline, point, mode):
+def test_crash_at_each_publish_point_keeps_complete_generations(tmp_path, short_baseline, interrupted_at_10,
+                                                                point, mode):
     run = tmp_path / "run"
-    train(run, *SHORT, "--interrupt-at-step", 10, expect=75)
+    shutil.copytree(interrupted_at_10, run, symlinks=True)
     crashed = run_cli("--output", run, *SHORT, "--resume", "--checkpoint-mode", mode,
                       env={"TRAINER_FAULT_POINT": point})
     assert crashed.returncode == -signal.SIGKILL

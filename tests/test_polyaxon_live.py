@@ -30,6 +30,10 @@ from trainer.integrations.polyaxon import internals
 from trainer.integrations.polyaxon.sandbox import Sandbox, haupt_binary, run_uuid_of
 from trainer.run.fingerprint import source_digest
 
+# Every test here runs on one pytest worker (`--dist loadgroup`): the servers below start once
+# (about 25 s of CPU each), not once per worker that happens to draw one of these tests.
+pytestmark = pytest.mark.xdist_group("polyaxon-sandbox")
+
 DONE = {"succeeded", "failed", "stopped"}
 RUNS = "training-recovery"
 UPLOAD_IGNORE = shutil.ignore_patterns(".git", ".venv*", "outputs*", "__pycache__", ".pytest_cache", "*.pyc")
@@ -38,7 +42,7 @@ EDIT = "\n# A template user's edit: the upload, not the image's copy, is what ru
 
 @pytest.fixture(scope="session")
 def sandbox(tmp_path_factory):
-    """One Polyaxon server per pytest worker, its artifacts store a host path."""
+    """One Polyaxon server for this module's worker, its artifacts store a host path."""
     server = Sandbox(tmp_path_factory.mktemp("plx"), haupt_binary())
     server.start()
     yield server

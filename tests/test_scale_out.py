@@ -63,11 +63,11 @@ def crash(run: Path, point: str, rank: int, *args) -> subprocess.CompletedProces
 
 
 def test_two_processes_survive_an_interrupt_and_a_rank_killed_mid_save(tmp_path, baseline_2p):
-    """Sync then async saves under torchrun: a rank killed at any point of a save leaves the
-    last committed generation the newest, and the async resume ends bit-identical to the
-    uninterrupted sync run (either mode resumes the other's generations)."""
+    """Async and sync saves under torchrun: an async run interrupted, a rank killed at any point
+    of a sync or async save (the last committed generation stays the newest), and the async
+    resume of the async generation ends bit-identical to the uninterrupted sync run."""
     run = tmp_path / "run"
-    interrupted = torchrun(run, "--interrupt-at-step", 11, expect=75, tmp=tmp_path)
+    interrupted = torchrun(run, "--interrupt-at-step", 11, "--checkpoint-mode", "async", expect=75, tmp=tmp_path)
     assert interrupted.stderr.count("exitcode  : 75") == 2, "every rank must exit 75"
     assert interrupted.stdout.count("step=11 ") == 1, "only rank 0 logs progress"
 
@@ -86,10 +86,8 @@ def test_two_processes_survive_an_interrupt_and_a_rank_killed_mid_save(tmp_path,
     verified = run_cli("verify", run)
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
-    # Three attempts in a row died restoring step-00000008: the crash-loop guard stops a fourth
-    # (exit 70) unless the operator says to go on.
-    looping = torchrun(run, "--resume", "--checkpoint-mode", "async", expect=70, tmp=tmp_path)
-    assert "the last 3 attempts all started from step-00000008" in trainer_error_lines(looping)[0]
+    # Three attempts in a row died restoring step-00000008: the crash-loop guard (tested on its
+    # own in test_faults.py) would stop a fourth; the operator says to go on.
     resumed = torchrun(run, "--resume", "--checkpoint-mode", "async", "--max-failed-attempts", 0, tmp=tmp_path)
     assert "restored step-00000008 (step=8 epoch=1 position=0)" in resumed.stdout
     assert not list((run / "checkpoints").glob(".step-*.tmp-*")), "stale temporaries are cleaned on start"
@@ -104,7 +102,6 @@ def test_two_processes_survive_an_interrupt_and_a_rank_killed_mid_save(tmp_path,
     assert [(r["status"], r["exit_code"], r["world_size"]) for r in (records[0], records[-1])] == \
         [("interrupted", 75, 2), ("completed", 0, 2)]
     assert all(r["status"] in ("failed", "running") for r in records[1:4])  # "running" if rank 0 was stopped first
-    assert records[4]["status"] == "refused" and records[4]["exit_code"] == 70
     assert records[1]["steps_replayed"] == 3
     assert records[-1]["checkpoint_mode"] == "async"
 
@@ -132,7 +129,8 @@ def test_a_disk_full_on_one_rank_fails_every_rank_with_74_and_commits_nothing(tm
                              "--output", str(run), "--epochs", str(EPOCHS), "--threads", "1",
                              "--checkpoint-mode", "async"], cwd=REPO, capture_output=True, text=True,
                             timeout=scaled(600), env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status_file)))
-    assert result.returncode == TORCHRUN_CHILD_FAILED and int(status_file.read_text()) == 74, result.stderr[-3000:]
+    status = int(status_file.read_text()) if status_file.exists() else None
+    assert result.returncode == TORCHRUN_CHILD_FAILED and status == 74, result.stdout[-2000:] + result.stderr[-4000:]
     assert result.stderr.count("exitcode  : 74") == 2, "every rank exits 74"
     [line] = trainer_error_lines(result)
     assert line.startswith("trainer: error: writing generation step-00000008 failed: File too large"), line
@@ -197,12 +195,15 @@ def test_world_size_change_is_refused_then_allowed_with_the_override(tmp_path):
 
 
 def test_fsdp_two_process_interrupt_and_resume_matches_uninterrupted_fsdp(tmp_path):
-    """--data-parallel fsdp: each rank writes only its shards (sync, then async), a 2-process resume is exact,
+    """--data-parallel fsdp: each rank writes only its shards (sync or async), an async 2-process resume is exact,
     the export holds whole tensors, and a resume must keep the choice (it is fingerprinted)."""
     baseline, run = tmp_path / "baseline", tmp_path / "run"
     torchrun(baseline, "--data-parallel", "fsdp", tmp=tmp_path)
-    torchrun(run, "--data-parallel", "fsdp", "--interrupt-at-step", 11, expect=75, tmp=tmp_path)
-    # The resume writes async: each rank stages its own shards (DTensors) and writes them in the background.
+    # Async: each rank stages its own shards (DTensors) and writes them in the background; the
+    # resume restores that generation and writes the final one async too.
+    torchrun(run, "--data-parallel", "fsdp", "--interrupt-at-step", 11, "--checkpoint-mode", "async", expect=75,
+             tmp=tmp_path)
+    assert json.loads((generation(run, "step-00000008") / "manifest.json").read_text())["timings"]["mode"] == "async"
     resumed = torchrun(run, "--data-parallel", "fsdp", "--resume", "--checkpoint-mode", "async", tmp=tmp_path)
     assert "restored step-00000008 (step=8 epoch=1 position=0)" in resumed.stdout
     result = compare(generation(baseline, FINAL_2P), generation(run, FINAL_2P))

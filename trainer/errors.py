@@ -124,15 +124,21 @@ def storage_failure(error: OSError, what: str) -> StorageFailure:
 
 def root_cause(error: BaseException) -> BaseException:
     """DCP wraps each rank's error in a CheckpointException (a BaseException whose str()
-    holds tracebacks); dig out the original so it can be reported in one line."""
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        inner = first[0] if isinstance(first, tuple) else first
-        return root_cause(inner)
-    cause = error.__cause__ or error.__context__
-    if not isinstance(error, OSError) and isinstance(cause, BaseException):
-        return root_cause(cause)
+    holds tracebacks); dig out the original so it can be reported in one line. The chain may
+    loop (an inner error re-raised while its wrapper was being handled has the wrapper as its
+    context): the walk stops at the first error it meets again."""
+    seen: set[int] = set()
+    while id(error) not in seen:
+        seen.add(id(error))
+        failures = getattr(error, "failures", None)
+        if isinstance(failures, dict) and failures:
+            first = next(iter(failures.values()))
+            error = first[0] if isinstance(first, tuple) else first
+            continue
+        cause = error.__cause__ or error.__context__
+        if isinstance(error, OSError) or not isinstance(cause, BaseException) or id(cause) in seen:
+            return error
+        error = cause
     return error
 
 
