@@ -68,7 +68,7 @@ def run_once(output: str, local_tier: Path | None, mode: str, args, hidden: int,
                "--output", output, "--checkpoint-mode", "sync" if mode == "none" else mode,
                "--hidden-size", str(hidden), "--layers", str(layers),
                "--samples", str(steps * BATCH), "--batch-size", str(BATCH), "--epochs", "1",
-               "--recover-every-epochs", "0", "--recover-every-steps", str(0 if mode == "none" else every),
+               "--recover-every-epochs", "0", *(() if mode == "none" else ("--recover-every-steps", str(every))),
                "--threads", "1", "--log-every-steps", "1000"]
     if nproc > 1:
         command += ["--data-parallel", "fsdp"]
