@@ -221,17 +221,260 @@ class AsyncCheckpointer(_Checkpointer):
         step = facts.step
         self._unreported += self._settle(keep=max(0, self.commit.max_pending - 1))
         temporary = self.commit.begin(step, self.attempt_id, self.coordinator)
+        failure = None
         try:
             writer = self.new_writer(temporary)
             response = dcp.async_save(state_dict, storage_writer=writer, async_stager=self.stager,
                                       process_group=self._write_group.group, no_dist=single_process())
-        except BaseException as error:
+        except BaseException as error:  # noqa: BLE001 - every rank must hear of it, below
             self.commit.abandon(temporary, self.coordinator)
-            raise self._failure(error, step) from None
-        blocked = time.monotonic() - started
-        committed = self._committer.submit(self._commit_when_written, response.upload_completion, writer,
-                                           temporary, facts, started, blocked)
-        self._in_flight.append(_InFlight(step, response.staging_completion, response.upload_completion, committed))
+            failure = self._failure(error, step)
+        else:
+            blocked = time.monotonic() - started
+            committed = self._committer.submit(self._commit_when_written, response.upload_completion, writer,
+                                               temporary, facts, started, blocked)
+            self._in_flight.append(_InFlight(step, response.staging_completion, response.upload_completion,
+                                             committed))
+        # A failure of this rank's own part (its staging buffers could not be allocated) must
+        # stop every rank here, before the others wait for it inside DCP's collectives.
+        if self.coordinator.distributed:
+            raise_if_any_failed(self.coordinator, failure, f"starting the save of {generation_name(step)}")
+        elif failure is not None:
+            raise failure
+        done, self._unreported = self._unreported, []
+        return done
+
+    def _commit_when_written(self, written: Future, writer: HashingFileSystemWriter, temporary: Path,
+                             facts: GenerationFacts, started: float, blocked: float) -> Published:
+        """Runs on the committer thread: the commit, only after the write completed."""
+        try:
+            written.result()
+            seams.crash_point("after-write")
+            timings = {"write_s": time.monotonic() - started, "save_blocked_s": blocked,
+                       "staging_s": self.stager.last_staging_s or 0.0}
+            committed = self.commit.commit(temporary, facts.step, self._describe(facts, timings), writer.digests,
+                                           self._commit_group)
+        except BaseException:
+            self.commit.abandon(temporary, self.coordinator)
+            raise
+        return Published(generation_name(facts.step), facts.step, committed.manifest_sha256,
+                         time.monotonic() - started, blocked, committed.upload_s)
+
+    def _settle(self, keep: int) -> list[Published]:
+        """Wait for the write in flight, and for commits until at most `keep` are pending;
+        the ranks then agree on the outcome: any rank's failure is raised on every rank.
+        Generations committed before a failure stay unreported, for `close_after_failure()`."""
+        published: list[Published] = []
+        failure: BaseException | None = None
+        if self._in_flight:
+            self._in_flight[-1].written.exception()  # the staging buffers are free again
+        while failure is None and self._in_flight and (len(self._in_flight) > keep
+                                                       or self._in_flight[0].committed.done()):
+            done, failure = self._collect(self._in_flight[0])
+            published += done
+        if failure is not None:
+            self._unreported += published
+        if not self.coordinator.distributed:
+            if failure is not None:
+                raise failure
+            return published
+        raise_if_any_failed(self.coordinator, failure, "writing a recovery generation")
+        # Every rank reports rank 0's publishes, so every rank's record of them agrees.
+        return self.coordinator.decide_on_primary(lambda: published, "reporting the generations committed")
+
+    def _collect(self, in_flight: _InFlight) -> tuple[list[Published], BaseException | None]:
+        """The oldest save's outcome, waiting for it: what it published, or its failure in
+        one-line form. Raises only when the wait itself is interrupted (a signal)."""
+        try:
+            published = in_flight.committed.result()
+        except BaseException as error:
+            if not in_flight.committed.done():
+                raise  # interrupted while waiting: the save is still in flight
+            self._in_flight.popleft()
+            return [], self._failure(error, in_flight.step)
+        self._in_flight.popleft()
+        return [published], None
+
+    def wait_for_staging(self) -> float:
+        """Block until a staged copy is complete (before parameters change); the seconds waited."""
+
+    def finalize(self) -> list[Published]:
+        """Drain everything in flight before the process exits."""
+
+    def close_after_failure(self) -> list[Published]:
+        """After a failure: finish what is in flight; never raises."""
+
+
+def effective_mode(requested: str, device: torch.device) -> str:
+    """The mode a requested `--checkpoint-mode` (auto | sync | async, validated by the CLI)
+    runs as. `auto` is async on CUDA, where staging is a DMA into pinned memory that runs
+    beside the GPU's work, and sync on CPU, where staging is a memcpy on the same cores the
+    loop needs, so async saves little there (bench/loop_overhead.py and
+    bench/scale_out_bench.py measure it). The same with one process and under torchrun."""
+    if requested == "auto":
+        return "async" if device.type == "cuda" else "sync"
+    return requested
+
+
+def build_checkpointer(mode: str, commit: Commit, attempt_id: str, device: torch.device,
+                       coordinator: Coordinator = SingleProcess(), config: WriterConfig = WriterConfig()):
+    """The checkpointer for an effective mode ("sync" or "async"). Every rank calls it at the
+    same point (an async one creates its background process groups)."""
+    if mode == "async":
+        return AsyncCheckpointer(commit, attempt_id, device, config, coordinator)
+    return SyncCheckpointer(commit, attempt_id, config, coordinator)
+
+
+class _Checkpointer:
+    """What both modes share: the commit strategy, the manifest, one-line failures."""
+
+    mode = ""
+
+    def __init__(self, commit: Commit, attempt_id: str, config: WriterConfig, coordinator: Coordinator):
+        self.commit = commit
+        self.local = commit.local
+        self.attempt_id = attempt_id
+        self.config = config
+        self.coordinator = coordinator
+        self._unreported: list[Published] = []
+        """Published generations not yet returned to the loop (a save failed right after
+        draining them); handed over by `close_after_failure()` so the record stays complete."""
+
+    def _describe(self, facts: GenerationFacts, timings: dict):
+        timings = {"mode": self.mode + self.commit.mode_suffix, **timings}
+        return lambda files: Manifest.for_generation(facts, self.attempt_id, timings, files)
+
+    @staticmethod
+    def _failure(error: BaseException, step: int) -> BaseException:
+        """A storage error as StorageFailure (exit 74, one line); anything else unwrapped
+        from DCP's per-rank CheckpointException so its message stays one line. Our own errors
+        stay as they are (a lost lease explains the failed commit it interrupted)."""
+        if isinstance(error, TrainerError):
+            return error
+        failure = as_storage_failure(error, f"writing generation {generation_name(step)}")
+        return failure if failure is not None else root_cause(error)
+
+    def close_after_failure(self) -> list[Published]:
+        """After a failure elsewhere in the loop: finish what is in flight (it commits if it
+        succeeds, so no writer thread outlives the output lock). Its own error is logged,
+        not raised: the original failure is the one to report."""
+        unreported, self._unreported = self._unreported, []
+        try:
+            return unreported + self._finish_quietly()
+        except BaseException as error:  # noqa: BLE001 - reporting the first failure matters more
+            log.warning("recovery save in flight did not complete: %s", error)
+            return unreported
+
+    def _finish_quietly(self) -> list[Published]:
+        return []
+
+    def wait_for_staging(self) -> float:
+        return 0.0
+
+    def finalize(self) -> list[Published]:
+        return []
+
+
+class SyncCheckpointer(_Checkpointer):
+    """Writes the snapshot in the loop (`dcp.save`, our hashing writer), then commits.
+
+    In a multi-process run all ranks write one DCP checkpoint (into one temporary whose name
+    rank 0 chose, or each into its own scratch for an object store), and the commit strategy
+    makes it a generation; every rank learns the outcome."""
+
+    mode = "sync"
+
+    def __init__(self, commit: Commit, attempt_id: str, config: WriterConfig = WriterConfig(),
+                 coordinator: Coordinator = SingleProcess()):
+        super().__init__(commit, attempt_id, config, coordinator)
+
+    def save(self, state_dict: dict, facts: GenerationFacts) -> list[Published]:
+        started = time.monotonic()
+        step, coordinator = facts.step, self.coordinator
+        name = generation_name(step)
+        temporary = self.commit.begin(step, self.attempt_id, coordinator)
+        try:
+            digests = write_snapshot(state_dict, temporary, self.config)
+            seams.crash_point("after-write")
+            timings = {"write_s": time.monotonic() - started}
+            committed = self.commit.commit(temporary, step, self._describe(facts, timings), digests, coordinator)
+        except BaseException as error:
+            self.commit.abandon(temporary, coordinator)
+            if isinstance(error, TrainerError):
+                raise
+            reraise_as_storage_failure(error, f"writing generation {name}")
+        elapsed = time.monotonic() - started
+        return [Published(name, step, committed.manifest_sha256, elapsed, elapsed, committed.upload_s)]
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    step: int
+    staging: Future
+    """Done when the staged copy is complete and the live state may change again."""
+    written: Future
+    """Done when DCP wrote every shard (the staging buffers may be reused)."""
+    committed: Future
+    """Result: the Published generation (on every rank), once committed."""
+
+
+class AsyncCheckpointer(_Checkpointer):
+    """Stages the state into host memory and writes it in the background (`dcp.async_save`).
+
+    One write at a time (the staging buffers are reused): `save()` first waits for the
+    previous write; commits queue behind it, at most `commit.max_pending` at once (one on a
+    disk; `--max-pending-uploads` in an object store). A background failure is raised at the
+    next `save()` or `finalize()` (with one process also at `wait_for_staging()`); storage
+    errors become `StorageFailure` (exit 74).
+    """
+
+    mode = "async"
+
+    def __init__(self, commit: Commit, attempt_id: str, device: torch.device,
+                 config: WriterConfig = WriterConfig(), coordinator: Coordinator = SingleProcess()):
+        super().__init__(commit, attempt_id, config, coordinator)
+        self.stager = ReusableStager(device)
+        # Two groups of their own: DCP's collectives run on its writer thread, the commit's on
+        # the committer thread; a commit may still be agreeing while the next write plans.
+        self._write_group = coordinator.background()
+        self._commit_group = coordinator.background()
+        # One thread that waits for each background write and then commits it, in save order,
+        # so a generation is committed as soon as it is written, not at the next save.
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recovery-commit")
+        self._in_flight: deque[_InFlight] = deque()
+        self._closed = False
+
+    def new_writer(self, directory: Path) -> HashingFileSystemWriter:
+        """The DCP storage writer for one generation."""
+        return HashingFileSystemWriter(directory, self.config)
+
+    def save(self, state_dict: dict, facts: GenerationFacts) -> list[Published]:
+        if self._closed:
+            raise RuntimeError("AsyncCheckpointer.save() after finalize()")
+        started = time.monotonic()
+        step = facts.step
+        self._unreported += self._settle(keep=max(0, self.commit.max_pending - 1))
+        temporary = self.commit.begin(step, self.attempt_id, self.coordinator)
+        failure = None
+        try:
+            writer = self.new_writer(temporary)
+            response = dcp.async_save(state_dict, storage_writer=writer, async_stager=self.stager,
+                                      process_group=self._write_group.group, no_dist=single_process())
+        except BaseException as error:  # noqa: BLE001 - every rank must hear of it, below
+            self.commit.abandon(temporary, self.coordinator)
+            failure = self._failure(error, step)
+        else:
+            blocked = time.monotonic() - started
+            committed = self._committer.submit(self._commit_when_written, response.upload_completion, writer,
+                                               temporary, facts, started, blocked)
+            self._in_flight.append(_InFlight(step, response.staging_completion, response.upload_completion,
+                                             committed))
+        # A failure of this rank's own part (its staging buffers could not be allocated) must
+        # stop every rank here, before the others wait for it inside DCP's collectives.
+        if self.coordinator.distributed:
+            raise_if_any_failed(self.coordinator, failure, f"starting the save of {generation_name(step)}")
+        elif failure is not None:
+            raise failure
         done, self._unreported = self._unreported, []
         return done
 
@@ -299,7 +542,10 @@ class AsyncCheckpointer(_Checkpointer):
         if not self.coordinator.distributed:
             if staging_failed or (in_flight.committed.done() and in_flight.committed.exception() is not None):
                 while self._in_flight:  # the write fails with the staging error: raise it in one-line form
-                    self._collect(self._in_flight[0])
+                    done, failure = self._collect(self._in_flight[0])
+                    self._unreported += done
+                    if failure is not None:
+                        raise failure
         return time.monotonic() - started
 
     def drain(self) -> list[Published]:

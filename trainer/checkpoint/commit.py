@@ -46,8 +46,6 @@ class Commit(Protocol):
     """Appended to the checkpoint mode in the manifest ("-store": committed in an object store)."""
     max_pending: int
     """Saves that may be written and not yet committed at once (async only)."""
-    durable_on_commit: bool
-    """A commit is already durable beyond this machine (nothing is left to upload)."""
 
     def begin(self, step: int, attempt_id: str, coordinator: Coordinator) -> Path:
         """Every rank: the directory it writes its shards of `step` into (rank 0 names it)."""
@@ -66,7 +64,6 @@ class RenameCommit:
 
     mode_suffix = ""
     max_pending = 1
-    durable_on_commit = False
 
     def __init__(self, local: LocalSection):
         self.local = local

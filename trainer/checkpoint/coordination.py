@@ -63,27 +63,28 @@ class SingleProcess:
         return self
 
 
-def failure_summary(error: BaseException, what: str) -> tuple[str, int]:
-    """A failure as (one line, exit status), to tell the other ranks."""
+def failure_summary(error: BaseException, what: str) -> tuple[str, int, bool]:
+    """A failure as (one line, exit status, already shared), to tell the other ranks. Already
+    shared: the rank learnt it from another rank's decision, so it names no failure of its own."""
     if isinstance(error, TrainerError):
-        return str(error), error.exit_code
+        return str(error), error.exit_code, isinstance(error, DecidedOnPrimary)
     storage = as_storage_failure(error, what)
     if storage is not None:
-        return str(storage), storage.exit_code
+        return str(storage), storage.exit_code, False
     cause = root_cause(error)
     detail = (str(cause).strip().splitlines() or [cause.__class__.__name__])[0][:300]
-    return f"{what} failed: {cause.__class__.__name__}: {detail}", 1
+    return f"{what} failed: {cause.__class__.__name__}: {detail}", 1, False
 
 
 def raise_if_any_failed(coordinator: Coordinator, failure: BaseException | None, what: str) -> None:
     """Every rank says whether its part of `what` failed; if any rank's did, every rank
     raises, so no rank goes on alone and none waits for one that stopped. Rank 0 prints one
-    line naming the first failing rank; every rank exits with that failure's status."""
+    line naming the first rank whose own part failed; every rank exits with that status."""
     reports = coordinator.gather(None if failure is None else failure_summary(failure, what), what)
-    first = next(((rank, report) for rank, report in enumerate(reports) if report is not None), None)
-    if first is None:
+    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    if not failed:
         return
-    rank, (message, exit_code) = first
+    rank, (message, exit_code, shared) = next((entry for entry in failed if not entry[1][2]), failed[0])
     if rank == coordinator.rank == 0 and failure is not None:
         raise failure
-    raise DecidedOnPrimary(message if rank == 0 else f"rank {rank}: {message}", exit_code)
+    raise DecidedOnPrimary(message if rank == 0 or shared else f"rank {rank}: {message}", exit_code)

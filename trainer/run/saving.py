@@ -102,17 +102,21 @@ class CadencedSaves:
             self.save_export(state, model, workload)
 
     def completed(self) -> tuple[Durable, ...]:
-        """What became durable since the last step. A background upload's failure (rank 0's:
-        exports, tiered saves) ends the attempt at once with one process; with several it
-        waits for the next save or the end, where every rank learns of it (a rank that stopped
-        alone would leave the others waiting in a collective)."""
+        """What became durable since the last step (see `held_for_every_rank`)."""
+        return self.held_for_every_rank(self.storage.completed, ())
+
+    def held_for_every_rank(self, call, nothing):
+        """`call()`, with rank 0's background upload failure (exports, tiered saves) held under
+        torchrun: with one process it ends the attempt at once; with several it waits for the
+        next save or the end, where every rank learns of it (a rank that stopped alone would
+        leave the others waiting in a collective)."""
         try:
-            return self.storage.completed()
+            return call()
         except TrainerError as failure:
             if not self.ranks.distributed:
                 raise
             self.upload_failure = self.upload_failure or failure
-            return ()
+            return nothing
 
     def agree_on_uploads(self) -> None:
         """Every rank raises rank 0's background upload failure, if there was one."""
@@ -144,8 +148,8 @@ class CadencedSaves:
         """Drain the save in flight (it publishes), then the uploads (they make it durable),
         before the attempt ends."""
         self.record_generations(self.checkpointer.finalize(), step)
+        self.record_durable(self.held_for_every_rank(self.storage.drain, ()))
         self.agree_on_uploads()
-        self.record_durable(self.storage.drain())
         self.storage.close()
 
     def close_after_failure(self) -> None:
@@ -173,7 +177,9 @@ class CadencedSaves:
     def published(self, kind: str, published: Published, step: int | None) -> None:
         self.recorder.published(kind, published, step)
         self.events.published(NOUN[kind], self.sections[kind].path(published.name), published)
-        after: AfterPublish = self.storage.after_publish(kind, published, self.sections[kind].path(published.name))
+        after: AfterPublish = self.held_for_every_rank(
+            lambda: self.storage.after_publish(kind, published, self.sections[kind].path(published.name)),
+            AfterPublish())
         self.record_durable(after.durable)
         if after.durable:
             self.storage.recorded(self.recorder.folder)

@@ -36,7 +36,6 @@ class ObjectCommit:
     """Each rank uploads its own shards; rank 0 commits the manifest (fenced)."""
 
     mode_suffix = "-store"
-    durable_on_commit = True
 
     def __init__(self, target: ObjectSection, scratch: LocalSection, fence: Callable[[], None],
                  max_pending: int):
@@ -52,10 +51,12 @@ class ObjectCommit:
         # One scratch per rank: ranks on one node share its local tier, and each deletes its
         # scratch once its own upload is done.
         scratch = self.local.root / f"{token}-rank{coordinator.rank}"
+        failure = None
         try:
             scratch.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            raise storage_failure(error, f"creating the scratch of generation {name}") from None
+            failure = storage_failure(error, f"creating the scratch of generation {name} on this node")
+        raise_if_any_failed(coordinator, failure, f"preparing generation {name}")  # a full disk on one node stops all
         return scratch
 
     def _prepare(self, name: str, attempt_id: str) -> str:

@@ -220,9 +220,11 @@ class StoreLease:
         if self._lost is not None or self._etag is None:
             return
         try:
-            current = self._read()
-            if current is not None and (not self.objects.conditional or current[1] == self._etag):
-                self._write(self._etag, released=True)  # a tombstone, not a deletion (module docstring)
+            with self._mutex:
+                current = self._read()
+                if current is not None and (not self.objects.conditional or current[1] == self._etag):
+                    self._write(self._etag, released=True)  # a tombstone, not a deletion (module docstring)
+                self._lost = "released the lease at the end of this attempt"  # no write may follow
         except Exception as error:  # noqa: BLE001 - the lease expires on its own
             log.warning("could not release the lease on %s (%s); it expires in %.0fs", self.objects.url, error,
                         self.holder.ttl_s)
