@@ -302,3 +302,14 @@ def test_root_cause_stops_where_the_chain_of_errors_loops():
     other = KeyError("other")
     looped.__context__, other.__context__ = other, looped
     assert root_cause(looped) is other
+
+
+def test_a_short_write_of_torchs_zip_writer_is_a_storage_failure():
+    """torch.save into a shard file that a file-size limit cut short raises a RuntimeError
+    ("unexpected pos"), not an OSError: it is still the storage's problem, exit 74."""
+    from trainer.errors import as_storage_failure
+    cut = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    failure = as_storage_failure(cut, "writing generation step-00000008")
+    assert failure is not None and failure.exit_code == 74
+    assert str(failure).startswith("writing generation step-00000008 failed: a write was cut short")
+    assert as_storage_failure(RuntimeError("some other bug"), "writing") is None

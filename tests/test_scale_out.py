@@ -133,7 +133,9 @@ def test_a_disk_full_on_one_rank_fails_every_rank_with_74_and_commits_nothing(tm
     assert result.returncode == TORCHRUN_CHILD_FAILED and status == 74, result.stdout[-2000:] + result.stderr[-4000:]
     assert result.stderr.count("exitcode  : 74") == 2, "every rank exits 74"
     [line] = trainer_error_lines(result)
-    assert line.startswith("trainer: error: writing generation step-00000008 failed: File too large"), line
+    # Python's write says EFBIG; torch's zip writer, when the limit cuts a torch.save short, a short write.
+    assert line.startswith("trainer: error: writing generation step-00000008 failed: "), line
+    assert "File too large" in line or "a write was cut short" in line, line
     assert "rerun with --resume auto" in line
     assert not [p for p in (run / "checkpoints").iterdir()], "nothing committed, no temporary left"
     record = attempts(run)[-1]

@@ -142,11 +142,21 @@ def root_cause(error: BaseException) -> BaseException:
     return error
 
 
+SHORT_WRITE = ("inline_container", "unexpected pos")
+"""How torch's zip writer (torch.save into a shard file) reports a write the file took only in
+part: a full disk or a file-size limit, surfacing as a RuntimeError instead of an OSError."""
+
+
 def as_storage_failure(error: BaseException, what: str) -> StorageFailure | None:
     """Any OS-level I/O error (disk full, limits, permissions, a stale network mount…) is the
     storage's problem, not a bug: it becomes one line and exit 74. None for anything else."""
     cause = root_cause(error)
-    return storage_failure(cause, what) if isinstance(cause, OSError) else None
+    if isinstance(cause, OSError):
+        return storage_failure(cause, what)
+    if isinstance(cause, RuntimeError) and all(part in str(cause) for part in SHORT_WRITE):
+        return StorageFailure(f"{what} failed: a write was cut short (the disk is full or a file-size limit was "
+                              f"reached); free space or raise the limit (ulimit -f), then rerun with --resume auto")
+    return None
 
 
 def reraise_as_storage_failure(error: BaseException, what: str):
