@@ -87,3 +87,23 @@ def test_a_compiled_model_exports_and_saves_under_its_own_names(tmp_path):
     uncompiled = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Dropout(0.1), nn.Linear(8, 1))
     uncompiled.load_state_dict(weights)  # strict: every key the model's own
     assert torch.equal(uncompiled[0].weight, weights["0.weight"])
+
+
+def test_a_custom_step_under_several_processes_or_a_closure_under_a_grad_scaler_is_refused():
+    """Unit test of the start-time refusals no single CPU process reaches: a train_step under
+    torchrun (its forward passes could bypass DDP's gradient reduction) and LBFGS under a
+    CUDA GradScaler (which cannot step a closure). Milliseconds."""
+    from trainer.errors import UsageError
+    from trainer.workload import BoundWorkload
+
+    class Closure:
+        def train_step(self, model, optimizers, batches, step):
+            raise AssertionError("never called")
+
+    bound = BoundWorkload(Closure(), (), "closure.py:Closure")
+    lbfgs = torch.optim.LBFGS([nn.Parameter(torch.ones(2))])
+    bound.refuse_inexpressible(lbfgs, scaling=False, world_size=1)
+    with pytest.raises(UsageError, match="train_step runs in one process only"):
+        bound.refuse_inexpressible(lbfgs, scaling=False, world_size=2)
+    with pytest.raises(UsageError, match="GradScaler .* cannot step: run without --amp"):
+        bound.refuse_inexpressible(lbfgs, scaling=True, world_size=1)

@@ -55,7 +55,7 @@ def build_training(config: RunConfig, workload: BoundWorkload, ranks: Ranks, dat
     optimizer = workload.build_optimizer(model)
     scheduler = workload.build_scheduler(optimizer)
     scaler = torch.amp.GradScaler(device.type, enabled=config.workload.amp and device.type == "cuda")
-    workload.refuse_inexpressible(optimizer, scaler.is_enabled())
+    workload.refuse_inexpressible(optimizer, scaler.is_enabled(), ranks.world_size)
     # A compiled model (torch.compile) is saved and exported under the model's own names.
     state = TrainingState(compat.uncompiled(model), optimizer, scheduler, scaler, rank=ranks.rank,
                           world_size=ranks.world_size, extras=workload.stateful())

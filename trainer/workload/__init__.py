@@ -97,10 +97,16 @@ class BoundWorkload:
     def train_step(self, model, optimizer, batches, tools):
         return self.workload.train_step(model, optimizer, batches, tools)
 
-    def refuse_inexpressible(self, optimizer, scaling: bool) -> None:
+    def refuse_inexpressible(self, optimizer, scaling: bool, world_size: int) -> None:
         """What the trainer's own step cannot run, said before the first step: a closure
         optimizer (LBFGS) needs the workload's `train_step`, and a GradScaler (AMP on CUDA)
-        cannot step one at all."""
+        cannot step one at all. A `train_step` runs in one process only: its forward passes
+        may reach the modules inside DDP's wrapper (a GAN's two networks), whose gradients
+        would then never be reduced across ranks, silently; no test proves it otherwise yet."""
+        if self.has_train_step and world_size > 1:
+            raise UsageError(f"--workload {self.spec}: train_step runs in one process only (a forward pass that "
+                             f"bypasses the DDP/FSDP wrapper would leave each rank with its own gradients): run it "
+                             f"without torchrun, or use loss(model, batch)")
         optimizers = dict(optimizer) if isinstance(optimizer, Mapping) else {"": optimizer}
         for name, each in optimizers.items():
             if not needs_closure(each):
