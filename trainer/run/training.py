@@ -48,7 +48,8 @@ def build_training(config: RunConfig, workload: BoundWorkload, ranks: Ranks, sam
     optimizer is built after wrapping."""
     device = ranks.device
     model = workload.build_model().to(device)
-    trained: nn.Module = ranks.data_parallel(model, config.workload.data_parallel)
+    trained: nn.Module = ranks.data_parallel(model, config.workload.data_parallel,
+                                               config.workload.gradient_reduction)
     optimizer = workload.build_optimizer(model)
     scheduler = workload.build_scheduler(optimizer)
     scaler = torch.amp.GradScaler(device.type, enabled=config.workload.amp and device.type == "cuda")
