@@ -94,6 +94,10 @@ class AttemptRow:
     """Coarse (step, seconds after the attempt's start) points: where its steps happened."""
     first_step_s: float | None = None
     """Seconds after the attempt's start when its first step completed (build, restore, warm-up)."""
+    witness: str | None = None
+    """What the exactness witness found (`witness_verdict`); None: nothing to check."""
+    exact: bool = True
+    """False when the witness saw a mismatch or the configuration said it cannot be exact."""
 
 
 @dataclass(frozen=True)
@@ -213,7 +217,41 @@ def attempt_row(record: dict, live: frozenset[str], marker_unix: float | None, o
         start_s=None if start is None or origin is None else start - origin,
         generations=generations, reason=record.get("reason"), startup_s=_optional(record.get("startup_s")),
         download_s=_number(costs.get("download_s")), progress=progress_points(record),
-        first_step_s=_optional(record.get("first_step_s")) if started else None)
+        first_step_s=_optional(record.get("first_step_s")) if started else None,
+        witness=witness_verdict(record), exact=witness_exact(record))
+
+
+def witness_verdict(record: dict) -> str | None:
+    """One phrase per check the exactness witness made (trainer/run/witness.py)."""
+    parts = []
+    exactness = record.get("exactness") if isinstance(record.get("exactness"), dict) else {}
+    if exactness.get("exact") is False:
+        parts.append(f"not exact by configuration: {exactness.get('reason')}")
+    check = record.get("restore_check") if isinstance(record.get("restore_check"), dict) else None
+    if check is not None:
+        differing = check.get("differing") or {}
+        parts.append("restore matched the saved state" if check.get("matched") else
+                     "restore DIFFERS from the saved state (" +
+                     "; ".join(f"rank {rank}: {', '.join(map(str, sections))}" for rank, sections in differing.items())
+                     + ")")
+    replay = record.get("replay") if isinstance(record.get("replay"), dict) else None
+    if replay is not None:
+        if replay.get("compared") is False:
+            parts.append(f"replay not compared: {replay.get('reason')}")
+        elif replay.get("first_mismatch") is None:
+            parts.append(f"replayed steps matched: {replay.get('matched')} of {replay.get('of')}")
+        else:
+            parts.append(f"replay DIFFERS from step {replay.get('first_mismatch')} "
+                         f"({replay.get('matched')} of {replay.get('of')} matched)")
+    return "; ".join(parts) or None
+
+
+def witness_exact(record: dict) -> bool:
+    exactness = record.get("exactness") if isinstance(record.get("exactness"), dict) else {}
+    check = record.get("restore_check") if isinstance(record.get("restore_check"), dict) else {}
+    replay = record.get("replay") if isinstance(record.get("replay"), dict) else {}
+    return exactness.get("exact") is not False and check.get("matched") is not False and \
+        replay.get("first_mismatch") is None
 
 
 def _optional(value) -> float | None:
@@ -409,6 +447,16 @@ def cell(value, fmt: str = "{}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def format_witness(rows: tuple[AttemptRow, ...]) -> list[str]:
+    """The exactness witness per attempt: did each resume continue exactly?"""
+    checked = [(number, row) for number, row in enumerate(rows, 1) if row.witness]
+    if not checked:
+        return []
+    verdict = "every check passed" if all(row.exact for row in rows) else "NOT EXACT (see the attempts below)"
+    return ["", f"  exactness witness  {verdict}"] + [f"    {number:>3} {row.id:<24} {row.witness}"
+                                                       for number, row in checked]
+
+
 def format_report(report: Report, output: str, advice: Advice | None = None) -> str:
     """The terminal table: one row per attempt, then the run's totals (and the advice)."""
     lines = [f"recovery report {output}", ""]
@@ -439,4 +487,5 @@ def format_report(report: Report, output: str, advice: Advice | None = None) -> 
                                                                  for row in report.rows)]
     if estimated:
         lines.append(f"  ~ {' or '.join(estimated)}: wall time up to its last step marker (or last publish)")
+    lines += format_witness(report.rows)
     return "\n".join(lines + (format_advice(advice) if advice is not None else []))

@@ -156,7 +156,7 @@ class TrainingRun:
         """`last`: this attempt's final step (always shown)."""
         state.history.loss.append(loss)
         state.history.lr.append(lr)
-        self.recorder.mark_step(step)
+        self.recorder.mark_step(step, loss)
         self.progress.step(step, state.progress.epoch, loss, lr, self.recorder.newest_generation, last=last)
         self.events.step_completed(step, {"loss": loss, "lr": lr})
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from trainer.checkpoint.restore import restore
+from trainer.checkpoint.restore import Restored, restore
 from trainer.config import RunConfig
 from trainer.errors import CorruptGeneration
 from trainer.parallel.ranks import Ranks
@@ -14,6 +14,7 @@ from trainer.run.attempts import AttemptRecorder
 from trainer.run.claim import Claim
 from trainer.run.saving import CadencedSaves
 from trainer.run.state import TrainingState
+from trainer.run.witness import restore_problem, state_digests
 from trainer.storage.base import RunStorage
 from trainer.workload import BoundWorkload
 
@@ -31,6 +32,7 @@ class Restorer:
         if state.progress.global_step != restored.step:
             raise CorruptGeneration(f"generation {restored.name} holds step {state.progress.global_step}, but its "
                                     f"manifest says {restored.step}; restore another one with --from-generation")
+        self.check_restored_state(restored, state, recorder)
         if any(change.startswith("config.") for change in drift):
             self.workload.adopt_config(state.optimizer, state.scheduler)  # an allowed --lr change takes effect
             if not self.workload.adopts_config:
@@ -43,6 +45,24 @@ class Restorer:
         progress = state.progress
         log.info("restored %s (step=%d epoch=%d position=%d) in %.3fs", restored.name, progress.global_step,
                  progress.epoch, progress.position, recorder.restore_s)
+
+    def check_restored_state(self, restored: Restored, state: TrainingState, recorder: AttemptRecorder) -> None:
+        """The exactness witness's restore check: every rank digests what it now holds and
+        compares it with what its save stored (before an allowed config change alters it).
+        A generation written by another number of processes holds other ranks' parts: not
+        compared. A mismatch is a warning, not a refusal: the state is what the generation
+        holds, only the resume is not exact, and the record and `report` say so."""
+        saved = restored.manifest.facts.state_digest if restored.manifest.facts else {}
+        if len(saved) != self.ranks.world_size:
+            return
+        differing = restore_problem(saved[str(self.ranks.rank)], state_digests(state.state_dict()))
+        by_rank = {rank: sections for rank, sections in enumerate(self.ranks.gather(differing, "checking the restore"))
+                   if sections}
+        if by_rank and self.ranks.is_primary:
+            log.warning("exactness witness: %s was restored into a state other than the one saved (%s): this resume "
+                        "is not exact", restored.name,
+                        "; ".join(f"rank {rank}: {', '.join(sections)}" for rank, sections in by_rank.items()))
+        recorder.restore_checked(by_rank)
 
     def abandon_later_line(self, restored_step: int) -> list[str]:
         """Rank 0, once the restore succeeded: going back with --from-generation abandons
