@@ -374,14 +374,15 @@ class AttemptRecorder:
         self._record["last_step"] = step
         self._flush()
 
-    def mark_step(self, step: int, loss: float) -> None:
+    def mark_step(self, step: int, digest: str) -> None:
         """Per-step progress for `steps_replayed` after a kill -9: one pwrite into the page
         cache (survives the process, not the node; no fsync on the hot path); and the step's
-        digest, appended and checked against what an earlier attempt computed for it."""
+        digest (`witness.step_digest`), appended and checked against what an earlier attempt
+        computed for it."""
         if not self.persist:
             return
-        self._digests.append(step, loss)
-        first_mismatch = self.replay.step(step, loss)
+        self._digests.append(step, digest)
+        first_mismatch = self.replay.step(step, digest)
         if (replay := self.replay.as_record()) is not None:
             self._record["replay"] = replay
         if first_mismatch:

@@ -22,6 +22,7 @@ from trainer.run.preemption import PreemptionGuard
 from trainer.run.saving import CadencedSaves
 from trainer.run.state import TrainingState
 from trainer.run.stepping import OptimizerSteps
+from trainer.run.witness import parameter_checksum, step_digest
 from trainer.workload import BoundWorkload
 
 
@@ -40,6 +41,8 @@ class StepDone:
     step: int
     lr: float
     agreed: StepAgreement
+    digest: str
+    """What the step computed, for the exactness witness (rank 0's; empty on the others)."""
 
 
 def build_training(config: RunConfig, workload: BoundWorkload, ranks: Ranks, samples: int) -> Training:
@@ -90,4 +93,5 @@ def train_steps(training: Training, dataset: KeyedSeeding, saves: CadencedSaves,
             step = state.progress.global_step
             agreed = saves.agree(StepPoint(step, state.progress.epoch, epoch_completed), loss, preemption.requested)
             seen, loss = 0, None
-            yield StepDone(step, float(lr), agreed)
+            digest = step_digest(agreed.loss, parameter_checksum(state.model)) if training.ranks.is_primary else ""
+            yield StepDone(step, float(lr), agreed, digest)

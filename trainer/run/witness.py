@@ -2,8 +2,11 @@
 
 Nobody runs `compare.py` on a production job, so two checks run inside every attempt:
 
-- Replayed steps. Every step appends its number and the bits of its loss to the attempt's
-  `step_digests` file (one small write into the page cache: no fsync, no collective). A
+- Replayed steps. Every step appends its number, the bits of its loss and a checksum of the
+  bits of every parameter rank 0 holds to the attempt's `step_digests` file (one small write
+  into the page cache: no fsync, no collective). The loss alone is too blunt: a divergence by
+  rounding can leave the printed loss unchanged for many steps, while any changed bit of any
+  parameter changes the checksum at once. A
   resumed attempt recomputes the steps a lost attempt had already computed past the restored
   generation; it compares each of its own with theirs and records `replay: {matched, of,
   first_mismatch}`. A mismatch is one warning line naming the first differing step.
@@ -72,24 +75,46 @@ def restore_problem(saved: dict, restored: dict) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the steps
-def loss_bits(loss: float) -> str:
-    return struct.pack(">d", loss).hex()
+def parameter_checksum(model) -> int:
+    """The bits of every parameter this rank holds (its shard of a DTensor), summed as
+    integers, each parameter weighted by its place: exact on any device, one read of the
+    parameters, one host synchronisation. Any changed bit changes it; elements that trade
+    places inside one parameter do not (a restore that did that is the state digest's to see)."""
+    import torch
+
+    sums = []
+    for parameter in model.parameters():
+        tensor = parameter.detach()
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if tensor.numel():
+            as_integers = INTEGER_OF_SIZE[tensor.element_size()]
+            sums.append(tensor.contiguous().view(getattr(torch, as_integers)).sum(dtype=torch.int64))
+    values = torch.stack(sums).tolist() if sums else []
+    return sum((place + 1) * value for place, value in enumerate(values)) % 2**64
+
+
+INTEGER_OF_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+DIGEST_LENGTH = 16 + 1 + 16
+
+
+def step_digest(loss: float, checksum: int) -> str:
+    return f"{struct.pack('>d', loss).hex()}:{checksum:016x}"
 
 
 class StepDigestLog:
-    """Appends `step loss-bits` per step to an attempt's `step_digests` (rank 0 only)."""
+    """Appends `step loss-bits:checksum` per step to an attempt's `step_digests` (rank 0 only)."""
 
     def __init__(self, folder: Path, persist: bool):
         self.path = folder / STEP_DIGESTS
         self.persist = persist
         self._fd: int | None = None
 
-    def append(self, step: int, loss: float) -> None:
+    def append(self, step: int, digest: str) -> None:
         if not self.persist:
             return
         if self._fd is None:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.write(self._fd, f"{step} {loss_bits(loss)}\n".encode())
+        os.write(self._fd, f"{step} {digest}\n".encode())
 
     def close(self) -> None:
         if self._fd is not None:
@@ -98,7 +123,7 @@ class StepDigestLog:
 
 
 def read_step_digests(folder: Path) -> dict[int, str]:
-    """{step: loss bits} of one attempt; a torn last line (a kill mid-write) is skipped."""
+    """{step: digest} of one attempt; a torn last line (a kill mid-write) is skipped."""
     try:
         text = (folder / STEP_DIGESTS).read_text()
     except (OSError, UnicodeDecodeError):
@@ -106,13 +131,13 @@ def read_step_digests(folder: Path) -> dict[int, str]:
     digests = {}
     for line in text.splitlines():
         parts = line.split()
-        if len(parts) == 2 and parts[0].isdigit() and len(parts[1]) == 16:
+        if len(parts) == 2 and parts[0].isdigit() and len(parts[1]) == DIGEST_LENGTH:
             digests[int(parts[0])] = parts[1]
     return digests
 
 
 def computed_before(attempt_folders: list[Path]) -> dict[int, tuple[str, str]]:
-    """{step: (loss bits, attempt id)} over earlier attempts, oldest first: for a step
+    """{step: (digest, attempt id)} over earlier attempts, oldest first: for a step
     computed more than once, the newest attempt that computed it (the one whose work was lost)."""
     computed: dict[int, tuple[str, str]] = {}
     for folder in attempt_folders:
@@ -133,22 +158,22 @@ class ReplayWitness:
     first_mismatch: int | None = None
     against: set[str] = field(default_factory=set)
 
-    def step(self, step: int, loss: float) -> bool:
+    def step(self, step: int, digest: str) -> bool:
         """Check one step; True when it is the first mismatch (the caller records it at once)."""
         if self.not_compared is not None or step not in self.earlier:
             return False
-        bits, attempt = self.earlier[step]
+        earlier, attempt = self.earlier[step]
         self.compared += 1
         self.against.add(attempt)
-        if bits == loss_bits(loss):
+        if earlier == digest:
             self.matched += 1
             return False
         if self.first_mismatch is not None:
             return False
         self.first_mismatch = step
-        log.warning("exactness witness: replayed step %d differs from what attempt %s computed (loss %r, was %r): "
-                    "this resume is not exact; `report` shows it per attempt", step, attempt, loss,
-                    struct.unpack(">d", bytes.fromhex(bits))[0])
+        what = "its loss" if earlier.split(":")[0] != digest.split(":")[0] else "its parameters (the loss still agrees)"
+        log.warning("exactness witness: replayed step %d differs from what attempt %s computed, in %s: this resume "
+                    "is not exact; `report` shows it per attempt", step, attempt, what)
         return True
 
     def as_record(self) -> dict | None:
