@@ -1,14 +1,15 @@
-"""What does an exact gradient reduction cost? DDP steps per second with DDP's own all-reduce
-(`native`) and with the rank-ordered mean (`ordered`, trainer/parallel/reduction.py), measured
-in the same run on the same processes, alternating, and their ratio.
+"""What does an exact gradient reduction cost? DDP steps per second with DDP's own all-reduce of
+whole buckets (`bucketed`) and with each gradient all-reduced on its own (`per-parameter`,
+trainer/parallel/reduction.py), measured in the same run on the same processes, alternating,
+and their ratio.
 
-    python bench/reduction_bench.py --ranks 3 --size-mb 64 --steps 30
+    python bench/reduction_bench.py --ranks 3 --size-mb 64 --layers 8 --steps 30
     python bench/reduction_bench.py --quick
 
-`ordered` gathers every rank's gradient bucket and sums it in rank order: world_size/2 times
-the bytes of a ring all-reduce, and world_size copies of a bucket while it sums. On one CPU
-machine with gloo the ranks share its cores and its memory bus, so the ratio here is an upper
-bound of the communication's share; on a cluster it depends on the interconnect.
+`per-parameter` moves the same bytes as `bucketed`, in one collective per parameter instead
+of per bucket: the price is latency, paid once per parameter. `--layers` sets how many
+parameters share the bytes. On one CPU machine with gloo the ranks share its cores and its
+memory bus; on a cluster the figure depends on the interconnect's latency.
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.parallel.reduction import NATIVE, ORDERED, ordered_mean  # noqa: E402
+from trainer.parallel.reduction import BUCKETED, PER_PARAMETER, per_parameter_mean  # noqa: E402
 
 BATCH = 16
 
 
-def model_of(size_mb: float) -> nn.Module:
-    width = max(16, int((size_mb * (1 << 20) / 4 / 2) ** 0.5))
-    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+def model_of(size_mb: float, layers: int) -> nn.Module:
+    """`layers` linear layers (2 x layers parameters) holding `size_mb` of weights together."""
+    width = max(16, int((size_mb * (1 << 20) / 4 / layers) ** 0.5))
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
 
 
 def steps_per_s(model: nn.Module, steps: int) -> float:
@@ -56,17 +58,17 @@ def steps_per_s(model: nn.Module, steps: int) -> float:
     return steps / (time.perf_counter() - started)
 
 
-def worker(rank: int, ranks: int, port: int, size_mb: float, steps: int, rounds: int, out: str) -> None:
+def worker(rank: int, ranks: int, port: int, size_mb: float, layers: int, steps: int, rounds: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     torch.manual_seed(0)
-    rates: dict[str, list[float]] = {NATIVE: [], ORDERED: []}
+    rates: dict[str, list[float]] = {BUCKETED: [], PER_PARAMETER: []}
     for _ in range(rounds):
-        for reduction in (NATIVE, ORDERED):
-            model = DistributedDataParallel(model_of(size_mb))
-            if reduction == ORDERED:
-                model.register_comm_hook(None, ordered_mean)
+        for reduction in (BUCKETED, PER_PARAMETER):
+            model = DistributedDataParallel(model_of(size_mb, layers))
+            if reduction == PER_PARAMETER:
+                model.register_comm_hook(None, per_parameter_mean)
             rates[reduction].append(steps_per_s(model, steps))
     if rank == 0:
         Path(out).write_text(json.dumps(rates))
@@ -83,31 +85,35 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=3)
     parser.add_argument("--size-mb", type=float, default=64, help="parameters (and so gradients) per rank")
+    parser.add_argument("--layers", type=int, default=8, help="linear layers (each a weight and a bias)")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=3, help="native and ordered alternate this many times")
-    parser.add_argument("--quick", action="store_true", help="3 ranks, 4 MB, 10 steps, 2 rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="bucketed and per-parameter alternate this many times")
+    parser.add_argument("--quick", action="store_true", help="3 ranks, 4 MB in 4 layers, 10 steps, 2 rounds")
     parser.add_argument("--dir", type=Path, help="where to write (default: a temporary folder under /tmp)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if args.quick:
-        args.ranks, args.size_mb, args.steps, args.rounds = 3, 4, 10, 2
+        args.ranks, args.size_mb, args.layers, args.steps, args.rounds = 3, 4, 4, 10, 2
     with tempfile.TemporaryDirectory(prefix="reduction-bench-", dir=args.dir) as scratch:
         out = Path(scratch) / "rates.json"
         # fork: the ranks start with torch already imported (the parent never joins a group).
-        mp.start_processes(worker, (args.ranks, free_port(), args.size_mb, args.steps, args.rounds, str(out)),
+        mp.start_processes(worker, (args.ranks, free_port(), args.size_mb, args.layers, args.steps, args.rounds,
+                                    str(out)),
                            nprocs=args.ranks, start_method="fork")
         rates = json.loads(out.read_text())
-    ratios = sorted(o / n for o, n in zip(rates[ORDERED], rates[NATIVE]))
+    ratios = sorted(p / b for p, b in zip(rates[PER_PARAMETER], rates[BUCKETED]))
     median = ratios[len(ratios) // 2]
-    print(f"{args.ranks} ranks on gloo, {args.size_mb:g} MB of gradients, {args.steps} steps x {args.rounds} rounds\n")
-    print("| reduction | steps/s (median) | vs native |\n|---|---|---|")
-    for reduction in (NATIVE, ORDERED):
+    print(f"{args.ranks} ranks on gloo, {args.size_mb:g} MB of gradients in {2 * args.layers} parameters, "
+          f"{args.steps} steps x {args.rounds} rounds\n")
+    print("| reduction | steps/s (median) | vs bucketed |\n|---|---|---|")
+    for reduction in (BUCKETED, PER_PARAMETER):
         values = sorted(rates[reduction])
-        ratio = "1.000" if reduction == NATIVE else f"{median:.3f}"
+        ratio = "1.000" if reduction == BUCKETED else f"{median:.3f}"
         print(f"| {reduction} | {values[len(values) // 2]:.2f} | {ratio} |")
     if args.json:
         args.json.write_text(json.dumps({"ranks": args.ranks, "size_mb": args.size_mb, "steps": args.steps,
-                                         "rates": rates, "ordered_vs_native": median}, indent=2) + "\n")
+                                         "layers": args.layers, "rates": rates,
+                                         "per_parameter_vs_bucketed": median}, indent=2) + "\n")
     return 0
 
 

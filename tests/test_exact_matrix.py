@@ -5,7 +5,8 @@ witness says so in the attempt records (and says so when it is not, in test_witn
 
 Why 3 and 4: a sum of two ranks' values is the same in either order, a sum of three is not. DDP
 rebuilds its gradient buckets after the first step, so a fresh process reduced each gradient
-element in a different order from the uninterrupted run (trainer/parallel/reduction.py).
+element in a different order from the uninterrupted run, until each gradient was all-reduced on
+its own (trainer/parallel/reduction.py).
 One process is proven by test_async_checkpoint.py and test_store.py.
 
 Each (world size, data parallel) runs four times, one run per cell:
@@ -102,14 +103,14 @@ def test_a_world_size_change_is_deterministic_run_to_run(baselines, tmp_path):
     assert compare(generation(baseline, FINAL), finals[0]).returncode == 1, "3 ranks sum in another order than 4"
 
 
-def test_native_reduction_with_three_ranks_is_not_exact_and_says_so(tmp_path):
-    """The failure this matrix exists for: DDP's own all-reduce, 3 ranks. The run says at start
+def test_bucketed_reduction_with_three_ranks_is_not_exact_and_says_so(tmp_path):
+    """The failure this matrix exists for: DDP's own all-reduce of whole buckets, 3 ranks. The run says at start
     that it cannot be exact, records why, and the witness sees the resume diverge from the
     first replayed step: without compare.py, on the cluster."""
-    args = (*STEPS_ARGS, "--gradient-reduction", "native", "--checkpoint-mode", "sync")
+    args = (*STEPS_ARGS, "--gradient-reduction", "bucketed", "--checkpoint-mode", "sync")
     baseline = tmp_path / "baseline"
     started = torchrun(baseline, *args, nproc=3, tmp=tmp_path)
-    assert "not exact: --gradient-reduction native with 3 processes" in started.stdout + started.stderr
+    assert "not exact: --gradient-reduction bucketed with 3 processes" in started.stdout + started.stderr
     run = tmp_path / "run"
     shutil.copytree(baseline, run)
     for section in ("checkpoints", "exports"):
@@ -117,7 +118,7 @@ def test_native_reduction_with_three_ranks_is_not_exact_and_says_so(tmp_path):
     resumed = torchrun(run, *args, "--resume", nproc=3, tmp=tmp_path)
     assert compare(generation(baseline, FINAL), generation(run, FINAL)).returncode == 1
     record = attempts(run)[-1]
-    assert record["exactness"]["exact"] is False and "--gradient-reduction ordered" in record["exactness"]["reason"]
+    assert record["exactness"]["exact"] is False and "--gradient-reduction per-parameter" in record["exactness"]["reason"]
     assert record["restore_check"] == {"matched": True}, "the restore itself is right; the reduction is not"
     assert record["replay"]["first_mismatch"] == 9 and record["replay"]["matched"] == 0, record["replay"]
     assert "exactness witness: replayed step 9 differs" in resumed.stdout + resumed.stderr

@@ -1,17 +1,18 @@
 """Gradient reduction whose bits do not depend on a process's history.
 
-DDP's default all-reduce sums each gradient element in an order set by the element's offset
-inside its bucket (a ring all-reduce starts each chunk at a different rank), and DDP rebuilds
-its buckets after the first iteration, in the order gradients became ready. A process that
-resumes runs its first step with the initial layout, the uninterrupted run with the rebuilt
-one. With two ranks a+b == b+a, so nothing shows; with three, (a+b)+c != a+(b+c) in floating
-point, and the resumed run drifts by rounding from its first step.
+DDP all-reduces gradients in buckets: flat buffers of several parameters' gradients. A ring
+all-reduce sums each element in an order set by the element's offset inside its buffer (each
+chunk starts at a different rank), and DDP rebuilds its buckets after a process's first step,
+in the order gradients became ready. A resumed process runs its first step with the initial
+layout, the uninterrupted run with the rebuilt one. With two ranks a+b == b+a, so nothing
+shows; with three, (a+b)+c != a+(b+c) in floating point, and the resumed run drifts by
+rounding from its first step.
 
-`ordered_mean` makes the sum independent of the layout and of the collective's algorithm:
-every rank gathers every rank's bucket and adds them in rank order, element by element, then
-divides by the world size. Same inputs, same bits, on gloo and NCCL alike, at any world size.
-It moves world_size/2 times the bytes of a ring all-reduce and holds world_size copies of a
-bucket while it sums (bench/loop_overhead.py --ranks measures it against `native`).
+`per_parameter_mean` all-reduces each parameter's gradient on its own, inside the bucket DDP
+hands it: an element's order then depends only on its own parameter's size and the world
+size, never on the bucket layout, so a fresh process reduces exactly as a long-running one.
+The bytes moved are those of DDP's own all-reduce; the price is one collective per parameter
+instead of per bucket (bench/reduction_bench.py measures it against `bucketed`).
 
 FSDP2 needs no hook: it reduce-scatters one flat buffer per layer whose layout is fixed when
 the model is sharded, so each element's reduction order is the same in every process of a
@@ -24,25 +25,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-ORDERED = "ordered"
-NATIVE = "native"
-REDUCTIONS = (ORDERED, NATIVE)
+PER_PARAMETER = "per-parameter"
+BUCKETED = "bucketed"
+REDUCTIONS = (PER_PARAMETER, BUCKETED)
 
 
-def ordered_mean(group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A DDP communication hook: the mean of every rank's bucket, summed in rank order."""
-    tensor = bucket.buffer()
+def per_parameter_mean(group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook: each gradient of the bucket summed over the ranks on its own
+    (in place: they are views into the bucket's buffer), then the buffer divided by the world size."""
+    buffer = bucket.buffer()
     world_size = dist.get_world_size(group)
-    parts = [torch.empty_like(tensor) for _ in range(world_size)]
-    gathered = dist.all_gather(parts, tensor, group=group, async_op=True).get_future()
-
-    def mean(_) -> torch.Tensor:
-        total = parts[0].clone()
-        for part in parts[1:]:
-            total.add_(part)
-        return tensor.copy_(total.div_(world_size))
-
-    return gathered.then(mean)
+    summed = [dist.all_reduce(gradient, group=group, async_op=True).get_future() for gradient in bucket.gradients()]
+    return torch.futures.collect_all(summed).then(lambda _: buffer.div_(world_size))
 
 
 @dataclass(frozen=True)
@@ -58,9 +52,9 @@ class Exactness:
 
 
 def exactness(reduction: str, data_parallel: str, world_size: int) -> Exactness:
-    if world_size > 2 and data_parallel == "ddp" and reduction == NATIVE:
-        return Exactness(False, f"--gradient-reduction native with {world_size} processes: DDP rebuilds its "
+    if world_size > 2 and data_parallel == "ddp" and reduction == BUCKETED:
+        return Exactness(False, f"--gradient-reduction {BUCKETED} with {world_size} processes: DDP rebuilds its "
                                 f"gradient buckets after the first step, and a sum of 3 or more ranks depends "
                                 f"on each element's place in its bucket, so a resumed run differs by rounding; "
-                                f"use --gradient-reduction ordered for an exact resume")
+                                f"use --gradient-reduction {PER_PARAMETER} for an exact resume")
     return Exactness(True)
