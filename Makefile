@@ -46,6 +46,7 @@ polyaxon-demo: $(STAMP) $(SANDBOX_STAMP)
 bench: $(STAMP)
 	$(PY) bench/checkpoint_bench.py --quick
 	$(PY) bench/loop_overhead.py --quick
+	$(PY) bench/reduction_bench.py --quick
 	$(PY) bench/store_bench.py --quick
 	$(PY) bench/goodput_sim.py --quick
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import attempts, compare, generation, store_env, torchrun
+from conftest import attempts, compare, generation, one_error_line, store_env, torchrun, train
 
 STEPS_ARGS = ("--samples", 144, "--batch-size", 12, "--epochs", 1, "--recover-every-steps", 4, "--keep-last", 10)
 """12 steps; the batch splits evenly over 2, 3 and 4 ranks."""
@@ -122,3 +122,11 @@ def test_bucketed_reduction_with_three_ranks_is_not_exact_and_says_so(tmp_path):
     assert record["restore_check"] == {"matched": True}, "the restore itself is right; the reduction is not"
     assert record["replay"]["first_mismatch"] == 9 and record["replay"]["matched"] == 0, record["replay"]
     assert "exactness witness: replayed step 9 differs" in resumed.stdout + resumed.stderr
+
+
+def test_a_ddp_reduction_with_fsdp_is_a_one_line_usage_error(tmp_path):
+    line = one_error_line(train(tmp_path / "run", "--data-parallel", "fsdp", "--gradient-reduction", "bucketed",
+                                expect=2))
+    assert line == ("trainer: error: --gradient-reduction bucketed chooses how DDP all-reduces gradients; "
+                    "--data-parallel fsdp reduce-scatters them instead (exact as it is): drop --gradient-reduction")
+    assert not (tmp_path / "run").exists()

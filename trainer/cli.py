@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from trainer import compat, seams
-from trainer.config import DEFAULT_WORKLOAD, AutoCadenceConfig, RunConfig, SigningConfig, StoreConfig
+from trainer.config import DEFAULT_WORKLOAD, AutoCadenceConfig, RunConfig, SigningConfig, StoreConfig, WorkloadConfig
 from trainer.checkpoint.signing import KEY_FILE_ENV, load_signing
 from trainer.flags import STORE_GROUP, ShowDefaults, add_flags, changed_store_flags, config_from_values
 from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_failure
@@ -146,6 +146,10 @@ def signing_config(args: argparse.Namespace) -> SigningConfig:
 
 def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironment) -> None:
     """Cheap checks that need no import, done before tracking or torch start."""
+    if args.data_parallel == "fsdp" and args.gradient_reduction != WorkloadConfig.gradient_reduction:
+        raise UsageError(f"--gradient-reduction {args.gradient_reduction} chooses how DDP all-reduces gradients; "
+                         f"--data-parallel fsdp reduce-scatters them instead (exact as it is): drop "
+                         f"--gradient-reduction")
     if args.data_parallel == "fsdp" and launch.world_size == 1:
         raise UsageError("--data-parallel fsdp shards the model across processes and needs torchrun with "
                          "--nproc_per_node 2 or more; drop it for a single-process run")
