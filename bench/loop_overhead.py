@@ -32,7 +32,8 @@ from trainer.checkpoint.checkpointer import build_checkpointer  # noqa: E402
 from trainer.checkpoint.commit import RenameCommit  # noqa: E402
 from trainer.checkpoint.section import LocalSection  # noqa: E402
 from trainer.checkpoint.writer import WriterConfig  # noqa: E402
-from trainer.run.witness import parameter_checksum, state_digests, step_digest  # noqa: E402
+from trainer.run.checksum import parameter_checksum, state_digests  # noqa: E402
+from trainer.run.witness import step_digest  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -67,12 +68,14 @@ def run(mode: str, size_mb: float, steps: int, every: int, keep: int, base: Path
             "saves": 0 if checkpointer is None else steps // every, "state_mb": state_bytes(state) / (1 << 20)}
 
 
-def timed(action, repeats: int) -> float:
-    """Median seconds of `action()` over `repeats` calls."""
+def timed(action, repeats: int, device: torch.device) -> float:
+    """Median seconds of `action()` over `repeats` calls (on CUDA, until the device is done)."""
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
         action()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
     return sorted(times)[len(times) // 2]
 
@@ -82,11 +85,12 @@ def witness_costs(size_mb: float, repeats: int, base: Path, device: torch.device
     state, workload = training_state(size_mb, device)
     store = LocalSection(base / "witness" / "checkpoints")
     checkpointer = build_checkpointer("sync", RenameCommit(store), "bench", device, config=config)
-    step_s = timed(lambda: train_step(state, workload, device), repeats)
-    digest_s = timed(lambda: step_digest(1.0, parameter_checksum(state.model)), repeats)
-    state_digest_s = timed(lambda: state_digests(state.state_dict()), repeats)
+    step_s = timed(lambda: train_step(state, workload, device), repeats, device)
+    parameters = list(state.model.parameters())
+    digest_s = timed(lambda: step_digest(1.0, parameter_checksum(parameters, 0)), repeats, device)
+    state_digest_s = timed(lambda: state_digests(state.state_dict()), repeats, device)
     saves = iter(range(1, repeats + 1))
-    save_s = timed(lambda: checkpointer.save(state.state_dict(), facts_for(next(saves))), repeats)
+    save_s = timed(lambda: checkpointer.save(state.state_dict(), facts_for(next(saves))), repeats, device)
     shutil.rmtree(base / "witness", ignore_errors=True)
     return {"step_s": step_s, "step_digest_s": digest_s, "state_digest_s": state_digest_s, "sync_save_s": save_s,
             "step_digest_vs_step": digest_s / step_s, "state_digest_vs_save": state_digest_s / save_s}

@@ -28,7 +28,9 @@ from conftest import attempts, compare, generation, one_error_line, store_env, t
 STEPS_ARGS = ("--samples", 144, "--batch-size", 12, "--epochs", 1, "--recover-every-steps", 4, "--keep-last", 10)
 """12 steps; the batch splits evenly over 2, 3 and 4 ranks."""
 FINAL = "step-00000012"
-CELLS = [(world_size, parallel) for world_size in (2, 3, 4) for parallel in ("ddp", "fsdp")]
+CELLS = [pytest.param(world_size, parallel, marks=pytest.mark.xdist_group(f"matrix-{world_size}-{parallel}"))
+         for world_size in (2, 3, 4) for parallel in ("ddp", "fsdp")]
+"""Each cell's tests on one worker (`--dist loadgroup`), so its baseline is trained once."""
 
 
 @pytest.fixture(scope="module")
@@ -73,16 +75,19 @@ def test_a_resume_on_disk_is_exact(world_size, parallel, baselines, tmp_path):
 def test_a_resume_in_the_object_store_is_exact(world_size, parallel, baselines, s3_server, s3_bucket, tmp_path):
     baseline = baselines(world_size, parallel)
     url, env = f"s3://{s3_bucket.name}/run", store_env(s3_server)
-    common = (*STEPS_ARGS, "--data-parallel", parallel, "--local-tier", tmp_path / "node")
-    torchrun(url, *common, "--checkpoint-mode", "async", "--interrupt-at-step", 10, expect=75, nproc=world_size,
-             env=env, tmp=tmp_path)
-    resumed = torchrun(url, *common, "--checkpoint-mode", "sync", "--resume", nproc=world_size, env=env, tmp=tmp_path)
+    common = (*STEPS_ARGS, "--data-parallel", parallel)
+    torchrun(url, *common, "--local-tier", tmp_path / "node-a", "--checkpoint-mode", "async", "--interrupt-at-step", 10,
+             expect=75, nproc=world_size, env=env, tmp=tmp_path)
+    # A new node: its local tier is empty; the lost attempt's records and step digests come from the store.
+    resumed = torchrun(url, *common, "--local-tier", tmp_path / "node-b", "--checkpoint-mode", "sync", "--resume",
+                       nproc=world_size, env=env, tmp=tmp_path)
     assert "restored step-00000008" in resumed.stdout
     result = compare(generation(baseline, FINAL), f"{url}/checkpoints/{FINAL}", env=env)
     assert result.returncode == 0, result.stdout[-3000:]
-    assert_witnessed_exact(attempts(tmp_path / "node")[-1], replayed=2)
+    assert_witnessed_exact(attempts(tmp_path / "node-b")[-1], replayed=2)
 
 
+@pytest.mark.xdist_group("matrix-4-ddp")
 def test_a_world_size_change_is_deterministic_run_to_run(baselines, tmp_path):
     """4 → 3 under the override: not equal to any uninterrupted run (the global batch is summed
     over other ranks), but two such resumes of one generation end identical, and the witness
@@ -98,6 +103,7 @@ def test_a_world_size_change_is_deterministic_run_to_run(baselines, tmp_path):
         record = attempts(run)[-1]
         assert record["world_size_change"]["exact"] is False
         assert record["replay"]["compared"] is False and "world_size" in record["replay"]["reason"]
+        assert record["restore_check"] == {"compared": False, "reason": "allowed drift (world_size)"}
         finals.append(generation(run, FINAL))
     assert compare(*finals).returncode == 0
     assert compare(generation(baseline, FINAL), finals[0]).returncode == 1, "3 ranks sum in another order than 4"

@@ -13,8 +13,8 @@ from torch import nn
 
 from conftest import attempts, run_cli, train
 from trainer.checkpoint.manifest import GenerationFacts, InvalidManifest, Manifest
-from trainer.run.witness import (ReplayWitness, parameter_checksum, read_step_digests, restore_problem,
-                                 state_digests, step_digest)
+from trainer.run.checksum import parameter_checksum, state_digests, tensor_checksum
+from trainer.run.witness import ReplayWitness, read_step_digests, restore_problem, step_digest
 
 ARGS = ("--epochs", 2, "--recover-every-steps", 4)
 
@@ -56,22 +56,55 @@ def test_a_broken_restore_is_reported_by_both_checks(interrupted, tmp_path):
     assert "restore DIFFERS from the saved state (rank 0: rng); replay DIFFERS from step 9 (0 of 3 matched)" in report
 
 
+def test_going_back_compares_only_with_attempts_that_trained_the_same_way(interrupted, tmp_path):
+    """A (this fixture) lost steps 9-11; B resumed with another --lr (allowed drift) and computed
+    steps 9-14 differently on purpose; C goes back to step 8 with A's options: its replay is held
+    against A, never against B."""
+    run = tmp_path / "run"
+    shutil.copytree(interrupted, run)
+    train(run, *ARGS, "--resume", "--lr", 0.2, "--allow-drift", "config", "--interrupt-at-step", 14, expect=75)
+    drifted = attempts(run)[-1]
+    assert drifted["replay"]["compared"] is False and "config" in drifted["replay"]["reason"]
+    went_back = train(run, *ARGS, "--from-generation", "step-00000008")
+    assert "exactness witness" not in went_back.stdout + went_back.stderr
+    first, _, last = attempts(run)
+    assert last["replay"] == {"matched": 3, "of": 3, "first_mismatch": None, "against": [first["id"]]}
+
+
 def test_the_parameter_checksum_sees_one_flipped_bit_in_any_dtype():
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
-        model = nn.Linear(8, 4).to(dtype)
-        before = parameter_checksum(model)
+        model = nn.Linear(7, 3).to(dtype)  # 21 weights: not whole 64-bit words in bf16 and float32
+        parameters = list(model.parameters())
+        before = parameter_checksum(parameters, 0)
         with torch.no_grad():
             bits = model.weight.view(-1)[5:6].view({2: torch.int16, 4: torch.int32, 8: torch.int64}[
                 model.weight.element_size()])
             bits ^= 1  # the last bit of one element
-        assert parameter_checksum(model) != before, dtype
+        assert parameter_checksum(parameters, 0) != before, dtype
     pair = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
-    before = parameter_checksum(pair)
+    before = parameter_checksum(list(pair.parameters()), 0)
     with torch.no_grad():  # two parameters trading places: each parameter is weighted by its place
         first = pair[0].weight.clone()
         pair[0].weight.copy_(pair[1].weight)
         pair[1].weight.copy_(first)
-    assert parameter_checksum(pair) != before
+    assert parameter_checksum(list(pair.parameters()), 0) != before
+
+
+def test_a_step_checks_a_rotating_share_of_many_parameters():
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(40)])  # 80 parameters: every 5th per step
+    parameters = list(model.parameters())
+    original = [p.detach().clone() for p in parameters]
+    with torch.no_grad():
+        parameters[7].view(-1)[0] += 1
+    assert [step for step in range(10) if parameter_checksum(parameters, step) != parameter_checksum(original, step)] \
+        == [2, 7], "parameter 7 is read at steps 2, 7, 12, …"
+
+
+def test_the_state_checksum_sees_values_trade_places_and_reads_any_slice():
+    assert int(tensor_checksum(torch.tensor([1.0, 2.0], dtype=torch.float64))) != \
+        int(tensor_checksum(torch.tensor([2.0, 1.0], dtype=torch.float64)))
+    whole = torch.arange(10, dtype=torch.float32)
+    assert int(tensor_checksum(whole[1:])) == int(tensor_checksum(whole[1:].clone())), "a slice at any offset"
 
 
 def test_state_digests_name_the_section_that_differs():

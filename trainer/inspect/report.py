@@ -96,8 +96,10 @@ class AttemptRow:
     """Seconds after the attempt's start when its first step completed (build, restore, warm-up)."""
     witness: str | None = None
     """What the exactness witness found (`witness_verdict`); None: nothing to check."""
-    exact: bool = True
-    """False when the witness saw a mismatch or the configuration said it cannot be exact."""
+    mismatch: bool = False
+    """The witness saw a replayed step or a restored section differ."""
+    exact_by_configuration: bool = True
+    """False when the attempt's configuration said at start that it cannot be exact."""
 
 
 @dataclass(frozen=True)
@@ -218,17 +220,24 @@ def attempt_row(record: dict, live: frozenset[str], marker_unix: float | None, o
         generations=generations, reason=record.get("reason"), startup_s=_optional(record.get("startup_s")),
         download_s=_number(costs.get("download_s")), progress=progress_points(record),
         first_step_s=_optional(record.get("first_step_s")) if started else None,
-        witness=witness_verdict(record), exact=witness_exact(record))
+        witness=witness_verdict(record), mismatch=witness_mismatch(record),
+        exact_by_configuration=(_mapping(record, "exactness")).get("exact") is not False)
+
+
+def _mapping(record: dict, key: str) -> dict:
+    return record[key] if isinstance(record.get(key), dict) else {}
 
 
 def witness_verdict(record: dict) -> str | None:
     """One phrase per check the exactness witness made (trainer/run/witness.py)."""
     parts = []
-    exactness = record.get("exactness") if isinstance(record.get("exactness"), dict) else {}
+    exactness = _mapping(record, "exactness")
     if exactness.get("exact") is False:
         parts.append(f"not exact by configuration: {exactness.get('reason')}")
     check = record.get("restore_check") if isinstance(record.get("restore_check"), dict) else None
-    if check is not None:
+    if check is not None and check.get("compared") is False:
+        parts.append(f"restore not compared: {check.get('reason')}")
+    elif check is not None:
         differing = check.get("differing") or {}
         parts.append("restore matched the saved state" if check.get("matched") else
                      "restore DIFFERS from the saved state (" +
@@ -246,12 +255,9 @@ def witness_verdict(record: dict) -> str | None:
     return "; ".join(parts) or None
 
 
-def witness_exact(record: dict) -> bool:
-    exactness = record.get("exactness") if isinstance(record.get("exactness"), dict) else {}
-    check = record.get("restore_check") if isinstance(record.get("restore_check"), dict) else {}
-    replay = record.get("replay") if isinstance(record.get("replay"), dict) else {}
-    return exactness.get("exact") is not False and check.get("matched") is not False and \
-        replay.get("first_mismatch") is None
+def witness_mismatch(record: dict) -> bool:
+    return _mapping(record, "restore_check").get("matched") is False or \
+        _mapping(record, "replay").get("first_mismatch") is not None
 
 
 def _optional(value) -> float | None:
@@ -452,7 +458,12 @@ def format_witness(rows: tuple[AttemptRow, ...]) -> list[str]:
     checked = [(number, row) for number, row in enumerate(rows, 1) if row.witness]
     if not checked:
         return []
-    verdict = "every check passed" if all(row.exact for row in rows) else "NOT EXACT (see the attempts below)"
+    if any(row.mismatch for row in rows):
+        verdict = "NOT EXACT (see the attempts below)"
+    elif not all(row.exact_by_configuration for row in rows):
+        verdict = "no mismatch seen, but a configuration that cannot be exact ran (see below)"
+    else:
+        verdict = "every check passed"
     return ["", f"  exactness witness  {verdict}"] + [f"    {number:>3} {row.id:<24} {row.witness}"
                                                        for number, row in checked]
 

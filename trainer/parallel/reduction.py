@@ -32,11 +32,21 @@ REDUCTIONS = (PER_PARAMETER, BUCKETED)
 
 def per_parameter_mean(group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A DDP communication hook: each gradient of the bucket summed over the ranks on its own
-    (in place: they are views into the bucket's buffer), then the buffer divided by the world size."""
+    (in place: they are views into the bucket's buffer), then the buffer divided by the world size.
+
+    The result is chained from one of the collectives' own futures, not from `collect_all`: on
+    CUDA that future carries the device and its events, so DDP's use of the buffer waits for
+    the division, and `wait_all` makes the division's stream wait for every collective and
+    raises the first one that failed (a lost peer must fail the step, not halve a gradient)."""
     buffer = bucket.buffer()
     world_size = dist.get_world_size(group)
     summed = [dist.all_reduce(gradient, group=group, async_op=True).get_future() for gradient in bucket.gradients()]
-    return torch.futures.collect_all(summed).then(lambda _: buffer.div_(world_size))
+
+    def mean(_) -> torch.Tensor:
+        torch.futures.wait_all(summed)
+        return buffer.div_(world_size)
+
+    return summed[-1].then(mean)
 
 
 @dataclass(frozen=True)

@@ -351,11 +351,15 @@ class AttemptRecorder:
             log.warning("could not record the end of attempt %s: %s", self._record["id"], error.strerror)
 
     # ------------------------------------------------------------------ events
-    def restore_checked(self, differing: dict[int, list[str]]) -> None:
-        """The restored state against the digest its save stored: {rank: differing sections}."""
-        self._record["restore_check"] = {"matched": not differing,
-                                         **({"differing": {str(r): s for r, s in differing.items()}}
-                                            if differing else {})}
+    def restore_checked(self, differing: dict[int, list[str]], not_compared: str | None = None) -> None:
+        """The restored state against the digest its save stored: {rank: differing sections},
+        or why it was not compared."""
+        if not_compared is not None:
+            self._record["restore_check"] = {"compared": False, "reason": not_compared}
+        else:
+            self._record["restore_check"] = {"matched": not differing,
+                                             **({"differing": {str(r): s for r, s in differing.items()}}
+                                                if differing else {})}
         self._flush()
 
     def restored(self, restored: "Restored", verify_s: float) -> None:

@@ -22,7 +22,8 @@ from trainer.run.preemption import PreemptionGuard
 from trainer.run.saving import CadencedSaves
 from trainer.run.state import TrainingState
 from trainer.run.stepping import OptimizerSteps
-from trainer.run.witness import parameter_checksum, step_digest
+from trainer.run.checksum import parameter_checksum
+from trainer.run.witness import step_digest
 from trainer.workload import BoundWorkload
 
 
@@ -34,6 +35,8 @@ class Training:
     steps: OptimizerSteps
     batches_per_epoch: int
     total_steps: int
+    parameters: list
+    """This rank's parameters, listed once, for the per-step checksum."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ class StepDone:
     lr: float
     agreed: StepAgreement
     digest: str
-    """What the step computed, for the exactness witness (rank 0's; empty on the others)."""
+    """What the step computed (this rank's), for the exactness witness."""
 
 
 def build_training(config: RunConfig, workload: BoundWorkload, ranks: Ranks, samples: int) -> Training:
@@ -61,7 +64,7 @@ def build_training(config: RunConfig, workload: BoundWorkload, ranks: Ranks, sam
     steps = OptimizerSteps(workload, state, trained, device, config.workload.amp)
     batches_per_epoch = len(EpochBatchOrder(samples, config.workload.batch_size, config.workload.seed, 0, 0))
     total_steps = config.workload.epochs * -(-batches_per_epoch // config.workload.grad_accum)
-    return Training(config, ranks, state, steps, batches_per_epoch, total_steps)
+    return Training(config, ranks, state, steps, batches_per_epoch, total_steps, list(model.parameters()))
 
 
 def batch_order(training: Training, samples: int) -> EpochBatchOrder:
@@ -93,5 +96,5 @@ def train_steps(training: Training, dataset: KeyedSeeding, saves: CadencedSaves,
             step = state.progress.global_step
             agreed = saves.agree(StepPoint(step, state.progress.epoch, epoch_completed), loss, preemption.requested)
             seen, loss = 0, None
-            digest = step_digest(agreed.loss, parameter_checksum(state.model)) if training.ranks.is_primary else ""
+            digest = step_digest(agreed.loss, parameter_checksum(training.parameters, step))
             yield StepDone(step, float(lr), agreed, digest)

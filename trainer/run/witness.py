@@ -3,26 +3,25 @@
 Nobody runs `compare.py` on a production job, so two checks run inside every attempt:
 
 - Replayed steps. Every step appends its number, the bits of its loss and a checksum of the
-  bits of every parameter rank 0 holds to the attempt's `step_digests` file (one small write
-  into the page cache: no fsync, no collective). The loss alone is too blunt: a divergence by
-  rounding can leave the printed loss unchanged for many steps, while any changed bit of any
-  parameter changes the checksum at once. A
-  resumed attempt recomputes the steps a lost attempt had already computed past the restored
-  generation; it compares each of its own with theirs and records `replay: {matched, of,
-  first_mismatch}`. A mismatch is one warning line naming the first differing step.
+  bits of a rotating share of the parameters (trainer/run/checksum.py) to the attempt's
+  `step_digests` file (one small write into the page cache: no fsync, no collective). The loss
+  alone is too blunt: a divergence by rounding can leave it unchanged for many steps, while
+  any changed bit of a parameter changes the checksum at once. A resumed attempt recomputes
+  the steps a lost attempt had computed past the restored generation; it compares each with
+  theirs and records `replay: {matched, of, first_mismatch, against}`. It compares only
+  against attempts that trained the same thing the same way (an equal fingerprint) from a
+  sound restore, so an allowed drift, a world-size change or an attempt that was itself not
+  exact is never held against it. A mismatch is one warning line naming the first step.
 - The restored state. Each save stores, in the signed manifest, a digest of every rank's live
   state per section (model, optim, rng, progress, …). Right after a restore each rank digests
   what it now holds: a section that differs names a restore that loaded something other than
   what was saved (a field missed, the RNGs restored before something consumed randomness).
 
-Digests are sha256 over the raw bytes of each tensor (this rank's local shard of a DTensor),
-in key order, and over the repr of plain values: equal states give equal digests on the same
-machine, whatever process computed them.
+This module reads and writes records only: `list` and `report` import it without torch.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import struct
@@ -32,75 +31,12 @@ from pathlib import Path
 from trainer.layout import STEP_DIGESTS
 
 log = logging.getLogger("trainer")
-DIGEST_CHARS = 16
-"""Hex characters kept of each section's sha256: 64 bits tell a wrong restore apart."""
+DIGEST_LENGTH = 16 + 1 + 16
+"""`loss bits:checksum`, in hex."""
 
 
-# ----------------------------------------------------------------------------- checksums
-BLOCK_WORDS = 4096
-"""Words per block of `tensor_checksum`: elements that trade places across blocks change it."""
-
-
-def tensor_checksum(tensor):
-    """A 0-dim int64 tensor on the tensor's device: its bytes as 64-bit words, summed per block
-    of BLOCK_WORDS with wrap-around, the block sums weighted by their place. Integer sums are
-    exact, so any changed bit changes it; it reads the bytes once at memory speed (a sha256 of
-    the same bytes runs at a tenth of that on a CPU), and needs no copy to the host."""
-    import torch  # here: the attempt record imports this module, and `list`/`report` never load torch
-
-    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    whole = raw.numel() // 8 * 8
-    words = raw[:whole].view(torch.int64)
-    full = words.numel() // BLOCK_WORDS * BLOCK_WORDS
-    blocks = words[:full].view(-1, BLOCK_WORDS).sum(1)
-    places = torch.arange(1, blocks.numel() + 3, dtype=torch.int64, device=raw.device)
-    return (blocks * places[:-2]).sum() + words[full:].sum() * places[-2] + raw[whole:].to(torch.int64).sum() * places[-1]
-
-
-def local_part(tensor):
-    """This rank's shard of a DTensor; a plain tensor as it is."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-# ----------------------------------------------------------------------------- the state
-def state_digests(state_dict: dict) -> dict[str, str]:
-    """{top-level section: digest} of a state dict as this rank holds it: every tensor's key,
-    dtype, shape and checksum, and every plain value's repr, in key order."""
-    entries: list[tuple[str, object]] = []
-    _flatten("", state_dict, entries)
-    checksums = _checksums([value for _, value in entries])
-    sections: dict = {}
-    for (key, value), checksum in zip(entries, checksums):
-        sha = sections.setdefault(key.split(".", 1)[0], hashlib.sha256())
-        described = repr(value) if checksum is None else f"{value.dtype}{tuple(value.shape)}:{checksum}"
-        sha.update(f"{key}={described};".encode())
-    return {name: sha.hexdigest()[:DIGEST_CHARS] for name, sha in sorted(sections.items())}
-
-
-def _flatten(prefix: str, value, entries: list) -> None:
-    if isinstance(value, dict):
-        for key in sorted(value, key=str):
-            _flatten(f"{prefix}{key}.", value[key], entries)
-    elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            _flatten(f"{prefix}{index}.", item, entries)
-    else:
-        entries.append((prefix.rstrip("."), value))
-
-
-def _checksums(values: list) -> list:
-    """Each tensor's checksum (None for other values), with one host synchronisation per device."""
-    import torch
-
-    tensors = [(index, local_part(value)) for index, value in enumerate(values) if isinstance(value, torch.Tensor)]
-    found: list = [None] * len(values)
-    by_device: dict = {}
-    for index, tensor in tensors:
-        by_device.setdefault(tensor.device, []).append((index, tensor_checksum(tensor)))
-    for pairs in by_device.values():
-        for (index, _), checksum in zip(pairs, torch.stack([c for _, c in pairs]).tolist()):
-            found[index] = checksum
-    return found
+def step_digest(loss: float, checksum: int) -> str:
+    return f"{struct.pack('>d', loss).hex()}:{checksum:016x}"
 
 
 def restore_problem(saved: dict, restored: dict) -> list[str]:
@@ -108,26 +44,9 @@ def restore_problem(saved: dict, restored: dict) -> list[str]:
     return sorted(name for name in set(saved) | set(restored) if saved.get(name) != restored.get(name))
 
 
-# ----------------------------------------------------------------------------- the steps
-def parameter_checksum(model) -> int:
-    """Every parameter this rank holds (its shard of a DTensor), each by `tensor_checksum`,
-    weighted by its place: one read of the parameters, one host synchronisation."""
-    import torch
-
-    sums = [tensor_checksum(local_part(parameter)) for parameter in model.parameters()]
-    values = torch.stack(sums).tolist() if sums else []
-    return sum((place + 1) * value for place, value in enumerate(values)) % 2**64
-
-
-DIGEST_LENGTH = 16 + 1 + 16
-
-
-def step_digest(loss: float, checksum: int) -> str:
-    return f"{struct.pack('>d', loss).hex()}:{checksum:016x}"
-
-
 class StepDigestLog:
-    """Appends `step loss-bits:checksum` per step to an attempt's `step_digests` (rank 0 only)."""
+    """Appends `step digest` per step to an attempt's `step_digests` (rank 0 only). A write
+    that fails (a full disk) is said once and ends the log, never the training."""
 
     def __init__(self, folder: Path, persist: bool):
         self.path = folder / STEP_DIGESTS
@@ -137,9 +56,15 @@ class StepDigestLog:
     def append(self, step: int, digest: str) -> None:
         if not self.persist:
             return
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.write(self._fd, f"{step} {digest}\n".encode())
+        try:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.write(self._fd, f"{step} {digest}\n".encode())
+        except OSError as error:
+            log.warning("exactness witness: could not append to %s (%s); its step digests stop here",
+                        self.path, error.strerror)
+            self.close()
+            self.persist = False
 
     def close(self) -> None:
         if self._fd is not None:
@@ -147,8 +72,9 @@ class StepDigestLog:
             self._fd = None
 
 
-def read_step_digests(folder: Path) -> dict[int, str]:
-    """{step: digest} of one attempt; a torn last line (a kill mid-write) is skipped."""
+def read_step_digests(folder: Path, after: int = 0) -> dict[int, str]:
+    """{step: digest} of one attempt, for steps past `after`; a torn last line (a kill
+    mid-write) is skipped."""
     try:
         text = (folder / STEP_DIGESTS).read_text()
     except (OSError, UnicodeDecodeError):
@@ -156,18 +82,27 @@ def read_step_digests(folder: Path) -> dict[int, str]:
     digests = {}
     for line in text.splitlines():
         parts = line.split()
-        if len(parts) == 2 and parts[0].isdigit() and len(parts[1]) == DIGEST_LENGTH:
+        if len(parts) == 2 and parts[0].isdigit() and len(parts[1]) == DIGEST_LENGTH and int(parts[0]) > after:
             digests[int(parts[0])] = parts[1]
     return digests
 
 
-def computed_before(attempt_folders: list[Path]) -> dict[int, tuple[str, str]]:
-    """{step: (digest, attempt id)} over earlier attempts, oldest first: for a step
-    computed more than once, the newest attempt that computed it (the one whose work was lost)."""
+def comparable(record: dict, fingerprint: dict) -> bool:
+    """An earlier attempt whose steps this one must reproduce: same fingerprint (so no drift,
+    no world-size change between them), a restore that matched its save, an exact configuration."""
+    return (record.get("fingerprint") == fingerprint
+            and (record.get("restore_check") or {}).get("matched") is not False
+            and (record.get("exactness") or {}).get("exact") is not False)
+
+
+def computed_before(records: list[dict], folder_of, fingerprint: dict, restored_step: int) -> dict[int, tuple[str, str]]:
+    """{step: (digest, attempt id)} past the restored step, over the comparable earlier attempts,
+    oldest first: for a step computed more than once, the newest (the one whose work was lost)."""
     computed: dict[int, tuple[str, str]] = {}
-    for folder in attempt_folders:
-        for step, bits in read_step_digests(folder).items():
-            computed[step] = (bits, folder.name)
+    for record in records:
+        if comparable(record, fingerprint) and (record.get("last_step") or 0) > restored_step:
+            for step, digest in read_step_digests(folder_of(record["id"]), after=restored_step).items():
+                computed[step] = (digest, record["id"])
     return computed
 
 
@@ -177,7 +112,7 @@ class ReplayWitness:
 
     earlier: dict[int, tuple[str, str]]
     not_compared: str | None = None
-    """Why replayed steps are not expected to match (a world-size change, allowed drift)."""
+    """Why replayed steps are not expected to match (allowed drift)."""
     matched: int = 0
     compared: int = 0
     first_mismatch: int | None = None
@@ -204,7 +139,7 @@ class ReplayWitness:
     def as_record(self) -> dict | None:
         """`replay` of the attempt record (None: this attempt replayed nothing)."""
         if self.not_compared is not None:
-            return {"compared": False, "reason": self.not_compared} if self.earlier else None
+            return {"compared": False, "reason": self.not_compared}
         if not self.compared:
             return None
         return {"matched": self.matched, "of": self.compared, "first_mismatch": self.first_mismatch,
