@@ -56,15 +56,23 @@ class Exactness:
 
     exact: bool
     reason: str | None = None
+    """Why not (when not exact), or on what it rests (when it rests on more than this process)."""
 
     def as_record(self) -> dict:
         return {"exact": self.exact, **({"reason": self.reason} if self.reason else {})}
 
 
-def exactness(reduction: str, data_parallel: str, world_size: int) -> Exactness:
+NCCL_TOPOLOGY = ("NCCL chooses each collective's algorithm and so its summation order from the machines' topology: "
+                 "a resume is exact on the same topology (the same kind and number of nodes and GPUs); "
+                 "one on other hardware may differ by rounding, which the exactness witness reports")
+
+
+def exactness(reduction: str, data_parallel: str, world_size: int, device_type: str = "cpu") -> Exactness:
     if world_size > 2 and data_parallel == "ddp" and reduction == BUCKETED:
         return Exactness(False, f"--gradient-reduction {BUCKETED} with {world_size} processes: DDP rebuilds its "
                                 f"gradient buckets after the first step, and a sum of 3 or more ranks depends "
                                 f"on each element's place in its bucket, so a resumed run differs by rounding; "
                                 f"use --gradient-reduction {PER_PARAMETER} for an exact resume")
+    if world_size > 1 and device_type == "cuda":
+        return Exactness(True, NCCL_TOPOLOGY)
     return Exactness(True)

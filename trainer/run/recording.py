@@ -52,9 +52,10 @@ def check_attempt(config: RunConfig, workload: BoundWorkload, claim: Claim, data
     restoring = generation.name if generation else None
     ranks.decide_on_primary(lambda: refuse_crash_loop(history, restoring, config.max_failed_attempts,
                                                       claim.run.attempts), "checking for a crash loop")
-    exact = exactness(config.workload.gradient_reduction, config.workload.data_parallel, ranks.world_size)
-    if not exact.exact and ranks.is_primary:
-        log.warning("not exact: %s", exact.reason)
+    exact = exactness(config.workload.gradient_reduction, config.workload.data_parallel, ranks.world_size,
+                      ranks.device.type)
+    if exact.reason and ranks.is_primary:
+        log.warning("%s: %s", "exact" if exact.exact else "not exact", exact.reason)
     return Checked(fingerprint, tuple(drift), history, effective_mode(config.checkpoint_mode, ranks.device), exact)
 
 
