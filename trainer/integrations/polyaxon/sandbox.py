@@ -33,11 +33,14 @@ BIN = Path(sys.executable).parent
 UUID = re.compile(r"\b[0-9a-f]{32}\b")
 SPURIOUS_405 = ("Status: 405", "Method Not Allowed")
 CREATED = "A new run was created"
+UI_OFFLINE = {"POLYAXON_UI_IN_SANDBOX": "true", "POLYAXON_UI_OFFLINE": "true"}
+"""The server's UI from the wheel's own bundles, not the public CDNs (whose absence, or the
+default static paths, leave the page blank: /static/dist/js/*.bundle.js answers 404)."""
 
 
 def haupt_binary() -> Path:
     """The sandbox's `haupt`: $PLX_SANDBOX_HAUPT, else the repository's .venv-sandbox (make test)."""
-    candidate = Path(os.environ.get("PLX_SANDBOX_HAUPT") or REPO / ".venv-sandbox" / "bin" / "haupt")
+    candidate = Path(os.environ.get("PLX_SANDBOX_HAUPT") or REPO / ".venv-sandbox" / "bin" / "haupt").absolute()
     if not candidate.is_file():
         raise FileNotFoundError(f"no Polyaxon sandbox at {candidate}: `make test` installs it "
                                 f"(requirements-sandbox.txt into .venv-sandbox), or set PLX_SANDBOX_HAUPT")
@@ -84,6 +87,11 @@ class Sandbox:
     port: int = 0
     process: subprocess.Popen | None = None
 
+    def __post_init__(self) -> None:
+        # Absolute before any Popen(cwd=...): `make polyaxon-demo` passes .venv-sandbox/bin/haupt,
+        # relative to the caller's directory, and the server starts with cwd=root.
+        self.root, self.haupt = self.root.absolute(), self.haupt.absolute()
+
     @property
     def host(self) -> str:
         return f"http://127.0.0.1:{self.port}"
@@ -123,6 +131,7 @@ class Sandbox:
         home.mkdir(exist_ok=True)
         env = self.base_env(home)
         env["POLYAXON_AGENT_ARTIFACTS_STORE"] = json.dumps(self.artifacts_store)
+        env.update(UI_OFFLINE)
         log = (self.root / "server.log").open("ab")
         self.process = subprocess.Popen(
             [str(self.haupt), "sandbox", "start", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
