@@ -115,6 +115,17 @@ def test_plain_restart_has_nothing_to_resume_and_says_how_to_continue(tmp_path):
     assert offline_run(tmp_path, run_uuid)[1]["status"] == "failed"
 
 
+def test_offline_resume_without_a_run_instance_is_refused_before_any_run_is_made(tmp_path):
+    env = offline_env(tmp_path)
+    assert "POLYAXON_RUN_INSTANCE" not in env
+    line = one_error_line(tracked(env, "--resume", expect=2))
+    assert line.endswith("--resume with offline tracking continues an existing offline run: set "
+                         "POLYAXON_RUN_INSTANCE=owner.project.runs.UUID (its folder is $POLYAXON_OFFLINE_ROOT/runs/"
+                         "UUID); without it every process is a new, empty run"), line
+    assert "ops restart" not in line
+    assert not list((tmp_path / "offline").glob("runs/*")), "an empty offline run was left behind"
+
+
 def test_tracked_refuses_when_tracking_cannot_start(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("POLYAXON_")}
     env["HOME"] = str(tmp_path)

@@ -165,7 +165,18 @@ def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironmen
                          f"use 1 or more (default {StoreConfig.lease_ttl_s:g})")
     if args.resume is not None and args.from_generation is not None:
         raise UsageError("--resume and --from-generation are exclusive; --from-generation already resumes")
+    if args.tracked and (args.resume == "latest" or args.from_generation is not None):
+        require_offline_run_to_continue(os.environ, "--resume" if args.from_generation is None else "--from-generation")
     check_auto_cadence(args)
+
+
+def require_offline_run_to_continue(environ, option: str) -> None:
+    """Offline, a process without POLYAXON_RUN_INSTANCE is a new, empty run: refuse before it is made."""
+    offline = environ.get("POLYAXON_IS_OFFLINE", "").lower() in ("true", "1")
+    if offline and not environ.get("POLYAXON_RUN_INSTANCE"):
+        raise UsageError(f"{option} with offline tracking continues an existing offline run: set "
+                         f"POLYAXON_RUN_INSTANCE=owner.project.runs.UUID (its folder is $POLYAXON_OFFLINE_ROOT/runs/"
+                         f"UUID); without it every process is a new, empty run")
 
 
 def require_store_for_store_options(args: argparse.Namespace, in_store: bool) -> None:
