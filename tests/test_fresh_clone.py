@@ -185,3 +185,28 @@ def cmdline(pid: str) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+# ------------------------------------------------------------------------------- what the README tells a new user
+def test_the_readme_activates_the_venv_before_its_first_bare_python():
+    readme = (REPO / "README.md").read_text()
+    assert readme.index("source .venv/bin/activate") < readme.index("python -m trainer --output")
+
+
+def test_the_readmes_store_examples_can_be_followed_in_order():
+    """The first store example makes runs/exp1; the s3-server one, run after it, needs its own
+    prefix (the same one again without --resume is refused, exit 73)."""
+    readme = (REPO / "README.md").read_text()
+    first, second = readme.split("make s3-server                                  # terminal 1")[:2]
+    made = set(re.findall(r"--output (s3://\S+) --interrupt-at-step", first))
+    fresh = set(re.findall(r"--output (s3://\S+) --epochs", second.split("```")[0]))
+    assert made and fresh and not made & fresh, (made, fresh)
+
+
+def test_the_polyaxonfiles_say_what_auto_resume_copies_as_the_docs_do():
+    docs = " ".join((REPO / "docs" / "polyaxon.md").read_text().split())
+    assert "the run directory is beside that folder, so its generations are not downloaded by it" in docs
+    for name in ("polyaxonfile.yaml", "pytorchjob.yaml"):
+        text = " ".join(line.strip(" #") for line in (REPO / "polyaxonfiles" / name).read_text().splitlines())
+        assert "so its generations are not downloaded by it" in text, name
+        assert "kept generations" not in text, name
