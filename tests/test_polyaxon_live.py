@@ -318,7 +318,8 @@ def test_a_client_that_resolved_another_run_is_refused():
 
 
 def test_only_a_405_that_never_reached_a_view_is_retried():
-    from trainer.integrations.polyaxon.local_agent import call, spurious_405, status_of_exit
+    from trainer.integrations.polyaxon.local_agent import status_of_exit
+    from trainer.integrations.polyaxon.retries import call, one_line, spurious_405
 
     django = SimpleNamespace(status=405, body="<h1>Method Not Allowed</h1>")
     view = SimpleNamespace(status=405, body='{"detail": "Method \\"PUT\\" not allowed."}')
@@ -332,5 +333,9 @@ def test_only_a_405_that_never_reached_a_view_is_retried():
         return answer
 
     assert call(flaky) == "ok"
+    # the client's ApiException prints its headers and body; a warning takes one line of it
+    api = type("ApiException", (Exception,), {"status": 405, "reason": "Method Not Allowed"})
+    assert one_line(api("(405)\nReason: Method Not Allowed\nHTTP response headers: ...")) == "HTTP 405 Method Not Allowed"
+    assert one_line(OSError("disk\nfull")) == "OSError: disk"
     assert [status_of_exit(code) for code in (0, 75, 2, 65, 74, 1)] == \
         ["succeeded", "stopped", "failed", "failed", "failed", "failed"]

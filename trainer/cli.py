@@ -247,10 +247,11 @@ def train_in(config: RunConfig, launch: LaunchEnvironment, events=None) -> int:
     from trainer.run.events import TrainingEvents
     from trainer.run.loop import run_training  # imports torch: after cheap validation
 
-    outcome = run_training(config, launch, events or TrainingEvents())
+    events = events or TrainingEvents()
+    outcome = run_training(config, launch, events)
     if outcome.status == EXIT_INTERRUPTED and launch.is_primary:
         # Resumable, not an error; one line on stderr all the same, where operators look.
-        print(f"trainer: stopped, resumable (exit 75): {outcome.reason}; continue with --resume auto",
+        print(f"trainer: stopped, resumable (exit 75): {outcome.reason}; to continue, {events.continue_hint()}",
               file=sys.stderr, flush=True)
     return outcome.status
 

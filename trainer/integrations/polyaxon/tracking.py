@@ -65,6 +65,8 @@ from typing import Callable
 
 from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, NothingToResume, TrackingUnavailable, TrainerError, UsageError
 from trainer.integrations.polyaxon.internals import PROCESS_SIDECAR_ENV, flush_only_at_exit
+from trainer.integrations.polyaxon.retries import call, one_line
+from trainer.layout import GENERATIONS, SECTIONS
 from trainer.run.events import TrainingEvents
 
 log = logging.getLogger("trainer")
@@ -74,6 +76,7 @@ OFFLINE_ENV = "POLYAXON_IS_OFFLINE"
 METRICS = ("loss", "lr")
 TIMELINE = "recovery-timeline"
 DONE_STATUSES = frozenset({"succeeded", "failed", "stopped", "skipped", "upstream_failed"})
+RESUME_PRESET = "presets/resume.yaml"
 PLAIN_RESTART_HINT = ("on Polyaxon, a plain `ops restart` starts with empty outputs: continue the original run "
                       "with `ops resume -uid UUID -f presets/resume.yaml`, or continue it in a new run with "
                       "`ops restart -uid UUID --copy`")
@@ -142,6 +145,10 @@ class PolyaxonEvents(TrainingEvents):
         self.posts_status = mode == "offline"
         self.copied_from = None
         """A copy's seed (copy_seed.CopiedFrom), for the attempt record."""
+        self.newest_generation: str | None = None
+        """The newest generation this run's outputs name (published, or a copy's seed)."""
+        self.cloning: str | None = None
+        """How this run relates to earlier work (`cloning_kind`), once the attempt started."""
         """Whether the trainer records the final status (module docstring): offline, and managed
         with a process sidecar."""
 
@@ -162,7 +169,7 @@ class PolyaxonEvents(TrainingEvents):
                      placement.connection)
 
     def original(self):
-        return getattr(self.run.run_data, "original", None)
+        return getattr(getattr(self.run, "run_data", None), "original", None)
 
     def original_uuid(self) -> str | None:
         return getattr(self.original(), "uuid", None)
@@ -174,6 +181,20 @@ class PolyaxonEvents(TrainingEvents):
             from trainer.integrations.polyaxon.copy_seed import seed_copy
 
             self.copied_from = seed_copy(placement, self.run_uuid, self.original_uuid(), store_config)
+            if self.copied_from is not None:
+                self.log_seed(placement)
+
+    def log_seed(self, placement) -> None:
+        """A copy's outputs name what it holds from the start: the seeded generation (a lineage
+        reference with the original's manifest digest) and where it came from."""
+        seed = self.copied_from
+        relative = f"{SECTIONS[GENERATIONS]}/{seed.generation}"
+        location = f"{self.store_url}/{relative}" if self.store_url else str(Path(placement.output) / relative)
+        summary = {"hash": seed.manifest_sha256, "hash_of": "manifest.json (sha256)", "copied_from": seed.run}
+        self.run.log_artifact_ref(location, kind="dir", name=lineage_name("generation", seed.generation),
+                                  hash=seed.manifest_sha256, summary=summary, skip_hash_calculation=True)
+        self.newest_generation = seed.generation
+        self.run.log_outputs(newest_generation=seed.generation, copied_from=f"run {seed.run} {seed.generation}")
 
     def cloned_as_copy(self) -> bool:
         """`ops restart --copy`: a new run whose outputs were copied into its context path."""
@@ -275,12 +296,20 @@ class PolyaxonEvents(TrainingEvents):
             elif exit_code == EXIT_OK:
                 self.run.log_succeeded(message="training completed")
             elif exit_code == EXIT_INTERRUPTED:
-                self.run.log_stopped(reason="Exit75",
-                                     message=message or "interrupted or preempted (exit 75); resumable")
+                self.run.log_stopped(reason="Exit75", message=self.stopped_message(message))
             else:
                 self.run.log_failed(reason=f"Exit{exit_code}", message=message)
         except Exception as error:  # noqa: BLE001 - the training outcome stands; say what was not recorded
             log.warning("tracking: could not record the final status of run %s: %s", self.run.run_uuid, error)
+
+    def stopped_message(self, reason: str | None) -> str:
+        """What a stopped run's status says: why, what it would restore, the command that continues it."""
+        newest = f"newest generation {self.newest_generation}" if self.newest_generation else "no generation yet"
+        return f"{reason or 'interrupted or preempted (exit 75)'}; resumable from {newest}; to continue, " \
+               f"{self.continue_hint()}"
+
+    def continue_hint(self) -> str:
+        return f"run `polyaxon ops resume -uid {self.run_uuid} -f {RESUME_PRESET}`"
 
     def log_recovery_report(self) -> None:
         """The report's totals as outputs and its timeline as an image, so the run's page shows
@@ -292,14 +321,19 @@ class PolyaxonEvents(TrainingEvents):
                 report = run_report(self.run_directory)
             except NothingToResume:  # refused before any record was written (66, 73): nothing to show
                 return
+            name = f"{TIMELINE}-of-this-copy" if self.cloned_as_copy() else TIMELINE
             with tempfile.TemporaryDirectory() as folder:
-                image = Path(folder) / f"{TIMELINE}.png"
+                image = Path(folder) / f"{name}.png"
                 write_timeline(report, image)
-                self.run.log_image(data=str(image), name=TIMELINE, step=report.totals.attempts)
+                # At the attempt's last step, so each attempt's picture is its own (a copy's under
+                # its own name: the original's, copied with its events, keeps its steps).
+                self.run.log_image(data=str(image), name=name, step=report.rows[-1].last_step)
             t = report.totals
+            self.name_run(t.attempts)
             self.run.log_outputs(attempts=t.attempts, useful_steps=t.useful, computed_steps=t.computed,
-                                 replayed_steps=t.replayed, lost_steps=t.lost, goodput=t.goodput,
-                                 wall_lost_s=t.wall_lost_s, checkpoint_overhead=t.checkpoint_share)
+                                 replayed_steps=t.replayed, lost_steps=t.lost, goodput_steps_pct=percent(t.goodput),
+                                 goodput_time_pct=percent(t.time_goodput), wall_lost_s=t.wall_lost_s,
+                                 checkpoint_overhead_pct=percent(t.checkpoint_share))
         except Exception as error:  # noqa: BLE001 - a picture must never change how the attempt ended
             log.warning("tracking: could not log the recovery report of run %s: %s: %s", self.run.run_uuid,
                         error.__class__.__name__, error)
@@ -315,8 +349,20 @@ class PolyaxonEvents(TrainingEvents):
 
     def attempt_started(self, record: dict) -> None:
         restored = record.get("restored") or {}
-        self.run.log_outputs(attempt=record["id"], restored_generation=restored.get("name"),
-                             restored_step=restored.get("step"), steps_replayed=record.get("steps_replayed"))
+        self.newest_generation = self.newest_generation or restored.get("name")
+        outputs = {"attempt": record["id"], "restored_generation": restored.get("name"),
+                   "restored_step": restored.get("step"), "steps_replayed": record.get("steps_replayed")}
+        self.cloning = (record.get("polyaxon") or {}).get("cloning")
+        if self.cloning != "resume":  # this Polyaxon run's first attempt: `ops resume` replaces the inputs
+            outputs["first_params"] = first_params(getattr(self.run.run_data, "inputs", None))
+        self.run.log_outputs(**outputs)
+        self.name_run()
+
+    def name_run(self, attempts: int | None = None) -> None:
+        try:
+            self.run.set_name(run_name(self.cloning, self.original_uuid(), attempts), async_req=False)
+        except Exception as error:  # noqa: BLE001 - a name is a label: the attempt goes on without it
+            log.warning("tracking: could not name run %s: %s", self.run_uuid, one_line(error))
 
     def step_completed(self, step: int, metrics: dict[str, float]) -> None:
         self.last_loss = metrics.get("loss", self.last_loss)
@@ -350,6 +396,7 @@ class PolyaxonEvents(TrainingEvents):
             self.run.log_artifact_ref(location, kind="dir", name=lineage_name(kind, published.name),
                                       hash=published.manifest_sha256, summary=summary,
                                       skip_hash_calculation=True)
+            self.newest_generation = published.name
             self.run.log_outputs(newest_generation=published.name)
 
     def removed(self, kind: str, name: str) -> None:
@@ -363,12 +410,30 @@ class PolyaxonEvents(TrainingEvents):
             if self.mode == "offline":
                 self.run.artifacts_lineage.pop(reference, None)
             else:
-                self.run.client.runs_v1.delete_run_artifact_lineage(
-                    self.run.owner, self.run.project, self.run.run_uuid, reference)
+                call(self.run.client.runs_v1.delete_run_artifact_lineage,
+                     self.run.owner, self.run.project, self.run.run_uuid, reference)
         except Exception as error:  # noqa: BLE001 - the deletion stands; say what the lineage still shows
-            log.warning("tracking: %s was deleted, but its lineage reference %s stays: %s", name, reference, error)
+            log.warning("tracking: %s was deleted, but its lineage reference %s stays: %s", name, reference,
+                        one_line(error))
             return
         log.info("tracking: lineage reference %s removed", reference)
+
+
+def percent(share: float | None) -> float | None:
+    return None if share is None else round(100 * share, 1)
+
+
+def first_params(inputs: dict | None) -> str:
+    """The run's params as its first attempt saw them (`k=v, ...`, unset ones left out)."""
+    return ", ".join(f"{key}={value}" for key, value in sorted((inputs or {}).items()) if value is not None)
+
+
+def run_name(cloning: str | None, original_uuid: str | None, attempts: int | None = None) -> str:
+    """The run's name in the runs list: what it is to its original (and, once an attempt ended,
+    how many attempts its run directory holds)."""
+    kind = {"copy": f"copy of {original_uuid}", "restart": f"restart of {original_uuid}",
+            "resume": "resumed"}.get(cloning or "", "original")
+    return f"{kind}, {attempts} attempt{'' if attempts == 1 else 's'}" if attempts else kind
 
 
 def lineage_name(kind: str, name: str) -> str:
