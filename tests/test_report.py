@@ -184,7 +184,9 @@ def test_timeline_png_has_the_stated_size_for_1_and_100_attempts(tmp_path, count
         step = step + 4 if status != "refused" else step
     report = build_report(records)
     path = tmp_path / "timeline.png"
-    render_timeline(report, path, timeline_title(report))
+    title = timeline_title(report)
+    assert " useful steps of " in title and "% of steps, " in title and " of time), " in title, title
+    render_timeline(report, path, title)
     assert path.stat().st_size > 10_000
     assert png_size(path) == (WIDTH, HEIGHT) == (1600, 900)
 

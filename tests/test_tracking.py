@@ -61,7 +61,7 @@ def test_offline_tracked_run_interrupted_and_resumed_in_the_same_run_matches_bas
         f"interrupted or preempted (exit 75); resumable from newest generation step-00000024; to continue, "
         f"run `polyaxon ops resume -uid {run_uuid} -f presets/resume.yaml`")
     assert first.stderr.strip().endswith(f"to continue, run `polyaxon ops resume -uid {run_uuid} -f presets/resume.yaml`")
-    assert record["name"] == "original, 1 attempt"
+    assert record["name"] == "original-1-attempt"
 
     tracked(env, "--resume", expect=0)
     folder, record = offline_run(tmp_path, run_uuid)
@@ -113,7 +113,7 @@ def test_offline_tracked_run_interrupted_and_resumed_in_the_same_run_matches_bas
     assert (outputs["replayed_steps"], outputs["lost_steps"]) == (3, 3)
     assert outputs["goodput_steps_pct"] == round(100 * 64 / 67, 1) == 95.5
     assert 0 < outputs["goodput_time_pct"] < 100 and 0 < outputs["checkpoint_overhead_pct"] < 100
-    assert record["name"] == "resumed, 2 attempts"
+    assert record["name"] == "resumed-2-attempts"
     assert outputs["first_params"] == ""  # offline: no inputs (managed: the live tests)
 
 
@@ -144,6 +144,17 @@ def test_tracked_refuses_when_tracking_cannot_start(tmp_path):
     line = one_error_line(tracked(offline_env(tmp_path), "--output", tmp_path / "run", expect=2))
     assert "--output and --tracked are exclusive" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_run_names_are_slugs_the_server_accepts():
+    import re
+
+    from trainer.integrations.polyaxon.tracking import run_name
+
+    u = "a" * 32
+    names = [run_name(None, None), run_name("resume", None, 2), run_name("copy", u, 1), run_name("restart", u, 3)]
+    assert names == ["original", "resumed-2-attempts", f"copy-of-{u}-1-attempt", f"restart-of-{u}-3-attempts"]
+    assert all(re.fullmatch(r"[-a-zA-Z0-9_]{1,128}", name) for name in names)  # haupt's validate_slug
 
 
 def test_cloning_kind_tells_resume_copy_restart_and_fresh_apart():

@@ -14,6 +14,7 @@ connection) the sandbox's artifacts store is that bucket; by default it is a hos
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -192,11 +193,22 @@ class Sandbox:
     def run(self, project: str, run_uuid: str, owner: str = "default") -> dict:
         """The run as the REST API gives it (status, original, inputs, ...), retried on the
         sandbox's spurious 405 (see `cli`)."""
-        url = f"{self.host}/api/v1/{owner}/{project}/runs/{run_uuid}"
+        return self.get(f"/api/v1/{owner}/{project}/runs/{run_uuid}")
+
+    def lineage(self, project: str, run_uuid: str, owner: str = "default") -> dict[str, dict]:
+        """The run's artifact lineage by name."""
+        answer = self.get(f"/api/v1/{owner}/{project}/runs/{run_uuid}/lineage/artifacts")
+        return {entry["name"]: entry for entry in answer.get("results") or []}
+
+    def get(self, path: str) -> dict:
+        """GET an API path, retried on the sandbox's spurious 405 (see `cli`)."""
+        url = f"{self.host}{path}"
         for attempt in range(5):
             try:
                 with urllib.request.urlopen(url, timeout=10) as answer:
-                    return json.loads(answer.read())
+                    body = answer.read()
+                    # the lineage endpoints answer gzip whatever the request accepts
+                    return json.loads(gzip.decompress(body) if body[:2] == b"\x1f\x8b" else body)
             except urllib.error.HTTPError as error:
                 if error.code != 405 or attempt == 4:
                     raise

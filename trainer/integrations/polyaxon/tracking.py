@@ -37,10 +37,16 @@ What is recorded:
 - Attempt facts as run outputs: attempt id, restored generation and step, steps replayed; and
   the outputs the polyaxonfiles declare for pipelines: newest_generation, export_path
   (relative to the run directory, which is the run's outputs path in the store), final_loss.
-- At the end of every attempt, the run's recovery report: its totals as outputs (goodput,
-  steps computed, replayed and lost, time lost to restarts, checkpoint overhead) and the
-  timeline of all attempts so far as an image (`recovery-timeline`, step = number of
-  attempts). Best effort: a failure is a warning and never changes the exit status.
+- At the end of every attempt, the run's recovery report: its totals as outputs (goodput in
+  percent of steps and of time, steps computed, replayed and lost, time lost to restarts,
+  checkpoint overhead) and the timeline of all attempts so far as an image
+  (`recovery-timeline`, at the attempt's last step; a copy's as
+  `recovery-timeline-of-this-copy`, beside the original's copied one). Best effort: a failure
+  is a warning and never changes the exit status.
+- What the runs list shows: the run's name (`original`, `resumed`, `copy-of-<uuid>`, with its
+  attempt count), `first_params` (the inputs of its first attempt, which `ops resume`
+  replaces), a copy's seed (`copied_from`, `newest_generation` and its lineage reference), and
+  a stopped run's message naming its newest generation and the `ops resume` command.
 - The final status from the exit code, 0 succeeded, 75 stopped (resumable), anything else
   failed, wherever nothing else would record it truthfully:
   - *offline*: nothing else records the outcome (closing an offline run marks it succeeded);
@@ -171,6 +177,17 @@ class PolyaxonEvents(TrainingEvents):
     def original(self):
         return getattr(getattr(self.run, "run_data", None), "original", None)
 
+    def log_outputs(self, **outputs) -> None:
+        """One PATCH of the run, answered before the next: the server reads the run, merges and
+        saves every field, so two PATCHes in flight at once (the client's default, async) can
+        drop one's outputs, or the name. Retried on the sandbox's spurious 405 (which the async
+        default lost without a word); a failure is one warning line, never the attempt's end."""
+        try:
+            call(self.run.log_outputs, async_req=False, **outputs)
+        except Exception as error:  # noqa: BLE001 - outputs are a view of the run, not its state
+            log.warning("tracking: could not log the outputs %s of run %s: %s", ", ".join(sorted(outputs)),
+                        self.run_uuid, one_line(error))
+
     def original_uuid(self) -> str | None:
         return getattr(self.original(), "uuid", None)
 
@@ -194,7 +211,7 @@ class PolyaxonEvents(TrainingEvents):
         self.run.log_artifact_ref(location, kind="dir", name=lineage_name("generation", seed.generation),
                                   hash=seed.manifest_sha256, summary=summary, skip_hash_calculation=True)
         self.newest_generation = seed.generation
-        self.run.log_outputs(newest_generation=seed.generation, copied_from=f"run {seed.run} {seed.generation}")
+        self.log_outputs(newest_generation=seed.generation, copied_from=f"run {seed.run} {seed.generation}")
 
     def cloned_as_copy(self) -> bool:
         """`ops restart --copy`: a new run whose outputs were copied into its context path."""
@@ -289,7 +306,7 @@ class PolyaxonEvents(TrainingEvents):
         self.log_recovery_report()
         try:
             if self.last_loss is not None:
-                self.run.log_outputs(final_loss=self.last_loss)
+                self.log_outputs(final_loss=self.last_loss)
             if not self.posts_status:
                 log.info("tracking: exit %d; the Polyaxon agent sets run %s's status from it",
                          exit_code, self.run.run_uuid)
@@ -330,7 +347,7 @@ class PolyaxonEvents(TrainingEvents):
                 self.run.log_image(data=str(image), name=name, step=report.rows[-1].last_step)
             t = report.totals
             self.name_run(t.attempts)
-            self.run.log_outputs(attempts=t.attempts, useful_steps=t.useful, computed_steps=t.computed,
+            self.log_outputs(attempts=t.attempts, useful_steps=t.useful, computed_steps=t.computed,
                                  replayed_steps=t.replayed, lost_steps=t.lost, goodput_steps_pct=percent(t.goodput),
                                  goodput_time_pct=percent(t.time_goodput), wall_lost_s=t.wall_lost_s,
                                  checkpoint_overhead_pct=percent(t.checkpoint_share))
@@ -342,25 +359,28 @@ class PolyaxonEvents(TrainingEvents):
     def run_identity(self, previous_attempt: dict | None) -> dict:
         original = self.original()
         original_kind = getattr(getattr(original, "kind", None), "value", getattr(original, "kind", None))
-        return {"run_uuid": self.run.run_uuid, "mode": self.mode,
-                "cloning": cloning_kind(original_kind, self.run.run_uuid, previous_attempt),
+        cloning = cloning_kind(original_kind, self.run.run_uuid, previous_attempt)
+        # `ops resume` replaces the run's inputs (and its outputs): the first attempt's params are
+        # carried from record to record, so every attempt shows them again.
+        first = ((previous_attempt or {}).get("polyaxon") or {}).get("first_params") if cloning == "resume" else \
+            first_params(getattr(getattr(self.run, "run_data", None), "inputs", None))
+        return {"run_uuid": self.run.run_uuid, "mode": self.mode, "cloning": cloning,
                 "original_uuid": getattr(original, "uuid", None),
-                "copied_from": self.copied_from.to_json() if self.copied_from else None}
+                "copied_from": self.copied_from.to_json() if self.copied_from else None, "first_params": first}
 
     def attempt_started(self, record: dict) -> None:
         restored = record.get("restored") or {}
         self.newest_generation = self.newest_generation or restored.get("name")
         outputs = {"attempt": record["id"], "restored_generation": restored.get("name"),
                    "restored_step": restored.get("step"), "steps_replayed": record.get("steps_replayed")}
-        self.cloning = (record.get("polyaxon") or {}).get("cloning")
-        if self.cloning != "resume":  # this Polyaxon run's first attempt: `ops resume` replaces the inputs
-            outputs["first_params"] = first_params(getattr(self.run.run_data, "inputs", None))
-        self.run.log_outputs(**outputs)
+        identity = record.get("polyaxon") or {}
+        self.cloning = identity.get("cloning")
+        self.log_outputs(**outputs, first_params=identity.get("first_params"))
         self.name_run()
 
     def name_run(self, attempts: int | None = None) -> None:
         try:
-            self.run.set_name(run_name(self.cloning, self.original_uuid(), attempts), async_req=False)
+            call(self.run.set_name, run_name(self.cloning, self.original_uuid(), attempts), async_req=False)
         except Exception as error:  # noqa: BLE001 - a name is a label: the attempt goes on without it
             log.warning("tracking: could not name run %s: %s", self.run_uuid, one_line(error))
 
@@ -391,13 +411,13 @@ class PolyaxonEvents(TrainingEvents):
         if kind == "export":
             self.run.log_model_ref(location, name=lineage_name(kind, published.name), framework="safetensors",
                                    summary=summary, skip_hash_calculation=True)
-            self.run.log_outputs(export_path=relative)
+            self.log_outputs(export_path=relative)
         else:
             self.run.log_artifact_ref(location, kind="dir", name=lineage_name(kind, published.name),
                                       hash=published.manifest_sha256, summary=summary,
                                       skip_hash_calculation=True)
             self.newest_generation = published.name
-            self.run.log_outputs(newest_generation=published.name)
+            self.log_outputs(newest_generation=published.name)
 
     def removed(self, kind: str, name: str) -> None:
         """Drop the lineage reference of a generation or export retention deleted. Offline the
@@ -430,10 +450,11 @@ def first_params(inputs: dict | None) -> str:
 
 def run_name(cloning: str | None, original_uuid: str | None, attempts: int | None = None) -> str:
     """The run's name in the runs list: what it is to its original (and, once an attempt ended,
-    how many attempts its run directory holds)."""
-    kind = {"copy": f"copy of {original_uuid}", "restart": f"restart of {original_uuid}",
+    how many attempts its run directory holds). A slug, as the server requires (`[-a-zA-Z0-9_]+`):
+    `original`, `resumed-2-attempts`, `copy-of-<uuid>-1-attempt`."""
+    kind = {"copy": f"copy-of-{original_uuid}", "restart": f"restart-of-{original_uuid}",
             "resume": "resumed"}.get(cloning or "", "original")
-    return f"{kind}, {attempts} attempt{'' if attempts == 1 else 's'}" if attempts else kind
+    return f"{kind}-{attempts}-attempt{'' if attempts == 1 else 's'}" if attempts else kind
 
 
 def lineage_name(kind: str, name: str) -> str:
