@@ -149,14 +149,14 @@ class PolyaxonEvents(TrainingEvents):
         a bucket-store run, not yet committed in the store."""
         self.last_loss: float | None = None
         self.posts_status = mode == "offline"
+        """Whether the trainer records the final status (module docstring): offline, and managed
+        with a process sidecar."""
         self.copied_from = None
         """A copy's seed (copy_seed.CopiedFrom), for the attempt record."""
         self.newest_generation: str | None = None
         """The newest generation this run's outputs name (published, or a copy's seed)."""
         self.cloning: str | None = None
         """How this run relates to earlier work (`cloning_kind`), once the attempt started."""
-        """Whether the trainer records the final status (module docstring): offline, and managed
-        with a process sidecar."""
 
     @property
     def run_uuid(self) -> str:
@@ -208,8 +208,12 @@ class PolyaxonEvents(TrainingEvents):
         relative = f"{SECTIONS[GENERATIONS]}/{seed.generation}"
         location = f"{self.store_url}/{relative}" if self.store_url else str(Path(placement.output) / relative)
         summary = {"hash": seed.manifest_sha256, "hash_of": "manifest.json (sha256)", "copied_from": seed.run}
-        self.run.log_artifact_ref(location, kind="dir", name=lineage_name("generation", seed.generation),
-                                  hash=seed.manifest_sha256, summary=summary, skip_hash_calculation=True)
+        try:
+            self.run.log_artifact_ref(location, kind="dir", name=lineage_name("generation", seed.generation),
+                                      hash=seed.manifest_sha256, summary=summary, skip_hash_calculation=True)
+        except Exception as error:  # noqa: BLE001 - the seed stands; the lineage only shows it
+            log.warning("tracking: could not reference the seeded %s of run %s: %s", seed.generation,
+                        self.run_uuid, one_line(error))
         self.newest_generation = seed.generation
         self.log_outputs(newest_generation=seed.generation, copied_from=f"run {seed.run} {seed.generation}")
 
@@ -348,9 +352,9 @@ class PolyaxonEvents(TrainingEvents):
             t = report.totals
             self.name_run(t.attempts)
             self.log_outputs(attempts=t.attempts, useful_steps=t.useful, computed_steps=t.computed,
-                                 replayed_steps=t.replayed, lost_steps=t.lost, goodput_steps_pct=percent(t.goodput),
-                                 goodput_time_pct=percent(t.time_goodput), wall_lost_s=t.wall_lost_s,
-                                 checkpoint_overhead_pct=percent(t.checkpoint_share))
+                             replayed_steps=t.replayed, lost_steps=t.lost, goodput_steps_pct=percent(t.goodput),
+                             goodput_time_pct=percent(t.time_goodput), wall_lost_s=t.wall_lost_s,
+                             checkpoint_overhead_pct=percent(t.checkpoint_share))
         except Exception as error:  # noqa: BLE001 - a picture must never change how the attempt ended
             log.warning("tracking: could not log the recovery report of run %s: %s: %s", self.run.run_uuid,
                         error.__class__.__name__, error)
