@@ -1,6 +1,6 @@
 """Screenshots of the Polyaxon UI for docs/polyaxon.md, taken from `make polyaxon-demo KEEP=1`.
 
-    python docs/screenshots.py            # about 3 min: the demo, then 4 pages in headless Chromium
+    python docs/screenshots.py            # about 3 min: the demo, then 5 pages in headless Chromium
 
 Not part of the tests (it needs Debian's `chromium`: apt-get install chromium). It starts the
 demo as the README writes it, reads the run pages it prints, takes each page with headless
@@ -20,12 +20,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGES = REPO / "docs" / "images"
-PAGES = {  # file name -> the part of a run's page, after /runs/<uuid>
-    "polyaxon-runs": None,        # the project's runs list: names, statuses
-    "polyaxon-overview": "",      # the original run: statuses, inputs, outputs
-    "polyaxon-dashboards": "/dashboards",  # its metrics and the recovery timeline
-    "polyaxon-lineage": "/lineage",        # generations and the export, with their digests
-    "polyaxon-copy": "copy",      # the copy: copied_from, newest_generation
+PAGES = {  # file name -> (the part of a run's page after /runs/<uuid>, the window's height)
+    "polyaxon-runs": (None, 420),             # the project's runs list: names, statuses
+    "polyaxon-overview": ("", 2000),          # the original run: status, inputs, outputs (first_params, goodput)
+    "polyaxon-statuses": ("/statuses", 2150),  # stopped (Exit75), resuming, succeeded
+    "polyaxon-dashboards": ("/dashboards", 640),  # its metrics (the timeline's section opens on a click)
+    "polyaxon-copy": ("copy", 2000),          # the copy: copied_from, newest_generation, its lineage
 }
 
 
@@ -36,9 +36,9 @@ def chromium() -> str:
     raise SystemExit("screenshots: no chromium; apt-get install chromium")
 
 
-def shoot(browser: str, url: str, target: Path) -> None:
+def shoot(browser: str, url: str, target: Path, height: int) -> None:
     subprocess.run([browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    "--window-size=1440,1000", "--virtual-time-budget=15000", f"--screenshot={target}", url],
+                    f"--window-size=1440,{height}", "--virtual-time-budget=15000", f"--screenshot={target}", url],
                    check=True, capture_output=True, timeout=120)
     print(f"{target.relative_to(REPO)}  <- {url}")
 
@@ -60,9 +60,9 @@ def main() -> int:
         if len(pages) != 2:
             raise SystemExit(f"screenshots: the demo printed no run pages:\n{text[-2000:]}")
         (runs, original), (_, copy) = pages
-        for name, part in PAGES.items():
+        for name, (part, height) in PAGES.items():
             url = runs if part is None else f"{runs}/{copy}" if part == "copy" else f"{runs}/{original}{part}"
-            shoot(browser, url, IMAGES / f"{name}.png")
+            shoot(browser, url, IMAGES / f"{name}.png", height)
     finally:
         pid = re.search(r"or kill (\d+)", "".join(lines))
         os.kill(int(pid.group(1)), signal.SIGINT) if pid else os.killpg(demo.pid, signal.SIGTERM)

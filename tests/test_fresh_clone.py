@@ -6,10 +6,11 @@ The clone reuses this checkout's ready venvs (symlinks), and its requirements fi
 back so that make finds the venvs' stamps newer and installs nothing; each test asserts that it
 did not.
 
-Cost (2 shared cores): the clone about 1 s; `make demo` about 25 s (three 64-step runs, compare,
-list, report); `make s3-server` with a 2-epoch run about 15 s; `make bench` about 70 s (its four
-quick benchmarks); `make polyaxon-demo KEEP=1` about 110 s, on the live Polyaxon tests' worker
-(`xdist_group`), so it never runs beside them.
+Cost (measured on 2 cores shared with other work): the clone about 1 s; `make demo` about 20 s
+(three 64-step runs, compare, list, report); `make s3-server` with a 2-epoch run about 15 s, and
+its failing start 1 s; `make bench` about 40 s (its four quick benchmarks); `make polyaxon-demo
+KEEP=1` about 110 s, on the live Polyaxon tests' worker (`xdist_group`), so it never runs beside
+them. The README checks at the end read files only.
 """
 
 from __future__ import annotations
