@@ -360,7 +360,8 @@ def test_lineage_of_a_bucket_store_run_names_the_store_once_the_store_holds_it(t
         def log_model_ref(self, path, **kwargs):
             self.references.append((kwargs["name"], path))
 
-        def log_outputs(self, **outputs):
+        def log_outputs(self, async_req: bool = True, **outputs):  # the client's signature
+            assert not async_req  # one PATCH at a time (tracking.PolyaxonEvents.log_outputs)
             self.outputs.update(outputs)
 
     run, tier, url = Run(), tmp_path / "tier", f"s3://plx-artifacts/{UUID}/outputs"
