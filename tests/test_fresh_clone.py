@@ -211,3 +211,17 @@ def test_the_polyaxonfiles_say_what_auto_resume_copies_as_the_docs_do():
         text = " ".join(line.strip(" #") for line in (REPO / "polyaxonfiles" / name).read_text().splitlines())
         assert "so its generations are not downloaded by it" in text, name
         assert "kept generations" not in text, name
+
+
+def test_the_help_says_what_each_option_does_there():
+    """`list`/`verify` only check signatures; the local tier's default is a path a user can find."""
+    from conftest import run_cli
+
+    for command in ("list", "verify"):
+        shown = " ".join(run_cli(command, "--help", env={"COLUMNS": "400"}).stdout.split())
+        assert "check each manifest's signature with this key: one not signed with it is not trusted (65)" in shown
+        assert "sign every manifest written" not in shown and "else no signature check" in shown
+    shown = " ".join(run_cli("--help", env={"COLUMNS": "400"}).stdout.split())  # no wrap inside a path
+    assert "sign every manifest written" in shown
+    assert ("default: $TRAINER_LOCAL_TIER, else TMPDIR/training-recovery/SCHEME/BUCKET/PREFIX, TMPDIR being the "
+            "system's temporary folder") in shown, shown
