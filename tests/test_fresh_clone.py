@@ -225,3 +225,11 @@ def test_the_help_says_what_each_option_does_there():
     assert "sign every manifest written" in shown
     assert ("default: $TRAINER_LOCAL_TIER, else TMPDIR/training-recovery/SCHEME/BUCKET/PREFIX, TMPDIR being the "
             "system's temporary folder") in shown, shown
+
+
+def test_a_polyaxon_demo_whose_server_cannot_start_says_so_in_one_line_naming_its_log(tmp_path):
+    result = subprocess.run([".venv/bin/python", "-m", "trainer.integrations.polyaxon.demo", "--sandbox", "/bin/false",
+                             "--root", str(tmp_path / "demo")], cwd=REPO, env=make_env(), capture_output=True,
+                            text=True, timeout=scaled(120))
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        f"polyaxon-demo: the Polyaxon sandbox exited 1; see {tmp_path / 'demo'}/server.log"], result.stderr
