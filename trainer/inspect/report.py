@@ -429,10 +429,10 @@ def format_advice(advice: Advice) -> list[str]:
     secs = lambda value: cell(value, "{:.3g} s")  # noqa: E731
     lines = ["", "  save interval advice (Daly's model; README \"Recovery report\" says when not to trust it)",
              f"    save cost C         {secs(a.cost_s)} blocked per recovery save ({a.saves} saves); "
-             f"{secs(a.to_durable_s)} to durable",
+             f"on average {secs(a.to_durable_s)} from a save's start until it was durable",
              f"    restart cost R      {secs(a.restart_s)} = start-up {secs(a.startup_s)} + verify {secs(a.verify_s)} "
              f"+ download {secs(a.download_s)} + restore {secs(a.load_s)} + build and first step "
-             f"{secs(a.warm_up_s)} ({a.restarts} restarts)",
+             f"{secs(a.warm_up_s)} ({plural(a.restarts, 'restart')})",
              f"    failures            {a.failures} in {a.exposure_s:.1f} s of attempts: M = {secs(a.mtbf_s)} "
              f"({a.mtbf_from})"]
     if not a.trusted:
@@ -447,6 +447,10 @@ def format_advice(advice: Advice) -> list[str]:
         lines.append(f"    current cadence     every {secs(a.current_interval_s)} of training: predicted goodput "
                      f"{a.current_goodput:.1%} ({gap:.1f} points below the best)")
     return lines
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def cell(value, fmt: str = "{}") -> str:
@@ -473,7 +477,7 @@ def format_report(report: Report, output: str, advice: Advice | None = None) -> 
     lines = [f"recovery report {output}", ""]
     lines.append(f"  {'#':>3} {'attempt':<24} {'outcome':<11} {'exit':>4} {'restored':<15} {'steps':>11} "
                  f"{'computed':>8} {'replayed':>8} {'lost':>5} {'abandoned':>9} {'restore s':>9} {'verify s':>8} {'save s':>7} "
-                 f"{'blocked s':>9} {'to durable s':>12} {'wall s':>8}")
+                 f"{'blocked s':>9} {'1st durable s':>13} {'wall s':>8}")
     for number, row in enumerate(report.rows, 1):
         wall = cell(row.wall_s, "{:.1f}") + ("~" if row.wall_estimated else "")
         lines.append(
@@ -481,14 +485,15 @@ def format_report(report: Report, output: str, advice: Advice | None = None) -> 
             f"{f'{row.first_step}..{row.last_step}':>11} {row.computed:>8} {row.replayed:>8} {row.lost:>5} "
             f"{row.abandoned:>9} "
             f"{row.restore_s:>9.3f} {row.verify_s:>8.3f} {row.save_s:>7.3f} {row.blocked_s:>9.3f} "
-            f"{cell(row.time_to_durable_s, '{:.2f}'):>12} {wall:>8}")
+            f"{cell(row.time_to_durable_s, '{:.2f}'):>13} {wall:>8}")
     t = report.totals
     outcomes = ", ".join(f"{count} {name}" for name, count in t.outcomes.items()) or "none"
     lines += ["", f"  attempts           {t.attempts} ({outcomes})",
               f"  useful steps       {t.useful}",
               f"  steps computed     {t.computed} (replayed {t.replayed}, lost {t.lost}, abandoned {t.abandoned})",
               f"  goodput            {cell(t.goodput, '{:.1%}')} of the steps computed; "
-              f"{cell(t.time_goodput, '{:.1%}')} of the time spent (start-up included)",
+              f"{cell(t.time_goodput, '{:.1%}')} of the time spent (kept steps' training time over all "
+              f"attempts' time, process start-up included: low when steps are as short as the demo's)",
               f"  wall time          {t.wall_s:.1f} s in attempts"
               + (f", {t.span_s:.1f} s from first start to last end" if t.span_s is not None else ""),
               f"  lost to restarts   {t.wall_lost_s:.1f} s (restores {t.restore_s:.1f} s)",
