@@ -37,8 +37,9 @@ test:
 
 # Optional: Polyaxon's own server and a local agent on this machine, then the bundle's three
 # commands (run -u, ops resume, ops restart --copy) with its own files (docs/polyaxon.md).
+# `make polyaxon-demo KEEP=1` leaves the server and its UI up afterwards, until Ctrl-C.
 polyaxon-demo: $(STAMP) $(SANDBOX_STAMP)
-	$(PY) -m trainer.integrations.polyaxon.demo --sandbox $(SANDBOX_VENV)/bin/haupt
+	$(PY) -m trainer.integrations.polyaxon.demo --sandbox $(SANDBOX_VENV)/bin/haupt $(if $(KEEP),--keep)
 
 # Quick checkpoint benchmarks (ratios against raw disk, torch.save and stock dcp.save measured
 # in the same run; the store's against plain S3 clients on a loopback SeaweedFS it starts);
@@ -46,6 +47,7 @@ polyaxon-demo: $(STAMP) $(SANDBOX_STAMP)
 bench: $(STAMP)
 	$(PY) bench/checkpoint_bench.py --quick
 	$(PY) bench/loop_overhead.py --quick
+	$(PY) bench/reduction_bench.py --quick
 	$(PY) bench/store_bench.py --quick
 	$(PY) bench/goodput_sim.py --quick
 

@@ -1,5 +1,6 @@
 """What does checkpointing cost the training loop? Steps per second with no recovery saves,
-with sync saves and with async saves every N steps, and their ratios.
+with sync saves and with async saves every N steps, and their ratios; and what the exactness
+witness adds: its step digest against one training step, its state digest against one sync save.
 
     python bench/loop_overhead.py --size-mb 256 --every 5 --steps 40
     python bench/loop_overhead.py --quick
@@ -31,6 +32,8 @@ from trainer.checkpoint.checkpointer import build_checkpointer  # noqa: E402
 from trainer.checkpoint.commit import RenameCommit  # noqa: E402
 from trainer.checkpoint.section import LocalSection  # noqa: E402
 from trainer.checkpoint.writer import WriterConfig  # noqa: E402
+from trainer.run.checksum import parameter_checksum, state_digests  # noqa: E402
+from trainer.run.witness import step_digest  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -65,6 +68,34 @@ def run(mode: str, size_mb: float, steps: int, every: int, keep: int, base: Path
             "saves": 0 if checkpointer is None else steps // every, "state_mb": state_bytes(state) / (1 << 20)}
 
 
+def timed(action, repeats: int, device: torch.device) -> float:
+    """Median seconds of `action()` over `repeats` calls (on CUDA, until the device is done)."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+def witness_costs(size_mb: float, repeats: int, base: Path, device: torch.device, config: WriterConfig) -> dict:
+    """The witness's two costs, each beside what it rides on, in the same process."""
+    state, workload = training_state(size_mb, device)
+    store = LocalSection(base / "witness" / "checkpoints")
+    checkpointer = build_checkpointer("sync", RenameCommit(store), "bench", device, config=config)
+    step_s = timed(lambda: train_step(state, workload, device), repeats, device)
+    parameters = list(state.model.parameters())
+    digest_s = timed(lambda: step_digest(1.0, parameter_checksum(parameters, 0)), repeats, device)
+    state_digest_s = timed(lambda: state_digests(state.state_dict()), repeats, device)
+    saves = iter(range(1, repeats + 1))
+    save_s = timed(lambda: checkpointer.save(state.state_dict(), facts_for(next(saves))), repeats, device)
+    shutil.rmtree(base / "witness", ignore_errors=True)
+    return {"step_s": step_s, "step_digest_s": digest_s, "state_digest_s": state_digest_s, "sync_save_s": save_s,
+            "step_digest_vs_step": digest_s / step_s, "state_digest_vs_save": state_digest_s / save_s}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=float, default=256)
@@ -87,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {mode: run(mode, args.size_mb, args.steps, args.every, args.keep, base, device,
                           WriterConfig(threads=args.writer_threads))
                    for mode in args.modes}
+        witness = witness_costs(args.size_mb, 5, base, device, WriterConfig(threads=args.writer_threads))
     finally:
         shutil.rmtree(base, ignore_errors=True)
     reference = results.get("none", {}).get("steps_per_s")
@@ -98,9 +130,15 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"{r['steps_per_s'] / reference:.3f}" if reference else "-"
         r["ratio"] = None if not reference else round(r["steps_per_s"] / reference, 4)
         print(f"| {mode} | {r['steps_per_s']:.3f} | {ratio} | {r['blocked_s']:.3f} | {r['wall_s']:.2f} |")
+    print("\n| exactness witness | seconds (median of 5) | vs |\n|---|---|---|")
+    print(f"| step digest, every step | {witness['step_digest_s']:.5f} | {witness['step_digest_vs_step']:.3f} "
+          f"of one training step ({witness['step_s']:.4f} s) |")
+    print(f"| state digest, every save | {witness['state_digest_s']:.4f} | {witness['state_digest_vs_save']:.3f} "
+          f"of one sync save ({witness['sync_save_s']:.4f} s) |")
     if args.json:
         args.json.write_text(json.dumps({"size_mb": args.size_mb, "steps": args.steps, "every": args.every,
-                                         "device": str(device), "results": results}, indent=2) + "\n")
+                                         "device": str(device), "results": results, "witness": witness},
+                                        indent=2) + "\n")
     return 0
 
 

@@ -103,7 +103,7 @@ class SeaweedServer:
 
     def __init__(self, root: Path | str, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY,
                  start_timeout: float = 60.0):
-        self.root = Path(root)
+        self.root = Path(root).absolute()  # before Popen(cwd=root): `make s3-server` passes outputs/s3-server
         self.data_dir = self.root / "data"
         self.config_path = self.root / "s3-identities.json"
         self.log_path = self.root / "weed.log"
@@ -220,7 +220,9 @@ class SeaweedServer:
             "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
             "actions": ["Admin", "Read", "List", "Tagging", "Write"],
         }]}
-        self.config_path.write_text(json.dumps(identities, indent=1))
+        with open(os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as config:
+            config.write(json.dumps(identities, indent=1))  # holds the secret key: for this user only, as env.sh
+        self.config_path.chmod(0o600)  # a file from an older start may have been 644
 
     def _remove_stale_sockets(self) -> None:
         """weed leaves /tmp/seaweedfs-*-grpc-PORT.sock behind when killed; they are ours (our ports)."""
@@ -392,8 +394,11 @@ def serve(argv: list[str] | None = None) -> int:
             if not server.running:
                 print(f"# the server exited; its log: {server.log_path}", file=sys.stderr)
                 return 1
-    except (ServerError, FileNotFoundError) as error:
-        print(f"s3-server: error: {str(error).splitlines()[0]}", file=sys.stderr)
+    except ServerError as error:
+        print(f"s3-server: error: {str(error).splitlines()[0]}; see its log, {server.log_path}", file=sys.stderr)
+        return 1
+    except FileNotFoundError as error:
+        print(f"s3-server: error: {error}", file=sys.stderr)
         return 1
     finally:
         server.stop()

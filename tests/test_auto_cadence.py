@@ -43,7 +43,7 @@ def test_auto_cadence_adapts_and_a_killed_run_resumes_bit_identical(tmp_path, ba
 
 def test_auto_options_are_checked_in_one_line():
     alone = run_cli("--output", "unused", "--recover-auto-min-secs", 5)
-    assert alone.returncode == 2 and "apply only with --recover-every-secs auto" in one_error_line(alone)
+    assert alone.returncode == 2 and "--recover-auto-min-secs applies only with --recover-every-secs auto; add it, or drop it" in one_error_line(alone)
     inverted = run_cli("--output", "unused", "--recover-every-secs", "auto", "--recover-auto-min-secs", 60,
                        "--recover-auto-max-secs", 10)
     assert inverted.returncode == 2 and "above --recover-auto-max-secs 10" in one_error_line(inverted)

@@ -16,7 +16,7 @@ BENCHMARKS = sorted(path for path in (REPO / "bench").glob("*.py") if "--quick" 
 
 def test_every_benchmark_script_is_covered():
     assert {path.name for path in BENCHMARKS} >= {"checkpoint_bench.py", "loop_overhead.py", "store_bench.py",
-                                                  "goodput_sim.py", "goodput_validation.py"}
+                                                  "goodput_sim.py", "goodput_validation.py", "reduction_bench.py"}
 
 
 def store_bench_checks(report: dict) -> None:
@@ -61,8 +61,21 @@ def scale_out_bench_checks(report: dict) -> None:
     assert {"local async/sync blocked", "store async/sync blocked"} <= set(report["ratios"])
 
 
-CHECKS = {"store_bench.py": store_bench_checks, "scale_out_bench.py": scale_out_bench_checks, "goodput_sim.py": goodput_sim_checks,
-          "goodput_validation.py": goodput_validation_checks}
+def reduction_bench_checks(report: dict) -> None:
+    """Structure only: both reductions ran every round in the same processes."""
+    assert [len(report["rates"][name]) for name in ("bucketed", "per-parameter")] == [2, 2]
+    assert report["per_parameter_vs_bucketed"] > 0
+
+
+def loop_overhead_checks(report: dict) -> None:
+    """Structure only: the witness measured beside what it rides on."""
+    witness = report["witness"]
+    assert all(witness[key] > 0 for key in ("step_s", "step_digest_s", "state_digest_s", "sync_save_s"))
+
+
+CHECKS = {"store_bench.py": store_bench_checks, "scale_out_bench.py": scale_out_bench_checks,
+          "goodput_sim.py": goodput_sim_checks, "goodput_validation.py": goodput_validation_checks,
+          "reduction_bench.py": reduction_bench_checks, "loop_overhead.py": loop_overhead_checks}
 
 
 @pytest.mark.parametrize("script", BENCHMARKS, ids=lambda path: path.name)

@@ -109,7 +109,8 @@ def test_the_mtbf_to_plan_with_says_where_it_came_from():
     assert FailureRate(4, 400.0).mtbf(assumed_s=50.0).seconds == 100.0  # enough failures: observed wins
     few = FailureRate(1, 400.0).mtbf(assumed_s=50.0)
     assert (few.seconds, few.trusted) == (50.0, True) and few.source.startswith("assumed")
-    assert FailureRate(1, 400.0).mtbf().source == "observed (few failures)"
+    assert FailureRate(1, 400.0).mtbf().source == "observed from only 1 failure"
+    assert FailureRate(2, 400.0).mtbf().source == "observed from only 2 failures"
     none = FailureRate(0, 400.0).mtbf()
     assert (none.seconds, none.trusted) == (400.0, False) and "lower bound" in none.source
 

@@ -97,7 +97,7 @@ def test_interrupt_exits_75_and_records_it(tmp_path):
     run = tmp_path / "run"
     result = train(run, "--interrupt-at-step", 3, expect=75)
     assert one_error_line(result) == ("trainer: stopped, resumable (exit 75): --interrupt-at-step 3: stopped "
-                                      "without saving; continue with --resume auto")
+                                      "without saving; to continue, rerun with --resume auto")
     record = attempts(run)[-1]
     assert record["status"] == "interrupted" and record["exit_code"] == 75 and record["last_step"] == 3
     assert not (run / "checkpoints").exists() or not os.listdir(run / "checkpoints")

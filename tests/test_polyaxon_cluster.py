@@ -275,7 +275,7 @@ def test_without_the_store_exposed_a_managed_run_warns_once_and_keeps_the_output
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "only as durable as the sidecar's next sync" in warning and "mountArtifactsStore: true" in warning
     # The store options need a store: refused with one line (exit 2), not silently ignored.
-    with pytest.raises(UsageError, match="--store-retries apply only to a run directory in a store"):
+    with pytest.raises(UsageError, match="--store-retries applies only to a run directory in a store"):
         tracked_placement(train_parser().parse_args(["--tracked", "--store-retries", "9"]),
                           LaunchEnvironment.from_environ(os.environ), UUID)
 
@@ -360,7 +360,8 @@ def test_lineage_of_a_bucket_store_run_names_the_store_once_the_store_holds_it(t
         def log_model_ref(self, path, **kwargs):
             self.references.append((kwargs["name"], path))
 
-        def log_outputs(self, **outputs):
+        def log_outputs(self, async_req: bool = True, **outputs):  # the client's signature
+            assert not async_req  # one PATCH at a time (tracking.PolyaxonEvents.log_outputs)
             self.outputs.update(outputs)
 
     run, tier, url = Run(), tmp_path / "tier", f"s3://plx-artifacts/{UUID}/outputs"

@@ -159,6 +159,7 @@ def test_upload_copy_and_resume_on_a_volume_store_match_the_baseline(project, sa
     (first,) = attempts_in(store / u)
     assert first["fingerprint"]["source"] == source_digest(upload / "trainer") != source_digest(REPO / "trainer")
     assert first["polyaxon"]["run_uuid"] == u and first["polyaxon"]["cloning"] is None
+    readable_as_stopped(sandbox, plx.name, u)
     original = tree_digest(store / u)
 
     # (b) the README's copy command: a new run continuing U's newest generation, step-00000024.
@@ -178,6 +179,7 @@ def test_upload_copy_and_resume_on_a_volume_store_match_the_baseline(project, sa
     assert sorted(p.name for p in (store / c / "checkpoints").iterdir()) == ["step-00000024"]
     assert tree_digest(store / u) == original, "the copy wrote the original's run directory"
     assert plx.records_of(u) == runs_before
+    readable_as_copy(sandbox, plx.name, c, u, "step-00000024", copied["polyaxon"]["copied_from"]["manifest_sha256"])
 
     # (The copy continuing to the baseline with presets/resume.yaml: the bucket-store test.)
 
@@ -188,6 +190,7 @@ def test_upload_copy_and_resume_on_a_volume_store_match_the_baseline(project, sa
     assert resumed["restored"]["name"] == "step-00000024" and resumed["polyaxon"]["cloning"] == "resume"
     assert "--interrupt-at-step=27" not in resumed["argv"]  # the preset's params applied, no --recompile
     same_as_baseline(baseline, store / u / "checkpoints" / FINAL)
+    readable_as_resumed(sandbox, plx.name, u)
 
     # (d) go back: a copy of presets/from-generation.yaml naming a generation retention kept.
     back = tmp_path / "from-generation.yaml"
@@ -248,6 +251,54 @@ def test_upload_copy_and_resume_with_a_bucket_artifacts_store(project, bucket_sa
     assert resumed["polyaxon"]["copied_from"] is None and resumed["restored"]["name"] == "step-00000024"
     assert objects(f"{RUNS}/{u}/") == original
     # (U resumed in place to the baseline: the volume-store test; the store path is the same code.)
+
+
+# What a Polyaxon user sees of recovery on the run's page (name, status message, outputs, images,
+# lineage), read from the server's API and the run's events in the artifacts store.
+def timeline_images(sandbox: Sandbox, run_uuid: str, name: str = "recovery-timeline") -> list[str]:
+    events = sandbox.artifacts / run_uuid / "events" / "image" / f"{name}.plx"
+    return [json.loads(line.split("|", 2)[2])["path"] for line in events.read_text().splitlines()[1:]]
+
+
+def conditions(sandbox: Sandbox, project: str, run_uuid: str) -> list[dict]:
+    return sandbox.get(f"/api/v1/default/{project}/runs/{run_uuid}/statuses")["status_conditions"]
+
+
+def readable_as_stopped(sandbox: Sandbox, project: str, u: str) -> None:
+    run = sandbox.run(project, u)
+    assert run["name"] == "original-1-attempt", run["name"]
+    assert "interrupt_at_step=27" in run["outputs"]["first_params"], run["outputs"]
+    assert (run["outputs"]["goodput_steps_pct"], run["outputs"]["newest_generation"]) == (88.9, "step-00000024")
+    message = conditions(sandbox, project, u)[-1]["message"]
+    assert "resumable from newest generation step-00000024" in message, message
+    assert f"polyaxon ops resume -uid {u} -f presets/resume.yaml" in message, message
+    assert timeline_images(sandbox, u) == ["assets/image/recovery-timeline_27.png"]
+
+
+def readable_as_copy(sandbox: Sandbox, project: str, c: str, u: str, seed: str, digest: str) -> None:
+    run = sandbox.run(project, c)
+    assert run["name"] == f"copy-of-{u}-1-attempt", run["name"]
+    assert (run["outputs"]["copied_from"], run["outputs"]["newest_generation"]) == (f"run {u} {seed}", seed)
+    reference = sandbox.lineage(project, c)[f"generation-{seed}"]
+    assert reference["summary"]["hash"] == digest and reference["summary"]["copied_from"] == u
+    # the original's picture, copied with its events, is not overwritten by the copy's own
+    assert timeline_images(sandbox, c) == ["assets/image/recovery-timeline_27.png"]
+    assert timeline_images(sandbox, c, "recovery-timeline-of-this-copy") == \
+        ["assets/image/recovery-timeline-of-this-copy_27.png"]
+
+
+def readable_as_resumed(sandbox: Sandbox, project: str, u: str) -> None:
+    run = sandbox.run(project, u)
+    assert run["name"] == "resumed-2-attempts" and conditions(sandbox, project, u)[-1]["type"] == "succeeded"
+    assert "interrupt_at_step=27" in run["outputs"]["first_params"], run["outputs"]  # after `ops resume` too
+    assert run["outputs"]["goodput_steps_pct"] == round(100 * 64 / 67, 1)
+    assert timeline_images(sandbox, u) == ["assets/image/recovery-timeline_27.png",
+                                           "assets/image/recovery-timeline_64.png"]
+    lineage = sandbox.lineage(project, u)
+    kept = {f"generation-{g.name}" for g in (sandbox.artifacts / RUNS / u / "checkpoints").glob("step-*")}
+    # every deletion went through (retried on the spurious 405): no reference to a deleted generation.
+    # (A creation the 405 hit is still lost: the client posts it asynchronously, not retried.)
+    assert {name for name in lineage if name.startswith("generation-")} <= kept, (sorted(lineage), kept)
 
 
 def attempts_in_bucket(client, bucket: str, prefix: str) -> list[dict]:
@@ -318,7 +369,8 @@ def test_a_client_that_resolved_another_run_is_refused():
 
 
 def test_only_a_405_that_never_reached_a_view_is_retried():
-    from trainer.integrations.polyaxon.local_agent import call, spurious_405, status_of_exit
+    from trainer.integrations.polyaxon.local_agent import status_of_exit
+    from trainer.integrations.polyaxon.retries import call, one_line, spurious_405
 
     django = SimpleNamespace(status=405, body="<h1>Method Not Allowed</h1>")
     view = SimpleNamespace(status=405, body='{"detail": "Method \\"PUT\\" not allowed."}')
@@ -332,5 +384,9 @@ def test_only_a_405_that_never_reached_a_view_is_retried():
         return answer
 
     assert call(flaky) == "ok"
+    # the client's ApiException prints its headers and body; a warning takes one line of it
+    api = type("ApiException", (Exception,), {"status": 405, "reason": "Method Not Allowed"})
+    assert one_line(api("(405)\nReason: Method Not Allowed\nHTTP response headers: ...")) == "HTTP 405 Method Not Allowed"
+    assert one_line(OSError("disk\nfull")) == "OSError: disk"
     assert [status_of_exit(code) for code in (0, 75, 2, 65, 74, 1)] == \
         ["succeeded", "stopped", "failed", "failed", "failed", "failed"]

@@ -125,9 +125,14 @@ def test_advice_from_a_known_history_uses_daly_and_says_what_it_rests_on():
     assert advice.current_goodput <= advice.predicted_goodput
     table = format_report(report, "RUN", advice)
     assert "Daly's higher-order form" in table and "too few failures" not in table
+    assert "(3 restarts)" in table and "s from a save's start until it was durable" in table
+    assert "1st durable s" in table and " to durable s" not in table  # one phrase, one meaning
+    assert "of the time spent (kept steps' training time over all attempts' time, process start-up included: " \
+           "low when steps are as short as the demo's)" in table
 
     few = advise(build_report(records[-1:]))
     assert not few.trusted and "too few failures (0)" in format_report(report, "RUN", few)
+    assert "(1 restart)" in format_report(build_report(records[:2]), "RUN", advise(build_report(records[:2])))
     assumed = advise(build_report(records[-1:]), assume_mtbf_s=3600.0)
     assert assumed.trusted and assumed.mtbf_s == 3600.0 and assumed.interval_s == pytest.approx(
         daly_interval(0.5, 3600.0))
@@ -179,7 +184,9 @@ def test_timeline_png_has_the_stated_size_for_1_and_100_attempts(tmp_path, count
         step = step + 4 if status != "refused" else step
     report = build_report(records)
     path = tmp_path / "timeline.png"
-    render_timeline(report, path, timeline_title(report))
+    title = timeline_title(report)
+    assert " useful steps of " in title and "% of steps, " in title and " of time), " in title, title
+    render_timeline(report, path, title)
     assert path.stat().st_size > 10_000
     assert png_size(path) == (WIDTH, HEIGHT) == (1600, 900)
 
@@ -266,7 +273,18 @@ def test_report_numbers_equal_those_derived_from_the_known_history(storm, tmp_pa
 
 def test_report_errors_are_one_line(storm, tmp_path):
     missing = run_cli("report", tmp_path / "nope")
-    assert missing.returncode == 66 and "not a run directory" in one_error_line(missing)
+    assert missing.returncode == 66 and one_error_line(missing).endswith(
+        f"{tmp_path / 'nope'} does not exist; pass the --output of a run")
+    manifest = tmp_path / "step-00000008" / "manifest.json"  # what a new user tries first
+    manifest.parent.mkdir()
+    manifest.write_text("{}")
+    for command, wanted in (("verify", 66), ("list", 66)):
+        pointed = run_cli(command, manifest)
+        assert pointed.returncode == wanted and one_error_line(pointed).endswith(
+            f"{manifest} is a generation's manifest file; pass its folder, {manifest.parent}"), pointed.stderr
+    (tmp_path / "a-file").write_text("")
+    a_file = run_cli("verify", tmp_path / "a-file")
+    assert one_error_line(a_file).endswith("a-file is a file, not a folder; pass a run directory or a generation")
     (tmp_path / "empty").mkdir()
     empty = run_cli("report", tmp_path / "empty")
     assert empty.returncode == 66 and "no attempt records" in one_error_line(empty)

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import boto3
 import botocore.exceptions
@@ -34,7 +32,7 @@ import pytest
 import s3fs
 from botocore.exceptions import ClientError
 
-from conftest import REPO, S3Bucket, finish, run_cli, scaled, train
+from conftest import S3Bucket, scaled
 
 PRECONDITION_MESSAGE = "At least one of the pre-conditions you specified did not hold"
 STALE_ETAG = '"0123456789abcdef0123456789abcdef"'
@@ -264,44 +262,3 @@ def test_an_unreachable_endpoint_with_default_settings_takes_seconds(closed_port
     error, seconds = failure(s3fs.S3FileSystem(skip_instance_cache=True))
     assert type(error) is botocore.exceptions.EndpointConnectionError
     assert 3 < seconds < 30, seconds
-
-
-def test_the_users_s3_server_prints_its_exports_serves_a_run_and_stops_on_sigint(tmp_path):
-    """`make s3-server` (python tests/s3server.py): start, read the export lines, train into
-    the bucket with only those variables, SIGINT (even as a background job, which starts with
-    SIGINT ignored), and the server is gone with its process. About 12 s: the server's start (3-7 s), a one-epoch run, the 2 s stop."""
-    data = tmp_path / "s3"
-    server = subprocess.Popen([sys.executable, str(REPO / "tests" / "s3server.py"), "--dir", str(data),
-                               "--bucket", "my-bucket"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
-                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as `&` leaves it
-    try:
-        exports = {}
-        for line in server.stdout:
-            if line.startswith("export "):
-                name, value = line.removeprefix("export ").strip().split("=", 1)
-                exports[name] = value
-            if line.startswith("# stop:"):
-                break
-        assert {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(exports), exports
-        assert (data / "env.sh").read_text().count("export ") == len(exports)
-        assert (data / "env.sh").stat().st_mode & 0o077 == 0  # the secret key, for this user only
-        train("s3://my-bucket/run1", "--epochs", 1, "--local-tier", tmp_path / "tier", env=exports)
-        listed = run_cli("list", "s3://my-bucket/run1", "--local-tier", tmp_path / "tier", env=exports)
-        assert listed.returncode == 0 and "step-00000008" in listed.stdout, listed.stderr
-        weed = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(data) in _cmdline(pid)]
-        assert weed, "no weed process serves the data directory"
-        server.send_signal(signal.SIGINT)
-        out, err = finish(server)
-    finally:
-        if server.poll() is None:
-            server.kill()
-    assert server.returncode == 0 and "# stopped" in out and "Traceback" not in err, err
-    assert not [pid for pid in weed if Path(f"/proc/{pid}").exists() and str(data) in _cmdline(pid)]
-
-
-def _cmdline(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""

@@ -13,29 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPO, TORCHRUN, attempts, clean_environment, compare, finish, free_port, generation,
-                      one_error_line, run_cli, scaled, train, wait_until)
+from conftest import (REPO, TORCHRUN, TORCHRUN_CHILD_FAILED, attempts, clean_environment, compare, finish, free_port,
+                      generation, one_error_line, run_cli, scaled, train, wait_until)
+from conftest import torchrun as run_torchrun
 
 EPOCHS = 2  # 16 steps: enough for mid-run generations, short enough for CI
 FINAL_2P = "step-00000016"
-TORCHRUN_CHILD_FAILED = 1
-"""What torchrun itself exits with when any child exits non-zero, 75 included (measured)."""
 
 
 def torchrun(output: Path, *args, expect: int = 0, env: dict | None = None, tmp: Path) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node 2 -m trainer --output OUTPUT ARGS`; `expect` is
-    the trainer's status (every rank's), read from TRAINER_EXIT_STATUS_FILE; torchrun's own
-    status must be 0 for 0 and 1 for anything else."""
-    status_file = tmp / f"status-{len(list(tmp.glob('status-*')))}"
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "trainer",
-               "--output", str(output), "--epochs", str(EPOCHS), "--threads", "1", *map(str, args)]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=scaled(600),
-                            env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status_file), **(env or {})))
-    trainer_status = int(status_file.read_text()) if status_file.exists() else None
-    assert trainer_status == expect, (f"trainer status {trainer_status}, wanted {expect} (torchrun {result.returncode})\n"
-                                      f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
-    assert result.returncode == (0 if expect == 0 else TORCHRUN_CHILD_FAILED), result.stderr[-3000:]
-    return result
+    """Two processes, `EPOCHS` epochs (conftest's `torchrun`)."""
+    return run_torchrun(output, "--epochs", EPOCHS, *args, nproc=2, expect=expect, env=env, tmp=tmp)
 
 
 def trainer_error_lines(result: subprocess.CompletedProcess) -> list[str]:

@@ -225,5 +225,10 @@ def test_wrong_credentials_missing_bucket_and_unreachable_endpoint_are_one_line(
 def test_unknown_scheme_and_store_options_without_a_store_are_usage_errors(tmp_path):
     unknown = run_cli("--output", "ftp://host/run")
     assert unknown.returncode == 2 and "unknown store scheme ftp://" in one_error_line(unknown)
+    schemeless = run_cli("--output", "s3://my-bucket/run", "--local-tier", tmp_path / "tier",
+                         env={"AWS_ENDPOINT_URL": "127.0.0.1:8333"})  # `export` pasted without its http://
+    assert schemeless.returncode == 2 and one_error_line(schemeless).endswith(
+        "AWS_ENDPOINT_URL=127.0.0.1:8333 has no scheme; write it as http://127.0.0.1:8333 (https:// for TLS)")
     stray = run_cli("--output", tmp_path / "run", "--local-tier", tmp_path / "tier")
-    assert stray.returncode == 2 and "--local-tier apply only to a run directory in a store" in one_error_line(stray)
+    assert stray.returncode == 2 and "--local-tier applies only to a run directory in a store; pass --output s3://BUCKET/PREFIX, or drop it" in \
+        one_error_line(stray)

@@ -20,7 +20,7 @@ import pytest
 from conftest import REPO, run_cli
 from trainer.cli import main
 
-G8, G16 = "step-00000008", "step-00000016"
+G4, G8, G16 = "step-00000004", "step-00000008", "step-00000016"
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def test_list_shows_what_is_durable_and_what_this_machine_holds(run, cli):
     assert {r["local"] for r in elsewhere["generations"] + elsewhere["exports"]} == {"absent"}
 
 
-def test_list_marks_uncommitted_local_only_and_differing_copies(s3_server, run, cli, tmp_path):
+def test_list_marks_uncommitted_local_only_stale_and_differing_copies(s3_server, run, cli, tmp_path):
     url = copy_run(s3_server, run, "edited")
     client, hidden = s3_server.client(), f".{G8}.replaced-a1b2c3"
     client.delete_object(Bucket=run.bucket, Key=f"edited/checkpoints/{G16}/manifest.json")
@@ -141,15 +141,21 @@ def test_list_marks_uncommitted_local_only_and_differing_copies(s3_server, run, 
     shutil.copytree(run.tier, tier)
     manifest = tier / "checkpoints" / G8 / "manifest.json"
     manifest.write_text(json.dumps(json.loads(manifest.read_text()), indent=1))  # same content, other bytes
+    # an old copy the store's retention removed (older than the store's newest generation, G8)
+    shutil.copytree(tier / "checkpoints" / G8, tier / "checkpoints" / G4)
 
     described = json.loads(cli("list", url, "--local-tier", tier, "--json")[1])
-    assert [(r["name"], r["durable"], r["local"], r["verified"]) for r in described["generations"]] == \
-        [(G8, True, "different", None), (G16, False, "only", True)]
+    assert [(r["name"], r["durable"], r["local"]) for r in described["generations"]] == \
+        [(G4, False, "stale"), (G8, True, "different"), (G16, False, "only")]
+    assert described["generations"][2]["verified"] is True and described["generations"][1]["verified"] is None
     assert (described["generations_uncommitted"], described["generations_replaced"]) == ([G16], [hidden])
     status, text, _ = cli("list", url, "--local-tier", tier)
     assert status == 0
     assert [r[:1] + r[4:7] for r in rows(text)["recovery generations"]] == \
-        [[G8, "committed", "yes", "differs"], [G16, "yes", "no", "only"]]
+        [[G4, "NO", "no", "stale"], [G8, "committed", "yes", "differs"], [G16, "yes", "no", "only"]]
+    assert "  local only: published on this machine, not (yet) in the store" in text
+    assert "  local stale: an old copy on this machine that the store no longer holds (its retention removed " \
+           "it); never restored: the store is the truth" in text
     assert f"  uncommitted prefix without a manifest (never selected; the next trainer removes it): {G16}" in text
     assert f"  superseded copy kept for inspection (never selected; delete when done): {hidden}" in text
 
@@ -231,7 +237,8 @@ def test_bad_store_inputs_are_one_line_with_their_exit_code(run, cli):
         (("verify", nowhere), {}, 66, f"no committed generations or exports under {nowhere}"),
         (("report", nowhere), {}, 66, f"no attempt records under {nowhere}/attempts"),
         (("list", run.tier, "--local-tier", run.tier), {}, 2, "--local-tier goes with a store URL"),
-    ]
+    ] + [((command, run.url), {"AWS_ENDPOINT_URL": "127.0.0.1:8333"}, 2, "AWS_ENDPOINT_URL=127.0.0.1:8333 has no "
+          "scheme; write it as http://127.0.0.1:8333 (https:// for TLS)") for command in ("list", "report", "verify")]
     for args, env, expected, words in cases:
         status, _, err = cli(*args, **env)
         assert (status, len(err.splitlines())) == (expected, 1) and words in err, (args, status, err)
@@ -240,7 +247,8 @@ def test_bad_store_inputs_are_one_line_with_their_exit_code(run, cli):
 def test_bad_compare_inputs_are_one_line(run, compare_cli):
     for args, env, expected, words in [
         (("ftp://a/b", "s3://x/y"), {}, 2, "unknown store scheme ftp://"),
-        ((run.url, run.url), {}, 2, f"{run.url} names no generation"),
+        ((run.url, run.url), {}, 2, f"{run.url} is a run, not a generation; pass {run.url}/checkpoints/{G16} "
+                                    f"(its newest generation)"),
         ((f"{run.url}/checkpoints/{G8}", f"{run.url}/checkpoints/{G16}"),
          {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{closed_port()}"}, 74, "check the endpoint"),
     ]:

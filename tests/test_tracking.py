@@ -55,6 +55,13 @@ def test_offline_tracked_run_interrupted_and_resumed_in_the_same_run_matches_bas
     outputs = folder / "outputs"
     assert f"outputs {outputs}" in first.stdout
     assert record["status"] == "stopped"  # not "succeeded": offline closes a run as succeeded by default
+    # the stopped status says what a resume restores and the command that continues the run
+    stopped = record["status_conditions"][-1]
+    assert stopped["reason"] == "Exit75" and stopped["message"] == (
+        f"interrupted or preempted (exit 75); resumable from newest generation step-00000024; to continue, "
+        f"run `polyaxon ops resume -uid {run_uuid} -f presets/resume.yaml`")
+    assert first.stderr.strip().endswith(f"to continue, run `polyaxon ops resume -uid {run_uuid} -f presets/resume.yaml`")
+    assert record["name"] == "original-1-attempt"
 
     tracked(env, "--resume", expect=0)
     folder, record = offline_run(tmp_path, run_uuid)
@@ -96,15 +103,18 @@ def test_offline_tracked_run_interrupted_and_resumed_in_the_same_run_matches_bas
     assert record["outputs"]["final_loss"] == baseline_history["loss"][-1]
 
     # The recovery report at the end of each attempt: the timeline as an image (one per
-    # attempt, step = attempts so far) and the run's totals as outputs.
+    # attempt, at the attempt's last step) and the run's totals as outputs, goodput in percent.
     images = [json.loads(line.split("|", 2)[2])["path"]
               for line in (folder / "events" / "image" / "recovery-timeline.plx").read_text().splitlines()[1:]]
-    assert images == ["assets/image/recovery-timeline_1.png", "assets/image/recovery-timeline_2.png"]
+    assert images == ["assets/image/recovery-timeline_27.png", "assets/image/recovery-timeline_64.png"]
     assert all(png_size(folder / image) == (1600, 900) for image in images)
     outputs = record["outputs"]
     assert (outputs["attempts"], outputs["useful_steps"], outputs["computed_steps"]) == (2, 64, 27 + 64 - 24)
     assert (outputs["replayed_steps"], outputs["lost_steps"]) == (3, 3)
-    assert outputs["goodput"] == pytest.approx(64 / 67) and 0 < outputs["checkpoint_overhead"] < 1
+    assert outputs["goodput_steps_pct"] == round(100 * 64 / 67, 1) == 95.5
+    assert 0 < outputs["goodput_time_pct"] < 100 and 0 < outputs["checkpoint_overhead_pct"] < 100
+    assert record["name"] == "resumed-2-attempts"
+    assert outputs["first_params"] == ""  # offline: no inputs (managed: the live tests)
 
 
 def test_plain_restart_has_nothing_to_resume_and_says_how_to_continue(tmp_path):
@@ -115,6 +125,17 @@ def test_plain_restart_has_nothing_to_resume_and_says_how_to_continue(tmp_path):
     assert offline_run(tmp_path, run_uuid)[1]["status"] == "failed"
 
 
+def test_offline_resume_without_a_run_instance_is_refused_before_any_run_is_made(tmp_path):
+    env = offline_env(tmp_path)
+    assert "POLYAXON_RUN_INSTANCE" not in env
+    line = one_error_line(tracked(env, "--resume", expect=2))
+    assert line.endswith("--resume with offline tracking continues an existing offline run: set "
+                         "POLYAXON_RUN_INSTANCE=owner.project.runs.UUID (its folder is $POLYAXON_OFFLINE_ROOT/runs/"
+                         "UUID); without it every process is a new, empty run"), line
+    assert "ops restart" not in line
+    assert not list((tmp_path / "offline").glob("runs/*")), "an empty offline run was left behind"
+
+
 def test_tracked_refuses_when_tracking_cannot_start(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("POLYAXON_")}
     env["HOME"] = str(tmp_path)
@@ -123,6 +144,17 @@ def test_tracked_refuses_when_tracking_cannot_start(tmp_path):
     line = one_error_line(tracked(offline_env(tmp_path), "--output", tmp_path / "run", expect=2))
     assert "--output and --tracked are exclusive" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_run_names_are_slugs_the_server_accepts():
+    import re
+
+    from trainer.integrations.polyaxon.tracking import run_name
+
+    u = "a" * 32
+    names = [run_name(None, None), run_name("resume", None, 2), run_name("copy", u, 1), run_name("restart", u, 3)]
+    assert names == ["original", "resumed-2-attempts", f"copy-of-{u}-1-attempt", f"restart-of-{u}-3-attempts"]
+    assert all(re.fullmatch(r"[-a-zA-Z0-9_]{1,128}", name) for name in names)  # haupt's validate_slug
 
 
 def test_cloning_kind_tells_resume_copy_restart_and_fresh_apart():

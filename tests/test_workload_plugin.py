@@ -6,6 +6,7 @@ of issue #13 made loud or impossible, end to end through the real CLI."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -32,6 +33,8 @@ def toy_baseline(tmp_path_factory):
 def test_the_workloads_options_are_listed_and_parsed():
     shown = run_cli("--workload", TOY, "--help")
     assert shown.returncode == 0 and "--width" in shown.stdout and "--toy-lr" in shown.stdout
+    # an option declared without help= still shows its default
+    assert re.search(r"--width WIDTH\s+\(default: 8\)", shown.stdout), shown.stdout[-1500:]
     assert "--hidden-size" not in shown.stdout  # the default workload's options are not the toy's
     assert "--hidden-size" in run_cli("--help").stdout
     wrong = run_cli("--output", "unused", "--workload", TOY, "--width", "0")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from trainer import compat, seams
-from trainer.config import DEFAULT_WORKLOAD, AutoCadenceConfig, RunConfig, SigningConfig, StoreConfig
+from trainer.config import DEFAULT_WORKLOAD, AutoCadenceConfig, RunConfig, SigningConfig, StoreConfig, WorkloadConfig
 from trainer.checkpoint.signing import KEY_FILE_ENV, load_signing
 from trainer.flags import STORE_GROUP, ShowDefaults, add_flags, changed_store_flags, config_from_values
 from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_failure
@@ -91,16 +91,18 @@ def trainer_parser() -> OneLineParser:
     add_auto_cadence_options(groups["cadence (any trigger that is set fires)"])
     groups[STORE_GROUP].add_argument(
         "--local-tier", type=path_argument, metavar="DIR",
-        help="this machine's working copy of the run (default: $TRAINER_LOCAL_TIER or the temp dir, "
-             "/training-recovery/SCHEME/BUCKET/PREFIX; under --tracked $TRAINER_LOCAL_TIER/RUN_UUID)")
+        help="this machine's working copy of the run (default: $TRAINER_LOCAL_TIER, else "
+             "TMPDIR/training-recovery/SCHEME/BUCKET/PREFIX, TMPDIR being the system's temporary folder; "
+             "under --tracked $TRAINER_LOCAL_TIER/RUN_UUID)")
     return parser
 
 
 def add_signing_options(group, adopt: bool = False) -> None:
+    what = ("sign every manifest written and refuse (65) generations not signed with this key" if adopt else
+            "check each manifest's signature with this key: one not signed with it is not trusted (65)")
     group.add_argument("--signing-key-file", type=path_argument, default=SigningConfig.key_file, metavar="FILE",
-                       help=f"sign every manifest written and refuse (65) generations not signed with this key "
-                            f"(HMAC-SHA256; the file holds the key, e.g. a mounted Secret; default: the file "
-                            f"${KEY_FILE_ENV} names, else no signing)")
+                       help=f"{what} (HMAC-SHA256; the file holds the key, e.g. a mounted Secret; default: the file "
+                            f"${KEY_FILE_ENV} names, else {'no signing' if adopt else 'no signature check'})")
     if adopt:
         group.add_argument("--allow-unsigned", action="store_true", default=SigningConfig.allow_unsigned,
                            help="with a signing key: also restore unsigned generations (a run that started "
@@ -124,7 +126,8 @@ def check_auto_cadence(args: argparse.Namespace) -> None:
             "--assume-mtbf-secs": (args.assume_mtbf_secs, AutoCadenceConfig.assume_mtbf_s)}
     if args.recover_every_secs != AUTO and (given := [name for name, (value, default) in auto.items()
                                                       if value != default]):
-        raise UsageError(f"{', '.join(given)} apply only with --recover-every-secs auto; add it, or drop them")
+        raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --recover-every-secs auto; "
+                         f"add it, or drop {'it' if len(given) == 1 else 'them'}")
     if args.recover_auto_min_secs > args.recover_auto_max_secs:
         raise UsageError(f"--recover-auto-min-secs {args.recover_auto_min_secs:g} is above "
                          f"--recover-auto-max-secs {args.recover_auto_max_secs:g}; make the minimum the smaller")
@@ -146,6 +149,10 @@ def signing_config(args: argparse.Namespace) -> SigningConfig:
 
 def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironment) -> None:
     """Cheap checks that need no import, done before tracking or torch start."""
+    if args.data_parallel == "fsdp" and args.gradient_reduction != WorkloadConfig.gradient_reduction:
+        raise UsageError(f"--gradient-reduction {args.gradient_reduction} chooses how DDP all-reduces gradients; "
+                         f"--data-parallel fsdp reduce-scatters them instead (exact as it is): drop "
+                         f"--gradient-reduction")
     if args.data_parallel == "fsdp" and launch.world_size == 1:
         raise UsageError("--data-parallel fsdp shards the model across processes and needs torchrun with "
                          "--nproc_per_node 2 or more; drop it for a single-process run")
@@ -162,7 +169,18 @@ def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironmen
                          f"use 1 or more (default {StoreConfig.lease_ttl_s:g})")
     if args.resume is not None and args.from_generation is not None:
         raise UsageError("--resume and --from-generation are exclusive; --from-generation already resumes")
+    if args.tracked and (args.resume == "latest" or args.from_generation is not None):
+        require_offline_run_to_continue(os.environ, "--resume" if args.from_generation is None else "--from-generation")
     check_auto_cadence(args)
+
+
+def require_offline_run_to_continue(environ, option: str) -> None:
+    """Offline, a process without POLYAXON_RUN_INSTANCE is a new, empty run: refuse before it is made."""
+    offline = environ.get("POLYAXON_IS_OFFLINE", "").lower() in ("true", "1")
+    if offline and not environ.get("POLYAXON_RUN_INSTANCE"):
+        raise UsageError(f"{option} with offline tracking continues an existing offline run: set "
+                         f"POLYAXON_RUN_INSTANCE=owner.project.runs.UUID (its folder is $POLYAXON_OFFLINE_ROOT/runs/"
+                         f"UUID); without it every process is a new, empty run")
 
 
 def require_store_for_store_options(args: argparse.Namespace, in_store: bool) -> None:
@@ -170,8 +188,9 @@ def require_store_for_store_options(args: argparse.Namespace, in_store: bool) ->
     if store_options and not in_store:
         where = ("the run's artifacts store is not a bucket exposed to the container (polyaxonfile plugin "
                  "mountArtifactsStore)" if args.tracked else "pass --output s3://BUCKET/PREFIX")
-        raise UsageError(f"{', '.join(store_options)} apply only to a run directory in a store; {where}, "
-                         f"or drop them")
+        one = len(store_options) == 1
+        raise UsageError(f"{', '.join(store_options)} {'applies' if one else 'apply'} only to a run directory in "
+                         f"a store; {where}, or drop {'it' if one else 'them'}")
 
 
 def config_from_args(args: argparse.Namespace, argv: list[str], output: Path | str | None,
@@ -232,10 +251,11 @@ def train_in(config: RunConfig, launch: LaunchEnvironment, events=None) -> int:
     from trainer.run.events import TrainingEvents
     from trainer.run.loop import run_training  # imports torch: after cheap validation
 
-    outcome = run_training(config, launch, events or TrainingEvents())
+    events = events or TrainingEvents()
+    outcome = run_training(config, launch, events)
     if outcome.status == EXIT_INTERRUPTED and launch.is_primary:
         # Resumable, not an error; one line on stderr all the same, where operators look.
-        print(f"trainer: stopped, resumable (exit 75): {outcome.reason}; continue with --resume auto",
+        print(f"trainer: stopped, resumable (exit 75): {outcome.reason}; to continue, {events.continue_hint()}",
               file=sys.stderr, flush=True)
     return outcome.status
 

@@ -43,6 +43,11 @@ class WorkloadConfig:
     gradients by reduce-scatter instead of all-reduce, and each rank holds and saves only its
     shard of every parameter and optimizer buffer. A resume must keep the choice (or allow
     `config` drift, giving up exactness)."""
+    gradient_reduction: str = "per-parameter"
+    """per-parameter | bucketed: how DDP sums gradients across ranks (trainer/parallel/reduction.py).
+    `per-parameter` all-reduces each gradient on its own, so a resumed run is bit-exact at any
+    world size; `bucketed` is DDP's own all-reduce of whole buckets, one collective per bucket
+    but exact only up to 2 processes. Fingerprinted: the two can give different bits."""
     grad_accum: int = 1
     """Micro-batches per optimizer step. Steps, cadence and the LR schedule count optimizer
     steps; saves and preemption stops happen only between them, so no generation holds
@@ -60,7 +65,8 @@ class WorkloadConfig:
                                                                                          "options")}
         # Leaving a default out keeps the fingerprints of generations written before the
         # option existed equal, so they still resume without drift.
-        for name, default in (("data_parallel", "ddp"), ("grad_accum", 1), ("workload", DEFAULT_WORKLOAD)):
+        for name, default in (("data_parallel", "ddp"), ("gradient_reduction", "per-parameter"), ("grad_accum", 1),
+                              ("workload", DEFAULT_WORKLOAD)):
             if values[name] == default:
                 values.pop(name)
         return {**values, **dict(self.options)}

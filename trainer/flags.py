@@ -150,6 +150,10 @@ GROUPS: dict[str, list[Flag]] = {
         Flag("--data-parallel", "workload.data_parallel", options={"choices": ("ddp", "fsdp")},
              help="under torchrun: ddp replicates the model on every rank; fsdp shards parameters, gradients "
                   "and optimizer state across ranks (FSDP2) for models too large to replicate"),
+        Flag("--gradient-reduction", "workload.gradient_reduction", options={"choices": ("per-parameter", "bucketed")},
+             help="under torchrun with ddp: per-parameter all-reduces each gradient on its own, so a resume is "
+                  "bit-exact at any world size; bucketed is DDP's own all-reduce of whole buckets (fewer collectives), "
+                  "exact only up to 2 processes"),
     ],
 }
 

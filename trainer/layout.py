@@ -45,6 +45,9 @@ ATTEMPT_SUMMARY = "summary.json"
 ATTEMPT_REQUIREMENTS = "requirements.txt"
 PROGRESS_MARKER = "last_step"
 """Per-step progress of a running attempt (one pwrite per step), read after a kill -9."""
+STEP_DIGESTS = "step_digests"
+"""Every step's number, loss bits and parameter checksum, appended (trainer/run/witness.py):
+what a resume replays against."""
 
 GENERATION_NAME = re.compile(r"^step-(\d{8})$")
 TEMPORARY = ".tmp-"

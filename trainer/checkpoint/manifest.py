@@ -56,6 +56,9 @@ class GenerationFacts:
     cadence: dict
     """Cadence policy state carried across processes ({"recover": …, "export": …})."""
     created_utc: str
+    state_digest: dict = field(default_factory=dict)
+    """{rank: {section: digest}} of the live state this generation saved (trainer/run/witness.py):
+    a restore digests what it loaded and compares. Empty in generations written before it."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,8 @@ class Manifest:
             data.update(position=facts.position, fingerprint=facts.fingerprint,
                         allowed_drift=list(facts.allowed_drift), cadence=facts.cadence,
                         created_utc=facts.created_utc, timings=dict(self.timings))
+            if facts.state_digest:
+                data["state_digest"] = facts.state_digest
         return data
 
     @classmethod
@@ -129,8 +134,11 @@ class Manifest:
         if kind == RECOVERY:
             _require(data, {"position": int, "fingerprint": dict, "allowed_drift": list, "cadence": dict,
                             "created_utc": str, "timings": dict})
+            if not isinstance(data.get("state_digest", {}), dict):
+                raise InvalidManifest(f"{MANIFEST}: state_digest is not a mapping")
             facts = GenerationFacts(data["step"], data["epoch"], data["position"], data["fingerprint"],
-                                    tuple(data["allowed_drift"]), data["cadence"], data["created_utc"])
+                                    tuple(data["allowed_drift"]), data["cadence"], data["created_utc"],
+                                    data.get("state_digest", {}))
         return cls(kind, data["name"], data["step"], data["epoch"], data["attempt"], files, facts,
                    data.get("timings", {}), data.get(SIGNATURE), canonical_bytes(data))
 

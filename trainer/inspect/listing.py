@@ -114,9 +114,13 @@ def side_entries(described: dict, section: str) -> list[str]:
 
 Column = tuple[str, str, Callable[[dict], str]]
 """(header, format spec, cell of a row)."""
-LOCAL_CELLS = {"same": "yes", "absent": "no", "different": "differs", "only": "only"}
+LOCAL_CELLS = {"same": "yes", "absent": "no", "different": "differs", "only": "only", "stale": "stale"}
 """This machine's local tier against the store: the same copy (manifest bytes equal), none,
-another copy (not the committed one; the next trainer drops it), or a copy the store lacks."""
+another copy (not the committed one; the next trainer drops it), a copy the store lacks (not
+uploaded yet), or an old copy the store no longer holds."""
+LOCAL_NOTES = {"only": "local only: published on this machine, not (yet) in the store",
+               "stale": "local stale: an old copy on this machine that the store no longer holds (its retention "
+                        "removed it); never restored: the store is the truth"}
 
 
 def verified_cell(row: dict) -> str:
@@ -168,13 +172,24 @@ def format_run(described: dict) -> str:
     for section, title in (("generations", "recovery generations"), ("exports", "exports")):
         lines += ["", title] + table(sealed_columns(section, tiered), described[section])
         lines += side_entries(described, section)
+        lines += [f"  {note}" for key, note in LOCAL_NOTES.items()
+                  if any(row.get("local") == key for row in described[section])]
     lines += ["", "attempts"] + table(ATTEMPT_COLUMNS, described["attempts"])
     return "\n".join(lines)
 
 
+def not_a_folder(path: Path, wanted: str) -> str:
+    """Why `path`, which is not a directory, cannot be what the command `wanted` (and what to pass)."""
+    if path.name == MANIFEST and path.is_file():
+        return f"{path} is a generation's manifest file; pass its folder, {path.parent}"
+    if not path.exists():
+        return f"{path} does not exist; pass {wanted}"
+    return f"{path} is a file, not a folder; pass {wanted}"
+
+
 def require_run_directory(output: Path) -> None:
     if not output.is_dir():
-        raise NothingToResume(f"{output} is not a run directory; pass the --output of a run")
+        raise NothingToResume(not_a_folder(output, "the --output of a run"))
     if problem := RunDirectory(output).inner_part():
         raise NothingToResume(problem)
     if not RunDirectory(output).holds_a_run():
@@ -274,7 +289,7 @@ def targets(path: Path) -> list[Path]:
 
 def local_verifications(path: Path, signing: Signing | None = None) -> list[tuple[str, Verification]]:
     if not path.is_dir():
-        raise NothingToResume(f"{path} does not exist or is not a directory; pass a run directory or a generation")
+        raise NothingToResume(not_a_folder(path, "a run directory or a generation"))
     found = targets(path)
     if not found:
         raise NothingToResume(f"no generations or exports under {path}")

@@ -27,7 +27,7 @@ from trainer.storage.object.lease import LEASE
 from trainer.storage.location import StoreLocation, parse_store_url
 from trainer.storage.object.client import ObjectStore
 from trainer.storage.object.section import ObjectSection, digest_of
-from trainer.layout import ATTEMPTS, SECTIONS, RunDirectory, generation_step
+from trainer.layout import ATTEMPTS, GENERATIONS, SECTIONS, RunDirectory, generation_step
 from trainer.storage.object.tiering import RemoteRun
 
 READ_CONFIG = StoreConfig(retries=2, timeout_s=10.0)
@@ -86,11 +86,14 @@ def describe_store_run(url: str, local_tier: Path | None, signing: Signing | Non
 
 def section_rows(remote: ObjectSection, committed: list[str], local: LocalSection,
                  costs: dict[str, dict]) -> list[dict]:
-    """Committed rows from the store, then local-only rows re-hashed here, in step order."""
+    """Committed rows from the store, then local-only rows re-hashed here, in step order. A
+    local-only copy older than the store's newest generation is `stale` (the store's retention
+    removed it, or another node's trainer went on), not a generation waiting for its upload."""
     rows = [row for name in committed if (row := committed_row(remote, name, local, costs))]
+    newest = max(committed, default="")
     for name in local.names():
         if name not in committed and (row := local_row(local, name, costs)):
-            rows.append({**row, "durable": False, "local": "only"})
+            rows.append({**row, "durable": False, "local": "stale" if name < newest else "only"})
     return sorted(rows, key=lambda row: row["name"])
 
 
@@ -180,6 +183,10 @@ def local_generation(where: Path | str, parent: Path) -> Path:
         return where
     target = sealed_target(parse_store_url(where))
     if target is None:
+        committed = sorted(ObjectSection(open_store(parse_store_url(where)), SECTIONS[GENERATIONS]).committed())
+        if committed:
+            raise UsageError(f"{where} is a run, not a generation; pass {where.rstrip('/')}/"
+                             f"{SECTIONS[GENERATIONS]}/{committed[-1]} (its newest generation)")
         raise UsageError(f"{where} names no generation; pass e.g. s3://BUCKET/RUN/checkpoints/step-00000064")
     run, folder, name = target
     verification, _ = ObjectSection(open_store(run), folder).fetch(name, parent)

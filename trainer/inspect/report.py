@@ -94,6 +94,12 @@ class AttemptRow:
     """Coarse (step, seconds after the attempt's start) points: where its steps happened."""
     first_step_s: float | None = None
     """Seconds after the attempt's start when its first step completed (build, restore, warm-up)."""
+    witness: str | None = None
+    """What the exactness witness found (`witness_verdict`); None: nothing to check."""
+    mismatch: bool = False
+    """The witness saw a replayed step or a restored section differ."""
+    exact_by_configuration: bool = True
+    """False when the attempt's configuration said at start that it cannot be exact."""
 
 
 @dataclass(frozen=True)
@@ -213,7 +219,45 @@ def attempt_row(record: dict, live: frozenset[str], marker_unix: float | None, o
         start_s=None if start is None or origin is None else start - origin,
         generations=generations, reason=record.get("reason"), startup_s=_optional(record.get("startup_s")),
         download_s=_number(costs.get("download_s")), progress=progress_points(record),
-        first_step_s=_optional(record.get("first_step_s")) if started else None)
+        first_step_s=_optional(record.get("first_step_s")) if started else None,
+        witness=witness_verdict(record), mismatch=witness_mismatch(record),
+        exact_by_configuration=(_mapping(record, "exactness")).get("exact") is not False)
+
+
+def _mapping(record: dict, key: str) -> dict:
+    return record[key] if isinstance(record.get(key), dict) else {}
+
+
+def witness_verdict(record: dict) -> str | None:
+    """One phrase per check the exactness witness made (trainer/run/witness.py)."""
+    parts = []
+    exactness = _mapping(record, "exactness")
+    if exactness.get("exact") is False:
+        parts.append(f"not exact by configuration: {exactness.get('reason')}")
+    check = record.get("restore_check") if isinstance(record.get("restore_check"), dict) else None
+    if check is not None and check.get("compared") is False:
+        parts.append(f"restore not compared: {check.get('reason')}")
+    elif check is not None:
+        differing = check.get("differing") or {}
+        parts.append("restore matched the saved state" if check.get("matched") else
+                     "restore DIFFERS from the saved state (" +
+                     "; ".join(f"rank {rank}: {', '.join(map(str, sections))}" for rank, sections in differing.items())
+                     + ")")
+    replay = record.get("replay") if isinstance(record.get("replay"), dict) else None
+    if replay is not None:
+        if replay.get("compared") is False:
+            parts.append(f"replay not compared: {replay.get('reason')}")
+        elif replay.get("first_mismatch") is None:
+            parts.append(f"replayed steps matched: {replay.get('matched')} of {replay.get('of')}")
+        else:
+            parts.append(f"replay DIFFERS from step {replay.get('first_mismatch')} "
+                         f"({replay.get('matched')} of {replay.get('of')} matched)")
+    return "; ".join(parts) or None
+
+
+def witness_mismatch(record: dict) -> bool:
+    return _mapping(record, "restore_check").get("matched") is False or \
+        _mapping(record, "replay").get("first_mismatch") is not None
 
 
 def _optional(value) -> float | None:
@@ -385,10 +429,10 @@ def format_advice(advice: Advice) -> list[str]:
     secs = lambda value: cell(value, "{:.3g} s")  # noqa: E731
     lines = ["", "  save interval advice (Daly's model; README \"Recovery report\" says when not to trust it)",
              f"    save cost C         {secs(a.cost_s)} blocked per recovery save ({a.saves} saves); "
-             f"{secs(a.to_durable_s)} to durable",
+             f"on average {secs(a.to_durable_s)} from a save's start until it was durable",
              f"    restart cost R      {secs(a.restart_s)} = start-up {secs(a.startup_s)} + verify {secs(a.verify_s)} "
              f"+ download {secs(a.download_s)} + restore {secs(a.load_s)} + build and first step "
-             f"{secs(a.warm_up_s)} ({a.restarts} restarts)",
+             f"{secs(a.warm_up_s)} ({plural(a.restarts, 'restart')})",
              f"    failures            {a.failures} in {a.exposure_s:.1f} s of attempts: M = {secs(a.mtbf_s)} "
              f"({a.mtbf_from})"]
     if not a.trusted:
@@ -405,8 +449,27 @@ def format_advice(advice: Advice) -> list[str]:
     return lines
 
 
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def cell(value, fmt: str = "{}") -> str:
     return "-" if value is None else fmt.format(value)
+
+
+def format_witness(rows: tuple[AttemptRow, ...]) -> list[str]:
+    """The exactness witness per attempt: did each resume continue exactly?"""
+    checked = [(number, row) for number, row in enumerate(rows, 1) if row.witness]
+    if not checked:
+        return []
+    if any(row.mismatch for row in rows):
+        verdict = "NOT EXACT (see the attempts below)"
+    elif not all(row.exact_by_configuration for row in rows):
+        verdict = "no mismatch seen, but a configuration that cannot be exact ran (see below)"
+    else:
+        verdict = "every check passed"
+    return ["", f"  exactness witness  {verdict}"] + [f"    {number:>3} {row.id:<24} {row.witness}"
+                                                       for number, row in checked]
 
 
 def format_report(report: Report, output: str, advice: Advice | None = None) -> str:
@@ -414,7 +477,7 @@ def format_report(report: Report, output: str, advice: Advice | None = None) -> 
     lines = [f"recovery report {output}", ""]
     lines.append(f"  {'#':>3} {'attempt':<24} {'outcome':<11} {'exit':>4} {'restored':<15} {'steps':>11} "
                  f"{'computed':>8} {'replayed':>8} {'lost':>5} {'abandoned':>9} {'restore s':>9} {'verify s':>8} {'save s':>7} "
-                 f"{'blocked s':>9} {'to durable s':>12} {'wall s':>8}")
+                 f"{'blocked s':>9} {'1st durable s':>13} {'wall s':>8}")
     for number, row in enumerate(report.rows, 1):
         wall = cell(row.wall_s, "{:.1f}") + ("~" if row.wall_estimated else "")
         lines.append(
@@ -422,14 +485,15 @@ def format_report(report: Report, output: str, advice: Advice | None = None) -> 
             f"{f'{row.first_step}..{row.last_step}':>11} {row.computed:>8} {row.replayed:>8} {row.lost:>5} "
             f"{row.abandoned:>9} "
             f"{row.restore_s:>9.3f} {row.verify_s:>8.3f} {row.save_s:>7.3f} {row.blocked_s:>9.3f} "
-            f"{cell(row.time_to_durable_s, '{:.2f}'):>12} {wall:>8}")
+            f"{cell(row.time_to_durable_s, '{:.2f}'):>13} {wall:>8}")
     t = report.totals
     outcomes = ", ".join(f"{count} {name}" for name, count in t.outcomes.items()) or "none"
     lines += ["", f"  attempts           {t.attempts} ({outcomes})",
               f"  useful steps       {t.useful}",
               f"  steps computed     {t.computed} (replayed {t.replayed}, lost {t.lost}, abandoned {t.abandoned})",
               f"  goodput            {cell(t.goodput, '{:.1%}')} of the steps computed; "
-              f"{cell(t.time_goodput, '{:.1%}')} of the time spent (start-up included)",
+              f"{cell(t.time_goodput, '{:.1%}')} of the time spent (kept steps' training time over all "
+              f"attempts' time, process start-up included: low when steps are as short as the demo's)",
               f"  wall time          {t.wall_s:.1f} s in attempts"
               + (f", {t.span_s:.1f} s from first start to last end" if t.span_s is not None else ""),
               f"  lost to restarts   {t.wall_lost_s:.1f} s (restores {t.restore_s:.1f} s)",
@@ -439,4 +503,5 @@ def format_report(report: Report, output: str, advice: Advice | None = None) -> 
                                                                  for row in report.rows)]
     if estimated:
         lines.append(f"  ~ {' or '.join(estimated)}: wall time up to its last step marker (or last publish)")
+    lines += format_witness(report.rows)
     return "\n".join(lines + (format_advice(advice) if advice is not None else []))

@@ -215,7 +215,8 @@ def render_timeline(report: Report, path: Path, title: str) -> None:
 def timeline_title(report: Report) -> str:
     t = report.totals
     goodput = "-" if t.goodput is None else f"{t.goodput:.1%}"
+    by_time = "-" if t.time_goodput is None else f"{t.time_goodput:.1%}"
     share = "-" if t.checkpoint_share is None else f"{t.checkpoint_share:.1%}"
     return (f"{t.attempts} attempt{'' if t.attempts == 1 else 's'}: {t.useful} useful steps of {t.computed} "
-            f"computed (goodput {goodput}), "
+            f"computed (goodput {goodput} of steps, {by_time} of time), "
             f"{t.wall_lost_s:.1f} s lost to restarts, checkpoint overhead {share} of wall time")

@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageError, root_cause
 from trainer.parallel.launch import PRIMARY, LaunchEnvironment
+from trainer.parallel.reduction import PER_PARAMETER, per_parameter_mean
 from trainer.layout import RunDirectory
 
 T = TypeVar("T")
@@ -123,11 +124,13 @@ class Ranks:
             group = dist.new_group(backend="gloo")
         return Ranks(self.launch, torch.device("cpu"), group)
 
-    def data_parallel(self, model: nn.Module, kind: str = "ddp") -> nn.Module:
+    def data_parallel(self, model: nn.Module, kind: str = "ddp", reduction: str = PER_PARAMETER) -> nn.Module:
         """The module to run forward/backward through; build the optimizer on `model` after this.
 
         ddp: DDP averages gradients across ranks during backward; every rank holds the whole
-        model. State is still read from and loaded into the plain `model` (DDP shares its
+        model. With `reduction` "per-parameter" each gradient is all-reduced on its own
+        (trainer/parallel/reduction.py), so the bits do not depend on DDP's bucket layout, which
+        changes after the first step. State is still read from and loaded into the plain `model` (DDP shares its
         parameters), so snapshot keys are the same at any world size.
 
         fsdp: FSDP2 shards `model` in place (each layer with parameters, then the root), so
@@ -143,7 +146,10 @@ class Ranks:
         if kind == "fsdp":
             return self._fully_shard(model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+        wrapped = DistributedDataParallel(model, device_ids=device_ids)
+        if reduction == PER_PARAMETER:
+            wrapped.register_comm_hook(self.group, per_parameter_mean)
+        return wrapped
 
     def _fully_shard(self, model: nn.Module) -> nn.Module:
         """Unlike DDP, fully_shard does not broadcast: each rank keeps its slice of its *own*

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from trainer.errors import CrashLoop, TrainerError
 from trainer.checkpoint.atomic import atomic_write_bytes, atomic_write_json
+from trainer.run.witness import ReplayWitness, StepDigestLog
 from trainer.layout import (ATTEMPT_RECORD, ATTEMPT_REQUIREMENTS, ATTEMPT_SUMMARY, EXPORTS, GENERATIONS, PROGRESS_MARKER,
                             RunDirectory)
 
@@ -236,6 +237,8 @@ class AttemptStart:
     """From `world_size_change()`, when the world size differs from the restored one's."""
     allow_unsigned: bool = False
     """--allow-unsigned: unsigned generations were adopted under a signing key."""
+    exactness: dict = field(default_factory=lambda: {"exact": True})
+    """`Exactness.as_record()`: whether this configuration resumes bit-exactly, and why not."""
 
     def fields(self) -> dict:
         fields = {"restored": self.restored, "explicit_generation": self.explicit_generation, "set_aside": [],
@@ -243,7 +246,7 @@ class AttemptStart:
                   "allowed_drift": list(self.allowed_drift), "drift": list(self.drift),
                   "checkpoint_mode": self.checkpoint_mode, "device": self.device, "fingerprint": self.fingerprint,
                   "store": self.store, "polyaxon": self.polyaxon, "world_size": self.world_size,
-                  "allow_unsigned": self.allow_unsigned}
+                  "allow_unsigned": self.allow_unsigned, "exactness": self.exactness}
         return fields | ({"world_size_change": self.world_size_change} if self.world_size_change else {})
 
 
@@ -289,10 +292,13 @@ class AttemptRecorder:
     but only rank 0 writes it."""
 
     def __init__(self, run: RunDirectory, attempt_id: str, record: dict, persist: bool = True,
-                 started: float | None = None):
+                 started: float | None = None, replay: ReplayWitness | None = None):
         self.folder = run.attempt_folder(attempt_id)
         self._record = record
         self.persist = persist
+        self.replay = replay or ReplayWitness({})
+        """Compares each step with what earlier attempts computed for it (the exactness witness)."""
+        self._digests = StepDigestLog(self.folder, persist)
         self._started = time.monotonic() if started is None else started
         self._marker: int | None = None
         self._marked: int | None = None
@@ -302,9 +308,9 @@ class AttemptRecorder:
     # ------------------------------------------------------------------ lifecycle
     @classmethod
     def start(cls, run: RunDirectory, attempt_id: str, argv: list[str], start: AttemptStart,
-              persist: bool = True) -> "AttemptRecorder":
+              persist: bool = True, replay: ReplayWitness | None = None) -> "AttemptRecorder":
         """Write the `running` record; its wall time counts from here."""
-        recorder = cls(run, attempt_id, initial_record(attempt_id, argv, start.fields()), persist)
+        recorder = cls(run, attempt_id, initial_record(attempt_id, argv, start.fields()), persist, replay=replay)
         recorder._create_folder()
         recorder._flush()
         return recorder
@@ -329,6 +335,7 @@ class AttemptRecorder:
         if self._marker is not None:
             os.close(self._marker)
             self._marker = None
+        self._digests.close()
         if self._marked is not None and self._marked > (self._record["last_step"] or 0):
             self._record["last_step"] = self._marked  # ended between publishes: the work it did counts
         self._record.update(status=status, exit_code=exit_code, reason=reason, ended_utc=utc_now(),
@@ -344,6 +351,17 @@ class AttemptRecorder:
             log.warning("could not record the end of attempt %s: %s", self._record["id"], error.strerror)
 
     # ------------------------------------------------------------------ events
+    def restore_checked(self, differing: dict[int, list[str]], not_compared: str | None = None) -> None:
+        """The restored state against the digest its save stored: {rank: differing sections},
+        or why it was not compared."""
+        if not_compared is not None:
+            self._record["restore_check"] = {"compared": False, "reason": not_compared}
+        else:
+            self._record["restore_check"] = {"matched": not differing,
+                                             **({"differing": {str(r): s for r, s in differing.items()}}
+                                                if differing else {})}
+        self._flush()
+
     def restored(self, restored: "Restored", verify_s: float) -> None:
         """Restore cost: verifying the generation (before the record existed) plus loading it."""
         self._add_cost(restore_s=restored.load_s + verify_s, verify_s=verify_s)
@@ -360,11 +378,19 @@ class AttemptRecorder:
         self._record["last_step"] = step
         self._flush()
 
-    def mark_step(self, step: int) -> None:
+    def mark_step(self, step: int, digest: str) -> None:
         """Per-step progress for `steps_replayed` after a kill -9: one pwrite into the page
-        cache (survives the process, not the node; no fsync on the hot path)."""
+        cache (survives the process, not the node; no fsync on the hot path); and the step's
+        digest (`witness.step_digest`), appended and checked against what an earlier attempt
+        computed for it."""
         if not self.persist:
             return
+        self._digests.append(step, digest)
+        first_mismatch = self.replay.step(step, digest)
+        if (replay := self.replay.as_record()) is not None:
+            self._record["replay"] = replay
+        if first_mismatch:
+            self._flush()
         if self._marker is None:
             self._marker = os.open(self.folder / PROGRESS_MARKER, os.O_WRONLY | os.O_CREAT, 0o644)
         os.pwrite(self._marker, f"{step:>12}\n".encode(), 0)

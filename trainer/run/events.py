@@ -45,3 +45,7 @@ class TrainingEvents:
 
     def removed(self, kind: str, name: str) -> None:
         """Retention deleted the `generation` or `export` called `name`: it is no longer an artifact."""
+
+    def continue_hint(self) -> str:
+        """How the user continues this run after exit 75 (the trainer's option; a tracker's command)."""
+        return "rerun with --resume auto"

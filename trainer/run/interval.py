@@ -70,7 +70,8 @@ class FailureRate:
         observed = self.exposure_s / max(self.failures, 1)
         if self.failures >= MIN_FAILURES or assumed_s is None:
             source = "observed" if self.failures >= MIN_FAILURES else \
-                "observed (few failures)" if self.failures else "no failure yet (lower bound)"
+                f"observed from only {self.failures} failure{'' if self.failures == 1 else 's'}" if self.failures \
+                else "no failure yet (lower bound)"
             return Mtbf(observed, source, self)
         return Mtbf(assumed_s, "assumed (--assume-mtbf-secs)", self)
 

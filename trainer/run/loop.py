@@ -141,7 +141,7 @@ class TrainingRun:
         """Record the step, then save on cadence; an Outcome when the attempt ends here."""
         step, agreed, state = done.step, done.agreed, training.state
         last = step in (self.config.interrupt_at_step, training.total_steps) or agreed.preempt
-        self.step_completed(state, step, agreed.loss, done.lr, last)
+        self.step_completed(state, done, last)
         if step == self.config.interrupt_at_step:
             return self.end(INTERRUPTED, f"--interrupt-at-step {step}: stopped without saving", saves, state,
                             f"interrupted after step {step} without saving (exit 75)")
@@ -152,17 +152,17 @@ class TrainingRun:
                             f"preempted by {signal_name}: saved step {step} (exit 75)")
         return None
 
-    def step_completed(self, state, step: int, loss: float, lr: float, last: bool) -> None:
+    def step_completed(self, state, done, last: bool) -> None:
         """`last`: this attempt's final step (always shown)."""
-        state.history.loss.append(loss)
-        state.history.lr.append(lr)
-        self.recorder.mark_step(step)
-        self.progress.step(step, state.progress.epoch, loss, lr, self.recorder.newest_generation, last=last)
-        self.events.step_completed(step, {"loss": loss, "lr": lr})
+        state.history.loss.append(done.agreed.loss)
+        state.history.lr.append(done.lr)
+        self.recorder.mark_step(done.step, done.digest)
+        self.progress.step(done.step, state.progress.epoch, done.agreed.loss, done.lr, self.recorder.newest_generation,
+                           last=last)
+        self.events.step_completed(done.step, {"loss": done.agreed.loss, "lr": done.lr})
 
     def warn_if_interrupt_cannot_fire(self, first_step: int, total_steps: int) -> None:
-        interrupt = self.config.interrupt_at_step
-        if interrupt is not None and not first_step < interrupt <= total_steps:
+        if (interrupt := self.config.interrupt_at_step) is not None and not first_step < interrupt <= total_steps:
             log.warning("--interrupt-at-step %d is outside steps %d..%d of this attempt; it will not fire",
                         interrupt, first_step + 1, total_steps)
 

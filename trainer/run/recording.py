@@ -16,6 +16,8 @@ from trainer.run.batching import require_even_split, training_steps
 from trainer.run.fingerprint import check_fingerprint, current_fingerprint
 from trainer.run.claim import Claim, Claimant
 from trainer.run.events import TrainingEvents
+from trainer.run.witness import ReplayWitness, computed_before, replay_not_compared
+from trainer.parallel.reduction import Exactness, exactness
 from trainer.workload import BoundWorkload, dataset_fingerprint
 
 log = logging.getLogger("trainer")
@@ -31,6 +33,7 @@ class Checked:
     """Every earlier attempt's record, oldest first."""
     mode: str
     """The checkpoint mode this attempt writes with ("sync" or "async")."""
+    exactness: Exactness
 
 
 def check_attempt(config: RunConfig, workload: BoundWorkload, claim: Claim, dataset, ranks: Ranks) -> Checked:
@@ -50,8 +53,11 @@ def check_attempt(config: RunConfig, workload: BoundWorkload, claim: Claim, data
     restoring = generation.name if generation else None
     ranks.decide_on_primary(lambda: refuse_crash_loop(history, restoring, config.max_failed_attempts,
                                                       claim.run.attempts), "checking for a crash loop")
-    return Checked(fingerprint, tuple(drift), history,
-                   effective_mode(config.checkpoint_mode, ranks.device))
+    exact = exactness(config.workload.gradient_reduction, config.workload.data_parallel, ranks.world_size,
+                      ranks.device.type)
+    if exact.reason and ranks.is_primary:
+        log.warning("%s: %s", "exact" if exact.exact else "not exact", exact.reason)
+    return Checked(fingerprint, tuple(drift), history, effective_mode(config.checkpoint_mode, ranks.device), exact)
 
 
 def start_record(config: RunConfig, claim: Claim, checked: Checked, ranks: Ranks,
@@ -70,8 +76,11 @@ def start_record(config: RunConfig, claim: Claim, checked: Checked, ranks: Ranks
         device=str(ranks.device), fingerprint=checked.fingerprint, store=config.store,
         polyaxon=events.run_identity(previous), world_size=ranks.world_size,
         world_size_change=world_size_change(stored_world_size, ranks.world_size).get("world_size_change"),
-        allow_unsigned=config.signing.allow_unsigned)
-    return AttemptRecorder.start(claim.run, claim.attempt_id, list(config.argv), start, persist=ranks.is_primary)
+        allow_unsigned=config.signing.allow_unsigned, exactness=checked.exactness.as_record())
+    replay = ReplayWitness(computed_before(checked.history, claim.run.attempt_folder, checked.fingerprint, step),
+                           replay_not_compared(checked.drift)) if generation and ranks.is_primary else None
+    return AttemptRecorder.start(claim.run, claim.attempt_id, list(config.argv), start, persist=ranks.is_primary,
+                                 replay=replay)
 
 
 def record_refusal(claimant: Claimant, attempt_id: str, refusal: TrainerError, events: TrainingEvents,

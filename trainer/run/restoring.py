@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from trainer.checkpoint.restore import restore
+from trainer.checkpoint.restore import Restored, restore
 from trainer.config import RunConfig
 from trainer.errors import CorruptGeneration
 from trainer.parallel.ranks import Ranks
@@ -14,6 +14,8 @@ from trainer.run.attempts import AttemptRecorder
 from trainer.run.claim import Claim
 from trainer.run.saving import CadencedSaves
 from trainer.run.state import TrainingState
+from trainer.run.checksum import safe_state_digests
+from trainer.run.witness import restore_problem
 from trainer.storage.base import RunStorage
 from trainer.workload import BoundWorkload
 
@@ -31,6 +33,7 @@ class Restorer:
         if state.progress.global_step != restored.step:
             raise CorruptGeneration(f"generation {restored.name} holds step {state.progress.global_step}, but its "
                                     f"manifest says {restored.step}; restore another one with --from-generation")
+        self.check_restored_state(restored, state, drift, recorder)
         if any(change.startswith("config.") for change in drift):
             self.workload.adopt_config(state.optimizer, state.scheduler)  # an allowed --lr change takes effect
             if not self.workload.adopts_config:
@@ -43,6 +46,30 @@ class Restorer:
         progress = state.progress
         log.info("restored %s (step=%d epoch=%d position=%d) in %.3fs", restored.name, progress.global_step,
                  progress.epoch, progress.position, recorder.restore_s)
+
+    def check_restored_state(self, restored: Restored, state: TrainingState, drift: tuple[str, ...],
+                             recorder: AttemptRecorder) -> None:
+        """The exactness witness's restore check: every rank digests what it now holds and
+        compares it with what its save stored (before an allowed config change alters it).
+        Another world size, device or library version lays the state out differently (other
+        ranks' parts, a CUDA RNG, new optimizer defaults): not compared, and recorded why.
+        A mismatch is a warning, not a refusal: the state is what the generation holds, only
+        the resume is not exact, and the record and `report` say so."""
+        saved = restored.manifest.facts.state_digest if restored.manifest.facts else {}
+        other = [change for change in drift if not change.startswith("config.")]
+        if other or len(saved) != self.ranks.world_size:
+            recorder.restore_checked({}, f"allowed drift ({', '.join(other)})" if other else
+                                     "the generation holds no state digest for this world size")
+            return
+        live = safe_state_digests(state.state_dict())
+        differing = restore_problem(saved[str(self.ranks.rank)], live) if live else []
+        by_rank = {rank: sections for rank, sections in enumerate(self.ranks.gather(differing, "checking the restore"))
+                   if sections}
+        if by_rank and self.ranks.is_primary:
+            log.warning("exactness witness: %s was restored into a state other than the one saved (%s): this resume "
+                        "is not exact", restored.name,
+                        "; ".join(f"rank {rank}: {', '.join(sections)}" for rank, sections in by_rank.items()))
+        recorder.restore_checked(by_rank)
 
     def abandon_later_line(self, restored_step: int) -> list[str]:
         """Rank 0, once the restore succeeded: going back with --from-generation abandons

@@ -30,6 +30,7 @@ from trainer.parallel.ranks import Ranks, StepAgreement
 from trainer.run.attempts import AttemptRecorder, auto_prior, read_attempts, utc_now
 from trainer.run.cadence import CadenceChange, StepPoint, auto_trigger, build_policy
 from trainer.run.events import TrainingEvents
+from trainer.run.checksum import safe_state_digests
 from trainer.run.state import TrainingState
 from trainer.storage.base import AfterPublish, Durable, RunStorage
 from trainer.workload import Workload
@@ -125,11 +126,13 @@ class CadencedSaves:
 
     def save_generation(self, state: TrainingState) -> None:
         self.agree_on_uploads()
-        progress = state.progress
+        progress, state_dict = state.progress, state.state_dict()
+        digests = self.ranks.gather(safe_state_digests(state_dict), "gathering the state digests")
         facts = GenerationFacts(progress.global_step, progress.epoch, progress.position, self.lineage.fingerprint,
                                 self.lineage.allowed_drift, {"recover": {}, "export": self.export_policy.state()},
-                                utc_now())
-        self.record_generations(self.checkpointer.save(state.state_dict(), facts), progress.global_step)
+                                utc_now(), {str(rank): digest for rank, digest in enumerate(digests)}
+                                if all(digests) else {})
+        self.record_generations(self.checkpointer.save(state_dict, facts), progress.global_step)
         self.recover_policy.saved()
 
     def save_export(self, state: TrainingState, model: nn.Module, workload: Workload) -> None:

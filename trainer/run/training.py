@@ -23,6 +23,8 @@ from trainer.run.preemption import PreemptionGuard
 from trainer.run.saving import CadencedSaves
 from trainer.run.state import TrainingState
 from trainer.run.stepping import OptimizerSteps
+from trainer.run.checksum import parameter_checksum
+from trainer.run.witness import step_digest
 from trainer.workload import BoundWorkload
 
 
@@ -34,6 +36,8 @@ class Training:
     steps: OptimizerSteps
     batches_per_epoch: int
     total_steps: int
+    parameters: list
+    """This rank's parameters, listed once, for the per-step checksum."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ class StepDone:
     step: int
     lr: float
     agreed: StepAgreement
+    digest: str
+    """What the step computed (this rank's), for the exactness witness."""
 
 
 def build_training(config: RunConfig, workload: BoundWorkload, ranks: Ranks, dataset: KeyedSeeding) -> Training:
@@ -51,7 +57,8 @@ def build_training(config: RunConfig, workload: BoundWorkload, ranks: Ranks, dat
     samples = len(dataset)
     device = ranks.device
     model = workload.build_model().to(device)
-    trained: nn.Module = ranks.data_parallel(model, config.workload.data_parallel)
+    trained: nn.Module = ranks.data_parallel(model, config.workload.data_parallel,
+                                               config.workload.gradient_reduction)
     optimizer = workload.build_optimizer(model)
     scheduler = workload.build_scheduler(optimizer)
     scaler = torch.amp.GradScaler(device.type, enabled=config.workload.amp and device.type == "cuda")
@@ -62,7 +69,8 @@ def build_training(config: RunConfig, workload: BoundWorkload, ranks: Ranks, dat
     refuse_state_moved_by_fetching(state.extras, dataset, config.workload.num_workers, workload.spec)
     steps = OptimizerSteps(workload, state, trained, device, config.workload.amp)
     batches_per_epoch = len(EpochBatchOrder(samples, config.workload.batch_size, config.workload.seed, 0, 0))
-    return Training(config, ranks, state, steps, batches_per_epoch, training_steps(samples, config.workload).total)
+    return Training(config, ranks, state, steps, batches_per_epoch, training_steps(samples, config.workload).total,
+                    list(model.parameters()))
 
 
 def batch_order(training: Training, samples: int) -> EpochBatchOrder:
@@ -93,4 +101,5 @@ def train_steps(training: Training, dataset: KeyedSeeding, saves: CadencedSaves,
             step = state.progress.global_step
             agreed = saves.agree(StepPoint(step, state.progress.epoch, epoch_completed), loss, preemption.requested)
             seen = 0
-            yield StepDone(step, float(lr), agreed)
+            digest = step_digest(agreed.loss, parameter_checksum(training.parameters, step))
+            yield StepDone(step, float(lr), agreed, digest)

@@ -92,6 +92,8 @@ class RecordingGroup:
 
     def add_argument(self, *args, **kwargs):
         action = self.group.add_argument(*args, **kwargs)
+        if action.help is None:  # argparse shows the default only beside a help text
+            action.help = "(default: %(default)s)"
         self.declared[action.dest] = action.default
         return action
 

@@ -9,7 +9,8 @@ with the bundle's own files and the real `polyaxon` CLI:
 
 and prints each run's uuid, final status and the generation it restored. Everything lives under
 `--root` (default outputs-polyaxon-demo/, replaced on every run); the server and the agent stop
-at the end. The server's UI is at the printed address while the demo runs.
+at the end, or with `--keep` (`make polyaxon-demo KEEP=1`) stay up, the UI serving each run's
+page at the printed address, until Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -47,8 +51,9 @@ def step(sandbox: Sandbox, agent, home: Path, title: str, *command: str) -> str:
     log.info("$ polyaxon %s", " ".join(command))
     result = sandbox.cli(home, *command)
     if result.returncode != 0:
-        raise SystemExit(f"polyaxon-demo: `polyaxon {' '.join(command)}` exited {result.returncode}: "
-                         f"{(result.stdout + result.stderr).strip().splitlines()[-1:]}")
+        last = (result.stdout + result.stderr).strip().splitlines()[-1:] or ["(no output)"]
+        raise SystemExit(f"polyaxon-demo: `polyaxon {' '.join(command)}` exited {result.returncode}: {last[0]}; "
+                         f"see {sandbox.root / 'server.log'}")
     run_uuid = run_uuid_of(result)
     seen = len([r for r in agent.records() if r.get("run") == run_uuid and "sidecar_copy" not in r])
     status = sandbox.wait_for_status(PROJECT, run_uuid, DONE, timeout=600)
@@ -69,16 +74,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="the haupt executable (make installs it into .venv-sandbox)")
     parser.add_argument("--root", type=Path, default=REPO / "outputs-polyaxon-demo",
                         help="server, agent and artifacts store folder, replaced on every run")
+    parser.add_argument("--keep", action="store_true",
+                        help="leave the server up afterwards (its UI shows the runs) until Ctrl-C or SIGTERM")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     if not args.sandbox.is_file():
         parser.error(f"no Polyaxon sandbox at {args.sandbox}: run `make polyaxon-demo` (it installs "
                      f"requirements-sandbox.txt into .venv-sandbox)")
     shutil.rmtree(args.root, ignore_errors=True)
-    sandbox = Sandbox(args.root.resolve(), args.sandbox)
-    log.info("starting Polyaxon's server (haupt sandbox) under %s ...", args.root)
-    sandbox.start()
-    log.info("server at %s (UI: %s/ui/default/%s/)", sandbox.host, sandbox.host, PROJECT)
+    sandbox = Sandbox(args.root, args.sandbox)
+    log.info("starting Polyaxon's server (haupt sandbox) under %s ...", sandbox.root)
+    try:
+        sandbox.start()
+    except RuntimeError as error:
+        raise SystemExit(f"polyaxon-demo: {error}") from None
+    log.info("server at %s (UI: %s)", sandbox.host, project_page(sandbox))
     home = sandbox.root / "home"
     agent = sandbox.agent(sandbox.root / "agent", PROJECT)
     try:
@@ -88,14 +98,33 @@ def main(argv: list[str] | None = None) -> int:
                    "polyaxonfiles/polyaxonfile.yaml", "-u", "-P", "interrupt_at_step=27")
         step(sandbox, agent, home, "ops resume, same run", "ops", "resume", "-p", PROJECT, "-uid", run,
              "-f", "presets/resume.yaml")
-        step(sandbox, agent, home, "ops restart --copy, a new run", "ops", "restart", "-p", PROJECT, "-uid", run,
-             "--copy")
+        copy = step(sandbox, agent, home, "ops restart --copy, a new run", "ops", "restart", "-p", PROJECT,
+                    "-uid", run, "--copy")
         log.info("run directories: %s; job logs: %s", sandbox.artifacts / "training-recovery",
                  sandbox.root / "agent" / "logs")
+        if args.keep:
+            stop = threading.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C in a terminal reaches make and this process
+                signal.signal(sig, lambda *_: stop.set())
+            log.info("the server stays up; its UI:\n  original and resumed run: %s\n  its copy: %s\n"
+                     "stop: Ctrl-C, or kill %d", run_page(sandbox, run), run_page(sandbox, copy), os.getpid())
+            sys.stdout.flush()
+            while not stop.wait(0.5):
+                if sandbox.process is None or sandbox.process.poll() is not None:
+                    raise SystemExit(f"polyaxon-demo: the server exited; see {sandbox.root / 'server.log'}")
+            log.info("stopping the server")
     finally:
         agent.stop()
         sandbox.stop()
     return 0
+
+
+def project_page(sandbox: Sandbox) -> str:
+    return f"{sandbox.host}/ui/default/{PROJECT}/runs"
+
+
+def run_page(sandbox: Sandbox, run_uuid: str) -> str:
+    return f"{sandbox.host}/ui/default/{PROJECT}/runs/{run_uuid}"
 
 
 if __name__ == "__main__":

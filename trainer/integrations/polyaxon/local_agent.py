@@ -44,44 +44,20 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from trainer.integrations.polyaxon.retries import call
 
 log = logging.getLogger("local_agent")
 
 EXIT_STATUS = {0: "succeeded", 75: "stopped"}
 """The final status an exit code means; any other exit is `failed`."""
 FINAL = frozenset({"succeeded", "failed", "stopped", "skipped", "upstream_failed", "done"})
-SPURIOUS_405_RETRIES = 5
 
 
 def status_of_exit(exit_code: int) -> str:
     return EXIT_STATUS.get(exit_code, "failed")
-
-
-def spurious_405(error: Exception) -> bool:
-    """The sandbox (haupt 2.18, one uvicorn worker) answers about 2% of requests with a Django
-    `405 Method Not Allowed` that never reached a view: the same request succeeds when repeated.
-    A 405 from a view (Django REST framework) has a JSON `detail`; that one is real, never retried."""
-    if getattr(error, "status", None) != 405:
-        return False
-    body = getattr(error, "body", None) or ""
-    try:
-        return "detail" not in json.loads(body)
-    except (ValueError, TypeError):
-        return True
-
-
-def call(function, *args, **kwargs):
-    """A client call, retried only on the sandbox's spurious 405 (`spurious_405`)."""
-    for attempt in range(SPURIOUS_405_RETRIES):
-        try:
-            return function(*args, **kwargs)
-        except Exception as error:  # noqa: BLE001 - only the spurious 405 is retried
-            if not spurious_405(error) or attempt == SPURIOUS_405_RETRIES - 1:
-                raise
-            time.sleep(0.2 * (attempt + 1))
 
 
 @dataclass

@@ -14,6 +14,7 @@ connection) the sandbox's artifacts store is that bucket; by default it is a hos
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -33,11 +34,14 @@ BIN = Path(sys.executable).parent
 UUID = re.compile(r"\b[0-9a-f]{32}\b")
 SPURIOUS_405 = ("Status: 405", "Method Not Allowed")
 CREATED = "A new run was created"
+UI_OFFLINE = {"POLYAXON_UI_IN_SANDBOX": "true", "POLYAXON_UI_OFFLINE": "true"}
+"""The server's UI from the wheel's own bundles, not the public CDNs (whose absence, or the
+default static paths, leave the page blank: /static/dist/js/*.bundle.js answers 404)."""
 
 
 def haupt_binary() -> Path:
     """The sandbox's `haupt`: $PLX_SANDBOX_HAUPT, else the repository's .venv-sandbox (make test)."""
-    candidate = Path(os.environ.get("PLX_SANDBOX_HAUPT") or REPO / ".venv-sandbox" / "bin" / "haupt")
+    candidate = Path(os.environ.get("PLX_SANDBOX_HAUPT") or REPO / ".venv-sandbox" / "bin" / "haupt").absolute()
     if not candidate.is_file():
         raise FileNotFoundError(f"no Polyaxon sandbox at {candidate}: `make test` installs it "
                                 f"(requirements-sandbox.txt into .venv-sandbox), or set PLX_SANDBOX_HAUPT")
@@ -84,6 +88,11 @@ class Sandbox:
     port: int = 0
     process: subprocess.Popen | None = None
 
+    def __post_init__(self) -> None:
+        # Absolute before any Popen(cwd=...): `make polyaxon-demo` passes .venv-sandbox/bin/haupt,
+        # relative to the caller's directory, and the server starts with cwd=root.
+        self.root, self.haupt = self.root.absolute(), self.haupt.absolute()
+
     @property
     def host(self) -> str:
         return f"http://127.0.0.1:{self.port}"
@@ -123,6 +132,7 @@ class Sandbox:
         home.mkdir(exist_ok=True)
         env = self.base_env(home)
         env["POLYAXON_AGENT_ARTIFACTS_STORE"] = json.dumps(self.artifacts_store)
+        env.update(UI_OFFLINE)
         log = (self.root / "server.log").open("ab")
         self.process = subprocess.Popen(
             [str(self.haupt), "sandbox", "start", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
@@ -183,11 +193,22 @@ class Sandbox:
     def run(self, project: str, run_uuid: str, owner: str = "default") -> dict:
         """The run as the REST API gives it (status, original, inputs, ...), retried on the
         sandbox's spurious 405 (see `cli`)."""
-        url = f"{self.host}/api/v1/{owner}/{project}/runs/{run_uuid}"
+        return self.get(f"/api/v1/{owner}/{project}/runs/{run_uuid}")
+
+    def lineage(self, project: str, run_uuid: str, owner: str = "default") -> dict[str, dict]:
+        """The run's artifact lineage by name."""
+        answer = self.get(f"/api/v1/{owner}/{project}/runs/{run_uuid}/lineage/artifacts")
+        return {entry["name"]: entry for entry in answer.get("results") or []}
+
+    def get(self, path: str) -> dict:
+        """GET an API path, retried on the sandbox's spurious 405 (see `cli`)."""
+        url = f"{self.host}{path}"
         for attempt in range(5):
             try:
                 with urllib.request.urlopen(url, timeout=10) as answer:
-                    return json.loads(answer.read())
+                    body = answer.read()
+                    # the lineage endpoints answer gzip whatever the request accepts
+                    return json.loads(gzip.decompress(body) if body[:2] == b"\x1f\x8b" else body)
             except urllib.error.HTTPError as error:
                 if error.code != 405 or attempt == 4:
                     raise

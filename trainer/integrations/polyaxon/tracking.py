@@ -37,10 +37,16 @@ What is recorded:
 - Attempt facts as run outputs: attempt id, restored generation and step, steps replayed; and
   the outputs the polyaxonfiles declare for pipelines: newest_generation, export_path
   (relative to the run directory, which is the run's outputs path in the store), final_loss.
-- At the end of every attempt, the run's recovery report: its totals as outputs (goodput,
-  steps computed, replayed and lost, time lost to restarts, checkpoint overhead) and the
-  timeline of all attempts so far as an image (`recovery-timeline`, step = number of
-  attempts). Best effort: a failure is a warning and never changes the exit status.
+- At the end of every attempt, the run's recovery report: its totals as outputs (goodput in
+  percent of steps and of time, steps computed, replayed and lost, time lost to restarts,
+  checkpoint overhead) and the timeline of all attempts so far as an image
+  (`recovery-timeline`, at the attempt's last step; a copy's as
+  `recovery-timeline-of-this-copy`, beside the original's copied one). Best effort: a failure
+  is a warning and never changes the exit status.
+- What the runs list shows: the run's name (`original`, `resumed`, `copy-of-<uuid>`, with its
+  attempt count), `first_params` (the inputs of its first attempt, which `ops resume`
+  replaces), a copy's seed (`copied_from`, `newest_generation` and its lineage reference), and
+  a stopped run's message naming its newest generation and the `ops resume` command.
 - The final status from the exit code, 0 succeeded, 75 stopped (resumable), anything else
   failed, wherever nothing else would record it truthfully:
   - *offline*: nothing else records the outcome (closing an offline run marks it succeeded);
@@ -65,6 +71,8 @@ from typing import Callable
 
 from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, NothingToResume, TrackingUnavailable, TrainerError, UsageError
 from trainer.integrations.polyaxon.internals import PROCESS_SIDECAR_ENV, flush_only_at_exit
+from trainer.integrations.polyaxon.retries import call, one_line
+from trainer.layout import GENERATIONS, SECTIONS
 from trainer.run.events import TrainingEvents
 
 log = logging.getLogger("trainer")
@@ -74,6 +82,7 @@ OFFLINE_ENV = "POLYAXON_IS_OFFLINE"
 METRICS = ("loss", "lr")
 TIMELINE = "recovery-timeline"
 DONE_STATUSES = frozenset({"succeeded", "failed", "stopped", "skipped", "upstream_failed"})
+RESUME_PRESET = "presets/resume.yaml"
 PLAIN_RESTART_HINT = ("on Polyaxon, a plain `ops restart` starts with empty outputs: continue the original run "
                       "with `ops resume -uid UUID -f presets/resume.yaml`, or continue it in a new run with "
                       "`ops restart -uid UUID --copy`")
@@ -140,10 +149,14 @@ class PolyaxonEvents(TrainingEvents):
         a bucket-store run, not yet committed in the store."""
         self.last_loss: float | None = None
         self.posts_status = mode == "offline"
-        self.copied_from = None
-        """A copy's seed (copy_seed.CopiedFrom), for the attempt record."""
         """Whether the trainer records the final status (module docstring): offline, and managed
         with a process sidecar."""
+        self.copied_from = None
+        """A copy's seed (copy_seed.CopiedFrom), for the attempt record."""
+        self.newest_generation: str | None = None
+        """The newest generation this run's outputs name (published, or a copy's seed)."""
+        self.cloning: str | None = None
+        """How this run relates to earlier work (`cloning_kind`), once the attempt started."""
 
     @property
     def run_uuid(self) -> str:
@@ -162,7 +175,18 @@ class PolyaxonEvents(TrainingEvents):
                      placement.connection)
 
     def original(self):
-        return getattr(self.run.run_data, "original", None)
+        return getattr(getattr(self.run, "run_data", None), "original", None)
+
+    def log_outputs(self, **outputs) -> None:
+        """One PATCH of the run, answered before the next: the server reads the run, merges and
+        saves every field, so two PATCHes in flight at once (the client's default, async) can
+        drop one's outputs, or the name. Retried on the sandbox's spurious 405 (which the async
+        default lost without a word); a failure is one warning line, never the attempt's end."""
+        try:
+            call(self.run.log_outputs, async_req=False, **outputs)
+        except Exception as error:  # noqa: BLE001 - outputs are a view of the run, not its state
+            log.warning("tracking: could not log the outputs %s of run %s: %s", ", ".join(sorted(outputs)),
+                        self.run_uuid, one_line(error))
 
     def original_uuid(self) -> str | None:
         return getattr(self.original(), "uuid", None)
@@ -174,6 +198,24 @@ class PolyaxonEvents(TrainingEvents):
             from trainer.integrations.polyaxon.copy_seed import seed_copy
 
             self.copied_from = seed_copy(placement, self.run_uuid, self.original_uuid(), store_config)
+            if self.copied_from is not None:
+                self.log_seed(placement)
+
+    def log_seed(self, placement) -> None:
+        """A copy's outputs name what it holds from the start: the seeded generation (a lineage
+        reference with the original's manifest digest) and where it came from."""
+        seed = self.copied_from
+        relative = f"{SECTIONS[GENERATIONS]}/{seed.generation}"
+        location = f"{self.store_url}/{relative}" if self.store_url else str(Path(placement.output) / relative)
+        summary = {"hash": seed.manifest_sha256, "hash_of": "manifest.json (sha256)", "copied_from": seed.run}
+        try:
+            self.run.log_artifact_ref(location, kind="dir", name=lineage_name("generation", seed.generation),
+                                      hash=seed.manifest_sha256, summary=summary, skip_hash_calculation=True)
+        except Exception as error:  # noqa: BLE001 - the seed stands; the lineage only shows it
+            log.warning("tracking: could not reference the seeded %s of run %s: %s", seed.generation,
+                        self.run_uuid, one_line(error))
+        self.newest_generation = seed.generation
+        self.log_outputs(newest_generation=seed.generation, copied_from=f"run {seed.run} {seed.generation}")
 
     def cloned_as_copy(self) -> bool:
         """`ops restart --copy`: a new run whose outputs were copied into its context path."""
@@ -268,19 +310,27 @@ class PolyaxonEvents(TrainingEvents):
         self.log_recovery_report()
         try:
             if self.last_loss is not None:
-                self.run.log_outputs(final_loss=self.last_loss)
+                self.log_outputs(final_loss=self.last_loss)
             if not self.posts_status:
                 log.info("tracking: exit %d; the Polyaxon agent sets run %s's status from it",
                          exit_code, self.run.run_uuid)
             elif exit_code == EXIT_OK:
                 self.run.log_succeeded(message="training completed")
             elif exit_code == EXIT_INTERRUPTED:
-                self.run.log_stopped(reason="Exit75",
-                                     message=message or "interrupted or preempted (exit 75); resumable")
+                self.run.log_stopped(reason="Exit75", message=self.stopped_message(message))
             else:
                 self.run.log_failed(reason=f"Exit{exit_code}", message=message)
         except Exception as error:  # noqa: BLE001 - the training outcome stands; say what was not recorded
             log.warning("tracking: could not record the final status of run %s: %s", self.run.run_uuid, error)
+
+    def stopped_message(self, reason: str | None) -> str:
+        """What a stopped run's status says: why, what it would restore, the command that continues it."""
+        newest = f"newest generation {self.newest_generation}" if self.newest_generation else "no generation yet"
+        return f"{reason or 'interrupted or preempted (exit 75)'}; resumable from {newest}; to continue, " \
+               f"{self.continue_hint()}"
+
+    def continue_hint(self) -> str:
+        return f"run `polyaxon ops resume -uid {self.run_uuid} -f {RESUME_PRESET}`"
 
     def log_recovery_report(self) -> None:
         """The report's totals as outputs and its timeline as an image, so the run's page shows
@@ -292,14 +342,19 @@ class PolyaxonEvents(TrainingEvents):
                 report = run_report(self.run_directory)
             except NothingToResume:  # refused before any record was written (66, 73): nothing to show
                 return
+            name = f"{TIMELINE}-of-this-copy" if self.cloned_as_copy() else TIMELINE
             with tempfile.TemporaryDirectory() as folder:
-                image = Path(folder) / f"{TIMELINE}.png"
+                image = Path(folder) / f"{name}.png"
                 write_timeline(report, image)
-                self.run.log_image(data=str(image), name=TIMELINE, step=report.totals.attempts)
+                # At the attempt's last step, so each attempt's picture is its own (a copy's under
+                # its own name: the original's, copied with its events, keeps its steps).
+                self.run.log_image(data=str(image), name=name, step=report.rows[-1].last_step)
             t = report.totals
-            self.run.log_outputs(attempts=t.attempts, useful_steps=t.useful, computed_steps=t.computed,
-                                 replayed_steps=t.replayed, lost_steps=t.lost, goodput=t.goodput,
-                                 wall_lost_s=t.wall_lost_s, checkpoint_overhead=t.checkpoint_share)
+            self.name_run(t.attempts)
+            self.log_outputs(attempts=t.attempts, useful_steps=t.useful, computed_steps=t.computed,
+                             replayed_steps=t.replayed, lost_steps=t.lost, goodput_steps_pct=percent(t.goodput),
+                             goodput_time_pct=percent(t.time_goodput), wall_lost_s=t.wall_lost_s,
+                             checkpoint_overhead_pct=percent(t.checkpoint_share))
         except Exception as error:  # noqa: BLE001 - a picture must never change how the attempt ended
             log.warning("tracking: could not log the recovery report of run %s: %s: %s", self.run.run_uuid,
                         error.__class__.__name__, error)
@@ -308,15 +363,30 @@ class PolyaxonEvents(TrainingEvents):
     def run_identity(self, previous_attempt: dict | None) -> dict:
         original = self.original()
         original_kind = getattr(getattr(original, "kind", None), "value", getattr(original, "kind", None))
-        return {"run_uuid": self.run.run_uuid, "mode": self.mode,
-                "cloning": cloning_kind(original_kind, self.run.run_uuid, previous_attempt),
+        cloning = cloning_kind(original_kind, self.run.run_uuid, previous_attempt)
+        # `ops resume` replaces the run's inputs (and its outputs): the first attempt's params are
+        # carried from record to record, so every attempt shows them again.
+        first = ((previous_attempt or {}).get("polyaxon") or {}).get("first_params") if cloning == "resume" else \
+            first_params(getattr(getattr(self.run, "run_data", None), "inputs", None))
+        return {"run_uuid": self.run.run_uuid, "mode": self.mode, "cloning": cloning,
                 "original_uuid": getattr(original, "uuid", None),
-                "copied_from": self.copied_from.to_json() if self.copied_from else None}
+                "copied_from": self.copied_from.to_json() if self.copied_from else None, "first_params": first}
 
     def attempt_started(self, record: dict) -> None:
         restored = record.get("restored") or {}
-        self.run.log_outputs(attempt=record["id"], restored_generation=restored.get("name"),
-                             restored_step=restored.get("step"), steps_replayed=record.get("steps_replayed"))
+        self.newest_generation = self.newest_generation or restored.get("name")
+        outputs = {"attempt": record["id"], "restored_generation": restored.get("name"),
+                   "restored_step": restored.get("step"), "steps_replayed": record.get("steps_replayed")}
+        identity = record.get("polyaxon") or {}
+        self.cloning = identity.get("cloning")
+        self.log_outputs(**outputs, first_params=identity.get("first_params"))
+        self.name_run()
+
+    def name_run(self, attempts: int | None = None) -> None:
+        try:
+            call(self.run.set_name, run_name(self.cloning, self.original_uuid(), attempts), async_req=False)
+        except Exception as error:  # noqa: BLE001 - a name is a label: the attempt goes on without it
+            log.warning("tracking: could not name run %s: %s", self.run_uuid, one_line(error))
 
     def step_completed(self, step: int, metrics: dict[str, float]) -> None:
         self.last_loss = metrics.get("loss", self.last_loss)
@@ -345,12 +415,13 @@ class PolyaxonEvents(TrainingEvents):
         if kind == "export":
             self.run.log_model_ref(location, name=lineage_name(kind, published.name), framework="safetensors",
                                    summary=summary, skip_hash_calculation=True)
-            self.run.log_outputs(export_path=relative)
+            self.log_outputs(export_path=relative)
         else:
             self.run.log_artifact_ref(location, kind="dir", name=lineage_name(kind, published.name),
                                       hash=published.manifest_sha256, summary=summary,
                                       skip_hash_calculation=True)
-            self.run.log_outputs(newest_generation=published.name)
+            self.newest_generation = published.name
+            self.log_outputs(newest_generation=published.name)
 
     def removed(self, kind: str, name: str) -> None:
         """Drop the lineage reference of a generation or export retention deleted. Offline the
@@ -363,12 +434,31 @@ class PolyaxonEvents(TrainingEvents):
             if self.mode == "offline":
                 self.run.artifacts_lineage.pop(reference, None)
             else:
-                self.run.client.runs_v1.delete_run_artifact_lineage(
-                    self.run.owner, self.run.project, self.run.run_uuid, reference)
+                call(self.run.client.runs_v1.delete_run_artifact_lineage,
+                     self.run.owner, self.run.project, self.run.run_uuid, reference)
         except Exception as error:  # noqa: BLE001 - the deletion stands; say what the lineage still shows
-            log.warning("tracking: %s was deleted, but its lineage reference %s stays: %s", name, reference, error)
+            log.warning("tracking: %s was deleted, but its lineage reference %s stays: %s", name, reference,
+                        one_line(error))
             return
         log.info("tracking: lineage reference %s removed", reference)
+
+
+def percent(share: float | None) -> float | None:
+    return None if share is None else round(100 * share, 1)
+
+
+def first_params(inputs: dict | None) -> str:
+    """The run's params as its first attempt saw them (`k=v, ...`, unset ones left out)."""
+    return ", ".join(f"{key}={value}" for key, value in sorted((inputs or {}).items()) if value is not None)
+
+
+def run_name(cloning: str | None, original_uuid: str | None, attempts: int | None = None) -> str:
+    """The run's name in the runs list: what it is to its original (and, once an attempt ended,
+    how many attempts its run directory holds). A slug, as the server requires (`[-a-zA-Z0-9_]+`):
+    `original`, `resumed-2-attempts`, `copy-of-<uuid>-1-attempt`."""
+    kind = {"copy": f"copy-of-{original_uuid}", "restart": f"restart-of-{original_uuid}",
+            "resume": "resumed"}.get(cloning or "", "original")
+    return f"{kind}-{attempts}-attempt{'' if attempts == 1 else 's'}" if attempts else kind
 
 
 def lineage_name(kind: str, name: str) -> str:

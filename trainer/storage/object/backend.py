@@ -148,11 +148,11 @@ class TieredObjectStorage(RunStorage):
         local = super().set_aside_later_than(step)
         return local + (self.remote.set_aside_later_than(step, self.fence) if self.remote is not None else [])
 
-    def push_record(self, folder: Path) -> None:
+    def push_record(self, folder: Path, step_digests: bool = True) -> None:
         if self.remote is None:
             return
         try:
-            self.remote.push_attempt(folder)
+            self.remote.push_attempt(folder, step_digests)
         except Exception as error:  # noqa: BLE001 - the attempt's own outcome is what must reach the user
             log.warning("could not copy the attempt record to %s: %s", self.where, error)
 
@@ -175,8 +175,9 @@ class DirectObjectStorage(TieredObjectStorage):
 
     def recorded(self, folder: Path) -> None:
         """A direct commit is durable once the checkpointer reports it: the record that now says
-        so goes to the object store at once (tiered commits push it from the uploader)."""
-        self.push_record(folder)
+        so goes to the object store at once (tiered commits push it from the uploader), without
+        the per-step log, which goes up when the attempt ends."""
+        self.push_record(folder, step_digests=False)
 
     def checkpointer(self, mode: str, attempt_id: str, coordinator: Coordinator, device) -> Checkpointer:
         """Sync: durable when `save()` returns. Async: the loop waits for staging only; each

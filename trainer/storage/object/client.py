@@ -58,6 +58,18 @@ class PreconditionFailed(Exception):
     """A conditional write lost: the object exists (create) or changed (If-Match)."""
 
 
+ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+
+
+def require_endpoint_scheme(environ) -> None:
+    """botocore takes `127.0.0.1:8333` and fails at the first call with a ValueError deep in a
+    retry loop; refuse it up front, naming the fix (exit 2)."""
+    for name in ENDPOINT_VARIABLES:
+        value = environ.get(name, "")
+        if value and "://" not in value:
+            raise UsageError(f"{name}={value} has no scheme; write it as http://{value} (https:// for TLS)")
+
+
 def open_filesystem(location: StoreLocation, config: StoreConfig):
     """The fsspec filesystem for a URL's scheme, configured so this module owns retries."""
     package = SCHEMES[location.scheme]
@@ -67,6 +79,7 @@ def open_filesystem(location: StoreLocation, config: StoreConfig):
         raise UsageError(f"{location.url}: {location.scheme}:// needs the {package} package; "
                          f"pip install {package}") from None
     if location.scheme == "s3":
+        require_endpoint_scheme(os.environ)
         timeouts = {"connect_timeout": config.timeout_s, "read_timeout": config.timeout_s,
                     "retries": {"total_max_attempts": 1, "mode": "standard"}}
         filesystem = module.S3FileSystem(config_kwargs=timeouts, skip_instance_cache=True, use_listings_cache=False)

@@ -36,7 +36,7 @@ from trainer.storage.base import Durable, Transfer
 from trainer.storage.object.lease import lost_lease
 from trainer.storage.object.section import ObjectSection
 from trainer.checkpoint.retention import Candidate, select_deletions
-from trainer.layout import ATTEMPTS, EXPORTS, GENERATIONS, MANIFEST, SECTIONS, STORE_MARKER, RunDirectory
+from trainer.layout import ATTEMPTS, EXPORTS, GENERATIONS, MANIFEST, SECTIONS, STEP_DIGESTS, STORE_MARKER, RunDirectory
 
 log = logging.getLogger("trainer")
 
@@ -154,12 +154,15 @@ class RemoteRun:
                     abandoned.append(f"{section.url(name)}")
         return abandoned
 
-    def push_attempt(self, folder: Path) -> None:
-        """Copy one attempt's record files to the store (small; whole files each time)."""
+    def push_attempt(self, folder: Path, step_digests: bool = True) -> None:
+        """Copy one attempt's record files to the store (small; whole files each time).
+        `step_digests` False leaves out the per-step log, which grows with the run: pushed
+        after every commit it would cost the square of the run's length; it goes up when the
+        attempt ends (its steps past the last commit are what a resume replays)."""
         if not folder.is_dir():
             return
         for path in sorted(folder.iterdir()):
-            if path.is_file() and not path.name.startswith("."):
+            if path.is_file() and not path.name.startswith(".") and (step_digests or path.name != STEP_DIGESTS):
                 self.objects.write(f"{ATTEMPTS}/{folder.name}/{path.name}", path.read_bytes())
 
 
@@ -236,7 +239,7 @@ class Uploader:
 
     def push_record(self) -> None:
         if self.attempt_folder is not None:
-            self.remote.push_attempt(self.attempt_folder)
+            self.remote.push_attempt(self.attempt_folder, step_digests=False)
 
     def _raise_failure(self) -> None:
         if self._failure is not None:

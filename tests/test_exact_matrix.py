@@ -1,0 +1,138 @@
+"""Exact at every world size: for 2, 3 and 4 processes, DDP and FSDP2, an interrupted-and-resumed
+run ends bit-identical to the uninterrupted one, sync and async, on one disk and in the object
+store; a world-size change under the override is deterministic run to run; and the exactness
+witness says so in the attempt records (and says so when it is not, in test_witness.py).
+
+Why 3 and 4: a sum of two ranks' values is the same in either order, a sum of three is not. DDP
+rebuilds its gradient buckets after the first step, so a fresh process reduced each gradient
+element in a different order from the uninterrupted run, until each gradient was all-reduced on
+its own (trainer/parallel/reduction.py).
+One process is proven by test_async_checkpoint.py and test_store.py.
+
+Each (world size, data parallel) runs four times, one run per cell:
+- a baseline on disk, sync, saving every 4 steps (step-4, step-8, step-12);
+- disk: a copy of the baseline that lost step-12 resumes from step-8 with async saves, and
+  replays the steps the baseline computed (the witness compares all four);
+- store: a run in the object store interrupted at step 10 with async saves, resumed with sync.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import attempts, compare, generation, one_error_line, store_env, torchrun, train
+
+STEPS_ARGS = ("--samples", 144, "--batch-size", 12, "--epochs", 1, "--recover-every-steps", 4, "--keep-last", 10)
+"""12 steps; the batch splits evenly over 2, 3 and 4 ranks."""
+FINAL = "step-00000012"
+CELLS = [pytest.param(world_size, parallel, marks=pytest.mark.xdist_group(f"matrix-{world_size}-{parallel}"))
+         for world_size in (2, 3, 4) for parallel in ("ddp", "fsdp")]
+"""Each cell's tests on one worker (`--dist loadgroup`), so its baseline is trained once."""
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory):
+    """The uninterrupted run of each cell, made on first use."""
+    made: dict[tuple[int, str], Path] = {}
+
+    def baseline(world_size: int, parallel: str) -> Path:
+        if (world_size, parallel) not in made:
+            root = tmp_path_factory.mktemp(f"baseline-{world_size}-{parallel}")
+            torchrun(root / "run", *STEPS_ARGS, "--data-parallel", parallel, "--checkpoint-mode", "sync",
+                     nproc=world_size, tmp=root)
+            made[world_size, parallel] = root / "run"
+        return made[world_size, parallel]
+
+    return baseline
+
+
+def assert_witnessed_exact(record: dict, replayed: int) -> None:
+    assert record["exactness"] == {"exact": True}
+    assert record["restore_check"] == {"matched": True}, record["restore_check"]
+    assert record["replay"]["matched"] == record["replay"]["of"] == replayed, record["replay"]
+    assert record["replay"]["first_mismatch"] is None
+
+
+@pytest.mark.parametrize("world_size, parallel", CELLS)
+def test_a_resume_on_disk_is_exact(world_size, parallel, baselines, tmp_path):
+    baseline = baselines(world_size, parallel)
+    run = tmp_path / "run"
+    shutil.copytree(baseline, run)  # the worker was lost after step 12 was computed, before its save
+    for section in ("checkpoints", "exports"):
+        shutil.rmtree(run / section / FINAL)
+    resumed = torchrun(run, *STEPS_ARGS, "--data-parallel", parallel, "--checkpoint-mode", "async", "--resume",
+                       nproc=world_size, tmp=tmp_path)
+    assert "restored step-00000008" in resumed.stdout
+    result = compare(generation(baseline, FINAL), generation(run, FINAL))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert_witnessed_exact(attempts(run)[-1], replayed=4)
+
+
+@pytest.mark.parametrize("world_size, parallel", CELLS)
+def test_a_resume_in_the_object_store_is_exact(world_size, parallel, baselines, s3_server, s3_bucket, tmp_path):
+    baseline = baselines(world_size, parallel)
+    url, env = f"s3://{s3_bucket.name}/run", store_env(s3_server)
+    common = (*STEPS_ARGS, "--data-parallel", parallel)
+    torchrun(url, *common, "--local-tier", tmp_path / "node-a", "--checkpoint-mode", "async", "--interrupt-at-step", 10,
+             expect=75, nproc=world_size, env=env, tmp=tmp_path)
+    # A new node: its local tier is empty; the lost attempt's records and step digests come from the store.
+    resumed = torchrun(url, *common, "--local-tier", tmp_path / "node-b", "--checkpoint-mode", "sync", "--resume",
+                       nproc=world_size, env=env, tmp=tmp_path)
+    assert "restored step-00000008" in resumed.stdout
+    result = compare(generation(baseline, FINAL), f"{url}/checkpoints/{FINAL}", env=env)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert_witnessed_exact(attempts(tmp_path / "node-b")[-1], replayed=2)
+
+
+@pytest.mark.xdist_group("matrix-4-ddp")
+def test_a_world_size_change_is_deterministic_run_to_run(baselines, tmp_path):
+    """4 → 3 under the override: not equal to any uninterrupted run (the global batch is summed
+    over other ranks), but two such resumes of one generation end identical, and the witness
+    does not claim a replay it cannot make."""
+    baseline = baselines(4, "ddp")
+    finals = []
+    for copy in ("a", "b"):
+        run = tmp_path / copy
+        shutil.copytree(baseline, run)
+        for section in ("checkpoints", "exports"):
+            shutil.rmtree(run / section / FINAL)
+        torchrun(run, *STEPS_ARGS, "--resume", "--allow-drift", "world_size", nproc=3, tmp=tmp_path)
+        record = attempts(run)[-1]
+        assert record["world_size_change"]["exact"] is False
+        assert record["replay"]["compared"] is False and "world_size" in record["replay"]["reason"]
+        assert record["restore_check"] == {"compared": False, "reason": "allowed drift (world_size)"}
+        finals.append(generation(run, FINAL))
+    assert compare(*finals).returncode == 0
+    assert compare(generation(baseline, FINAL), finals[0]).returncode == 1, "3 ranks sum in another order than 4"
+
+
+def test_bucketed_reduction_with_three_ranks_is_not_exact_and_says_so(tmp_path):
+    """The failure this matrix exists for: DDP's own all-reduce of whole buckets, 3 ranks. The run says at start
+    that it cannot be exact, records why, and the witness sees the resume diverge from the
+    first replayed step: without compare.py, on the cluster."""
+    args = (*STEPS_ARGS, "--gradient-reduction", "bucketed", "--checkpoint-mode", "sync")
+    baseline = tmp_path / "baseline"
+    started = torchrun(baseline, *args, nproc=3, tmp=tmp_path)
+    assert "not exact: --gradient-reduction bucketed with 3 processes" in started.stdout + started.stderr
+    run = tmp_path / "run"
+    shutil.copytree(baseline, run)
+    for section in ("checkpoints", "exports"):
+        shutil.rmtree(run / section / FINAL)
+    resumed = torchrun(run, *args, "--resume", nproc=3, tmp=tmp_path)
+    assert compare(generation(baseline, FINAL), generation(run, FINAL)).returncode == 1
+    record = attempts(run)[-1]
+    assert record["exactness"]["exact"] is False and "--gradient-reduction per-parameter" in record["exactness"]["reason"]
+    assert record["restore_check"] == {"matched": True}, "the restore itself is right; the reduction is not"
+    assert record["replay"]["first_mismatch"] == 9 and record["replay"]["matched"] == 0, record["replay"]
+    assert "exactness witness: replayed step 9 differs" in resumed.stdout + resumed.stderr
+
+
+def test_a_ddp_reduction_with_fsdp_is_a_one_line_usage_error(tmp_path):
+    line = one_error_line(train(tmp_path / "run", "--data-parallel", "fsdp", "--gradient-reduction", "bucketed",
+                                expect=2))
+    assert line == ("trainer: error: --gradient-reduction bucketed chooses how DDP all-reduces gradients; "
+                    "--data-parallel fsdp reduce-scatters them instead (exact as it is): drop --gradient-reduction")
+    assert not (tmp_path / "run").exists()
