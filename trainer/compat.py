@@ -71,6 +71,9 @@ TORCH_SET_DETERMINISTIC = PrivateName(
 DCP_SET_ELEMENT = PrivateName(
     "torch.distributed.checkpoint._traverse", "set_element", "torch", "2.13.0",
     "putting a non-tensor value loaded weights-only where DCP's default planner would put it")
+COMPILED_ORIGINAL = "_orig_mod"
+"""Attribute of `torch.compile`'s wrapper module (`OptimizedModule`, checked against torch
+2.13.0) holding the module it compiled; its `state_dict()` prefixes every key with it."""
 SCHEDULER_LAST_LR = "_last_lr"
 """Attribute of every torch LRScheduler (checked against torch 2.13.0) behind
 `get_last_lr()`; it has no public setter."""
@@ -133,3 +136,16 @@ def set_scheduler_last_lr(scheduler, learning_rates: list[float]) -> None:
                               f"{installed_version('torch')} installed, checked against 2.13.0); it is used "
                               f"for an allowed --lr drift: update trainer/compat.py")
     setattr(scheduler, SCHEDULER_LAST_LR, list(learning_rates))
+
+
+def uncompiled(module):
+    """The module `torch.compile` wrapped (sharing its parameters), or `module` itself: its
+    state and export keys are the model's own names (`net.0.weight`, not
+    `_orig_mod.net.0.weight`), so an export loads into the uncompiled model. Looked up
+    without importing torch._dynamo (a compiled model has already imported it)."""
+    import sys
+
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    if dynamo is None or not isinstance(module, dynamo.OptimizedModule):
+        return module
+    return getattr(module, COMPILED_ORIGINAL)

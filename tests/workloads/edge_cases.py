@@ -6,7 +6,13 @@
   is saved and resumed exactly);
 - `--case lazy-extra`: a `stateful()` tensor that gets its shape at the first step (refused
   at restore, naming the extra and the fix);
-- `--case raising-factory`: the factory refuses its options with a ValueError (exit 2).
+- `--case raising-factory`: the factory refuses its options with a ValueError (exit 2);
+- `--case optimizer-list`, `shared-parameter`, `lbfgs`: optimizers the trainer cannot step or
+  save (a list, a parameter in two of them, a closure optimizer without `train_step`): refused
+  before the first step, exit 2 (issue #29);
+- `--case compiled`: the model through `torch.compile` (the eager backend: no C++ build).
+
+`ClosureStep` is the LBFGS case done right: its own `train_step` hands the closure over.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ class LazyAverage:
 
 
 class EdgeCase(ToyWorkload):
-    CASES = ("foreign-tensor", "uncovered", "lazy-extra", "raising-factory")
+    CASES = ("foreign-tensor", "uncovered", "lazy-extra", "raising-factory", "optimizer-list", "shared-parameter",
+             "lbfgs", "compiled")
 
     @staticmethod
     def add_options(group) -> None:
@@ -54,7 +61,17 @@ class EdgeCase(ToyWorkload):
             return torch.optim.SGD([*parameters, temperature], lr=self.options.toy_lr, momentum=0.9)
         if self.options.case == "uncovered":
             return torch.optim.SGD(parameters[:2], lr=self.options.toy_lr, momentum=0.9)  # the head stays fixed
+        if self.options.case == "optimizer-list":
+            return [torch.optim.SGD(parameters[:2], lr=0.1), torch.optim.SGD(parameters[2:], lr=0.1)]
+        if self.options.case == "shared-parameter":
+            return {"body": torch.optim.SGD(parameters, lr=0.1), "head": torch.optim.SGD(parameters[2:], lr=0.1)}
+        if self.options.case == "lbfgs":
+            return torch.optim.LBFGS(parameters, lr=0.1, max_iter=2)
         return super().build_optimizer(model)
+
+    def build_model(self):
+        model = super().build_model()
+        return torch.compile(model, backend="eager") if self.options.case == "compiled" else model
 
     def after_step(self, model, optimizer) -> None:
         super().after_step(model, optimizer)
@@ -66,3 +83,100 @@ class EdgeCase(ToyWorkload):
         if self.options.case == "lazy-extra":
             extras["average"] = self.lazy
         return extras
+
+
+class ClosureStep(EdgeCase):
+    """LBFGS through the workload's own step: the closure re-evaluates the whole window."""
+
+    def __init__(self, options):
+        options.case = "lbfgs"
+        super().__init__(options)
+
+    def train_step(self, model, optimizer, batches, step) -> torch.Tensor:
+        def closure():
+            optimizer.zero_grad()
+            total = 0.0
+            for batch in batches:
+                with step.autocast():
+                    loss = self.loss(model, batch)
+                step.backward(loss)
+                total = total + loss.detach() / len(batches)
+            return total
+        return step.step(optimizer, closure)
+
+
+class CursorStream(torch.utils.data.Dataset):
+    """The workaround users write for a stream (issue #29): a map-style dataset that ignores
+    its index and returns the next row, its cursor returned by stateful()."""
+
+    def __init__(self, samples: int, features: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        self.inputs = torch.randn(samples, features, generator=generator)
+        self.cursor = torch.zeros((), dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, index: int) -> dict:
+        row = self.inputs[int(self.cursor) % len(self.inputs)]
+        self.cursor += 1
+        return {"inputs": row, "target": row.sum(dim=0, keepdim=True)}
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor.copy_(state["cursor"])
+
+
+class StreamInDataset(ToyWorkload):
+    def build_dataset(self):
+        self.stream = CursorStream(self.options.toy_samples, self.options.features, self.options.seed)
+        return self.stream
+
+    def stateful(self) -> dict:
+        return {**super().stateful(), "stream": self.stream}
+
+
+class Planned(ToyWorkload):
+    """Warmup then cosine over the run's optimizer steps, told by `plan` (no --total-steps of
+    its own, no reading of --epochs)."""
+
+    def plan(self, steps) -> None:
+        self.steps = steps
+
+    def build_scheduler(self, optimizer):
+        total, warmup = self.steps.total, max(1, self.steps.total // 4)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, warmup, total))
+
+    def architecture(self) -> dict:
+        return {**super().architecture(), "steps_per_epoch": self.steps.per_epoch, "total_steps": self.steps.total}
+
+
+def warmup_cosine(step: int, warmup: int, total: int) -> float:
+    import math
+
+    return min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+
+
+class MaskingRows(torch.utils.data.Dataset):
+    """Rows with an MLM-style collator: `collate` masks random positions with the global RNG."""
+
+    def __init__(self, samples: int, features: int, seed: int):
+        self.inputs = torch.randn(samples, features, generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.inputs[index]
+
+    def collate(self, rows: list) -> dict:
+        batch = torch.stack(rows)
+        masked = torch.rand(batch.shape) < 0.3
+        return {"inputs": batch.masked_fill(masked, 0.0), "target": batch.sum(dim=1, keepdim=True)}
+
+
+class MaskedCollate(ToyWorkload):
+    def build_dataset(self):
+        return MaskingRows(self.options.toy_samples, self.options.features, self.options.seed)

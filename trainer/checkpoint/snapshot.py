@@ -49,9 +49,20 @@ def write_snapshot(state_dict: dict, directory: Path, config: WriterConfig = Wri
     return writer.digests
 
 
-def stored_entries(directory: Path) -> dict:
-    """Flattened key -> DCP storage metadata (tensor shape/dtype, or bytes for objects)."""
-    return read_metadata(directory).state_dict_metadata
+class StoredEntries(dict):
+    """Flattened key -> DCP storage metadata (tensor shape/dtype, or bytes for objects), and
+    in `paths` the nested path each key was flattened from (DCP's planner data): a key alone
+    is ambiguous when a dict key holds a dot (`0.weight`) or was an integer (`state.0`)."""
+
+    def __init__(self, entries: dict, paths: dict | None):
+        super().__init__(entries)
+        self.paths: dict[str, tuple] = dict(paths or {})
+
+
+def stored_entries(directory: Path) -> StoredEntries:
+    metadata = read_metadata(directory)
+    planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    return StoredEntries(metadata.state_dict_metadata, planner_data)
 
 
 READ_THREADS = 4

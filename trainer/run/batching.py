@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from trainer.config import WorkloadConfig
 from trainer.errors import UsageError
+from trainer.workload.protocol import TrainingSteps
 
 
 class EpochBatchOrder:
@@ -60,3 +62,11 @@ def require_even_split(samples: int, batch_size: int, world_size: int) -> None:
     """Refuse (exit 2) a batch size the ranks cannot share evenly (see `uneven_split`)."""
     if problem := uneven_split(samples, batch_size, world_size):
         raise UsageError(problem)
+
+
+def training_steps(samples: int, config: WorkloadConfig) -> TrainingSteps:
+    """The run's optimizer steps: an epoch's batches in windows of --grad-accum (the last one
+    may be shorter), times --epochs."""
+    batches_per_epoch = len(EpochBatchOrder(samples, config.batch_size, config.seed, 0, 0))
+    per_epoch = -(-batches_per_epoch // config.grad_accum)
+    return TrainingSteps(per_epoch, config.epochs * per_epoch)

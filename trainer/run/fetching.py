@@ -14,6 +14,7 @@ would be had the dataset drawn nothing.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 from collections.abc import Mapping
@@ -24,12 +25,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
+from trainer.errors import UsageError
 from trainer.run.batching import EpochBatchOrder
 from trainer.run.runtime import ignore_stop_signals
 
 
 @contextmanager
-def seeded_globals(seed: int, epoch: int, index: int) -> Iterator[None]:
+def seeded_globals(seed: int, epoch: int, index: int, *purpose: int) -> Iterator[None]:
     """Python's, NumPy's and torch's (CPU) global RNGs seeded from (seed, epoch, index) for
     the duration, then restored in the main process. A DataLoader worker skips the restore
     (about half the cost): its streams serve nothing but the next fetch, which reseeds them.
@@ -38,7 +40,7 @@ def seeded_globals(seed: int, epoch: int, index: int) -> Iterator[None]:
     saved = None
     if get_worker_info() is None:
         saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    words = np.random.SeedSequence([seed, epoch, index]).generate_state(4)
+    words = np.random.SeedSequence([seed, epoch, index, *purpose]).generate_state(4)
     random.seed(int.from_bytes(words.tobytes(), "little"))
     np.random.seed(words)
     torch.default_generator.manual_seed(int(words[0]) << 32 | int(words[1]))
@@ -51,14 +53,20 @@ def seeded_globals(seed: int, epoch: int, index: int) -> Iterator[None]:
             torch.set_rng_state(saved[2])
 
 
+COLLATE = 1
+"""The `purpose` of a collate's seeds, apart from every sample's."""
+
+
 class KeyedSeeding(Dataset):
     """The workload's dataset, fetched by (epoch, index) keys under `seeded_globals`:
-    `dataset.sample_at(epoch, index)` when it has one, else `dataset[index]`."""
+    `dataset.sample_at(epoch, index)` when it has one, else `dataset[index]`. With a
+    `dataset.collate(samples)`, each sample travels with its key to `KeyedCollate`."""
 
     def __init__(self, dataset, seed: int):
         self.dataset = dataset
         self.seed = seed
         self.keyed = callable(getattr(dataset, "sample_at", None))
+        self.collate = getattr(dataset, "collate", None)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -66,7 +74,22 @@ class KeyedSeeding(Dataset):
     def __getitem__(self, key: tuple[int, int]):
         epoch, index = key
         with seeded_globals(self.seed, epoch, index):
-            return self.dataset.sample_at(epoch, index) if self.keyed else self.dataset[index]
+            sample = self.dataset.sample_at(epoch, index) if self.keyed else self.dataset[index]
+        return (key, sample) if self.collate is not None else sample
+
+
+class KeyedCollate:
+    """A workload's `collate` run with the global RNGs seeded from (seed, epoch, the batch's
+    first index): a random collator (MLM masking) draws the same numbers whichever process
+    collates and wherever a resume starts, as a sample's augmentation does."""
+
+    def __init__(self, collate, seed: int):
+        self.collate, self.seed = collate, seed
+
+    def __call__(self, keyed: list):
+        (epoch, first), _ = keyed[0]
+        with seeded_globals(self.seed, epoch, first, COLLATE):
+            return self.collate([sample for _, sample in keyed])
 
 
 def epoch_loader(dataset: KeyedSeeding, order: EpochBatchOrder, num_workers: int) -> DataLoader:
@@ -75,7 +98,7 @@ def epoch_loader(dataset: KeyedSeeding, order: EpochBatchOrder, num_workers: int
     workers from it on every new iterator, which a resume would repeat); worker seeds do not
     reach the samples, `KeyedSeeding` reseeds every fetch."""
     return DataLoader(dataset, batch_sampler=order, num_workers=num_workers,
-                      collate_fn=getattr(dataset.dataset, "collate", None),
+                      collate_fn=KeyedCollate(dataset.collate, dataset.seed) if dataset.collate else None,
                       generator=torch.Generator().manual_seed(0), worker_init_fn=ignore_stop_signals)
 
 
@@ -94,3 +117,36 @@ def to_device(batch, device: torch.device):
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(value, device) for value in batch)
     return batch
+
+
+def refuse_state_moved_by_fetching(extras: dict, dataset: KeyedSeeding, num_workers: int, spec: str) -> None:
+    """Refuse, before the first step, a workload whose `stateful()` object moves when a sample
+    is fetched (a stream's cursor kept by a map-style dataset that ignores its index) while
+    DataLoader workers fetch: each worker moves its own copy, the generation saves the main
+    process's, which never moves, and the run would train on other data than with
+    `--num-workers 0`, silently. The probe fetches one sample here, compares every extra's
+    state before and after, and puts the state back (the RNGs are put back by the fetch)."""
+    if num_workers == 0 or not extras or len(dataset) == 0:
+        return
+    before = {name: copy.deepcopy(kept.state_dict()) for name, kept in extras.items()}
+    dataset[(0, 0)]
+    moved = [name for name, kept in extras.items() if not same_state(before[name], kept.state_dict())]
+    for name in moved:
+        extras[name].load_state_dict(before[name])
+    if moved:
+        raise UsageError(f"--workload {spec}: its stateful() {moved[0]!r} changes when a sample is fetched; with "
+                         f"--num-workers {num_workers} that happens in the workers' copies, which no generation "
+                         f"saves, so the run would train on other data than with --num-workers 0: fetch by "
+                         f"index (the trainer owns the order and the position), or run with --num-workers 0")
+
+
+def same_state(a, b) -> bool:
+    """Equal state dicts, tensors compared bit for bit."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
+            and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(same_state(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b

@@ -118,7 +118,7 @@ class TrainingRun:
 
     def train(self, claim: Claim, dataset: KeyedSeeding, drift: tuple[str, ...], saves: CadencedSaves,
               preemption: PreemptionGuard) -> Outcome:
-        training: Training = build_training(self.config, self.workload, self.ranks, len(dataset))
+        training: Training = build_training(self.config, self.workload, self.ranks, dataset)
         if claim.generation is not None:
             Restorer(self.config, self.storage, self.ranks, self.workload).restore(claim, training.state, drift,
                                                                                   saves, self.recorder)

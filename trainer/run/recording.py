@@ -12,7 +12,7 @@ from trainer.parallel.ranks import Ranks
 from trainer.checkpoint.checkpointer import effective_mode
 from trainer.run.attempts import (AttemptRecorder, AttemptStart, RefusedStart, previous_attempt, read_attempts,
                                   refuse_crash_loop, steps_replayed, world_size_change)
-from trainer.run.batching import require_even_split
+from trainer.run.batching import require_even_split, training_steps
 from trainer.run.fingerprint import check_fingerprint, current_fingerprint
 from trainer.run.claim import Claim, Claimant
 from trainer.run.events import TrainingEvents
@@ -42,7 +42,8 @@ def check_attempt(config: RunConfig, workload: BoundWorkload, claim: Claim, data
     generation = claim.generation
     ranks.decide_on_primary(lambda: require_even_split(len(dataset), config.workload.batch_size, ranks.world_size),
                             "checking the batch split")
-    fingerprint = current_fingerprint(config.workload.training_relevant(), dataset_fingerprint(dataset),
+    planned = workload.plan(training_steps(len(dataset), config.workload))
+    fingerprint = current_fingerprint({**config.workload.training_relevant(), **planned}, dataset_fingerprint(dataset),
                                       ranks.device, world_size=ranks.world_size,
                                       workload_sources=workload.source_files)
     drift = [] if generation is None else ranks.decide_on_primary(lambda: check_fingerprint(

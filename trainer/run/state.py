@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from trainer import compat, seams
 from trainer.errors import CorruptGeneration
+from trainer.workload import needs_closure
 
 RNG_BY_RANK = "rng_by_rank"
 DATA_BY_RANK = "data_by_rank"
@@ -122,8 +125,11 @@ class TrainingState:
     """The Stateful bundle handed to the recovery writer and restored from a generation."""
 
     model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer]
+    """As `build_optimizer` returned it: one optimizer (stored under `optim`), or several by
+    name (each under `optim.<name>`)."""
+    scheduler: torch.optim.lr_scheduler.LRScheduler | Mapping[str, torch.optim.lr_scheduler.LRScheduler]
+    """Likewise: one (`scheduler`) or several by name (`scheduler.<name>`)."""
     scaler: torch.amp.GradScaler
     progress: Progress = field(default_factory=Progress)
     history: History = field(default_factory=History)
@@ -134,11 +140,10 @@ class TrainingState:
     absent when it has none, so such generations keep their layout."""
 
     def state_dict(self) -> dict:
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         return {
-            "model": model_state,
-            "optim": optimizer_state,
-            "scheduler": self.scheduler.state_dict(),
+            "model": get_model_state_dict(self.model),
+            "optim": per_name(self.optimizer, lambda optimizer: get_optimizer_state_dict(self.model, optimizer)),
+            "scheduler": per_name(self.scheduler, lambda scheduler: scheduler.state_dict()),
             "scaler": self.scaler.state_dict(),
             "progress": {"global_step": self.progress.global_step, "epoch": self.progress.epoch,
                          "position": self.progress.position},
@@ -161,11 +166,25 @@ class TrainingState:
     def template(self, stored_entries: dict) -> dict:
         """A state dict shaped like the stored one, for DCP to load into: model and
         optimizer tensors from the live objects, and history sized from the snapshot's
-        metadata. Optimizer state is materialised first (a zero-learning-rate step on zero
-        gradients): most optimizers create it lazily, and a template without it would leave
-        the stored state unread."""
-        compat.init_optimizer_state(self.optimizer)
+        metadata. State created during training is prepared in two ways:
+        - materialised (a zero-learning-rate step on zero gradients): every optimizer, and
+          every optimizer among the workload's extras (a discriminator's, kept in
+          `stateful()`); most optimizers create their state lazily;
+        - taken from the stored metadata (`lazily_created`): what a closure optimizer
+          creates only on real iterations (LBFGS's history), and the entries a declared
+          extra lacks (a dict that grows), at their stored shape and type.
+        Whatever is still unmatched is refused by the strict check."""
+        closure_optimizers = {name for name, optimizer in named(self.optimizer).items() if needs_closure(optimizer)}
+        for optimizer in [*named(self.optimizer).values(), *self.extras.values()]:
+            if isinstance(optimizer, torch.optim.Optimizer):
+                materialise(optimizer)
         template = self.state_dict()
+        for name in closure_optimizers:
+            section = ("optim", name) if name else ("optim",)
+            lazily_created(template, section, stored_entries, compat.set_element)
+        for name in self.extras:
+            template["workload"][name] = _copy_dicts(template["workload"][name])
+            lazily_created(template, ("workload", name), stored_entries, _nest)
         for name in template["history"]:
             size = stored_entries[f"history.{name}"].size
             template["history"][name] = torch.empty(size, dtype=torch.float64)
@@ -187,9 +206,14 @@ class TrainingState:
         return stored_key.split(".", 1)[0] in PER_RANK
 
     def load_state_dict(self, stored: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=stored["model"],
-                       optim_state_dict=stored["optim"])
-        self.scheduler.load_state_dict(stored["scheduler"])
+        set_model_state_dict(self.model, stored["model"])
+        for name, optimizer in named(self.optimizer).items():
+            # LBFGS keeps its state under its first parameter only, which DCP's own strict
+            # check reads as missing state: ours (`refuse_unmatched_keys`) already matched every key.
+            set_optimizer_state_dict(self.model, optimizer, stored_part(stored["optim"], self.optimizer, name),
+                                     options=StateDictOptions(strict=not needs_closure(optimizer)))
+        for name, scheduler in named(self.scheduler).items():
+            scheduler.load_state_dict(stored_part(stored["scheduler"], self.scheduler, name))
         if stored["scaler"]:  # empty when AMP is off
             self.scaler.load_state_dict(stored["scaler"])
         self.progress = Progress(**stored["progress"])
@@ -206,6 +230,62 @@ class TrainingState:
                         "it continues from its fresh per-rank seed", self.rank)
             return
         restore_rng(rng, seams.skip_rng_restore())  # last: everything above may consume randomness
+
+
+def named(built) -> dict:
+    """What `build_optimizer` or `build_scheduler` returned, by name: several as given, one
+    under the empty name."""
+    return dict(built) if isinstance(built, Mapping) else {"": built}
+
+
+def per_name(built, state_of) -> dict:
+    """The state of one object, or `{name: state}` of several: a single optimizer keeps the
+    layout generations have always had (`optim.state...`)."""
+    if isinstance(built, Mapping):
+        return {name: state_of(each) for name, each in built.items()}
+    return state_of(built)
+
+
+def stored_part(stored: dict, built, name: str) -> dict:
+    return stored[name] if isinstance(built, Mapping) else stored
+
+
+def materialise(optimizer: torch.optim.Optimizer) -> None:
+    """Create an optimizer's lazily created state without changing a parameter: DCP's
+    zero-learning-rate step on zero gradients, or for one that needs a closure the same
+    step through a closure returning a zero loss (DCP's would call it without one)."""
+    if not needs_closure(optimizer):
+        compat.init_optimizer_state(optimizer)
+        return
+    if optimizer.state:
+        return
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step(lambda: torch.zeros(()))
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    optimizer.zero_grad(set_to_none=True)
+
+
+def lazily_created(template: dict, section: tuple, stored_entries: dict, put) -> None:
+    """Add to `template` every stored entry under `section` it lacks: a tensor at its stored
+    shape and type, any other value as a placeholder DCP replaces, at the path it was saved
+    from (DCP's planner data). `put` places it: `compat.set_element` where an integer is a
+    list index (an optimizer's state by parameter name), `_nest` where every level is a dict
+    (a workload's extra)."""
+    flat = compat.flatten_state_dict(template)
+    prefix = ".".join(section) + "."
+    paths = getattr(stored_entries, "paths", {})
+    for key, entry in stored_entries.items():
+        if not key.startswith(prefix) or key in flat:
+            continue
+        value = torch.empty(tuple(entry.size), dtype=entry.properties.dtype) if hasattr(entry, "size") else 0
+        put(template, tuple(paths.get(key, key.split("."))), value)  # a plain dict: split at dots
+
+
+def _copy_dicts(tree):
+    return {key: _copy_dicts(value) for key, value in tree.items()} if isinstance(tree, dict) else tree
 
 
 def _nest(tree: dict, key: tuple[str, ...], value) -> None:

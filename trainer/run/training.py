@@ -13,11 +13,12 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from trainer import compat
 from trainer.config import RunConfig
 from trainer.parallel.ranks import Ranks, StepAgreement
-from trainer.run.batching import EpochBatchOrder
+from trainer.run.batching import EpochBatchOrder, training_steps
 from trainer.run.cadence import StepPoint
-from trainer.run.fetching import KeyedSeeding, epoch_loader
+from trainer.run.fetching import KeyedSeeding, epoch_loader, refuse_state_moved_by_fetching
 from trainer.run.preemption import PreemptionGuard
 from trainer.run.saving import CadencedSaves
 from trainer.run.state import TrainingState
@@ -48,10 +49,12 @@ class StepDone:
     """What the step computed (this rank's), for the exactness witness."""
 
 
-def build_training(config: RunConfig, workload: BoundWorkload, ranks: Ranks, samples: int) -> Training:
+def build_training(config: RunConfig, workload: BoundWorkload, ranks: Ranks, dataset: KeyedSeeding) -> Training:
     """The live state, and the module to run forward/backward through: the model itself,
     DDP around it, or (under FSDP) the same module sharded in place, which is why the
-    optimizer is built after wrapping."""
+    optimizer is built after wrapping. What the trainer's step cannot run, and workload
+    state that would move inside DataLoader workers, are refused here, before the first step."""
+    samples = len(dataset)
     device = ranks.device
     model = workload.build_model().to(device)
     trained: nn.Module = ranks.data_parallel(model, config.workload.data_parallel,
@@ -59,12 +62,15 @@ def build_training(config: RunConfig, workload: BoundWorkload, ranks: Ranks, sam
     optimizer = workload.build_optimizer(model)
     scheduler = workload.build_scheduler(optimizer)
     scaler = torch.amp.GradScaler(device.type, enabled=config.workload.amp and device.type == "cuda")
-    state = TrainingState(model, optimizer, scheduler, scaler, rank=ranks.rank, world_size=ranks.world_size,
-                          extras=workload.stateful())
+    workload.refuse_inexpressible(optimizer, scaler.is_enabled(), ranks.world_size)
+    # A compiled model (torch.compile) is saved and exported under the model's own names.
+    state = TrainingState(compat.uncompiled(model), optimizer, scheduler, scaler, rank=ranks.rank,
+                          world_size=ranks.world_size, extras=workload.stateful())
+    refuse_state_moved_by_fetching(state.extras, dataset, config.workload.num_workers, workload.spec)
     steps = OptimizerSteps(workload, state, trained, device, config.workload.amp)
     batches_per_epoch = len(EpochBatchOrder(samples, config.workload.batch_size, config.workload.seed, 0, 0))
-    total_steps = config.workload.epochs * -(-batches_per_epoch // config.workload.grad_accum)
-    return Training(config, ranks, state, steps, batches_per_epoch, total_steps, list(model.parameters()))
+    return Training(config, ranks, state, steps, batches_per_epoch, training_steps(samples, config.workload).total,
+                    list(model.parameters()))
 
 
 def batch_order(training: Training, samples: int) -> EpochBatchOrder:
@@ -81,20 +87,19 @@ def train_steps(training: Training, dataset: KeyedSeeding, saves: CadencedSaves,
     window is complete, so saves and stops never see partial gradients."""
     state, steps, accumulate = training.state, training.steps, training.config.workload.grad_accum
     while state.progress.global_step < training.total_steps:
-        window, seen, loss = 0, 0, None
+        window, seen = 0, 0
         for batch in epoch_loader(dataset, batch_order(training, len(dataset)), training.config.workload.num_workers):
             if seen == 0:
                 saves.wait_for_staging()  # the staged copy must be complete before parameters change
                 window = steps.open_window(min(accumulate, training.batches_per_epoch - state.progress.position))
-            part = steps.micro_batch(batch, window)
-            loss = part if loss is None else loss + part
+            steps.micro_batch(batch)
             seen += 1
             if seen < window:
                 continue
-            lr = steps.step()
+            loss, lr = steps.step()
             epoch_completed = state.progress.advance(window, training.batches_per_epoch)
             step = state.progress.global_step
             agreed = saves.agree(StepPoint(step, state.progress.epoch, epoch_completed), loss, preemption.requested)
-            seen, loss = 0, None
+            seen = 0
             digest = step_digest(agreed.loss, parameter_checksum(training.parameters, step))
             yield StepDone(step, float(lr), agreed, digest)

@@ -9,15 +9,19 @@ unconditionally and never asks what a workload implements.
 from __future__ import annotations
 
 import argparse
+import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from trainer.config import WorkloadConfig
 from trainer.errors import UsageError
 from trainer.workload.loading import find_factory, first_line
-from trainer.workload.protocol import Workload
+from trainer.workload.protocol import TrainingSteps, Workload
 
-__all__ = ["BoundWorkload", "Workload", "build_workload"]
+__all__ = ["BoundWorkload", "TrainingSteps", "Workload", "build_workload"]
 
 REQUIRED = ("build_dataset", "build_model", "build_optimizer", "build_scheduler", "loss", "architecture")
 """The protocol's methods without a default; the others are optional hooks."""
@@ -56,16 +60,65 @@ class BoundWorkload:
     def build_dataset(self):
         return self.workload.build_dataset()
 
+    def plan(self, steps: TrainingSteps) -> dict:
+        """Tell a workload that plans the run's optimizer steps; returns what that adds to the
+        fingerprint's `config` (the total shapes its schedule), nothing for one that does not."""
+        hook = getattr(self.workload, "plan", None)
+        if hook is None:
+            return {}
+        hook(steps)
+        return {"total_steps": steps.total}
+
     def build_model(self):
         return self.workload.build_model()
 
     def build_optimizer(self, model):
+        """One optimizer, or several by name (a dict); refused here, before the first step,
+        when its state could not be saved or restored."""
         optimizer = self.workload.build_optimizer(model)
-        refuse_foreign_tensors(optimizer, model, self.spec)
+        optimizers = by_name(optimizer, torch.optim.Optimizer, "build_optimizer", "torch.optim.Optimizer", self.spec)
+        for optimizer_of_name in optimizers.values():
+            refuse_foreign_tensors(optimizer_of_name, model, self.spec)
+        refuse_shared_parameters(optimizers, self.spec)
         return optimizer
 
     def build_scheduler(self, optimizer):
-        return self.workload.build_scheduler(optimizer)
+        """Given what `build_optimizer` returned; one scheduler, or several by name."""
+        scheduler = self.workload.build_scheduler(optimizer)
+        by_name(scheduler, torch.optim.lr_scheduler.LRScheduler, "build_scheduler",
+                "torch.optim.lr_scheduler.LRScheduler", self.spec)
+        return scheduler
+
+    @property
+    def has_train_step(self) -> bool:
+        """Whether the workload runs its own step (`train_step`) instead of `loss`."""
+        return callable(getattr(self.workload, "train_step", None))
+
+    def train_step(self, model, optimizer, batches, tools):
+        return self.workload.train_step(model, optimizer, batches, tools)
+
+    def refuse_inexpressible(self, optimizer, scaling: bool, world_size: int) -> None:
+        """What the trainer's own step cannot run, said before the first step: a closure
+        optimizer (LBFGS) needs the workload's `train_step`, and a GradScaler (AMP on CUDA)
+        cannot step one at all. A `train_step` runs in one process only: its forward passes
+        may reach the modules inside DDP's wrapper (a GAN's two networks), whose gradients
+        would then never be reduced across ranks, silently; no test proves it otherwise yet."""
+        if self.has_train_step and world_size > 1:
+            raise UsageError(f"--workload {self.spec}: train_step runs in one process only (a forward pass that "
+                             f"bypasses the DDP/FSDP wrapper would leave each rank with its own gradients): run it "
+                             f"without torchrun, or use loss(model, batch)")
+        optimizers = dict(optimizer) if isinstance(optimizer, Mapping) else {"": optimizer}
+        for name, each in optimizers.items():
+            if not needs_closure(each):
+                continue
+            called = f"{type(each).__name__}" + (f" {name!r}" if name else "")
+            if not self.has_train_step:
+                raise UsageError(f"--workload {self.spec}: the optimizer {called} needs a closure, which the "
+                                 f"trainer's own step cannot give: define train_step(model, optimizers, batches, "
+                                 f"step) and call step.step(optimizer, closure) (see the README's protocol table)")
+            if scaling:
+                raise UsageError(f"--workload {self.spec}: the optimizer {called} needs a closure, which "
+                                 f"GradScaler (--amp on CUDA) cannot step: run without --amp")
 
     def loss(self, model, batch):
         return self.workload.loss(model, batch)
@@ -112,6 +165,38 @@ def refuse_foreign_tensors(optimizer, model, spec: str) -> None:
                          f"not parameters of the model (the first: a {shape} tensor); their state could not be "
                          f"saved: make each one an nn.Parameter of the model built by build_model "
                          f"(e.g. model.temperature = nn.Parameter(...)) and pass model.parameters()")
+
+
+def by_name(built, kind: type, hook: str, expected: str, spec: str) -> dict:
+    """`built` as {name: object}, after checking it is one `kind` or a non-empty dict of them
+    with string names (a list is refused: names are what the state is saved under)."""
+    if isinstance(built, Mapping) and built and all(isinstance(name, str) and name and isinstance(value, kind)
+                                                    for name, value in built.items()):
+        return dict(built)
+    if isinstance(built, kind):
+        return {"": built}
+    raise UsageError(f"--workload {spec}: {hook} returned a {type(built).__name__}; return one {expected}, or a "
+                     f"dict of them by name ({{'generator': ..., 'discriminator': ...}}): the names are what "
+                     f"their state is saved under")
+
+
+def refuse_shared_parameters(optimizers: dict, spec: str) -> None:
+    """A parameter held by two optimizers would be stepped twice and saved under two names."""
+    holder: dict[int, str] = {}
+    for name, optimizer in optimizers.items():
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                other = holder.setdefault(id(parameter), name)
+                if other != name:
+                    raise UsageError(f"--workload {spec}: build_optimizer gave a {tuple(parameter.shape)} "
+                                     f"parameter to both {other!r} and {name!r}; give each parameter to one "
+                                     f"optimizer")
+
+
+def needs_closure(optimizer) -> bool:
+    """Whether `optimizer.step` cannot be called without a closure (LBFGS)."""
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def dataset_fingerprint(dataset) -> str:

@@ -22,6 +22,7 @@ counter, a moving average, unless it is returned by `stateful()`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -47,6 +48,17 @@ class Dataset(Protocol):
     def __getitem__(self, index: int) -> Any: ...
 
 
+@dataclass(frozen=True)
+class TrainingSteps:
+    """The run's optimizer steps, for a workload's `plan(steps)` (a warmup and cosine schedule
+    needs its length): `per_epoch` over the dataset at this batch size and --grad-accum,
+    `total` over --epochs. When a workload plans, `total` enters the fingerprint's `config`
+    (`config.total_steps`): extending the run changes its schedule, an explicit drift."""
+
+    per_epoch: int
+    total: int
+
+
 class Stateful(Protocol):
     def state_dict(self) -> dict: ...
 
@@ -63,6 +75,14 @@ class Workload(Protocol):
     - `stateful() -> dict[str, Stateful]`: extra state the workload keeps (EMA weights, a
       curriculum, a sampler), saved under `workload.<name>`, restored and compared like the
       rest; called once, after the model, optimizer and scheduler are built.
+    - `plan(steps: TrainingSteps)`: called once the dataset is built, before `build_model`;
+      build schedules from `steps.total` instead of reading `epochs`.
+    - `train_step(model, optimizers, batches, step)`: the workload's own optimizer step (a
+      GAN, distillation, a closure optimizer) over the window's micro-batches (already on the
+      device), instead of `loss`; it calls `step.autocast()`, `step.backward(loss)` and
+      `step.step(optimizer[, closure])` (`trainer.run.stepping.StepTools`) so mixed
+      precision, accumulation and `after_backward` stay the trainer's; returns the loss to
+      record. The trainer clears gradients before and steps every scheduler after.
     - `adopt_config(optimizer, scheduler)`: after a restore under an allowed `config` drift,
       make changed options that restored state holds (the learning rate) take effect.
     """
@@ -71,10 +91,13 @@ class Workload(Protocol):
 
     def build_model(self) -> nn.Module: ...
 
-    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer: ...
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer | dict[str, torch.optim.Optimizer]:
+        """One optimizer, or several by name (each saved under its name; a parameter belongs
+        to at most one). Hooks receive it as returned."""
 
-    def build_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-        """Stepped once per optimizer step (not per micro-batch, not per epoch)."""
+    def build_scheduler(self, optimizer) -> torch.optim.lr_scheduler.LRScheduler | dict:
+        """Given what `build_optimizer` returned; one scheduler or several by name, each
+        stepped once per optimizer step (not per micro-batch, not per epoch)."""
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """The loss of one (micro-)batch, already on the device, through `model`."""
