@@ -15,6 +15,7 @@ would be had the dataset drawn nothing.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -25,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from trainer.run.batching import EpochBatchOrder
-from trainer.run.runtime import ignore_stop_signals
+from trainer.run.runtime import WorkerSignals
 
 
 @contextmanager
@@ -76,7 +77,7 @@ def epoch_loader(dataset: KeyedSeeding, order: EpochBatchOrder, num_workers: int
     reach the samples, `KeyedSeeding` reseeds every fetch."""
     return DataLoader(dataset, batch_sampler=order, num_workers=num_workers,
                       collate_fn=getattr(dataset.dataset, "collate", None),
-                      generator=torch.Generator().manual_seed(0), worker_init_fn=ignore_stop_signals)
+                      generator=torch.Generator().manual_seed(0), worker_init_fn=WorkerSignals(os.getpid()))
 
 
 def to_device(batch, device: torch.device):
