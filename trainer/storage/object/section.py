@@ -155,8 +155,7 @@ class ObjectSection:
             manifest = Manifest.from_json(json.loads(manifest_data))
         except (InvalidManifest, ValueError) as reason:
             return Verification(parent / name, None, str(reason)), Transfer(0, 0.0)
-        checked = self.trusted(Verification(parent / name, manifest, unlisted_problem(manifest, []) or
-                                            oversized_index(manifest)), name)
+        checked = self.trusted(Verification(parent / name, manifest, self._structure_problem(name, manifest)), name)
         if not checked.ok:
             return checked, Transfer(0, 0.0)
         parent.mkdir(parents=True, exist_ok=True)
@@ -190,8 +189,7 @@ class ObjectSection:
             manifest = Manifest.from_json(json.loads(data))
         except (InvalidManifest, ValueError) as reason:
             return Verification(where, None, str(reason))
-        problem = self.trusted(Verification(where, manifest, unlisted_problem(manifest, []) or
-                                            oversized_index(manifest)), name).problem
+        problem = self.trusted(Verification(where, manifest, self._structure_problem(name, manifest)), name).problem
         for file in sorted(manifest.files):
             if problem:
                 break
@@ -199,6 +197,13 @@ class ObjectSection:
         if not problem and manifest.kind == RECOVERY:
             return index_verification(where, manifest, lambda: self.objects.read(self.key(name, SNAPSHOT_INDEX)) or b"")
         return Verification(where, manifest, problem)
+
+    def _structure_problem(self, name: str, manifest: Manifest) -> str | None:
+        """What a local directory's verification finds before hashing: a file a loader would
+        read that the manifest does not list (here: an object under the prefix), an index
+        larger than any DCP index."""
+        on_store = [key.rsplit("/", 1)[-1] for key in self.objects.list(self.key(name))]
+        return unlisted_problem(manifest, [file for file in on_store if file != MANIFEST]) or oversized_index(manifest)
 
     def trusted(self, verification: Verification, name: str) -> Verification:
         """The same check of name, run and signature as a local directory's (identity.py)."""
