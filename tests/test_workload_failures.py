@@ -5,7 +5,7 @@ came from and what it was, with exit 1 and a `failed` record; a stop signal afte
 makes it a resumable 75. Before the fix, workers ignored the trainer's own SIGTERM and the
 interpreter's exit waited for them forever.
 
-Cost: five short CLI runs of the toy workload (one epoch, 3 steps), about 5 to 10 s each."""
+Cost: six short CLI runs of the toy workload (one epoch, 3 steps), about 5 to 10 s each."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ WITHIN_S = 60
     (2, "kill-at", "a DataLoader worker died (exited unexpectedly)"),
     (0, "raise-at", "the dataset raised at tests/workloads/failing_data.py:"),
     (1, "abstract", "the dataset raised in DataLoader worker 0 at "),
-], ids=["worker-raises", "worker-killed", "dataset-raises-in-the-trainer", "no-getitem"])
+    (0, "loss", "the model or its loss raised at tests/workloads/failing_data.py:"),
+], ids=["worker-raises", "worker-killed", "dataset-raises-in-the-trainer", "no-getitem", "loss-raises"])
 def test_a_failing_data_code_ends_the_attempt_at_once_naming_where(tmp_path, workers, failure, said):
     run = tmp_path / "run"
     failed = run_cli("--output", run, *FAILING, "--num-workers", workers, "--failure", failure, timeout=WITHIN_S)
@@ -34,6 +35,9 @@ def test_a_failing_data_code_ends_the_attempt_at_once_naming_where(tmp_path, wor
     assert line.startswith(f"trainer: error: {said}"), line
     if failure == "raise-at":
         assert line.endswith(": ValueError: corrupt record 5") and "in __getitem__" in line
+    if failure == "loss":
+        assert line.endswith("in loss_that_fails: RuntimeError: mat1 and mat2 shapes cannot be multiplied (8x4 and "
+                             "5x8)"), line
     if failure == "abstract":
         assert line.endswith("NotImplementedError: Subclasses of Dataset should implement __getitem__."), line
     record = attempts(run)[-1]

@@ -5,7 +5,8 @@
 - `--failure kill-at INDEX`: the process fetching that record kills itself with SIGKILL (a
   worker lost to the OOM killer);
 - `--failure abstract`: a `torch.utils.data.Dataset` subclass without `__getitem__`
-  (torch's base raises NotImplementedError).
+  (torch's base raises NotImplementedError);
+- `--failure loss`: the loss raises on the second step (a shape mistake in the user's model).
 
 `--linger-at-exit DIR` keeps the failed trainer alive at interpreter exit, after its attempt
 was recorded, until a test has signalled it (it writes DIR/exiting, then waits for
@@ -47,9 +48,16 @@ class FailingData(ToyWorkload):
     @staticmethod
     def add_options(group) -> None:
         ToyWorkload.add_options(group)
-        group.add_argument("--failure", choices=("raise-at", "kill-at", "abstract"), default="raise-at")
+        group.add_argument("--failure", choices=("raise-at", "kill-at", "abstract", "loss"), default="raise-at")
         group.add_argument("--failing-index", type=int, default=5)
         group.add_argument("--linger-at-exit", default=None)
+
+    losses = 0
+
+    def loss(self, model, batch):
+        if self.options.failure == "loss":
+            return loss_that_fails(self, model, batch)
+        return super().loss(model, batch)
 
     def build_dataset(self):
         if self.options.linger_at_exit:
@@ -65,3 +73,10 @@ def linger(folder: Path) -> None:
     deadline = time.monotonic() + 120
     while not (folder / "signalled").exists() and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+def loss_that_fails(workload: FailingData, model, batch):
+    workload.losses += 1
+    if workload.losses == 2:
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (8x4 and 5x8)")
+    return ToyWorkload.loss(workload, model, batch)
