@@ -86,7 +86,8 @@ def attributed(error: BaseException) -> Failure:
 
 def from_worker(message: str) -> str | None:
     if died := WORKER_DIED.search(message):
-        return f"a DataLoader worker died ({died.group(1).rstrip(' .')}): killed from outside, or by the " \
+        return f"a DataLoader worker died ({died.group(1).rstrip(' .').removeprefix('is ')}): killed from outside, " \
+               f"or by the " \
                f"out-of-memory killer; check the workers' memory (--num-workers) and the node's log"
     raised = WORKER_RAISED.search(message)
     if raised is None:
