@@ -31,7 +31,7 @@ LAYERS = [
     # One attempt, bottom up: stepping, saving on cadence and the claim; the record, the
     # restore and the training steps; the loop that runs them.
     {"trainer.run.saving", "trainer.run.stepping", "trainer.run.claim"},
-    {"trainer.run.recording", "trainer.run.restoring", "trainer.run.training"},
+    {"trainer.run.recording", "trainer.run.restoring", "trainer.run.training", "trainer.run.failures"},
     {"trainer.run.loop"},
     # The edges: Polyaxon, then the command line.
     {"trainer.integrations"},

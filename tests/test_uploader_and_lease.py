@@ -18,7 +18,7 @@ from trainer.checkpoint.manifest import GenerationFacts
 from trainer.checkpoint.section import LocalSection
 from trainer.errors import OutputLocked, TrainerError
 from trainer.layout import GENERATIONS, MANIFEST, RunDirectory, generation_name
-from trainer.storage.object.lease import LEASE, Holder, LeaseLost, StoreLease
+from trainer.storage.object.lease import LEASE, TOKEN, Holder, LeaseLost, StoreLease
 from trainer.storage.object.tiering import RemoteRun, StoreRetention, Uploader
 
 NO_RETENTION = StoreRetention(None, None, None)
@@ -182,3 +182,34 @@ def test_a_zombie_that_wakes_after_its_successor_released_the_lease_is_still_fen
     with StoreLease(objects, "next", ttl_s=30.0, wait_s=10.0):
         assert time.monotonic() - started < 1.0, "a released lease is taken at once"
         assert Holder.parse(objects.read(LEASE)).attempt == "next"
+
+
+def test_a_zombie_is_fenced_even_when_its_successors_tombstone_was_deleted():
+    """The successor took over (the fencing token moved on), ended and released the lease;
+    then an operator or a lifecycle rule deleted the tombstone. The zombie finds no lease, but
+    the token says another attempt held it since: refused (73), nothing taken back. Each new
+    holder gets a larger token."""
+    objects = MemoryObjects()
+    zombie = StoreLease(objects, "zombie", ttl_s=0.6, wait_s=0.0).acquire()
+    zombie._stop.set()  # paused: no more renewals
+    assert objects.read(TOKEN) == b"1"
+    with StoreLease(objects, "successor", ttl_s=30.0, wait_s=10.0):  # takes over once the zombie's ttl passed
+        assert objects.read(TOKEN) == b"2"
+    objects.delete([LEASE])
+    with pytest.raises(LeaseLost, match="was deleted and its fencing token moved on to 2 .ours: 1."):
+        zombie.fence()
+    assert objects.read(LEASE) is None, "the zombie took nothing back"
+    objects.delete([TOKEN])  # whatever is deleted: with the token gone too, it still cannot tell
+    with pytest.raises(LeaseLost):
+        zombie.fence()
+    assert objects.read(LEASE) is None
+
+
+def test_a_deleted_lease_and_token_refuse_a_live_holder_rather_than_guess():
+    objects = MemoryObjects()
+    lease = StoreLease(objects, "mine", ttl_s=30.0, wait_s=0.0).acquire()
+    objects.delete([LEASE, TOKEN])
+    with pytest.raises(LeaseLost, match="was deleted and its fencing token too") as lost:
+        lease.fence()
+    assert lost.value.exit_code == 73
+    lease.release()

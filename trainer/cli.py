@@ -14,6 +14,7 @@ from dataclasses import replace
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import NoReturn
 
@@ -337,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     rank = rank_of(os.environ)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(message)s" if rank == 0 else f"rank {rank}: %(message)s", stream=sys.stdout)
+    # torch raises a dead DataLoader worker's error from its SIGCHLD handler, wherever the main
+    # thread is; inside a log call, logging would print that as a traceback and go on. The
+    # loop sees the dead worker itself at the next batch (one line, trainer/run/failures.py).
+    logging.raiseExceptions = False
+    sys.excepthook = without_lost_worker_transfers(sys.excepthook)
     for chatty in ("botocore", "aiobotocore", "s3fs", "fsspec"):  # credential lookups at INFO
         logging.getLogger(chatty).setLevel(logging.WARNING)
     command = COMMANDS.get(argv[0]) if argv else None
@@ -359,6 +365,19 @@ def main(argv: list[str] | None = None) -> int:
     if command is None:
         report_exit_status(status)
     return status
+
+
+def without_lost_worker_transfers(previous):
+    """`previous`, except for the connection error multiprocessing's fd-sharing thread prints
+    when a DataLoader worker dies while handing a batch over: the loop reports the dead worker
+    itself, in one line."""
+    def hook(kind, value, trace) -> None:
+        if isinstance(value, ConnectionError) and any(
+                frame.f_code.co_filename.endswith(os.path.join("multiprocessing", "resource_sharer.py"))
+                for frame, _ in traceback.walk_tb(trace)):
+            return
+        previous(kind, value, trace)
+    return hook
 
 
 def report_exit_status(status: int) -> None:

@@ -171,6 +171,9 @@ class RunConfig:
     resume: str | None = None
     """None (fresh start only), "latest" (must resume) or "auto" (resume if possible)."""
     from_generation: str | None = None
+    adopt_from: tuple[str, ...] = ()
+    """Runs whose generations this run may restore (an operator's deliberate choice, recorded
+    in the run directory's run.json): a generation of any other run is refused (65)."""
     allow_drift: tuple[str, ...] = ()
     checkpoint_mode: str = "auto"
     """auto | sync | async; auto is async on CUDA and sync on CPU."""

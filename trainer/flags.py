@@ -76,6 +76,10 @@ GROUPS: dict[str, list[Flag]] = {
                   "exist; auto: start fresh if none)"),
         Flag("--from-generation", "from_generation", metavar="NAME",
              help="restore this generation (e.g. step-00000016); going back sets later ones aside"),
+        Flag("--adopt-from", "adopt_from", metavar="RUN", options={"action": "append"},
+             to_config=lambda runs: tuple(dict.fromkeys(runs or ())),
+             help="also restore generations of run RUN (its id, as the refusal names it): a generation copied in "
+                  "from another run on purpose; recorded in the run directory's run.json; repeatable"),
         Flag("--interrupt-at-step", "interrupt_at_step", metavar="N", type=positive_int,
              help="simulate a lost worker: exit 75 right after step N, without saving"),
         Flag("--allow-drift", "allow_drift", metavar="FIELD", options={"action": "append"},

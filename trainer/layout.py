@@ -2,6 +2,7 @@
 
 ```
 OUTPUT/.trainer.storage.lock                   single-writer lock (flock), names its holder
+OUTPUT/run.json                        the run's id (every manifest names it) and the runs it adopted
 OUTPUT/checkpoints/step-00000024/      a published recovery generation (manifest.json last)
 OUTPUT/checkpoints/.step-…tmp-TAG-R    a generation being written: never selected, removed later
 OUTPUT/checkpoints/.step-…deleting-R   a generation being deleted by retention
@@ -31,6 +32,8 @@ SECTIONS = {GENERATIONS: "checkpoints", EXPORTS: "exports"}
 """Each kind's folder in the run directory (and prefix in an object store)."""
 ATTEMPTS = "attempts"
 LOCK = ".trainer.storage.lock"
+RUN_IDENTITY = "run.json"
+"""The run's id and the runs whose generations it adopted (trainer/checkpoint/identity.py)."""
 STORE_MARKER = ".trainer-store"
 """In a local tier: the store URL whose working copy it is (a tier serves one store run)."""
 
@@ -116,6 +119,10 @@ class RunDirectory:
     @property
     def lock(self) -> Path:
         return self.root / LOCK
+
+    @property
+    def identity(self) -> Path:
+        return self.root / RUN_IDENTITY
 
     def attempt_folder(self, attempt_id: str) -> Path:
         return self.attempts / attempt_id

@@ -76,6 +76,8 @@ class Manifest:
     """Recovery generations only: how the save went (mode, write_s, …)."""
     signature: Mapping[str, str] | None = None
     """{"algorithm", "hmac"} as read from a signed manifest (trainer/checkpoint/signing.py)."""
+    run: str | None = None
+    """The run it belongs to (trainer/checkpoint/identity.py); None: written before run ids."""
     canonical: bytes = field(default=b"", compare=False, repr=False)
     """As read: the bytes a signature covers (the manifest without its signature)."""
 
@@ -100,6 +102,8 @@ class Manifest:
         data = {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": self.kind, "name": self.name,
                 "step": self.step, "epoch": self.epoch, "attempt": self.attempt, "digest": DIGEST,
                 "files": {name: dict(entry) for name, entry in self.files.items()}}
+        if self.run is not None:
+            data["run"] = self.run
         if self.facts is not None:
             facts = self.facts
             data.update(position=facts.position, fingerprint=facts.fingerprint,
@@ -130,6 +134,8 @@ class Manifest:
         if kind not in REQUIRED_FILES:
             raise InvalidManifest(f"{MANIFEST}: unknown kind {kind!r}")
         _require(data, {"name": str, "step": int, "epoch": int, "attempt": str})
+        if "run" in data:
+            _require(data, {"run": str})
         facts = None
         if kind == RECOVERY:
             _require(data, {"position": int, "fingerprint": dict, "allowed_drift": list, "cadence": dict,
@@ -140,7 +146,7 @@ class Manifest:
                                     tuple(data["allowed_drift"]), data["cadence"], data["created_utc"],
                                     data.get("state_digest", {}))
         return cls(kind, data["name"], data["step"], data["epoch"], data["attempt"], files, facts,
-                   data.get("timings", {}), data.get(SIGNATURE), canonical_bytes(data))
+                   data.get("timings", {}), data.get(SIGNATURE), data.get("run"), canonical_bytes(data))
 
 
 def _require(data: dict, types: dict[str, type]) -> None:

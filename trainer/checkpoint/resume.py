@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from trainer.errors import CorruptGeneration, NothingToResume, RefuseOverwrite
+from trainer.checkpoint.identity import is_foreign
 from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.section import LocalSection
 
@@ -40,14 +41,15 @@ def choose_candidate(names: list[str], resume: str | None, from_generation: str 
 
 def require_verified(candidate: Verification, earlier: list[str],
                      verify: Callable[[str], Verification]) -> None:
-    """Refuse a damaged candidate, naming the newest earlier generation that verifies."""
+    """Refuse a damaged (or foreign) candidate, naming the newest earlier generation that verifies."""
     if candidate.ok:
         return
     fallback = next((name for name in reversed(earlier) if verify(name).ok), None)
     advice = (f"newest earlier generation that verifies: {fallback}; resume from it with "
               f"--from-generation {fallback}") if fallback else \
         "no earlier generation verifies: move the damaged one aside to start over, or choose a new --output"
-    raise CorruptGeneration(f"generation {candidate.name} is damaged: {candidate.problem}; {advice}")
+    verdict = "is another run's" if is_foreign(candidate.problem) else "is damaged"
+    raise CorruptGeneration(f"generation {candidate.name} {verdict}: {candidate.problem}; {advice}")
 
 
 def verify_candidate(store: LocalSection, candidate: str) -> Verification:

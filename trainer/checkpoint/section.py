@@ -5,15 +5,17 @@ publishing through the shared atomic protocol."""
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from trainer.checkpoint.atomic import (finish_interrupted_replacements, fsync_dir, manifest_digest, rename_aside,
                                      rename_into_place, seal_directory, set_aside, temporary_sibling)
 from trainer.checkpoint.manifest import Manifest, Verification, verify_directory
-from trainer.checkpoint.signing import Signing, authenticated, encode_signed
-from trainer.layout import DELETING, MANIFEST, REMOVABLE, REPLACED, REPLACING, generation_name, generation_step
+from trainer.checkpoint.identity import identity_or_problem, trusted
+from trainer.checkpoint.signing import Signing, encode_signed
+from trainer.layout import (DELETING, MANIFEST, REMOVABLE, REPLACED, REPLACING, RUN_IDENTITY, generation_name,
+                             generation_step)
 
 
 @dataclass(frozen=True)
@@ -62,28 +64,32 @@ class LocalSection:
         return self.root / name
 
     def verify(self, name: str, cached: bool = False) -> Verification:
-        """Full re-hash against the manifest; with `cached`, reuse this process's earlier
-        result while the manifest file is unchanged (same inode and mtime)."""
+        """Full re-hash against the manifest, then name, run and signature (`trusted`); with
+        `cached`, reuse this process's earlier result while the manifest file is unchanged
+        (same inode and mtime) and so is the run's identity."""
         try:
             stat = (self.path(name) / MANIFEST).stat()
             key = (name, stat.st_ino, stat.st_mtime_ns)
         except OSError:
-            return authenticated(verify_directory(self.path(name)), self.signing)
+            return self.trusted(verify_directory(self.path(name)), name)
         if not cached or key not in self._verified:
-            self._verified[key] = self._verify_named(name)
-        return self._verified[key]
+            self._verified[key] = verify_directory(self.path(name))
+        return self.trusted(self._verified[key], name)
 
-    def _verify_named(self, name: str) -> Verification:
-        """A directory verifies under its name only if its manifest describes that name: a
-        generation copied or renamed to another step would otherwise be restored as a newer
-        one, and every later resume would replay from its real step."""
-        verification = verify_directory(self.path(name))
-        manifest = verification.manifest
-        if verification.ok and (manifest.name != name or manifest.step != generation_step(name)):
-            return Verification(verification.path, manifest,
-                                f"{MANIFEST}: describes {manifest.name} (step {manifest.step}), not {name}; "
-                                f"a copied or renamed directory")
-        return authenticated(verification, self.signing)
+    def trusted(self, verification: Verification, name: str) -> Verification:
+        return trusted(verification, name, *identity_or_problem(self.identity_bytes()), self.signing)
+
+    def identity_bytes(self) -> bytes | None:
+        """The run's `run.json` (beside this section), None without one (a lone directory)."""
+        try:
+            return (self.root.parent / RUN_IDENTITY).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def owned(self, manifest: Manifest) -> Manifest:
+        """`manifest`, naming the run this section belongs to (as it is published)."""
+        identity, _ = identity_or_problem(self.identity_bytes())
+        return replace(manifest, run=identity.run) if identity else manifest
 
     def temporaries(self) -> list[Path]:
         if not self.root.is_dir():
@@ -146,7 +152,8 @@ class LocalSection:
         after a resume), the existing directory stays and the new copy is dropped: replays
         do not pile up superseded copies."""
         name = generation_name(step)
-        sealed = seal_directory(temporary, describe, known, lambda data: encode_signed(data, self.signing))
+        sealed = seal_directory(temporary, lambda files: self.owned(describe(files)), known,
+                                lambda data: encode_signed(data, self.signing))
         if self.path(name).is_dir() and not self.path(name).is_symlink():
             existing = self.verify(name, cached=True)
             if existing.ok and existing.manifest.files == sealed.files:

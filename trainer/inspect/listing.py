@@ -13,9 +13,9 @@ from typing import Callable
 from trainer.inspect.report import cell
 from trainer.run.attempts import RUNNING, read_attempts
 from trainer.errors import CorruptGeneration, NothingToResume, StorageFailure
-from trainer.checkpoint.manifest import Manifest, Verification, verify_directory
+from trainer.checkpoint.manifest import Manifest, Verification
 from trainer.checkpoint.section import LocalSection
-from trainer.checkpoint.signing import Signing, authenticated
+from trainer.checkpoint.signing import Signing
 from trainer.storage.location import is_url
 from trainer.layout import MANIFEST, PROGRESS_MARKER, SECTIONS, RunDirectory, generation_step, not_a_run
 
@@ -293,7 +293,8 @@ def local_verifications(path: Path, signing: Signing | None = None) -> list[tupl
     found = targets(path)
     if not found:
         raise NothingToResume(f"no generations or exports under {path}")
-    return [(str(p), authenticated(verify_directory(p), signing)) for p in found]
+    # The section's own verify: every check --resume applies (structure, name, run, signature).
+    return [(str(p), LocalSection(p.parent, signing).verify(p.name)) for p in found]
 
 
 def print_verifications(results: list[tuple[str, Verification]], as_json: bool) -> int:

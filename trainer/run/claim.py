@@ -1,7 +1,8 @@
 """Claiming the run directory (rank 0): hold it, choose the generation to restore, verify it.
 
 The order is the contract: hold (flock or lease, so a second writer is refused with 73 before
-anything is read), choose (66 or 73 before anything is deleted), let the backend go ahead
+anything is read), choose (66 or 73 before anything is deleted), know the run's identity (what
+a generation must belong to: created with the run directory), let the backend go ahead
 (an object store's uncommitted leftovers go), verify and fetch the choice (65 names the way
 back), then remove stale temporaries.
 """
@@ -9,6 +10,7 @@ back), then remove stale temporaries.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 
@@ -18,6 +20,8 @@ from trainer.checkpoint.resume import choose_candidate
 from trainer.config import RunConfig
 from trainer.layout import RunDirectory
 from trainer.storage.base import NOTHING_MOVED, RunStorage, Transfer
+
+log = logging.getLogger("trainer")
 
 
 @dataclass(frozen=True)
@@ -54,10 +58,13 @@ class Claimant:
         committed = storage.committed()
         self.considered = choose_candidate(committed, config.resume, config.from_generation,
                                            storage.generations_where)
+        storage.establish_identity(attempt_id, config.adopt_from)  # what the generation must belong to
         storage.go_ahead()
         generation, download = None, NOTHING_MOVED
         if self.considered:
             generation, download = storage.restorable(self.considered, committed)
+        if generation is not None and generation.manifest.run is None:
+            log.warning("%s names no run (written before run ids): restored as this run's own", generation.name)
         verify_s = time.monotonic() - started - download.seconds
         storage.remove_stale_temporaries()
         return Claim(storage.local, attempt_id, generation, verify_s,

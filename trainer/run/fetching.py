@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import random
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -27,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from trainer.errors import UsageError
 from trainer.run.batching import EpochBatchOrder
-from trainer.run.runtime import ignore_stop_signals
+from trainer.run.runtime import WorkerSignals
 
 
 @contextmanager
@@ -99,7 +100,7 @@ def epoch_loader(dataset: KeyedSeeding, order: EpochBatchOrder, num_workers: int
     reach the samples, `KeyedSeeding` reseeds every fetch."""
     return DataLoader(dataset, batch_sampler=order, num_workers=num_workers,
                       collate_fn=KeyedCollate(dataset.collate, dataset.seed) if dataset.collate else None,
-                      generator=torch.Generator().manual_seed(0), worker_init_fn=ignore_stop_signals)
+                      generator=torch.Generator().manual_seed(0), worker_init_fn=WorkerSignals(os.getpid()))
 
 
 def to_device(batch, device: torch.device):

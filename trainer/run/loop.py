@@ -19,13 +19,14 @@ import time
 from dataclasses import dataclass
 
 from trainer.config import RunConfig
-from trainer.errors import (EXIT_INTERRUPTED, EXIT_OK, CorruptGeneration, CrashLoop, FingerprintMismatch, TrainerError,
+from trainer.errors import (EXIT_INTERRUPTED, EXIT_OK, CorruptGeneration, CrashLoop, FingerprintMismatch,
                             UntrustedGeneration)
 from trainer.parallel.launch import LaunchEnvironment
 from trainer.parallel.ranks import Ranks, process_group, unshared_output
-from trainer.run.attempts import COMPLETED, FAILED, INTERRUPTED, PREEMPTED, new_attempt_id
+from trainer.run.attempts import COMPLETED, INTERRUPTED, PREEMPTED, new_attempt_id
 from trainer.run.claim import Claim, Claimant
 from trainer.run.events import TrainingEvents
+from trainer.run.failures import attributed
 from trainer.run.fetching import KeyedSeeding
 from trainer.run.preemption import PreemptionGuard, ignore_late_stop_requests
 from trainer.run.progress import Progress
@@ -110,11 +111,9 @@ class TrainingRun:
             recorder.refused(refusal.exit_code, str(refusal), generation.name if generation else None)
             raise
         except BaseException as error:
+            preemption.decided()  # a stop signal from here on cannot make this failure a 75
             saves.close_after_failure()
-            code = error.exit_code if isinstance(error, TrainerError) else 1
-            recorder.ended(FAILED, code, str(error) if isinstance(error, TrainerError)
-                           else f"{error.__class__.__name__}: {error}")
-            raise
+            attributed(error).record_and_raise(recorder)  # the workload's own exception: one line naming where
 
     def train(self, claim: Claim, dataset: KeyedSeeding, drift: tuple[str, ...], saves: CadencedSaves,
               preemption: PreemptionGuard) -> Outcome:

@@ -69,7 +69,17 @@ class PreemptionGuard:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def decided(self) -> None:
+        """The attempt is ending on an error: from now on a stop signal has nothing to stop,
+        and must not turn the failure into 75 (a resumable exit would retry it forever)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._previous.clear()  # not even the start-up handler, which exits 75, comes back
+        ignore_late_stop_requests()
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:
+            self.decided()
         if self._timer is not None:
             self._timer.cancel()
         for sig, handler in self._previous.items():

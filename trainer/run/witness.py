@@ -10,8 +10,8 @@ Nobody runs `compare.py` on a production job, so two checks run inside every att
   the steps a lost attempt had computed past the restored generation; it compares each with
   theirs and records `replay: {matched, of, first_mismatch, against}`. It compares only
   against attempts that trained the same thing the same way (an equal fingerprint) from a
-  sound restore, so an allowed drift, a world-size change or an attempt that was itself not
-  exact is never held against it. A mismatch is one warning line naming the first step.
+  sound restore, so an allowed drift, a world-size change or a broken restore of an earlier
+  attempt is never held against it. A mismatch is one warning line naming the first step.
 - The restored state. Each save stores, in the signed manifest, a digest of every rank's live
   state per section (model, optim, rng, progress, …). Right after a restore each rank digests
   what it now holds: a section that differs names a restore that loaded something other than
@@ -88,11 +88,11 @@ def read_step_digests(folder: Path, after: int = 0) -> dict[int, str]:
 
 
 def comparable(record: dict, fingerprint: dict) -> bool:
-    """An earlier attempt whose steps this one must reproduce: same fingerprint (so no drift,
-    no world-size change between them), a restore that matched its save, an exact configuration."""
-    return (record.get("fingerprint") == fingerprint
-            and (record.get("restore_check") or {}).get("matched") is not False
-            and (record.get("exactness") or {}).get("exact") is not False)
+    """An earlier attempt whose steps this one must reproduce: same fingerprint (so no drift, no
+    world-size change, the same reduction between them) and a restore that matched its save.
+    One whose configuration cannot be exact stays comparable: a mismatch then shows what that
+    configuration costs, which is what its record already warned of."""
+    return record.get("fingerprint") == fingerprint and (record.get("restore_check") or {}).get("matched") is not False
 
 
 def computed_before(records: list[dict], folder_of, fingerprint: dict, restored_step: int) -> dict[int, tuple[str, str]]:

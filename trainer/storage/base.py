@@ -32,8 +32,11 @@ from trainer.checkpoint.coordination import Coordinator
 from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.resume import set_aside_later_line
 from trainer.checkpoint.section import LocalSection, Published
+from trainer.checkpoint.atomic import write_file_durably
+from trainer.checkpoint.identity import ADOPT_OPTION, RunIdentity, identity_or_problem
 from trainer.checkpoint.signing import Signing
-from trainer.layout import EXPORTS, GENERATIONS, RunDirectory
+from trainer.errors import CorruptGeneration
+from trainer.layout import EXPORTS, GENERATIONS, RUN_IDENTITY, RunDirectory
 
 log = logging.getLogger("trainer")
 
@@ -109,6 +112,32 @@ class RunStorage(ABC):
     def restorable(self, name: str, committed: list[str]) -> tuple[Verification, Transfer]:
         """The committed generation `name`, verified, on this machine (and what fetching it
         moved); a damaged one is refused (65), naming the newest earlier one that verifies."""
+
+    def establish_identity(self, attempt_id: str, adopt_from: tuple[str, ...]) -> RunIdentity:
+        """The run's identity (`run.json`): created with the run directory, kept from then on,
+        with the runs the operator adopts (`--adopt-from`) added and recorded. A directory
+        without one gets a new id: its generations that name a run are then foreign until
+        adopted, so removing `run.json` never lets another run's generation in."""
+        path = self.local.identity
+        data = path.read_bytes() if path.is_file() else None
+        found, problem = identity_or_problem(data)
+        if problem:
+            raise CorruptGeneration(f"{path}: {problem.split(': ', 1)[1]}; restore it from a copy of the run "
+                                    f"directory, or remove it and adopt the generations with {ADOPT_OPTION} RUN")
+        identity = found or RunIdentity.new()
+        if found is None and self.committed():
+            log.warning("%s had no %s: this run is now %s (generations that name another run need %s)",
+                        self.where, RUN_IDENTITY, identity.run, ADOPT_OPTION)
+        for run in adopt_from:
+            identity = identity.adopting(run, attempt_id, ADOPT_OPTION)
+            log.info("adopting the generations of run %s (%s, recorded in %s)", run, ADOPT_OPTION, RUN_IDENTITY)
+        if identity != found:
+            self.keep_identity(identity.to_bytes())
+        return identity
+
+    def keep_identity(self, data: bytes) -> None:
+        """Write `run.json` where the run directory lives."""
+        write_file_durably(self.local.identity, data)
 
     def go_ahead(self) -> None:
         """The choice succeeded and the attempt goes ahead: the backend may now delete what is

@@ -17,7 +17,8 @@ U's run directory is only read, never written (no lease, no lock, no cleanup the
 generation is copied: U's attempts and exports stay U's. The seed happens once: a copy that
 already holds a committed generation (a retry, or `ops resume` of the copy) is left as it is.
 What was copied (`run`, `generation`, `manifest_sha256`) goes into the attempt record's
-`polyaxon.copied_from`.
+`polyaxon.copied_from`, and the copy's `run.json` records that it adopted the original run's
+id (trainer/checkpoint/identity.py): the copied generation belongs to another run, on purpose.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.checkpoint.atomic import fsync_dir, manifest_digest, rename_into_place, temporary_sibling
+from trainer.checkpoint.atomic import (fsync_dir, manifest_digest, rename_into_place, temporary_sibling,
+                                      write_file_durably)
+from trainer.checkpoint.identity import RunIdentity, identity_or_problem
 from trainer.checkpoint.manifest import verify_directory
 from trainer.checkpoint.section import LocalSection
 from trainer.errors import CorruptGeneration, UsageError
 from trainer.integrations.polyaxon.placement import RUN_DIRECTORIES, RunPlacement, run_directory_in
-from trainer.layout import MANIFEST, generation_step
+from trainer.layout import MANIFEST, RUN_IDENTITY, generation_step
 
 log = logging.getLogger("trainer")
 
@@ -96,6 +99,9 @@ def seed_on_volume(own: Path, original_uuid: str) -> CopiedFrom | None:
         shutil.rmtree(temporary, ignore_errors=True)
         raise CorruptGeneration(f"copy: {name} copied from run {original_uuid} does not verify ({copied.problem})")
     rename_into_place(temporary, target_root / name)
+    identity = adopted_by_copy(read_or_none(own / RUN_IDENTITY), copied.manifest.run, original_uuid)
+    if identity is not None:
+        write_file_durably(own / RUN_IDENTITY, identity)
     seeded = CopiedFrom(original_uuid, name, manifest_digest(target_root / name))
     log.info("copy: seeded %s from run %s (%s, verified)", target_root / name, original_uuid, name)
     return seeded
@@ -126,7 +132,8 @@ def seed_in_bucket(own_url: str, run_uuid: str, original_uuid: str, store_config
         return None
     name = names[-1]
     manifest_data = original.manifest_bytes(name)
-    files = Manifest.from_json(json.loads(manifest_data)).files
+    manifest = Manifest.from_json(json.loads(manifest_data))
+    files = manifest.files
     both = ObjectStore(parse_store_url(parent), config)  # one location holding both run directories
     for file, entry in sorted(files.items()):
         source = f"{original_uuid}/{CHECKPOINTS}/{name}/{file}"
@@ -136,6 +143,29 @@ def seed_in_bucket(own_url: str, run_uuid: str, original_uuid: str, store_config
         if size != int(entry["bytes"]):
             raise CorruptGeneration(f"copy: {both.url_of(target)} has {size} bytes after the copy, the manifest of "
                                     f"run {original_uuid}'s {name} says {entry['bytes']}")
+    identity = adopted_by_copy(both.read(f"{run_uuid}/{RUN_IDENTITY}"), manifest.run, original_uuid)
+    if identity is not None:  # before the commit: the copied generation is never foreign to its run
+        both.write(f"{run_uuid}/{RUN_IDENTITY}", identity)
     both.write(f"{run_uuid}/{CHECKPOINTS}/{name}/{MANIFEST}", manifest_data)  # the commit marker, last
     log.info("copy: seeded %s from run %s (%s, copied in the store)", own.url(name), original_uuid, name)
     return CopiedFrom(original_uuid, name, hashlib.sha256(manifest_data).hexdigest())
+
+
+def adopted_by_copy(own_identity: bytes | None, original_run: str | None, original_uuid: str) -> bytes | None:
+    """The copy's `run.json` (trainer/checkpoint/identity.py) adopting the original run's id,
+    recorded as this seeding; None when the copied generation names no run (written before
+    run ids: it is accepted as the copy's own)."""
+    if original_run is None:
+        return None
+    identity, problem = identity_or_problem(own_identity)
+    if problem:
+        raise CorruptGeneration(f"copy: this run's {RUN_IDENTITY} is {problem.split(': ', 1)[1]}; remove it")
+    return (identity or RunIdentity.new()).adopting(original_run, "seeding",
+                                                    f"polyaxon ops restart --copy of run {original_uuid}").to_bytes()
+
+
+def read_or_none(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None

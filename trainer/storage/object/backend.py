@@ -29,7 +29,7 @@ from trainer.checkpoint.section import Published
 from trainer.checkpoint.signing import Signing
 from trainer.config import RetentionConfig, StoreConfig
 from trainer.errors import CorruptGeneration
-from trainer.layout import GENERATIONS, MANIFEST, SECTIONS, RunDirectory
+from trainer.layout import GENERATIONS, MANIFEST, RUN_IDENTITY, SECTIONS, RunDirectory
 from trainer.storage.base import AfterPublish, Durable, RunStorage, Transfer
 from trainer.storage.location import StoreLocation
 from trainer.storage.lock import OutputLock
@@ -67,6 +67,7 @@ class TieredObjectStorage(RunStorage):
         self.remote = RemoteRun(objects, self.local, self.signing)
         self.remote.adopt_local_tier()
         self.remote.pull_attempts()
+        self.remote.pull_identity()
         self.tidy_local_sections(warn_uncommitted=False)  # reconcile removes them, once the attempt goes ahead
 
     def committed(self) -> list[str]:
@@ -81,6 +82,12 @@ class TieredObjectStorage(RunStorage):
 
     def restorable(self, name: str, committed: list[str]) -> tuple[Verification, Transfer]:
         return self.remote.restorable(name, committed)
+
+    def keep_identity(self, data: bytes) -> None:
+        """In the object store (the truth, under the lease), then on the local tier."""
+        self.fence()
+        self.remote.objects.write(RUN_IDENTITY, data)
+        super().keep_identity(data)
 
     def fence(self) -> None:
         if self.lease is not None:

@@ -87,7 +87,7 @@ class ObjectCommit:
 
     def _commit_manifest(self, name: str, describe: Describe, every: list[tuple[dict, float]]) -> str:
         files = {file: entry for rank_files, _ in every for file, entry in rank_files.items()}
-        data = encode_signed(describe(dict(sorted(files.items()))).to_json(), self.target.signing)
+        data = encode_signed(self.target.owned(describe(dict(sorted(files.items())))).to_json(), self.target.signing)
         try:
             self.target.commit_manifest(name, data, files, self.fence)
         except BaseException as error:

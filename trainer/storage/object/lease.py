@@ -17,8 +17,14 @@ write; the README says so.
 Releasing does not delete the object: it is overwritten with a released record (a
 tombstone), which a new trainer takes at once. Were it deleted, a zombie that wakes after its
 successor ended would find no lease, take it again, and commit its own line over the
-successor's; a tombstone is another writer's record, so the zombie's fence refuses. A lease
-that is *missing* (an operator or a lifecycle rule deleted it) is taken again.
+successor's; a tombstone is another writer's record, so the zombie's fence refuses.
+
+A tombstone can still be deleted (an operator, a lifecycle rule). So every acquisition also
+takes a fencing token: `.trainer.lease-token` holds a counter that only grows, incremented
+with a conditional write by each new holder. A fence that finds the lease *missing* takes it
+again only while the counter still holds its own token (nobody acquired since); a larger
+counter means a successor came, and a missing counter means it cannot tell: both are refused
+(73). A zombie therefore never commits after a successor, whatever was deleted.
 
 A store without conditional writes (gs://, az:// through fsspec) gets an unconditional lease:
 one warning line, and the weaker guarantee documented.
@@ -40,6 +46,8 @@ from trainer.storage.object.client import ObjectClient, PreconditionFailed
 
 log = logging.getLogger("trainer")
 LEASE = ".trainer.lease"
+TOKEN = ".trainer.lease-token"
+"""The fencing token: a counter that only grows, one step per acquisition (module docstring)."""
 POLL_S = 0.5
 
 
@@ -92,6 +100,8 @@ class StoreLease:
         self.holder = Holder(attempt, socket.gethostname(), os.getpid(), ttl_s)
         self.wait_s = wait_s
         self._etag: str | None = None
+        self._token: int | None = None
+        """The counter value this holder's acquisition wrote."""
         self._renewals = 0
         self._lost: str | None = None
         self._stop = threading.Event()
@@ -137,14 +147,29 @@ class StoreLease:
                                    f"is renewed every {other.ttl_s / 3:.0f}s and expires {other.ttl_s:.0f}s after "
                                    f"the last renewal); wait for it to end or stop it, then retry")
             time.sleep(POLL_S)
+        self._token = self._next_token()
         self._thread = threading.Thread(target=self._heartbeat, name="lease-heartbeat", daemon=True)
         self._thread.start()
         return self
 
-    def _read(self) -> tuple[bytes, str] | None:
+    def _next_token(self) -> int:
+        """Increment the fencing token (conditionally: two holders never get the same one)."""
+        while True:
+            current = self._read(TOKEN)
+            token = (parse_token(current[0]) if current else 0) + 1
+            if not self.objects.conditional:
+                self.objects.write(TOKEN, str(token).encode())
+                return token
+            try:
+                self.objects.write_conditionally(TOKEN, str(token).encode(), current[1] if current else None)
+                return token
+            except PreconditionFailed:
+                continue  # another holder incremented it first: read again
+
+    def _read(self, key: str = LEASE) -> tuple[bytes, str] | None:
         if self.objects.conditional:
-            return self.objects.etag(LEASE)
-        data = self.objects.read(LEASE)
+            return self.objects.etag(key)
+        data = self.objects.read(key)
         return None if data is None else (data, str(hash(data)))
 
     def _write(self, if_match: str | None, released: bool = False) -> bool:
@@ -200,7 +225,13 @@ class StoreLease:
             raise LeaseLost(f"{self._lost}; exiting without touching the newer attempt's line")
         with self._mutex:
             current = self._read()
-            if current is None:  # deleted (an operator, a lifecycle rule): take it again if nobody did
+            if current is None:  # deleted (an operator, a lifecycle rule): take it again if nobody took it since
+                token = self._read(TOKEN)
+                if token is None or parse_token(token[0]) != self._token:
+                    self._lost = (f"the lease on {self.objects.url} was deleted and its fencing token "
+                                  + ("too" if token is None else f"moved on to {parse_token(token[0])} (ours: "
+                                                                   f"{self._token}): another attempt held it since"))
+                    raise LeaseLost(f"{self._lost}; exiting without touching the newer attempt's line")
                 ours = self._write(None)
                 current = None if ours else self._read()
             else:
@@ -246,3 +277,11 @@ def lost_lease(fence: Callable[[], None]) -> TrainerError | None:
     except Exception:  # noqa: BLE001 - the store is down: the original error says so
         return None
     return None
+
+
+def parse_token(data: bytes) -> int:
+    """The counter in `.trainer.lease-token`; unreadable counts as larger than any (refused)."""
+    try:
+        return int(data)
+    except ValueError:
+        return 1 << 62

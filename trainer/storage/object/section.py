@@ -18,7 +18,7 @@ import secrets
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -26,10 +26,11 @@ from trainer import seams
 from trainer.checkpoint.atomic import fsync_dir, rename_into_place, temporary_sibling, write_file_durably
 from trainer.checkpoint.manifest import (RECOVERY, InvalidManifest, Manifest, Verification, file_problem,
                                         index_verification, oversized_index, unlisted_problem)
-from trainer.checkpoint.signing import Signing, authenticated
+from trainer.checkpoint.identity import identity_or_problem, trusted
+from trainer.checkpoint.signing import Signing
 from trainer.storage.base import Transfer
 from trainer.storage.object.client import ObjectClient
-from trainer.layout import MANIFEST, REPLACED, SNAPSHOT_INDEX, generation_step, hidden_name
+from trainer.layout import MANIFEST, REPLACED, RUN_IDENTITY, SNAPSHOT_INDEX, generation_step, hidden_name
 
 PARALLEL_OBJECTS = 8
 """Objects uploaded or downloaded at once (each large one is also multipart)."""
@@ -154,9 +155,7 @@ class ObjectSection:
             manifest = Manifest.from_json(json.loads(manifest_data))
         except (InvalidManifest, ValueError) as reason:
             return Verification(parent / name, None, str(reason)), Transfer(0, 0.0)
-        problem = self._naming_problem(name, manifest) or unlisted_problem(manifest, []) or \
-            oversized_index(manifest)
-        checked = authenticated(Verification(parent / name, manifest, problem), self.signing)
+        checked = self.trusted(Verification(parent / name, manifest, self._structure_problem(name, manifest)), name)
         if not checked.ok:
             return checked, Transfer(0, 0.0)
         parent.mkdir(parents=True, exist_ok=True)
@@ -190,8 +189,7 @@ class ObjectSection:
             manifest = Manifest.from_json(json.loads(data))
         except (InvalidManifest, ValueError) as reason:
             return Verification(where, None, str(reason))
-        problem = self._naming_problem(name, manifest) or unlisted_problem(manifest, []) or \
-            oversized_index(manifest) or authenticated(Verification(where, manifest, None), self.signing).problem
+        problem = self.trusted(Verification(where, manifest, self._structure_problem(name, manifest)), name).problem
         for file in sorted(manifest.files):
             if problem:
                 break
@@ -200,12 +198,21 @@ class ObjectSection:
             return index_verification(where, manifest, lambda: self.objects.read(self.key(name, SNAPSHOT_INDEX)) or b"")
         return Verification(where, manifest, problem)
 
-    @staticmethod
-    def _naming_problem(name: str, manifest: Manifest) -> str | None:
-        if manifest.name != name or manifest.step != generation_step(name):
-            return (f"{MANIFEST}: describes {manifest.name} (step {manifest.step}), not {name}; "
-                    f"a copied or renamed prefix")
-        return None
+    def _structure_problem(self, name: str, manifest: Manifest) -> str | None:
+        """What a local directory's verification finds before hashing: a file a loader would
+        read that the manifest does not list (here: an object under the prefix), an index
+        larger than any DCP index."""
+        on_store = [key.rsplit("/", 1)[-1] for key in self.objects.list(self.key(name))]
+        return unlisted_problem(manifest, [file for file in on_store if file != MANIFEST]) or oversized_index(manifest)
+
+    def trusted(self, verification: Verification, name: str) -> Verification:
+        """The same check of name, run and signature as a local directory's (identity.py)."""
+        return trusted(verification, name, *identity_or_problem(self.objects.read(RUN_IDENTITY)), self.signing)
+
+    def owned(self, manifest: Manifest) -> Manifest:
+        """`manifest`, naming the run this store prefix belongs to (as it is committed)."""
+        identity, _ = identity_or_problem(self.objects.read(RUN_IDENTITY))
+        return replace(manifest, run=identity.run) if identity else manifest
 
     # ----------------------------------------------------------------- removal
     def remove(self, name: str) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from trainer.errors import RefuseOverwrite, TrainerError
-from trainer.checkpoint.atomic import manifest_digest
+from trainer.checkpoint.atomic import manifest_digest, write_file_durably
 from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.resume import require_verified
 from trainer.checkpoint.section import LocalSection
@@ -36,7 +36,8 @@ from trainer.storage.base import Durable, Transfer
 from trainer.storage.object.lease import lost_lease
 from trainer.storage.object.section import ObjectSection
 from trainer.checkpoint.retention import Candidate, select_deletions
-from trainer.layout import ATTEMPTS, EXPORTS, GENERATIONS, MANIFEST, SECTIONS, STEP_DIGESTS, STORE_MARKER, RunDirectory
+from trainer.layout import (ATTEMPTS, EXPORTS, GENERATIONS, MANIFEST, RUN_IDENTITY, SECTIONS, STEP_DIGESTS,
+                            STORE_MARKER, RunDirectory)
 
 log = logging.getLogger("trainer")
 
@@ -101,6 +102,15 @@ class RemoteRun:
             target.write_bytes(data)
             pulled += 1
         return pulled
+
+    def pull_identity(self) -> None:
+        """The store's `run.json` on the local tier, which the local sections check against
+        (none there: none here)."""
+        data = self.objects.read(RUN_IDENTITY)
+        if data is None:
+            self.local.identity.unlink(missing_ok=True)
+        elif not self.local.identity.is_file() or self.local.identity.read_bytes() != data:
+            write_file_durably(self.local.identity, data)
 
     def local_section(self, kind: str) -> LocalSection:
         return LocalSection(self.local.section(kind), self.signing)
