@@ -31,7 +31,7 @@ def test_list_shows_an_interrupted_and_resumed_run(tmp_path):
 
 def test_list_of_a_missing_directory_is_one_line(tmp_path):
     result = run_cli("list", tmp_path / "nope")
-    assert result.returncode == 66 and "not a run directory" in result.stderr
+    assert result.returncode == 66 and "does not exist; pass the --output of a run" in result.stderr
 
 
 def test_list_or_report_of_a_folder_that_is_not_a_run_names_the_runs_beneath(tmp_path):

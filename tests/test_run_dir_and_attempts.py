@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from trainer import seams
+from trainer.run.witness import step_digest
 from trainer.run.attempts import is_crash_loop, previous_attempt, steps_replayed, world_size_change
 from trainer.errors import NothingToResume, RefuseOverwrite, UsageError
 from trainer.layout import (REMOVABLE, REPLACED, RunDirectory, generation_name, generation_step, hidden_name,
@@ -121,7 +122,7 @@ def test_an_attempt_that_ends_between_publishes_records_the_step_it_reached(tmp_
     recorder = AttemptRecorder.start(RunDirectory(tmp_path), "20261201T000000Z-abcdef", [], AttemptStart())
     recorder.reached(10, first=True)
     for step in range(11, 16):
-        recorder.mark_step(step)
+        recorder.mark_step(step, step_digest(1.0, step))
     recorder.ended("failed", 74, "disk full")
     [record] = read_attempts(tmp_path)
     assert (record["status"], record["first_step"], record["last_step"]) == ("failed", 10, 15)

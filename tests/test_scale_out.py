@@ -303,7 +303,7 @@ def test_one_of_several_processes_skips_the_teardown_but_not_the_exit_handlers(t
     result = subprocess.run([sys.executable, "-c", EXIT_PROBE, str(tmp_path / "missing")], cwd=REPO,
                             capture_output=True, text=True, timeout=scaled(300), env=env)
     assert result.returncode == 66, result.stderr
-    assert one_error_line(result).startswith("trainer: error: ") and "not a run directory" in result.stderr
+    assert one_error_line(result).startswith("trainer: error: ") and "does not exist" in result.stderr
     assert "exit handlers ran" in result.stdout
     assert ("interpreter teardown ran" in result.stdout) is teardown
 
