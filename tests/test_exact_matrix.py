@@ -9,11 +9,17 @@ element in a different order from the uninterrupted run, until each gradient was
 its own (trainer/parallel/reduction.py).
 One process is proven by test_async_checkpoint.py and test_store.py.
 
-Each (world size, data parallel) runs four times, one run per cell:
-- a baseline on disk, sync, saving every 4 steps (step-4, step-8, step-12);
+Every dimension is covered at 3 and 4 processes, one resume per (world size, data parallel),
+pairwise: each world size and each kind of data parallelism resumes once on disk and once in the
+object store, once writing sync and once async. Each has a baseline on disk, sync, saving every 4
+steps (step-4, step-8, step-12), and one resume:
 - disk: a copy of the baseline that lost step-12 resumes from step-8 with async saves, and
   replays the steps the baseline computed (the witness compares all four);
-- store: a run in the object store interrupted at step 10 with async saves, resumed with sync.
+- store: a run in the object store interrupted at step 10 with async saves, resumed with sync
+  saves on a new node.
+Two processes are proven by test_scale_out.py (DDP and FSDP2 on disk, async) and
+test_store_pods.py (DDP over two nodes in the store); one by test_async_checkpoint.py and
+test_store.py.
 """
 
 from __future__ import annotations
@@ -28,9 +34,13 @@ from conftest import attempts, compare, generation, one_error_line, store_env, t
 STEPS_ARGS = ("--samples", 144, "--batch-size", 12, "--epochs", 1, "--recover-every-steps", 4, "--keep-last", 10)
 """12 steps; the batch splits evenly over 2, 3 and 4 ranks."""
 FINAL = "step-00000012"
-CELLS = [pytest.param(world_size, parallel, marks=pytest.mark.xdist_group(f"matrix-{world_size}-{parallel}"))
-         for world_size in (2, 3, 4) for parallel in ("ddp", "fsdp")]
-"""Each cell's tests on one worker (`--dist loadgroup`), so its baseline is trained once."""
+def cell(world_size: int, parallel: str):
+    """A (world size, data parallel) cell, on one worker with every test of its baseline."""
+    return pytest.param(world_size, parallel, marks=pytest.mark.xdist_group(f"matrix-{world_size}-{parallel}"))
+
+
+ON_DISK = [cell(3, "ddp"), cell(4, "fsdp")]
+IN_THE_STORE = [cell(3, "fsdp"), cell(4, "ddp")]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +66,7 @@ def assert_witnessed_exact(record: dict, replayed: int) -> None:
     assert record["replay"]["first_mismatch"] is None
 
 
-@pytest.mark.parametrize("world_size, parallel", CELLS)
+@pytest.mark.parametrize("world_size, parallel", ON_DISK)
 def test_a_resume_on_disk_is_exact(world_size, parallel, baselines, tmp_path):
     baseline = baselines(world_size, parallel)
     run = tmp_path / "run"
@@ -71,7 +81,7 @@ def test_a_resume_on_disk_is_exact(world_size, parallel, baselines, tmp_path):
     assert_witnessed_exact(attempts(run)[-1], replayed=4)
 
 
-@pytest.mark.parametrize("world_size, parallel", CELLS)
+@pytest.mark.parametrize("world_size, parallel", IN_THE_STORE)
 def test_a_resume_in_the_object_store_is_exact(world_size, parallel, baselines, s3_server, s3_bucket, tmp_path):
     baseline = baselines(world_size, parallel)
     url, env = f"s3://{s3_bucket.name}/run", store_env(s3_server)
