@@ -13,7 +13,7 @@ written once, before training, and only read afterwards.
 Environment variables (read by `from_environment`; an unknown value is a usage error, so a
 typo cannot silently disable a fault test):
 - `TRAINER_FAULT_POINT=NAME` kills this process with SIGKILL at crash point NAME;
-- `TRAINER_FAULT_RANK=R` limits that to rank R of a multi-process run;
+- `TRAINER_FAULT_RANK=R` limits that (and a pause, and a raise) to rank R of a multi-process run;
 - `TRAINER_PAUSE_POINT=NAME` stops this process (SIGSTOP, once) at crash point NAME, so a test
   can change the world (take the store away) at exactly that point and then SIGCONT it;
 - `TRAINER_DEBUG_SKIP_RNG_RESTORE=python,numpy` leaves those RNGs unrestored (the test that
@@ -38,11 +38,12 @@ SKIP_RNG_ENV = "TRAINER_DEBUG_SKIP_RNG_RESTORE"
 SIGNAL_ENV = "TRAINER_SIGNAL_AT_MICRO_BATCH"
 PAUSE_ENV = "TRAINER_PAUSE_POINT"
 
-CRASH_POINTS = ("after-staging", "after-write", "after-files-fsync", "after-manifest", "after-rename",
+CRASH_POINTS = ("after-staging", "after-write", "before-seal", "after-files-fsync", "after-manifest", "after-rename",
                 "store-after-first-object", "store-before-manifest", "store-after-manifest",
                 "store-retention-after-uncommit")
 """Where a crash can be injected, in publish order: an async save's host copy complete (its
-write not started), shards written, every file hashed and
+write not started), shards written, every rank's shards written (rank 0, on one disk, before
+sealing), every file hashed and
 fsynced, manifest written, directory renamed into place; then in a store: one data object
 uploaded, every data object uploaded, the manifest committed; and retention in a store
 between removing a generation's manifest and its data."""
@@ -68,13 +69,13 @@ class Seams:
         fault_rank = env.get(FAULT_RANK_ENV)
         if fault_rank is not None and not fault_rank.isdigit():
             raise UsageError(f"{FAULT_RANK_ENV}={fault_rank!r} is not a rank number")
+        pause = _crash_point_named(env, PAUSE_ENV)
         if fault_rank is not None and int(fault_rank) != rank:
-            point = None
+            point = pause = None
         skip = frozenset(filter(None, env.get(SKIP_RNG_ENV, "").split(",")))
         if skip - set(RNG_KINDS):
             raise UsageError(f"{SKIP_RNG_ENV} names unknown RNGs {sorted(skip - set(RNG_KINDS))}; "
                              f"use {', '.join(RNG_KINDS)}")
-        pause = _crash_point_named(env, PAUSE_ENV)
         signal_at = env.get(SIGNAL_ENV)
         if signal_at is not None and not signal_at.isdigit():
             raise UsageError(f"{SIGNAL_ENV}={signal_at!r} is not a micro-batch number")
