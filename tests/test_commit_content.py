@@ -41,10 +41,11 @@ def test_a_same_size_file_with_other_bytes_is_refused_naming_its_rank():
 
 
 # ----------------------------------------------------------------------------- end to end
-def stopped_child(parent: int, timeout: float = 300) -> int:
-    """The pid of `parent`'s child that stopped itself (state T), waiting for it (scaled)."""
+def stopped_child(launcher: subprocess.Popen, timeout: float = 300) -> int:
+    """The pid of the launcher's child that stopped itself (state T), waiting for it (scaled)."""
     deadline = time.monotonic() + scaled(timeout)
-    while time.monotonic() < deadline:
+    parent = launcher.pid
+    while time.monotonic() < deadline and launcher.poll() is None:
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 pid, rest = stat.read_text().split(" (", 1)
@@ -54,7 +55,7 @@ def stopped_child(parent: int, timeout: float = 300) -> int:
             if int(ppid) == parent and state == "T":
                 return int(pid)
         time.sleep(0.05)
-    raise AssertionError("no rank reached its pause point")
+    raise AssertionError(f"no rank reached its pause point: {launcher.stderr.read()[-3000:] if launcher.stderr else ''}")
 
 
 def flipped(data: bytes) -> bytes:
@@ -90,7 +91,7 @@ def test_a_zombies_same_size_late_write_is_never_committed(backend, tmp_path, re
                                env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), TRAINER_FAULT_RANK="0",
                                                      **env))
     try:
-        rank_0 = stopped_child(process.pid)
+        rank_0 = stopped_child(process)
         # The zombie's late write: same size, other bytes, after rank 1 wrote (it waits for rank 0).
         file = replace_in_store(bucket.server, bucket.name) if backend == "store" else replace_on_disk(output)
         os.kill(rank_0, signal.SIGCONT)

@@ -280,7 +280,11 @@ class AsyncCheckpointer(_Checkpointer):
             return published
         raise_if_any_failed(self.coordinator, failure, "writing a recovery generation")
         # Every rank reports rank 0's publishes, so every rank's record of them agrees.
-        return self.coordinator.decide_on_primary(lambda: published, "reporting the generations committed")
+        published = self.coordinator.decide_on_primary(lambda: published, "reporting the generations committed")
+        for generation in published:  # the same times on every rank, so the same bounds
+            self._write_group.saved_in(generation.save_s)
+            self._commit_group.saved_in(generation.save_s)
+        return published
 
     def _collect(self, in_flight: _InFlight) -> tuple[list[Published], BaseException | None]:
         """The oldest save's outcome, waiting for it: what it published, or its failure in
