@@ -158,6 +158,8 @@ class CadencedSaves:
         def acted() -> None:
             try:
                 act()
+            except TrainerError:
+                raise  # already one line with its status (a store that stopped answering: 74)
             except Exception as error:  # noqa: BLE001 - an I/O error becomes one line, 74
                 reraise_as_storage_failure(error, what)
         self.ranks.decide_on_primary(acted, what)
