@@ -5,7 +5,8 @@ End to end under real torchrun (2 processes, gloo, 1 epoch): rank 0 stops itself
 pause seam) after every rank wrote its shards and before it checks them; the test, standing in
 for a zombie rank of an earlier attempt, replaces rank 1's shard with other bytes of the same
 size; rank 0 continues and must refuse the commit: every rank exits 74, rank 0 prints one line
-naming the file and rank 1, and no generation exists. Cost: about 8 s per backend on 2 cores.
+naming the file and rank 1, and no generation exists. Cost: about 10 s of CPU per backend (20-30 s of
+wall time on the shared 2 cores; the store case uses the session's SeaweedFS).
 """
 
 from __future__ import annotations

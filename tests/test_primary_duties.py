@@ -2,7 +2,7 @@
 removes old generations and writes exports, and a failure there (an I/O error, raised by a seam
 right before the removal or the write) reaches every rank at once, as save failures do: every
 rank exits 74, rank 0 prints one line, none trains on alone or waits for a rank that stopped.
-Cost: about 8 s of CPU per case (2 processes, 1 epoch, gloo; 15-25 s of wall time on 2 cores).
+Cost: about 8 s of CPU per case (2 processes, 1 epoch, gloo; 15-19 s of wall time on the shared 2 cores).
 """
 
 from __future__ import annotations
