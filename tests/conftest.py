@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import json
+import resource
 import os
 import re
 import shlex
@@ -378,3 +379,23 @@ def pytest_collection_finish(session) -> None:
     """Every test module and what it imports (torch) is loaded: frozen, the cyclic collector
     never scans them again in this long-lived worker (as the trainer does, trainer/cli.py)."""
     gc.freeze()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With TEST_CPU_LOG=FILE, each test's CPU seconds (this worker's and its finished
+    subprocesses', torchrun's ranks included) are appended to FILE: what the suite's 2-core
+    budget is spent on, whatever else the machine runs at the time."""
+    log = os.environ.get("TEST_CPU_LOG")
+    if not log:
+        yield
+        return
+    before = cpu_seconds()
+    yield
+    with open(log, "a") as file:
+        file.write(f"{cpu_seconds() - before:.2f} {item.nodeid}\n")
+
+
+def cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
