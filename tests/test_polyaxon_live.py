@@ -378,3 +378,31 @@ def test_only_a_405_that_never_reached_a_view_is_retried():
     assert one_line(OSError("disk\nfull")) == "OSError: disk"
     assert [status_of_exit(code) for code in (0, 75, 2, 65, 74, 1)] == \
         ["succeeded", "stopped", "failed", "failed", "failed", "failed"]
+
+
+def test_a_retried_calls_client_noise_is_dropped_on_its_thread_only(caplog):
+    """The client logs eight lines for every failed try before raising; a retried 405 that then
+    succeeds shows none of them. The client's background threads still log theirs."""
+    import logging
+    import threading
+
+    from trainer.integrations.polyaxon.retries import CLIENT_LOGGER, call
+
+    client_log = logging.getLogger(CLIENT_LOGGER)
+    tries = iter([405, 405, "ok"])
+
+    def flaky():
+        answer = next(tries)
+        background = threading.Thread(target=client_log.error, args=("from the client's event thread",))
+        background.start()
+        background.join()
+        client_log.error("API Client failed at the function `flaky`")
+        if answer == 405:
+            raise type("ApiException", (Exception,), {"status": 405, "body": "<h1>Method Not Allowed</h1>"})()
+        return answer
+
+    with caplog.at_level(logging.ERROR, logger=CLIENT_LOGGER):
+        assert call(flaky) == "ok"
+        client_log.error("after the call")
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages == ["from the client's event thread"] * 3 + ["after the call"], messages
