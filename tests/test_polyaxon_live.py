@@ -284,9 +284,9 @@ def readable_as_resumed(sandbox: Sandbox, project: str, u: str) -> None:
                                            "assets/image/recovery-timeline_64.png"]
     lineage = sandbox.lineage(project, u)
     kept = {f"generation-{g.name}" for g in (sandbox.artifacts / RUNS / u / "checkpoints").glob("step-*")}
-    # every deletion went through (retried on the spurious 405): no reference to a deleted generation.
-    # (A creation the 405 hit is still lost: the client posts it asynchronously, not retried.)
-    assert {name for name in lineage if name.startswith("generation-")} <= kept, (sorted(lineage), kept)
+    # every creation and every deletion went through (retried on the spurious 405): one reference
+    # per kept generation, none to a deleted one.
+    assert {name for name in lineage if name.startswith("generation-")} == kept, (sorted(lineage), kept)
 
 
 def attempts_in_bucket(client, bucket: str, prefix: str) -> list[dict]:

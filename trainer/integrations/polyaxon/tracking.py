@@ -70,7 +70,8 @@ from pathlib import Path
 from typing import Callable
 
 from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, NothingToResume, TrackingUnavailable, TrainerError, UsageError
-from trainer.integrations.polyaxon.internals import PROCESS_SIDECAR_ENV, flush_only_at_exit
+from trainer.integrations.polyaxon.internals import (PROCESS_SIDECAR_ENV, flush_only_at_exit,
+                                                     lineage_answered_before_the_next)
 from trainer.integrations.polyaxon.retries import call, one_line
 from trainer.layout import GENERATIONS, SECTIONS
 from trainer.run.events import TrainingEvents
@@ -260,6 +261,7 @@ class PolyaxonEvents(TrainingEvents):
             run = Run(**identity, track_code=False, track_logs=False)
             if mode == "managed":
                 require_identity(instance, run)
+                lineage_answered_before_the_next(run)
             if process_sidecar:
                 flush_only_at_exit(run)
             outputs = run.get_outputs_path()
@@ -412,14 +414,20 @@ class PolyaxonEvents(TrainingEvents):
         generation or export; `relative` is its path in the run directory, which is also its
         path under the run's outputs in the artifacts store."""
         summary = {"hash": published.manifest_sha256, "hash_of": "manifest.json (sha256)", "step": published.step}
+        try:  # each post answered before the next, retried on the sandbox's 405 (internals.py)
+            if kind == "export":
+                self.run.log_model_ref(location, name=lineage_name(kind, published.name), framework="safetensors",
+                                       summary=summary, skip_hash_calculation=True)
+            else:
+                self.run.log_artifact_ref(location, kind="dir", name=lineage_name(kind, published.name),
+                                          hash=published.manifest_sha256, summary=summary,
+                                          skip_hash_calculation=True)
+        except Exception as error:  # noqa: BLE001 - the generation stands; the lineage only shows it
+            log.warning("tracking: could not add %s %s to the lineage of run %s: %s", kind, published.name,
+                        self.run_uuid, one_line(error))
         if kind == "export":
-            self.run.log_model_ref(location, name=lineage_name(kind, published.name), framework="safetensors",
-                                   summary=summary, skip_hash_calculation=True)
             self.log_outputs(export_path=relative)
         else:
-            self.run.log_artifact_ref(location, kind="dir", name=lineage_name(kind, published.name),
-                                      hash=published.manifest_sha256, summary=summary,
-                                      skip_hash_calculation=True)
             self.newest_generation = published.name
             self.log_outputs(newest_generation=published.name)
 
