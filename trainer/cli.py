@@ -26,7 +26,7 @@ from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_f
 from trainer.run.fingerprint import FIELDS
 from trainer.parallel.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
 from trainer.options import AUTO, location_argument, path_argument, positive_float
-from trainer.storage.location import parse_store_url
+from trainer.storage.location import ClaimedByPrimary, OnDisk, Location
 
 EXIT_STATUS_ENV = "TRAINER_EXIT_STATUS_FILE"
 
@@ -164,7 +164,7 @@ def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironmen
         raise UsageError("--output DIR is required (the run directory); e.g. --output outputs/run1, "
                          "or --tracked to use Polyaxon's outputs path")
     if not args.tracked:  # tracked: known once the run's artifacts store is (tracked_placement)
-        require_store_for_store_options(args, isinstance(args.output, str))
+        require_store_for_store_options(args, args.output.in_store)
     if args.lease_ttl_secs < 1:
         raise UsageError(f"--lease-ttl-secs {args.lease_ttl_secs:g} is too short to renew over a network; "
                          f"use 1 or more (default {StoreConfig.lease_ttl_s:g})")
@@ -194,14 +194,11 @@ def require_store_for_store_options(args: argparse.Namespace, in_store: bool) ->
                          f"a store; {where}, or drop {'it' if one else 'them'}")
 
 
-def config_from_args(args: argparse.Namespace, argv: list[str], output: Path | str | None,
-                     workload_options: tuple[str, ...], local_tier: Path | None = None) -> RunConfig:
-    store = None
-    if isinstance(output, str):  # an object store URL: `output` becomes this machine's local tier of it
-        store = output
-        output = args.local_tier or local_tier or parse_store_url(store).default_local_tier()
+def config_from_args(args: argparse.Namespace, argv: list[str], location: Location,
+                     workload_options: tuple[str, ...]) -> RunConfig:
     config = config_from_values(args, tuple((name, getattr(args, name)) for name in workload_options),
-                                output=output, store=store, signing=signing_config(args), argv=tuple(argv))
+                                location=location.with_local_tier(args.local_tier),  # beats the default tier
+                                 signing=signing_config(args), argv=tuple(argv))
     return replace(config, recover=replace(config.recover, auto=auto_cadence(args)))
 
 
@@ -218,7 +215,7 @@ def run_train(argv: list[str]) -> int:
         # Under torchrun only rank 0 talks to Polyaxon. Every rank finds the run's store itself
         # (pods share no filesystem); without one, the others learn rank 0's outputs path.
         placement = tracked_placement(args, launch)
-        return train_in(config_from_args(args, argv, placement.output, workload_options, placement.local_tier),
+        return train_in(config_from_args(args, argv, placement.location or ClaimedByPrimary(), workload_options),
                         launch)
     from trainer.integrations.polyaxon.tracking import PolyaxonEvents  # imports polyaxon: only with --tracked
 
@@ -227,7 +224,7 @@ def run_train(argv: list[str]) -> int:
     def train_tracked(outputs: Path) -> int:
         placement = tracked_placement(args, launch, events.run_uuid)
         events.place(placement)
-        config = config_from_args(args, argv, placement.output or outputs, workload_options, placement.local_tier)
+        config = config_from_args(args, argv, placement.location or OnDisk(outputs), workload_options)
         events.seed_if_copy(placement, config.store_config)  # `ops restart --copy` (copy_seed.py)
         return train_in(config, launch, events)
 
@@ -282,18 +279,24 @@ def run_list(argv: list[str]) -> int:
     from trainer.inspect.listing import print_run, require_run_directory
     from trainer.inspect.sources import open_source
 
-    if isinstance(args.directory, str) and args.store is not None:
+    return print_run(open_source(listed_location(args, require_run_directory), signing).describe(), args.json)
+
+
+def listed_location(args: argparse.Namespace, require_run_directory) -> Location:
+    """`list URL [--local-tier DIR]` or `list DIR --store URL`: one run in a store and its local
+    tier; `list DIR`: a local run."""
+    if args.directory.in_store and args.store is not None:
         raise UsageError("--store goes with a local run directory; with a URL, name the local tier with "
                          "--local-tier DIR")
-    if not isinstance(args.directory, str) and args.local_tier is not None:
+    if not args.directory.in_store and args.local_tier is not None:
         raise UsageError("--local-tier goes with a store URL; for a local run directory that is the local tier "
                          "of a run in a store, add --store URL")
     if args.store is None:
-        return print_run(open_source(args.directory, args.local_tier, signing).describe(), args.json)
-    if not isinstance(args.store, str):
+        return args.directory.with_local_tier(args.local_tier)
+    if not args.store.in_store:
         raise UsageError(f"--store takes a store URL (s3://BUCKET/RUN), not the path {args.store}")
-    require_run_directory(args.directory)
-    return print_run(open_source(args.store, args.directory, signing).describe(), args.json)
+    require_run_directory(args.directory.root)
+    return args.store.with_local_tier(args.directory.root)
 
 
 def run_verify(argv: list[str]) -> int:
@@ -308,7 +311,7 @@ def run_verify(argv: list[str]) -> int:
     from trainer.inspect.listing import print_verifications
     from trainer.inspect.sources import open_source
 
-    return print_verifications(open_source(args.path, signing=signing).verifications(), args.json)
+    return print_verifications(open_source(args.path, signing).verifications(), args.json)
 
 
 def run_report(argv: list[str]) -> int:

@@ -15,8 +15,8 @@ from typing import Callable
 from trainer.config import CHECKPOINT_MODES, RunConfig
 from trainer.options import AUTO, non_negative_float, non_negative_int, positive_float, positive_float_or_auto, positive_int
 
-DEFAULTS = RunConfig(output=None)
-"""Where every flag's default comes from."""
+DEFAULTS = RunConfig(location=None)
+"""Where every flag's default comes from (its location is never read)."""
 
 
 def default_of(path: str):
@@ -196,7 +196,7 @@ STORE_GROUP = "object store (with --output s3://…, gs://…, az://…)"
 def config_from_values(args: argparse.Namespace, workload_options: tuple[tuple[str, object], ...],
                        **given) -> RunConfig:
     """The configuration the flags in `args` describe, the workload's own options, and the
-    `given` fields of RunConfig (output, store, argv) as they are."""
+    `given` fields of RunConfig (location, signing, argv) as they are."""
     top, nested = dict(given), {"workload": {"options": workload_options}}
     for flag in ALL_FLAGS:
         section, _, name = flag.path.rpartition(".")

@@ -70,12 +70,12 @@ class TrainingRun:
             try:
                 # Rank 0's run directory wins: under --tracked only rank 0 knows the outputs path.
                 claim = self.ranks.decide_on_primary(lambda: self.claimant.claim(self.attempt_id, held),
-                                                     "claiming the output")
+                                                     "claiming the run directory")
                 if not self.ranks.is_primary:
                     self.storage.join(claim.run)
                 if self.storage.needs_one_disk():
                     self.ranks.require_on_every_rank(unshared_output(claim.run.root, self.ranks.is_primary),
-                                                     "checking that every rank sees the output")
+                                                     "checking that every rank sees the run directory")
                 self.attempt_id = claim.attempt_id
                 return self.attempt(claim, preemption)
             except REFUSALS as refusal:

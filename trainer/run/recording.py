@@ -73,7 +73,7 @@ def start_record(config: RunConfig, claim: Claim, checked: Checked, ranks: Ranks
         previous_attempt=previous["id"] if previous else None,
         steps_replayed=steps_replayed(previous, step) if generation else None,
         allowed_drift=config.allow_drift, drift=checked.drift, checkpoint_mode=checked.mode,
-        device=str(ranks.device), fingerprint=checked.fingerprint, store=config.store,
+        device=str(ranks.device), fingerprint=checked.fingerprint, store=config.location.store_url,
         polyaxon=events.run_identity(previous), world_size=ranks.world_size,
         world_size_change=world_size_change(stored_world_size, ranks.world_size).get("world_size_change"),
         allow_unsigned=config.signing.allow_unsigned, exactness=checked.exactness.as_record())

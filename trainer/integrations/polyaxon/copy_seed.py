@@ -64,9 +64,9 @@ def seed_copy(placement: RunPlacement, run_uuid: str, original_uuid: str | None,
     if original_uuid == run_uuid:
         return None
     if placement.kind == "volume":
-        return seed_on_volume(Path(placement.output), original_uuid)
+        return seed_on_volume(placement.location.root, original_uuid)
     if placement.kind == "bucket":
-        return seed_in_bucket(str(placement.output), run_uuid, original_uuid, store_config)
+        return seed_in_bucket(placement.location.store_url, run_uuid, original_uuid, store_config)
     return None  # nothing exposed: Polyaxon's init step copied the outputs before the trainer started
 
 
