@@ -17,7 +17,7 @@ PACKAGE = REPO / "trainer"
 LAYERS = [
     # Leaves: names, errors, configuration, test seams, private-API wrappers, the launcher's variables.
     {"trainer.errors", "trainer.layout", "trainer.config", "trainer.parallel.launch", "trainer.seams",
-     "trainer.compat", "trainer.options", "trainer.storage.location", "trainer.run.interval"},
+     "trainer.compat", "trainer.options", "trainer.storage.location", "trainer.run.interval", "trainer.run.records"},
     # Generations and exports: manifests, the atomic publish, DCP writes and reads, save and restore.
     {"trainer.checkpoint"},
     # Where a run directory lives: one backend interface, local disk or an object store.

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from trainer.inspect.report import cell
-from trainer.run.attempts import RUNNING, read_attempts
+from trainer.run.records import RUNNING, read_attempts
 from trainer.errors import CorruptGeneration, NothingToResume, StorageFailure
 from trainer.checkpoint.manifest import Manifest, Verification
 from trainer.checkpoint.section import LocalSection

@@ -15,7 +15,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from trainer.run.attempts import RUNNING, read_attempts
+from trainer.run.records import RUNNING, read_attempts
 from trainer.config import StoreConfig
 from trainer.errors import NothingToResume, UsageError
 from trainer.inspect.listing import attempt_rows, local_row, publish_costs, sealed_row

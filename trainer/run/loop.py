@@ -23,7 +23,8 @@ from trainer.errors import (EXIT_INTERRUPTED, EXIT_OK, CorruptGeneration, CrashL
                             UntrustedGeneration)
 from trainer.parallel.launch import LaunchEnvironment
 from trainer.parallel.ranks import Ranks, process_group, unshared_output
-from trainer.run.attempts import COMPLETED, INTERRUPTED, PREEMPTED, new_attempt_id
+from trainer.run.attempts import new_attempt_id
+from trainer.run.records import COMPLETED, INTERRUPTED, PREEMPTED
 from trainer.run.claim import Claim, Claimant
 from trainer.run.events import TrainingEvents
 from trainer.run.failures import attributed

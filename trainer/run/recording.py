@@ -10,8 +10,9 @@ from trainer.config import RunConfig
 from trainer.errors import TrainerError
 from trainer.parallel.ranks import Ranks
 from trainer.checkpoint.checkpointer import effective_mode
-from trainer.run.attempts import (AttemptRecorder, AttemptStart, RefusedStart, previous_attempt, read_attempts,
-                                  refuse_crash_loop, steps_replayed, world_size_change)
+from trainer.run.attempts import (AttemptRecorder, AttemptStart, RefusedStart, previous_attempt, refuse_crash_loop,
+                                  steps_replayed, world_size_change)
+from trainer.run.records import read_attempts
 from trainer.run.batching import require_even_split, training_steps
 from trainer.run.fingerprint import check_fingerprint, current_fingerprint
 from trainer.run.claim import Claim, Claimant

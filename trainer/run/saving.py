@@ -27,8 +27,9 @@ from trainer.config import RunConfig
 from trainer.errors import TrainerError
 from trainer.layout import EXPORTS, GENERATIONS
 from trainer.parallel.ranks import Ranks, StepAgreement
-from trainer.run.attempts import AttemptRecorder, auto_prior, read_attempts, utc_now
-from trainer.run.cadence import CadenceChange, StepPoint, auto_trigger, build_policy
+from trainer.run.attempts import AttemptRecorder, utc_now
+from trainer.run.records import read_attempts
+from trainer.run.cadence import CadenceChange, StepPoint, auto_prior, auto_trigger, build_policy
 from trainer.run.events import TrainingEvents
 from trainer.run.checksum import safe_state_digests
 from trainer.run.state import TrainingState
