@@ -195,3 +195,13 @@ def test_the_loop_depends_on_the_workload_protocol_not_the_example():
     imported = set().union(*(trainer_imports(path) for path in RUN))
     assert not any(name.startswith("trainer.workload.example") or name.startswith("trainer.workload.data")
                    for name in imported), imported
+
+
+def test_integrations_import_no_checkpoint_or_storage_internals():
+    """The Polyaxon copy seeds a run through `copy_committed` of the sections that own the
+    commit (storage/opening.py hands them out): no third hand-written commit protocol."""
+    for path in sorted((PACKAGE / "integrations").rglob("*.py")):
+        imported = trainer_imports(path)
+        assert not {name for name in imported if name.startswith("trainer.checkpoint")}, (path.name, imported)
+        assert {name for name in imported if name.startswith("trainer.storage")} <= \
+            {"trainer.storage.opening", "trainer.storage.location"}, (path.name, imported)

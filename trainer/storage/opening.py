@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from trainer.checkpoint.signing import load_signing
-from trainer.config import RunConfig
-from trainer.layout import RunDirectory
+from trainer.checkpoint.section import LocalSection
+from trainer.config import RunConfig, StoreConfig
+from trainer.layout import GENERATIONS, SECTIONS, RunDirectory
 from trainer.storage.base import RunStorage
 from trainer.storage.local import LocalStorage
 from trainer.storage.location import ClaimedByPrimary, OnDisk, InStore
@@ -24,3 +25,17 @@ def open_storage(config: RunConfig, processes: int) -> RunStorage:
 
             return open_object_storage(store, RunDirectory(local_tier), config.store_config, config.retention,
                                        processes, signing)
+
+
+def generations_of(location: OnDisk | InStore, settings: StoreConfig = StoreConfig()):
+    """The committed generations of a run directory, wherever it lives: a `LocalSection` or an
+    `ObjectSection`, both able to `copy_committed` a generation from a section like them and to
+    `adopt` another run's generations (`ops restart --copy`'s seeding)."""
+    match location:
+        case OnDisk(root):
+            return LocalSection(RunDirectory(root).section(GENERATIONS))
+        case InStore(store):
+            from trainer.storage.object.client import ObjectStore
+            from trainer.storage.object.section import ObjectSection
+
+            return ObjectSection(ObjectStore(store, settings), SECTIONS[GENERATIONS])

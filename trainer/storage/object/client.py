@@ -153,6 +153,8 @@ class ObjectClient(Protocol):
 
     def copy(self, source: str, target: str) -> None: ...
 
+    def copy_from(self, other: "ObjectClient", source: str, target: str) -> None: ...
+
     def delete(self, keys: list[str]) -> None: ...
 
     def etag(self, key: str) -> tuple[bytes, str] | None: ...
@@ -341,8 +343,12 @@ class ObjectStore:
 
     def copy(self, source: str, target: str) -> None:
         """A copy inside the store (server-side where the store supports it)."""
-        self.call(f"copying {self.url_of(source)}", lambda: self._run("copy", self.location.path(source),
-                                                                          self.location.path(target)))
+        self.copy_from(self, source, target)
+
+    def copy_from(self, other: ObjectStore, source: str, target: str) -> None:
+        """A copy of `other`'s object `source` (another prefix of the same store) to `target` here."""
+        self.call(f"copying {other.url_of(source)}", lambda: self._run("copy", other.location.path(source),
+                                                                           self.location.path(target)))
 
     def delete(self, keys: list[str]) -> None:
         """Delete objects in order; one already gone is fine."""

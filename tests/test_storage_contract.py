@@ -1,0 +1,108 @@
+"""The promises of the storage sections, run once against every implementation: a run
+directory on this disk (`LocalSection`) and in an object store (`ObjectSection`, over the
+in-memory client of tests/memory_objects.py; the real server runs the same commit end to end
+in test_store.py). Tiny real generations (one 4-float tensor): well under a second each."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from memory_objects import MemoryObjects
+from trainer.checkpoint.checkpointer import SyncCheckpointer
+from trainer.checkpoint.commit import RenameCommit
+from trainer.checkpoint.identity import RunIdentity
+from trainer.checkpoint.manifest import GenerationFacts
+from trainer.checkpoint.section import LocalSection
+from trainer.errors import CorruptGeneration
+from trainer.layout import MANIFEST, RUN_IDENTITY, RunDirectory
+from trainer.storage.object.section import ObjectSection
+
+
+def published_locally(root, step: int = 4) -> LocalSection:
+    """A run directory at `root` with one committed generation, `step-0000000{step}`."""
+    run = RunDirectory(root)
+    run.checkpoints.mkdir(parents=True)
+    (root / RUN_IDENTITY).write_bytes(RunIdentity.new().to_bytes())  # its manifests name their run
+    section = LocalSection(run.checkpoints)
+    facts = GenerationFacts(step, 0, step, {"source": "s"}, (), {}, "2026-12-01T00:00:00Z")
+    SyncCheckpointer(RenameCommit(section), "attempt").save({"w": torch.full((4,), float(step))}, facts)
+    return section
+
+
+class OnDisk:
+    name = "local disk"
+
+    def section(self, tmp_path, label: str):
+        return LocalSection(RunDirectory(tmp_path / label).checkpoints)
+
+    def with_generation(self, tmp_path, label: str):
+        return published_locally(tmp_path / label)
+
+    def leftovers(self, section) -> list:
+        return section.temporaries() + section.uncommitted()
+
+    def identity(self, section) -> bytes | None:
+        return section.identity_bytes()
+
+    def manifest(self, section, name: str) -> bytes:
+        return (section.path(name) / MANIFEST).read_bytes()
+
+
+class InMemoryObjects:
+    name = "in-memory object client"
+
+    def section(self, tmp_path, label: str):
+        return ObjectSection(MemoryObjects(f"s3://bucket/{label}"), "checkpoints")
+
+    def with_generation(self, tmp_path, label: str):
+        local = published_locally(tmp_path / f"{label}-tier")
+        section = self.section(tmp_path, label)
+        for name in local.names():
+            section.commit(name, local.path(name), fence=lambda: None)
+        return section
+
+    def leftovers(self, section) -> list:
+        return section.scan().uncommitted
+
+    def identity(self, section) -> bytes | None:
+        return section.identity_bytes()
+
+    def manifest(self, section, name: str) -> bytes:
+        return section.manifest_bytes(name)
+
+
+SECTIONS = [OnDisk(), InMemoryObjects()]
+
+
+@pytest.mark.parametrize("kind", SECTIONS, ids=lambda kind: kind.name)
+def test_copy_committed_commits_the_copy_by_the_sections_own_protocol(kind, tmp_path):
+    """Nothing is committed before `before_commit` ran (the copy's run.json adopts the original
+    first), the copy verifies, and its manifest is byte for byte the original's."""
+    source, target = kind.with_generation(tmp_path, "original"), kind.section(tmp_path, "copy")
+    (name,) = source.committed()
+    seen_before_commit = []
+
+    def before_commit(manifest):
+        seen_before_commit.append((list(target.committed()), manifest.step))
+        target.adopt(manifest.run, "seeding", "a test")
+
+    digest = target.copy_committed(name, source, before_commit)
+    assert seen_before_commit == [([], 4)]
+    assert target.committed() == [name] and target.verify(name).ok
+    assert kind.manifest(target, name) == kind.manifest(source, name)
+    assert digest == hashlib.sha256(kind.manifest(target, name)).hexdigest()
+    assert b"seeding" in kind.identity(target) and not kind.leftovers(target)
+
+
+def test_copy_committed_refuses_a_damaged_original_and_leaves_nothing(tmp_path):
+    source, target = published_locally(tmp_path / "original"), LocalSection(tmp_path / "copy" / "checkpoints")
+    (name,) = source.committed()
+    shard = next(path for path in source.path(name).iterdir() if path.name != MANIFEST)
+    shard.write_bytes(b"x" + shard.read_bytes()[1:])
+    with pytest.raises(CorruptGeneration, match="does not verify"):
+        target.copy_committed(name, source)
+    assert target.committed() == [] and target.temporaries() == []
+    assert not (tmp_path / "copy" / RUN_IDENTITY).exists()
