@@ -1,7 +1,7 @@
 """The promises of the storage sections, run once against every implementation: a run
 directory on this disk (`LocalSection`) and in an object store (`ObjectSection`, over the
-in-memory client of tests/memory_objects.py; the real server runs the same commit end to end
-in test_store.py). Tiny real generations (one 4-float tensor): well under a second each."""
+in-memory client of tests/memory_objects.py and over the real SeaweedFS server). Tiny real
+generations (one 4-float tensor): well under a second each, plus the server's start once."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from trainer.checkpoint.manifest import GenerationFacts
 from trainer.checkpoint.section import LocalSection
 from trainer.errors import CorruptGeneration
 from trainer.layout import MANIFEST, RUN_IDENTITY, RunDirectory
+from trainer.storage.location import parse_store_url
+from trainer.storage.object.client import ObjectStore
 from trainer.storage.object.section import ObjectSection
 
 
@@ -33,13 +35,14 @@ def published_locally(root, step: int = 4) -> LocalSection:
 
 
 class OnDisk:
-    name = "local disk"
+    def __init__(self, tmp_path, request):
+        self.tmp_path = tmp_path
 
-    def section(self, tmp_path, label: str):
-        return LocalSection(RunDirectory(tmp_path / label).checkpoints)
+    def section(self, label: str):
+        return LocalSection(RunDirectory(self.tmp_path / label).checkpoints)
 
-    def with_generation(self, tmp_path, label: str):
-        return published_locally(tmp_path / label)
+    def with_generation(self, label: str):
+        return published_locally(self.tmp_path / label)
 
     def leftovers(self, section) -> list:
         return section.temporaries() + section.uncommitted()
@@ -52,14 +55,15 @@ class OnDisk:
 
 
 class InMemoryObjects:
-    name = "in-memory object client"
+    def __init__(self, tmp_path, request):
+        self.tmp_path = tmp_path
 
-    def section(self, tmp_path, label: str):
+    def section(self, label: str):
         return ObjectSection(MemoryObjects(f"s3://bucket/{label}"), "checkpoints")
 
-    def with_generation(self, tmp_path, label: str):
-        local = published_locally(tmp_path / f"{label}-tier")
-        section = self.section(tmp_path, label)
+    def with_generation(self, label: str):
+        local = published_locally(self.tmp_path / f"{label}-tier")
+        section = self.section(label)
         for name in local.names():
             section.commit(name, local.path(name), fence=lambda: None)
         return section
@@ -74,14 +78,30 @@ class InMemoryObjects:
         return section.manifest_bytes(name)
 
 
-SECTIONS = [OnDisk(), InMemoryObjects()]
+class SeaweedFS(InMemoryObjects):
+    """Run directories as prefixes of one fresh bucket on the real server."""
+
+    def __init__(self, tmp_path, request):
+        super().__init__(tmp_path, request)
+        self.bucket = request.getfixturevalue("s3_bucket")
+        self.bucket.use_env(request.getfixturevalue("monkeypatch"))
+
+    def section(self, label: str):
+        return ObjectSection(ObjectStore(parse_store_url(f"{self.bucket.url}/runs/{label}")), "checkpoints")
 
 
-@pytest.mark.parametrize("kind", SECTIONS, ids=lambda kind: kind.name)
-def test_copy_committed_commits_the_copy_by_the_sections_own_protocol(kind, tmp_path):
+KINDS = {"local disk": OnDisk, "in-memory object client": InMemoryObjects, "SeaweedFS": SeaweedFS}
+
+
+@pytest.fixture(params=list(KINDS))
+def kind(request, tmp_path):
+    return KINDS[request.param](tmp_path, request)
+
+
+def test_copy_committed_commits_the_copy_by_the_sections_own_protocol(kind):
     """Nothing is committed before `before_commit` ran (the copy's run.json adopts the original
     first), the copy verifies, and its manifest is byte for byte the original's."""
-    source, target = kind.with_generation(tmp_path, "original"), kind.section(tmp_path, "copy")
+    source, target = kind.with_generation("original"), kind.section("copy")
     (name,) = source.committed()
     seen_before_commit = []
 
