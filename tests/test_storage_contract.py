@@ -5,21 +5,25 @@ generations (one 4-float tensor): well under a second each, plus the server's st
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import pytest
 import torch
 
 from memory_objects import MemoryObjects
-from trainer.checkpoint.checkpointer import SyncCheckpointer
+from trainer.checkpoint.checkpointer import SyncCheckpointer, build_checkpointer
 from trainer.checkpoint.commit import RenameCommit
 from trainer.checkpoint.identity import RunIdentity
 from trainer.checkpoint.manifest import GenerationFacts
-from trainer.checkpoint.section import LocalSection
+from trainer.checkpoint.section import LocalSection, Published
+from trainer.config import RetentionConfig, StoreConfig
 from trainer.errors import CorruptGeneration
-from trainer.layout import MANIFEST, RUN_IDENTITY, RunDirectory
+from trainer.layout import GENERATIONS, MANIFEST, RUN_IDENTITY, RunDirectory
+from trainer.storage.local import LocalStorage
 from trainer.storage.location import parse_store_url
 from trainer.storage.object.client import ObjectStore
+from trainer.storage.object.backend import open_object_storage
 from trainer.storage.object.section import ObjectSection
 
 
@@ -126,3 +130,75 @@ def test_copy_committed_refuses_a_damaged_original_and_leaves_nothing(tmp_path):
         target.copy_committed(name, source)
     assert target.committed() == [] and target.temporaries() == []
     assert not (tmp_path / "copy" / RUN_IDENTITY).exists()
+
+
+# ----------------------------------------------------------------------------- the two roles
+class LocalRun:
+    uploads = False
+    """Durable when published: nothing becomes durable afterwards."""
+
+    def __init__(self, tmp_path, request):
+        self.tmp_path = tmp_path
+
+    def open(self, label: str):
+        return LocalStorage(RunDirectory(self.tmp_path / label))
+
+
+class StoreRun:
+    """A run in a SeaweedFS bucket with its local tier; `processes` picks tiered or direct."""
+
+    uploads = True
+
+    def __init__(self, tmp_path, request, processes: int):
+        self.tmp_path, self.processes = tmp_path, processes
+        self.bucket = request.getfixturevalue("s3_bucket")
+        self.bucket.use_env(request.getfixturevalue("monkeypatch"))
+
+    def open(self, label: str):
+        return open_object_storage(parse_store_url(f"{self.bucket.url}/{label}"),
+                                   RunDirectory(self.tmp_path / f"{label}-tier"), StoreConfig(),
+                                   RetentionConfig(keep_last=None), self.processes, None)
+
+
+RUNS = {"local disk": LocalRun, "SeaweedFS tiered": lambda tmp_path, request: StoreRun(tmp_path, request, 1),
+        "SeaweedFS direct": lambda tmp_path, request: StoreRun(tmp_path, request, 2)}
+
+
+@pytest.fixture(params=list(RUNS))
+def run_kind(request, tmp_path):
+    return RUNS[request.param](tmp_path, request)
+
+
+def saved(durability, step: int) -> Published:
+    facts = GenerationFacts(step, 0, step, {"source": "s"}, (), {}, "2026-12-01T00:00:00Z")
+    checkpointer = build_checkpointer("sync", durability.commit(), "a1", torch.device("cpu"))
+    (published,) = checkpointer.save({"w": torch.full((4,), float(step))}, facts)
+    return published
+
+
+def test_every_verb_of_the_claim_and_the_durability_keeps_its_promise(run_kind):
+    """Claim, go ahead, save through the durability's commit until durable, restore it, go
+    back: the same promises whichever backend holds the run directory."""
+    storage = run_kind.open("run")
+    with contextlib.ExitStack() as held:
+        storage.claim("a1", held, must_exist=False)
+        assert storage.committed() == []
+        identity = storage.go_ahead("a1", ())
+        assert storage.local.identity.read_bytes() == identity.to_bytes()
+        durability = storage.durability(frozenset(), storage.local.attempt_folder("a1"), primary=True)
+        durable = []
+        for step in (4, 8):
+            published = saved(durability, step)
+            after = durability.after_publish(GENERATIONS, published, storage.section(GENERATIONS).path(published.name))
+            durable += [done.name for done in after.durable + durability.drain()]
+        assert storage.committed() == ["step-00000004", "step-00000008"]
+        assert durable == (["step-00000004", "step-00000008"] if run_kind.uploads else [])
+        assert durability.kept_locally(GENERATIONS) <= {"step-00000008"}  # nothing pending once drained
+        generation, _ = storage.restorable("step-00000008", storage.committed())
+        assert generation.ok and generation.manifest.step == 8
+        assert storage.local_copy(generation).manifest == generation.manifest
+        assert "checkpoints/step-00000008" in storage.set_aside_later_than(4)
+        assert storage.committed() == ["step-00000004"]
+        storage.remove_stale_temporaries()
+        durability.close()
+    assert not list(storage.local.checkpoints.glob(".step-*.tmp-*"))
