@@ -231,3 +231,50 @@ def test_the_storage_roles_stay_small_and_ask_no_role_by_none():
                   if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops)
                   and ast.unparse(node.left).startswith("self.")]
         assert not guards, (path.name, guards)
+
+
+# ----------------------------------------------------------------------------- docs/architecture.md stays true
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+
+
+def section_of(text: str, heading: str) -> str:
+    """The text under a `## ` heading that starts with `heading`, up to the next one."""
+    start = text.index(f"\n## {heading}")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else None]
+
+
+def documented_modules(text: str) -> set[Path]:
+    """Every module the package table names, as a path under trainer/."""
+    found, package = set(), None
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")] if line.startswith("| ") else []
+        if len(cells) != 3 or cells[0] == "package":
+            continue
+        package = cells[0].strip("`") if cells[0] else package
+        folder = PACKAGE if package == "(top)" else PACKAGE / package
+        found |= {folder / name for name in re.findall(r"`(\w+\.py)`", cells[1])}
+    return found
+
+
+def test_every_module_the_architecture_table_names_exists_and_every_module_is_named():
+    """A package `__init__.py` or `__main__.py` of a few lines (a docstring, an entry point)
+    needs no row."""
+    named = documented_modules(ARCHITECTURE.read_text().split("\n## ")[0])  # the table above the walks
+    assert sorted(str(path.relative_to(REPO)) for path in named if not path.exists()) == []
+    tiny = {path for path in SOURCES if path.name in ("__init__.py", "__main__.py")
+            and len(path.read_text().splitlines()) < 5}
+    assert sorted(str(path.relative_to(REPO)) for path in set(SOURCES) - named - tiny) == []
+
+
+def test_every_option_of_help_is_in_the_architecture_table_of_options():
+    from trainer.cli import train_parser
+
+    table = section_of(ARCHITECTURE.read_text(), "Where each option")
+    options = [action.option_strings[-1] for action in train_parser()._actions if action.option_strings]
+    assert [option for option in options if option != "--help" and f"`{option}`" not in table] == []
+
+
+def test_the_doc_checks_can_fail():
+    assert documented_modules("| `run/` | `loop.py`, `nowhere.py` | x |\n| | `claim.py` | y |") == \
+        {PACKAGE / "run" / "loop.py", PACKAGE / "run" / "nowhere.py", PACKAGE / "run" / "claim.py"}

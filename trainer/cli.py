@@ -116,9 +116,15 @@ def add_auto_cadence_options(group) -> None:
                        help="with auto: shortest interval, and the first one until a save cost is known")
     group.add_argument("--recover-auto-max-secs", type=positive_float, default=AutoCadenceConfig.max_s, metavar="S",
                        help="with auto: longest interval")
+    add_assume_mtbf_option(group, "with auto: mean time between failures to plan with while the run has seen "
+                                  "fewer than 3 (e.g. the cluster's; default: the run's own history)")
+
+
+def add_assume_mtbf_option(group, text: str) -> None:
+    """`--assume-mtbf-secs`, the M to plan with while a run has seen few failures: training's
+    auto cadence and the report's advice read it alike."""
     group.add_argument("--assume-mtbf-secs", type=positive_float, default=AutoCadenceConfig.assume_mtbf_s,
-                       metavar="S", help="with auto: mean time between failures to plan with while the run has seen "
-                                         "fewer than 3 (e.g. the cluster's; default: the run's own history)")
+                       metavar="S", help=text)
 
 
 def check_auto_cadence(args: argparse.Namespace) -> None:
@@ -322,9 +328,8 @@ def run_report(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--png", type=path_argument, metavar="FILE",
                         help="also draw the timeline of the attempts into FILE (PNG, 1600x900)")
-    parser.add_argument("--assume-mtbf-secs", type=positive_float, default=AutoCadenceConfig.assume_mtbf_s,
-                        metavar="S", help="mean time between failures for the save-interval advice while the run "
-                                          "has seen fewer than 3 (e.g. the cluster's known rate)")
+    add_assume_mtbf_option(parser, "mean time between failures for the save-interval advice while the run has "
+                                   "seen fewer than 3 (e.g. the cluster's known rate)")
     args = parser.parse_args(argv)
     from trainer.inspect.listing import print_report
     from trainer.inspect.sources import open_source

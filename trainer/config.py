@@ -144,12 +144,6 @@ class StoreConfig:
     """How long a new trainer waits for a held lease to expire before exit 73 (None: the
     holder's ttl plus a margin, so a dead holder's lease is taken over unattended)."""
 
-    def bound_s(self) -> float:
-        """The longest one operation may take before it fails: every try timing out, plus
-        every backoff."""
-        waits = sum(min(self.backoff_s * 2 ** n, 8.0) for n in range(self.retries))
-        return (self.retries + 1) * 2 * self.timeout_s + waits
-
 
 @dataclass(frozen=True)
 class SigningConfig:

@@ -54,8 +54,10 @@ class Flag:
         return default_of(self.path)
 
 
+STORE_GROUP = "object store (with --output s3://…, gs://…, az://…)"
+
 GROUPS: dict[str, list[Flag]] = {
-    "object store (with --output s3://…, gs://…, az://…)": [  # STORE_GROUP
+    STORE_GROUP: [
         Flag("--max-pending-uploads", "store_config.max_pending_uploads", metavar="N", type=non_negative_int,
              help="saves published locally but not yet durable before a save waits (0: every save waits until "
                   "durable)"),
@@ -190,7 +192,6 @@ def add_flags(parser: argparse.ArgumentParser, allowed_drift: tuple[str, ...]) -
 
 
 ALL_FLAGS = tuple(flag for flags in GROUPS.values() for flag in flags)
-STORE_GROUP = "object store (with --output s3://…, gs://…, az://…)"
 
 
 def config_from_values(args: argparse.Namespace, workload_options: tuple[tuple[str, object], ...],

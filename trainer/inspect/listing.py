@@ -282,8 +282,8 @@ def targets(path: Path) -> list[Path]:
         return [path]
     found = []
     for folder in SECTIONS.values():
-        store = LocalSection(path / folder)
-        found += [store.path(name) for name in store.names()]
+        section = LocalSection(path / folder)
+        found += [section.path(name) for name in section.names()]
     return found
 
 

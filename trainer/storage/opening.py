@@ -14,7 +14,7 @@ from trainer.storage.location import ClaimedByPrimary, OnDisk, InStore
 def open_storage(config: RunConfig, processes: int) -> RunStorage:
     """`--output DIR`: this disk. `--output s3://…`: the object store, with its local tier on
     this machine; tiered for one process, direct for several."""
-    signing = load_signing(config.signing)  # read once: the key file is never read again
+    signing = load_signing(config.signing)  # the backend holds the key (cli.py read it first, to fail early)
     match config.location:
         case OnDisk(root):
             return LocalStorage(RunDirectory(root), signing)

@@ -33,9 +33,9 @@ s3fs's default part, 50 MiB, holds 500 MiB of each large object in memory at onc
 under 100 MiB as one PUT, and cost a third more client CPU per byte than 16 MiB parts (a 514 MB
 generation on loopback SeaweedFS: 1.34 vs 1.01 CPU-s); boto3's upload_file uses 8 MiB."""
 MAX_PARTS = 10_000
+"""S3's limit on the parts of one multipart upload."""
 BUDGET_BYTES = 64 << 20
 """A call gets one more --store-timeout-secs for every this many bytes it moves."""
-"""S3's limit on the parts of one multipart upload."""
 
 CREDENTIAL_ERRORS = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"})
 """botocore's "no usable credentials", found by name (this module imports no client library):
