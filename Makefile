@@ -43,13 +43,16 @@ polyaxon-demo: $(STAMP) $(SANDBOX_STAMP)
 
 # Quick checkpoint benchmarks (ratios against raw disk, torch.save and stock dcp.save measured
 # in the same run; the store's against plain S3 clients on a loopback SeaweedFS it starts);
-# see docs/checkpoint-modes.md for the full-size commands.
+# see docs/checkpoint-modes.md for the full-size commands. `make bench JSON=DIR` also writes
+# each one's results to DIR/NAME.json.
+bench_json = $(if $(JSON),--json $(JSON)/$(1).json)
 bench: $(STAMP)
-	$(PY) bench/checkpoint_bench.py --quick
-	$(PY) bench/loop_overhead.py --quick
-	$(PY) bench/reduction_bench.py --quick
-	$(PY) bench/store_bench.py --quick
-	$(PY) bench/goodput_sim.py --quick
+	$(if $(JSON),mkdir -p $(JSON))
+	$(PY) bench/checkpoint_bench.py --quick $(call bench_json,checkpoint_bench)
+	$(PY) bench/loop_overhead.py --quick $(call bench_json,loop_overhead)
+	$(PY) bench/reduction_bench.py --quick $(call bench_json,reduction_bench)
+	$(PY) bench/store_bench.py --quick $(call bench_json,store_bench)
+	$(PY) bench/goodput_sim.py --quick $(call bench_json,goodput_sim)
 
 # A local S3 server (SeaweedFS, from requirements-dev.txt) to try `--output s3://BUCKET/RUN`:
 # creates BUCKET, prints the `export AWS_...` lines (also in outputs/s3-server/env.sh), runs

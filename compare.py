@@ -10,6 +10,7 @@ file is only the command.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from trainer.errors import EXIT_INTERRUPTED, StorageFailure, TrainerError, Untru
 
 
 def compare(argv: list[str] | None) -> int:
+    gc.disable()  # while torch imports (trainer/cli.py: collect_after_start_up)
     from trainer.cli import OneLineParser  # imports torch: inside the interruptible part
     from trainer.options import location_argument
 
@@ -52,8 +54,11 @@ def compare(argv: list[str] | None) -> int:
 def compare_inputs(a: Path | str, b: Path | str) -> list:
     """Field results of two generations; one named by store URL is downloaded (verified while it
     streams) into a temporary directory that is gone afterwards."""
+    from trainer.cli import collect_after_start_up
     from trainer.inspect.compare import compare_states, load_generation
     from trainer.inspect.sources import open_source
+
+    collect_after_start_up()
 
     with tempfile.TemporaryDirectory(prefix="compare-") as scratch:
         return compare_states(load_generation(open_source(a).generation(Path(scratch) / "a")),

@@ -1,6 +1,7 @@
 """Shared test helpers, in this one module (test files import them from here, never from
 each other): run the real CLI in a subprocess on temporary directories, start a live trainer,
-wait for its lines, the shared baselines, and a real S3 server.
+wait for its lines, the shared baselines, a real S3 server, and a fresh clone of the tree for
+the README's make targets.
 
 Every wall-clock limit in tests/ goes through `scaled()`: the limits are generous (they catch
 a hang, they do not measure speed), and `TEST_TIMEOUT_SCALE` (default 1) multiplies all of
@@ -10,10 +11,13 @@ kills), never for a fixed time.
 
 from __future__ import annotations
 
+import gc
 import json
+import resource
 import os
 import re
 import shlex
+import shutil
 import socket
 import struct
 import subprocess
@@ -321,3 +325,77 @@ def trainer_argv(script: str) -> list[str]:
     """The arguments after `python -m trainer` in a rendered container script."""
     tail = script.split("-m trainer", 1)[1]
     return shlex.split(re.split(r"[;&\n]", tail)[0])
+
+
+# ------------------------------------------------------------------------------- a fresh clone
+# A `git clone` of this tree as a new user has it, for the README's make targets
+# (test_fresh_clone.py, and `make bench` in test_bench.py): the working tree's uncommitted edits
+# applied, so the tree the next commit holds is what is tested; the clone reuses this checkout's
+# ready venvs (symlinks), and its requirements files are dated back so that make finds the venvs'
+# stamps newer and installs nothing; `make()` asserts that it did not.
+VENVS = (".venv", ".venv-sandbox")
+INSTALLS = ("-m venv", "pip install")
+
+
+def git(*args: str, cwd: Path = REPO, **options) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, **options)
+
+
+def fresh_clone(folder: Path) -> Path:
+    """A fresh clone of this tree in `folder`, its venvs the ready ones."""
+    git("clone", "--quiet", "--no-hardlinks", str(REPO), str(folder))
+    patch = git("diff", "HEAD", "--binary").stdout
+    if patch:
+        git("apply", "--whitespace=nowarn", "-", cwd=folder, input=patch)
+    for name in git("ls-files", "--others", "--exclude-standard", "-z").stdout.decode().split("\0"):
+        if name:
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, folder / name)
+    for venv in VENVS:
+        (folder / venv).symlink_to((REPO / venv).resolve(), target_is_directory=True)
+    for requirements in folder.glob("requirements*.txt"):
+        os.utime(requirements, (0, 0))  # older than the stamps: make installs nothing
+    return folder
+
+
+def make_env() -> dict[str, str]:
+    """A user's shell: no outer make, no PYTHONPATH, no S3 or Polyaxon settings of ours."""
+    return {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTHONPATH")
+            and not k.startswith(("AWS_", "POLYAXON_"))}
+
+
+def make(clone: Path, *targets: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    result = subprocess.run(["make", *targets], cwd=clone, env=make_env(), capture_output=True, text=True,
+                            timeout=scaled(timeout))
+    assert result.returncode == 0, f"make {' '.join(targets)}: exit {result.returncode}\n" \
+                                   f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert not any(word in result.stdout for word in INSTALLS), result.stdout[:2000]
+    return result
+
+
+
+
+def pytest_collection_finish(session) -> None:
+    """Every test module and what it imports (torch) is loaded: frozen, the cyclic collector
+    never scans them again in this long-lived worker (as the trainer does, trainer/cli.py)."""
+    gc.freeze()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With TEST_CPU_LOG=FILE, each test's CPU seconds (this worker's and its finished
+    subprocesses', torchrun's ranks included) are appended to FILE: what the suite's 2-core
+    budget is spent on, whatever else the machine runs at the time."""
+    log = os.environ.get("TEST_CPU_LOG")
+    if not log:
+        yield
+        return
+    before = cpu_seconds()
+    yield
+    with open(log, "a") as file:
+        file.write(f"{cpu_seconds() - before:.2f} {item.nodeid}\n")
+
+
+def cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime

@@ -1,17 +1,24 @@
-"""Every benchmark runs at its --quick size, so a signature change cannot break one silently."""
+"""Every benchmark runs at its --quick size, so a signature change cannot break one silently:
+those `make bench` runs, through `make bench` in a fresh clone (as the README says to run them),
+the others one by one. Each one's results are checked where a check says more than "it ran".
+
+Cost: `make bench` about 40 s, scale_out_bench.py about 45 s, goodput_validation.py about 25 s."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, scaled
+from conftest import REPO, fresh_clone, make, scaled
 
 BENCHMARKS = sorted(path for path in (REPO / "bench").glob("*.py") if "--quick" in path.read_text())
+MAKE_BENCH = re.findall(r"bench/(\w+\.py) --quick", (REPO / "Makefile").read_text())
+"""The benchmarks `make bench` runs, in its order."""
 
 
 def test_every_benchmark_script_is_covered():
@@ -78,9 +85,33 @@ CHECKS = {"store_bench.py": store_bench_checks, "scale_out_bench.py": scale_out_
           "reduction_bench.py": reduction_bench_checks, "loop_overhead.py": loop_overhead_checks}
 
 
-@pytest.mark.parametrize("script", BENCHMARKS, ids=lambda path: path.name)
+def check(name: str, report: dict) -> None:
+    CHECKS.get(name, lambda report: None)(report)
+
+
+def untracked(clone) -> str:
+    return subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=clone, capture_output=True,
+                          text=True, check=True).stdout
+
+
+def test_make_bench_on_a_fresh_clone_runs_each_quick_benchmark(tmp_path):
+    assert MAKE_BENCH[:2] == ["checkpoint_bench.py", "loop_overhead.py"] and "store_bench.py" in MAKE_BENCH
+    clone = fresh_clone(tmp_path / "training-recovery")
+    results = tmp_path / "results"
+    before = untracked(clone)
+    made = make(clone, "bench", f"JSON={results}", timeout=900)
+    shown = made.stdout
+    assert shown.count("|---") >= len(MAKE_BENCH) and "Traceback" not in made.stderr  # each printed its table
+    assert untracked(clone) == before  # they wrote nothing into the tree (their scratch: temporary folders)
+    assert sorted(path.name for path in results.iterdir()) == sorted(f"{name[:-3]}.json" for name in MAKE_BENCH)
+    for name in MAKE_BENCH:
+        assert f"bench/{name} --quick" in shown
+        check(name, json.loads((results / f"{name[:-3]}.json").read_text()))
+
+
+@pytest.mark.parametrize("script", [path for path in BENCHMARKS if path.name not in MAKE_BENCH], ids=lambda path: path.name)
 def test_benchmark_runs_at_its_quick_size(script, tmp_path):
-    # No AWS_* from the developer's shell: store_bench.py then starts its own SeaweedFS, as `make bench` does.
+    # No AWS_* from the developer's shell: a benchmark that needs a store starts its own SeaweedFS.
     env = {name: value for name, value in os.environ.items() if not name.startswith("AWS_")}
     result = subprocess.run([sys.executable, str(script), "--quick", "--dir", str(tmp_path),
                              "--json", str(tmp_path / "result.json")], cwd=REPO, env=env,
@@ -89,4 +120,4 @@ def test_benchmark_runs_at_its_quick_size(script, tmp_path):
     assert "|---" in result.stdout, result.stdout[-2000:]  # it printed its table
     assert "Traceback" not in result.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == ["result.json"]  # it cleaned up after itself
-    CHECKS.get(script.name, lambda report: None)(json.loads((tmp_path / "result.json").read_text()))
+    check(script.name, json.loads((tmp_path / "result.json").read_text()))

@@ -1,23 +1,18 @@
-"""Every make target the README shows, run as a new user runs it: `make TARGET` in a `git clone`
-of this tree (with the working tree's uncommitted edits applied, so the tree the next commit
-holds is what is tested), from the clone's root, with relative paths as the Makefile writes them.
-
-The clone reuses this checkout's ready venvs (symlinks), and its requirements files are dated
-back so that make finds the venvs' stamps newer and installs nothing; each test asserts that it
-did not.
+"""Every make target the README shows, run as a new user runs it: `make TARGET` in a fresh
+`git clone` of this tree (conftest's `fresh_clone`), from the clone's root, with relative paths as
+the Makefile writes them. (`make bench` is run by test_bench.py, which checks each benchmark's
+results there.)
 
 Cost (measured on 2 cores shared with other work): the clone about 1 s; `make demo` about 20 s
 (three 64-step runs, compare, list, report); `make s3-server` with a 2-epoch run about 15 s, and
-its failing start 1 s; `make bench` about 40 s (its four quick benchmarks); `make polyaxon-demo
-KEEP=1` about 110 s, on the live Polyaxon tests' worker (`xdist_group`), so it never runs beside
-them. The README checks at the end read files only.
+its failing start 1 s; `make polyaxon-demo KEEP=1` about 110 s, on the live Polyaxon tests'
+worker (`xdist_group`), so it never runs beside them. The README checks at the end read files only.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import urllib.request
@@ -25,48 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, finish, scaled, wait_until
-
-VENVS = (".venv", ".venv-sandbox")
-INSTALLS = ("-m venv", "pip install")
-
-
-def git(*args: str, cwd: Path = REPO, **options) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, **options)
+from conftest import REPO, finish, fresh_clone, make, make_env, scaled, wait_until
 
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory) -> Path:
-    """A fresh clone of this tree, its venvs the ready ones."""
-    folder = tmp_path_factory.mktemp("fresh") / "training-recovery"
-    git("clone", "--quiet", "--no-hardlinks", str(REPO), str(folder))
-    patch = git("diff", "HEAD", "--binary").stdout
-    if patch:
-        git("apply", "--whitespace=nowarn", "-", cwd=folder, input=patch)
-    for name in git("ls-files", "--others", "--exclude-standard", "-z").stdout.decode().split("\0"):
-        if name:
-            (folder / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, folder / name)
-    for venv in VENVS:
-        (folder / venv).symlink_to((REPO / venv).resolve(), target_is_directory=True)
-    for requirements in folder.glob("requirements*.txt"):
-        os.utime(requirements, (0, 0))  # older than the stamps: make installs nothing
-    return folder
-
-
-def make_env() -> dict[str, str]:
-    """A user's shell: no outer make, no PYTHONPATH, no S3 or Polyaxon settings of ours."""
-    return {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTHONPATH")
-            and not k.startswith(("AWS_", "POLYAXON_"))}
-
-
-def make(clone: Path, *targets: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    result = subprocess.run(["make", *targets], cwd=clone, env=make_env(), capture_output=True, text=True,
-                            timeout=scaled(timeout))
-    assert result.returncode == 0, f"make {' '.join(targets)}: exit {result.returncode}\n" \
-                                   f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    assert not any(word in result.stdout for word in INSTALLS), result.stdout[:2000]
-    return result
+    return fresh_clone(tmp_path_factory.mktemp("fresh") / "training-recovery")
 
 
 def start_make(clone: Path, *targets: str) -> subprocess.Popen:
@@ -140,12 +99,6 @@ def test_make_s3_server_names_its_log_when_the_server_cannot_start(clone):
     assert result.returncode != 0 and len(ours) == 1, result.stderr
     assert ours[0].startswith("s3-server: error: weed server exited with 1 during startup"), ours
     assert ours[0].endswith(f"see its log, {clone / 'outputs' / 's3-server' / 'weed.log'}"), ours
-
-
-def test_make_bench_on_a_fresh_clone(clone):
-    result = make(clone, "bench", timeout=900)
-    for bench in ("checkpoint_bench.py", "loop_overhead.py", "store_bench.py", "goodput_sim.py"):
-        assert f"bench/{bench} --quick" in result.stdout
 
 
 @pytest.mark.xdist_group("polyaxon-sandbox")

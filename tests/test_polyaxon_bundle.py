@@ -170,6 +170,20 @@ def test_job_renders_defaults_unset_options_and_presets_as_documented(tmp_path):
     cadence = trainer_argv(container_scripts(render([JOB_FILE, REPO / "presets" / "step-cadence.yaml"]))[0])
     assert {"--recover-every-steps=4", "--keep-every=32"} <= set(cadence)
 
+    # docs/polyaxon.md's go-back and drift forms on that run (run live with a server until the
+    # suite's CPU budget moved them here; the trainer's side: test_resume.py, test_faults.py).
+    back = trainer_argv(container_scripts(render([JOB_FILE, started, REPO / "presets" / "from-generation.yaml"]))[0])
+    assert "--from-generation=step-00000016" in back and not any(
+        a.startswith(("--resume", "--interrupt-at-step")) for a in back), back
+    drift = tmp_path / "seed.yaml"
+    drift.write_text("version: 1.1\nkind: operation\nparams:\n  dropout: 0.2\n  epochs: 9\n")
+    refused = trainer_argv(container_scripts(render([JOB_FILE, started, first, drift]))[0])
+    assert {"--resume=latest", "--dropout=0.2", "--epochs=9"} <= set(refused)
+    assert not any(a.startswith("--allow-drift") for a in refused), refused
+    allowed = trainer_argv(container_scripts(render([JOB_FILE, started, first, drift,
+                                                     REPO / "presets" / "allow-drift-torch.yaml"]))[0])
+    assert {"--resume=latest", "--dropout=0.2", "--allow-drift=torch"} <= set(allowed)
+
 
 def test_job_inputs_cover_every_trainer_option_with_its_default():
     """Drift guard: a new trainer option needs an input, and input defaults are the CLI's."""

@@ -7,7 +7,7 @@ the queued runs as processes on this machine (trainer/integrations/polyaxon/loca
     polyaxon ops resume -uid U -f presets/resume.yaml
 
 with the sandbox's artifacts store on a host path and on the SeaweedFS test server (a bucket),
-the presets of docs/polyaxon.md (go back, accept a drift), and the final status of a run under
+the go-back preset of docs/polyaxon.md (its drift presets: rendered in test_polyaxon_bundle.py), and the final status of a run under
 each executor kind (process sidecar, Kubernetes-like, offline in test_tracking.py).
 
 Cost (2 shared cores): about 8 s per sandbox start (one per worker, one more with a bucket store)
@@ -149,7 +149,8 @@ def test_upload_copy_and_resume_on_a_volume_store_match_the_baseline(project, sa
     """(a) `run -u` runs the uploaded code and stops at 27 (75 → stopped), `ops resume -f
     presets/resume.yaml` finishes it equal to the baseline; (b) `ops restart --copy` seeds the
     copy from U's newest generation (not from scratch), with a late sidecar sync of the
-    copy's context landing beside it, and never writes U's run directory."""
+    copy's context landing beside it, and never writes U's run directory; (d) going back with
+    presets/from-generation.yaml. Four trained jobs."""
     plx = project(sidecar_delay_s=4.0)
     store = sandbox.artifacts / RUNS
     u = plx.submit("run", "-p", plx.name, "-f", "polyaxonfiles/polyaxonfile.yaml", "-u",
@@ -201,22 +202,9 @@ def test_upload_copy_and_resume_on_a_volume_store_match_the_baseline(project, sa
     assert attempts_in(store / u)[-1]["restored"]["name"] == "step-00000048"
     same_as_baseline(baseline, store / u / "checkpoints" / FINAL)
 
-    # (d) a drift: a dropout changed on resume is refused (65 → failed), then accepted with the
-    # allow-drift form of the docs (presets/allow-drift-torch.yaml copied, the field edited).
-    drift = tmp_path / "seed.yaml"
-    drift.write_text("version: 1.1\nkind: operation\nparams:\n  dropout: 0.2\n  epochs: 9\n")
-    allow = tmp_path / "allow-drift-config.yaml"
-    allow.write_text((REPO / "presets" / "allow-drift-torch.yaml").read_text().replace("[torch]", "[config]"))
-    resume_form = ["ops", "resume", "-p", plx.name, "-uid", u, "-f", "polyaxonfiles/polyaxonfile.yaml",
-                   "-f", "presets/resume.yaml", "-f", str(drift)]
-    plx.submit(*resume_form, "--recompile")
-    record = plx.finish(u, "failed", previous_records=runs_before + 2)
-    assert record["exit"] == 65 and record["posted"] is None  # posted by the trainer: 65 → failed
-    plx.submit(*resume_form, "-f", str(allow), "--recompile")
-    plx.finish(u, "succeeded", previous_records=runs_before + 3)
-    last = attempts_in(store / u)[-1]
-    assert last["allowed_drift"] == ["config"] and last["restored"]["name"] == FINAL
-    assert (store / u / "checkpoints" / "step-00000072").is_dir()
+    # (d) a drift refused, then accepted with presets/allow-drift-torch.yaml: rendered by
+    # test_polyaxon_bundle.py (the trainer's side: test_fingerprint_and_attempts.py); a status the trainer posts on
+    # an exit that is not 75: test_statuses_under_a_process_sidecar_are_the_trainers.
 
 
 # ------------------------------------------------------------------------------- (c): a bucket store
@@ -390,3 +378,31 @@ def test_only_a_405_that_never_reached_a_view_is_retried():
     assert one_line(OSError("disk\nfull")) == "OSError: disk"
     assert [status_of_exit(code) for code in (0, 75, 2, 65, 74, 1)] == \
         ["succeeded", "stopped", "failed", "failed", "failed", "failed"]
+
+
+def test_a_retried_calls_client_noise_is_dropped_on_its_thread_only(caplog):
+    """The client logs eight lines for every failed try before raising; a retried 405 that then
+    succeeds shows none of them. The client's background threads still log theirs."""
+    import logging
+    import threading
+
+    from trainer.integrations.polyaxon.retries import CLIENT_LOGGER, call
+
+    client_log = logging.getLogger(CLIENT_LOGGER)
+    tries = iter([405, 405, "ok"])
+
+    def flaky():
+        answer = next(tries)
+        background = threading.Thread(target=client_log.error, args=("from the client's event thread",))
+        background.start()
+        background.join()
+        client_log.error("API Client failed at the function `flaky`")
+        if answer == 405:
+            raise type("ApiException", (Exception,), {"status": 405, "body": "<h1>Method Not Allowed</h1>"})()
+        return answer
+
+    with caplog.at_level(logging.ERROR, logger=CLIENT_LOGGER):
+        assert call(flaky) == "ok"
+        client_log.error("after the call")
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages == ["from the client's event thread"] * 3 + ["after the call"], messages

@@ -15,7 +15,7 @@ from conftest import attempts, finish, one_error_line, png_size, run_cli, start,
 
 from trainer.inspect.listing import attempt_rows
 from trainer.inspect.report import advise, build_report, format_report
-from trainer.inspect.timeline import HEIGHT, WIDTH, WallAxis, lane_label, render_timeline, timeline_title
+from trainer.inspect.timeline import DASHBOARD, REPORT, WallAxis, lane_label, render_timeline, timeline_title
 from trainer.run.interval import daly_interval, expected_goodput
 
 
@@ -171,6 +171,8 @@ def test_odd_records_do_not_break_the_report():
 
 @pytest.mark.parametrize("count", [1, 100])
 def test_timeline_png_has_the_stated_size_for_1_and_100_attempts(tmp_path, count):
+    """Both layouts; the dashboard's is wide enough to be drawn whole in Polyaxon's 350 px
+    image widget at a 1440 px window (1209 px wide: under 328 px of picture below its caption)."""
     outcomes = ["interrupted", "preempted", "running", "refused", "failed"]
     records, step = [], 0
     for i in range(count):
@@ -188,7 +190,10 @@ def test_timeline_png_has_the_stated_size_for_1_and_100_attempts(tmp_path, count
     assert " useful steps of " in title and "% of steps, " in title and " of time), " in title, title
     render_timeline(report, path, title)
     assert path.stat().st_size > 10_000
-    assert png_size(path) == (WIDTH, HEIGHT) == (1600, 900)
+    assert png_size(path) == (REPORT.width, REPORT.height) == (1600, 900)
+    render_timeline(report, path, title, DASHBOARD)
+    assert png_size(path) == (DASHBOARD.width, DASHBOARD.height)
+    assert 1209 * DASHBOARD.height / DASHBOARD.width < 328
 
 
 # ---------------------------------------------------------------- the command, on a real run

@@ -18,6 +18,7 @@ import pytest
 from conftest import attempts, compare, generation, one_error_line, png_size, run_cli
 
 from trainer.errors import TrackingUnavailable
+from trainer.inspect.timeline import DASHBOARD
 from trainer.integrations.polyaxon.tracking import PolyaxonEvents, cloning_kind, parse_run_instance
 
 
@@ -107,7 +108,7 @@ def test_offline_tracked_run_interrupted_and_resumed_in_the_same_run_matches_bas
     images = [json.loads(line.split("|", 2)[2])["path"]
               for line in (folder / "events" / "image" / "recovery-timeline.plx").read_text().splitlines()[1:]]
     assert images == ["assets/image/recovery-timeline_27.png", "assets/image/recovery-timeline_64.png"]
-    assert all(png_size(folder / image) == (1600, 900) for image in images)
+    assert all(png_size(folder / image) == (DASHBOARD.width, DASHBOARD.height) for image in images)
     outputs = record["outputs"]
     assert (outputs["attempts"], outputs["useful_steps"], outputs["computed_steps"]) == (2, 64, 27 + 64 - 24)
     assert (outputs["replayed_steps"], outputs["lost_steps"]) == (3, 3)

@@ -55,6 +55,9 @@ DCP_STORAGE_INFO = PrivateName(
 DCP_FLATTEN_STATE_DICT = PrivateName(
     "torch.distributed.checkpoint._nested_dict", "flatten_state_dict", "torch", "2.13.0",
     "naming a state dict's tensors by the flat keys DCP stores them under")
+SET_PG_TIMEOUT = PrivateName(
+    "torch.distributed.distributed_c10d", "_set_pg_timeout", "torch", "2.13.0",
+    "bounding a background gloo group's collectives by the save time measured after it was created")
 TORCH_ELEMENT_SIZE = PrivateName(
     "torch._utils", "_element_size", "torch", "2.13.0",
     "the byte size of a dtype when spreading tensors across shard files")
@@ -79,7 +82,7 @@ SCHEDULER_LAST_LR = "_last_lr"
 `get_last_lr()`; it has no public setter."""
 
 PRIVATE_NAMES = (DCP_STORAGE_INFO, DCP_FLATTEN_STATE_DICT, TORCH_ELEMENT_SIZE, RUN_EXIT_HANDLERS, DCP_INIT_OPTIM_STATE,
-                 TORCH_SET_DETERMINISTIC, DCP_SET_ELEMENT)
+                 TORCH_SET_DETERMINISTIC, DCP_SET_ELEMENT, SET_PG_TIMEOUT)
 INDUCTOR_DETERMINISTIC_ENV = "TORCHINDUCTOR_DETERMINISTIC"
 """Read by torch._inductor.config at import (checked against torch 2.13.0): "1" makes its
 `deterministic` flag True, as `torch.use_deterministic_algorithms(True)` would."""
@@ -98,6 +101,13 @@ def flatten_state_dict(state_dict: dict) -> dict:
 def set_element(root: dict, path, value) -> None:
     """Put `value` at `path` (a tuple of keys and indices) inside a nested state dict."""
     DCP_SET_ELEMENT.resolve()(root, path, value)
+
+
+def set_group_timeout(group, seconds: float) -> None:
+    """The timeout of a process group's later collectives (gloo: every context of the group)."""
+    from datetime import timedelta
+
+    SET_PG_TIMEOUT.resolve()(timedelta(seconds=seconds), group)
 
 
 def element_size(dtype) -> int:

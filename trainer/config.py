@@ -124,6 +124,31 @@ class RetentionConfig:
 
 
 @dataclass(frozen=True)
+class BackgroundWaitConfig:
+    """How long a background collective (an async save's DCP planning and final gather, its
+    commit's agreement, each on a gloo group of its own) waits for a peer before it fails.
+    torch's default is 30 minutes: a rank whose staging or writer thread failed kept the
+    others waiting that long. Never fingerprinted."""
+
+    timeout_s: float | None = None
+    """`--background-timeout-secs`: a fixed bound; None (auto) derives it from the saves measured."""
+    floor_s: float = 120.0
+    """The least an auto bound allows: scheduling noise, a slow store request retried."""
+    save_factor: float = 4.0
+    """An auto bound is this many times the slowest save of this attempt (write + commit)."""
+    first_s: float = 600.0
+    """An auto bound before any save was measured (the first save, which also warms caches)."""
+
+    def bound_s(self, slowest_save_s: float | None) -> float:
+        """Seconds a background collective may wait, given the slowest save measured so far."""
+        if self.timeout_s is not None:
+            return self.timeout_s
+        if slowest_save_s is None:
+            return self.first_s
+        return max(self.floor_s, self.save_factor * slowest_save_s)
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     """How hard to try before a store operation fails the run (exit 74), and how far the
     background uploads may fall behind the saves."""
@@ -178,6 +203,7 @@ class RunConfig:
     export: CadenceConfig = field(default_factory=CadenceConfig)
     export_dtype: str | None = None
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    background_wait: BackgroundWaitConfig = field(default_factory=BackgroundWaitConfig)
     preempt_grace_s: float = 20.0
     """On SIGTERM/SIGINT, time allowed to save before exiting 75 without publishing."""
     progress: ProgressConfig = field(default_factory=ProgressConfig)

@@ -104,6 +104,15 @@ class DecidedOnPrimary(TrainerError):
         self.exit_code = exit_code
 
 
+def is_peer_loss(error: BaseException) -> bool:
+    """A collective failed because another rank went away or did not come within the group's
+    timeout: gloo reports a closed or reset connection, or a timeout, as a plain RuntimeError
+    from its transport; NCCL raises DistError kinds (found by name: this module imports no torch)."""
+    if any(kind.__name__ == "DistError" for kind in type(error).__mro__):
+        return True
+    return isinstance(error, RuntimeError) and "gloo/transport" in str(error)
+
+
 EXIT_OK = 0
 EXIT_INTERRUPTED = 75
 

@@ -17,6 +17,7 @@ from trainer.options import AUTO, non_negative_float, non_negative_int, positive
 
 DEFAULTS = RunConfig(location=None)
 """Where every flag's default comes from (its location is never read)."""
+_WAIT = DEFAULTS.background_wait
 
 
 def default_of(path: str):
@@ -92,6 +93,11 @@ GROUPS: dict[str, list[Flag]] = {
                   "written in the background; auto: async on CUDA, sync on CPU)"),
         Flag("--device", "device", options={"choices": ("auto", "cpu", "cuda")},
              help="where to train (auto: CUDA when available)"),
+        Flag("--background-timeout-secs", "background_wait.timeout_s", metavar="S|auto", type=positive_float_or_auto,
+             to_config=lambda value: None if value == AUTO else value, shown_default=AUTO,
+             help="how long a background collective of an async save waits for another rank before every rank "
+                  f"fails in one line naming the rank that failed; auto: {_WAIT.save_factor:g} x the slowest save "
+                  f"measured, at least {_WAIT.floor_s:g} s ({_WAIT.first_s:g} s before the first save)"),
         Flag("--preempt-grace-secs", "preempt_grace_s", metavar="S", type=positive_float,
              help="on SIGTERM/SIGINT, time allowed to save before exiting 75 without publishing (below "
                   "Kubernetes' default 30 s termination grace)"),

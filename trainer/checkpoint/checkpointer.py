@@ -20,7 +20,10 @@ collectives (DCP's planning and its final gather, the commit's agreement) run on
 threads, each on a gloo group of its own (`Coordinator.background()`), never on the group the
 loop trains with. A failure on any rank (a write error, a full disk, a lost upload or lease)
 reaches every rank at the next `save()` or at `finalize()`, where the ranks agree in the
-loop's thread (`raise_if_any_failed`): every rank exits with the same status, none hangs.
+loop's thread (`raise_if_any_failed`): every rank exits with the same status, none hangs. A
+rank whose staging or committer thread failed never enters the save's next background
+collective; the others wait for it only as long as the background groups' bound
+(`--background-timeout-secs`, re-derived from every save measured: `Coordinator.saved_in`).
 """
 
 from __future__ import annotations
@@ -280,7 +283,11 @@ class AsyncCheckpointer(_Checkpointer):
             return published
         raise_if_any_failed(self.coordinator, failure, "writing a recovery generation")
         # Every rank reports rank 0's publishes, so every rank's record of them agrees.
-        return self.coordinator.decide_on_primary(lambda: published, "reporting the generations committed")
+        published = self.coordinator.decide_on_primary(lambda: published, "reporting the generations committed")
+        for generation in published:  # the same times on every rank, so the same bounds
+            self._write_group.saved_in(generation.save_s)
+            self._commit_group.saved_in(generation.save_s)
+        return published
 
     def _collect(self, in_flight: _InFlight) -> tuple[list[Published], BaseException | None]:
         """The oldest save's outcome, waiting for it: what it published, or its failure in

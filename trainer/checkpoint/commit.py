@@ -7,7 +7,8 @@ strategies. There are two:
 
 * `RenameCommit` (here): one disk that every rank sees, a local run or a shared filesystem.
   Every rank writes its shards into one temporary directory rank 0 created; rank 0 seals it
-  (a manifest with every file's sha256) and renames it into place.
+  (a manifest with every file's sha256, each checked against what its rank wrote:
+  checkpoint/content.py) and renames it into place.
 * `ObjectCommit` (storage/object/commit.py): ranks that share no disk. Each rank writes its
   shards to its own disk and uploads them; rank 0 commits the manifest in the object store.
 
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
+from trainer import seams
+from trainer.checkpoint.content import checking
 from trainer.checkpoint.coordination import Coordinator
 from trainer.checkpoint.manifest import Manifest
 from trainer.checkpoint.section import LocalSection
@@ -81,11 +84,12 @@ class RenameCommit:
     def commit(self, temporary: Path, step: int, describe: Describe, digests: dict[str, dict],
                coordinator: Coordinator) -> Committed:
         name = generation_name(step)
-        coordinator.barrier(f"writing generation {name}")
-        # Rank 0 knows the digests of its own shards only; with several ranks it hashes the
-        # others' (already fsynced by their writers) while sealing.
+        reports = coordinator.gather(digests, f"writing generation {name}")  # every rank's shards are written
+        # With several ranks rank 0 hashes every file on the disk while sealing and commits
+        # only if each holds exactly what its rank wrote; one process keeps its writer's digests.
         known = digests if not coordinator.distributed else None
-        digest = coordinator.decide_on_primary(lambda: self._publish(temporary, step, describe, known),
+        checked = checking(describe, reports, str(temporary), name)
+        digest = coordinator.decide_on_primary(lambda: self._publish(temporary, step, checked, known),
                                                f"publishing generation {name}")
         return Committed(digest)
 
@@ -93,6 +97,7 @@ class RenameCommit:
         """Seal and rename (rank 0); a storage error becomes StorageFailure here, so every rank
         exits with its status (74), not just rank 0."""
         try:
+            seams.crash_point("before-seal")
             return self.local.publish(temporary, step, describe, known)
         except BaseException as error:
             shutil.rmtree(temporary, ignore_errors=True)

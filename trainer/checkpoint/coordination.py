@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol, TypeVar
 
-from trainer.errors import DecidedOnPrimary, TrainerError, as_storage_failure, root_cause
+from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, as_storage_failure, is_peer_loss, root_cause
 
 T = TypeVar("T")
 
@@ -39,7 +39,12 @@ class Coordinator(Protocol):
 
     def background(self) -> "Coordinator":
         """A coordinator on a new CPU (gloo) group for one background thread: every process
-        must call this at the same point, as with any collective."""
+        must call this at the same point, as with any collective. Its collectives wait for a
+        peer a bounded time (`--background-timeout-secs`), then fail."""
+
+    def saved_in(self, seconds: float) -> None:
+        """A save this (background) coordinator took part in lasted `seconds`: its collectives'
+        bound follows the slowest save measured."""
 
 
 class SingleProcess:
@@ -62,18 +67,27 @@ class SingleProcess:
     def background(self) -> "SingleProcess":
         return self
 
+    def saved_in(self, seconds: float) -> None:
+        return None
+
 
 def failure_summary(error: BaseException, what: str) -> tuple[str, int, bool]:
     """A failure as (one line, exit status, already shared), to tell the other ranks. Already
-    shared: the rank learnt it from another rank's decision, so it names no failure of its own."""
+    shared: the rank learnt it from another rank (its decision, or its absence from a
+    collective), so it names no failure of its own."""
     if isinstance(error, TrainerError):
-        return str(error), error.exit_code, isinstance(error, DecidedOnPrimary)
+        return str(error), error.exit_code, isinstance(error, (DecidedOnPrimary, PeerFailure))
     storage = as_storage_failure(error, what)
     if storage is not None:
         return str(storage), storage.exit_code, False
     cause = root_cause(error)
-    detail = (str(cause).strip().splitlines() or [cause.__class__.__name__])[0][:300]
-    return f"{what} failed: {cause.__class__.__name__}: {detail}", 1, False
+    if is_peer_loss(cause):  # a background collective another rank never entered: its own error says why
+        return f"{what} failed: another rank did not take part within the bound ({_first_line(cause)})", 1, True
+    return f"{what} failed: {cause.__class__.__name__}: {_first_line(cause)}", 1, False
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [error.__class__.__name__])[0][:300]
 
 
 def raise_if_any_failed(coordinator: Coordinator, failure: BaseException | None, what: str) -> None:

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from trainer import seams
 from trainer.errors import reraise_as_storage_failure
 from trainer.checkpoint.atomic import encode_json, write_file_durably
 from trainer.checkpoint.manifest import Manifest
@@ -54,6 +55,7 @@ def write_export(store: LocalSection, weights: dict[str, torch.Tensor], step: in
     config = {**architecture, "dtype": stored_dtype, "step": step, "epoch": epoch, "source": source_digest}
     temporary = None
     try:
+        seams.crash_point("before-export")
         temporary = store.begin(step, attempt_id)
         save_file(tensors, str(temporary / EXPORT_WEIGHTS), metadata={"step": str(step)})
         write_file_durably(temporary / EXPORT_CONFIG, encode_json(config))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainer import seams
 from trainer.checkpoint.section import LocalSection
 from trainer.layout import generation_step
 
@@ -43,6 +44,7 @@ def apply_retention(store: LocalSection, keep_last: int | None, keep_every: int 
     candidates = [Candidate(name, store.verify(name, cached=True).ok) for name in store.names()]
     doomed = select_deletions(candidates, keep_last, keep_every, protected)
     for name in doomed:
+        seams.crash_point("before-retention")
         store.remove(name)
     return doomed
 

@@ -248,11 +248,12 @@ def run_report(output: Path):
     return build_report(records, live_attempts(output, records), marker_times(output, records))
 
 
-def write_timeline(report, png: Path) -> None:
-    from trainer.inspect.timeline import render_timeline, timeline_title
+def write_timeline(report, png: Path, for_dashboard: bool = False) -> None:
+    """The timeline as `report --png` draws it, or shaped for Polyaxon's image widget."""
+    from trainer.inspect.timeline import DASHBOARD, REPORT, render_timeline, timeline_title
 
     try:
-        render_timeline(report, png, timeline_title(report))
+        render_timeline(report, png, timeline_title(report), DASHBOARD if for_dashboard else REPORT)
     except OSError as error:
         reason = os.strerror(error.errno) if error.errno else str(error)
         raise StorageFailure(f"writing the timeline to {png} failed: {reason}; choose a writable path "

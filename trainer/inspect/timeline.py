@@ -3,8 +3,9 @@ global step (right), coloured by outcome.
 
 matplotlib is imported here only, when a picture is asked for (`report --png`, the tracked
 end-of-attempt hook): training never pays for it. The figure is drawn on its own Agg canvas,
-so no global backend or pyplot state is touched. The size is fixed (WIDTH x HEIGHT pixels)
-whatever the number of attempts: the lanes share the whole height, tick labels get sparser.
+so no global backend or pyplot state is touched. The size is fixed by the layout (REPORT for
+`report --png`, DASHBOARD for Polyaxon's image widget) whatever the number of attempts: the
+lanes share the whole height, tick labels get sparser.
 
 Within an attempt, steps are placed in time by its coarse progress points (a step and its
 time, every few steps, in the record); between points, and in records without any, they
@@ -23,7 +24,22 @@ from pathlib import Path
 
 from trainer.inspect.report import AttemptRow, Report
 
-WIDTH, HEIGHT, DPI = 1600, 900, 100
+DPI = 100
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A picture's size in pixels and where its legend goes."""
+
+    width: int
+    height: int
+    legend_right: bool
+
+
+REPORT = Layout(1600, 900, legend_right=False)
+DASHBOARD = Layout(2200, 560, legend_right=True)
+"""Polyaxon 2.18's image widget is 350 px tall and as wide as the page (1209 px in a 1440 px
+window), and crops what is taller: a picture wider than about 3.7:1 is drawn whole in it."""
 COLOURS = {"completed": "#2e7d32", "interrupted": "#1565c0", "preempted": "#ef6c00", "killed": "#c62828",
            "failed": "#6a1b9a", "refused": "#757575", "running": "#00838f"}
 RESTORE_COLOUR = "#424242"
@@ -100,8 +116,8 @@ def time_of_step(knots: list[tuple[int, float]], step: float) -> float:
     return knots[-1][1]
 
 
-def render_timeline(report: Report, path: Path, title: str) -> None:
-    """Write the timeline to `path` (PNG, WIDTH x HEIGHT). OSError if it cannot be written."""
+def render_timeline(report: Report, path: Path, title: str, layout: Layout = REPORT) -> None:
+    """Write the timeline to `path` (PNG, the layout's size). OSError if it cannot be written."""
     # Before the import: building the font cache logs "generated new fontManager" at INFO.
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -109,7 +125,7 @@ def render_timeline(report: Report, path: Path, title: str) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    figure = Figure(figsize=(WIDTH / DPI, HEIGHT / DPI), dpi=DPI)
+    figure = Figure(figsize=(layout.width / DPI, layout.height / DPI), dpi=DPI)
     FigureCanvasAgg(figure)
     wall_ax, step_ax = figure.subplots(1, 2, sharey=True, gridspec_kw={"wspace": 0.1})
     lanes = max(len(report.rows), 1)
@@ -206,9 +222,13 @@ def render_timeline(report: Report, path: Path, title: str) -> None:
         Line2D([], [], marker="D", linestyle="", color="grey", markeredgecolor="black",
                label="end (dashed edge: estimated, killed or running)"),
     ]
-    figure.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), frameon=False, fontsize=9)
+    if layout.legend_right:
+        figure.legend(handles=handles, loc="center right", ncol=1, frameon=False, fontsize=9)
+        figure.subplots_adjust(left=0.08, right=0.8, top=0.88, bottom=0.14)
+    else:
+        figure.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), frameon=False, fontsize=9)
+        figure.subplots_adjust(left=0.11, right=0.99, top=0.92, bottom=0.17)
     figure.suptitle(title, fontsize=12)
-    figure.subplots_adjust(left=0.11, right=0.99, top=0.92, bottom=0.17)
     figure.savefig(path, format="png", dpi=DPI)
 
 

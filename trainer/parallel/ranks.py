@@ -24,6 +24,7 @@ import signal
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
@@ -33,7 +34,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageError, root_cause
+from trainer import compat
+from trainer.config import BackgroundWaitConfig
+from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageError, is_peer_loss, root_cause
 from trainer.parallel.launch import PRIMARY, LaunchEnvironment
 from trainer.parallel.reduction import PER_PARAMETER, per_parameter_mean
 from trainer.layout import RunDirectory
@@ -61,14 +64,6 @@ def outlive_launcher_stop() -> None:
     SIGKILL after its grace period."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def is_peer_loss(error: BaseException) -> bool:
-    """A collective failed because another rank went away (gloo reports a closed or reset
-    connection as a plain RuntimeError from its transport; NCCL raises DistError kinds)."""
-    if isinstance(error, dist.DistError):
-        return True
-    return isinstance(error, RuntimeError) and "gloo/transport" in str(error)
 
 
 def _first_line(error: BaseException) -> str:
@@ -102,8 +97,12 @@ class StepAgreement:
 class Ranks:
     """This process's place in the run and the collectives the loop needs."""
 
-    def __init__(self, launch: LaunchEnvironment, device: torch.device, group=None):
+    def __init__(self, launch: LaunchEnvironment, device: torch.device, group=None,
+                 wait: BackgroundWaitConfig = BackgroundWaitConfig()):
         self.launch = launch
+        self.wait = wait
+        """How long the background groups' collectives wait for a peer."""
+        self._slowest_save_s: float | None = None
         self.rank = launch.rank
         self.world_size = launch.world_size
         self.distributed = launch.distributed
@@ -117,12 +116,25 @@ class Ranks:
         own collectives, and the commit's agreement). Gloo because DCP's async save needs a
         CPU-capable group and because it reaches every node over TCP, as the training group
         does; a peer that dies shows up there as a reset connection (an error), not a hang.
-        A collective: every rank calls it at the same point."""
+        A collective: every rank calls it at the same point.
+
+        Its collectives wait `--background-timeout-secs` for a peer (auto: from the saves
+        measured, `saved_in`), not torch's 30 minutes: a rank whose staging or writer thread
+        failed never enters them, and the others must get to the agreement that names it."""
         if not self.distributed:
             return self
         with self._collective("creating the background process group"):
-            group = dist.new_group(backend="gloo")
-        return Ranks(self.launch, torch.device("cpu"), group)
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.wait.bound_s(None)))
+        return Ranks(self.launch, torch.device("cpu"), group, self.wait)
+
+    def saved_in(self, seconds: float) -> None:
+        """A save this group took part in lasted `seconds`: re-derive its collectives' bound."""
+        if self.group is None:
+            return
+        slowest = max(seconds, self._slowest_save_s or 0.0)
+        if self.wait.bound_s(slowest) != self.wait.bound_s(self._slowest_save_s):
+            compat.set_group_timeout(self.group, self.wait.bound_s(slowest))
+        self._slowest_save_s = slowest
 
     def data_parallel(self, model: nn.Module, kind: str = "ddp", reduction: str = PER_PARAMETER) -> nn.Module:
         """The module to run forward/backward through; build the optimizer on `model` after this.
@@ -267,7 +279,8 @@ class Ranks:
 
 
 @contextmanager
-def process_group(launch: LaunchEnvironment, device: torch.device) -> Iterator[Ranks]:
+def process_group(launch: LaunchEnvironment, device: torch.device,
+                  wait: BackgroundWaitConfig = BackgroundWaitConfig()) -> Iterator[Ranks]:
     """Join the run's process group (gloo on CPU, NCCL on CUDA, one device per local rank)
     from the variables torchrun or the training operator set; leave it on the way out.
 
@@ -275,7 +288,7 @@ def process_group(launch: LaunchEnvironment, device: torch.device) -> Iterator[R
     one DCP wrapped, or one raised inside DDP's backward) is reported as a `PeerFailure`.
     """
     if not launch.distributed:
-        yield Ranks(launch, device)
+        yield Ranks(launch, device, wait=wait)
         return
     if device.type == "cuda":
         device = torch.device("cuda", launch.local_rank)
@@ -286,7 +299,7 @@ def process_group(launch: LaunchEnvironment, device: torch.device) -> Iterator[R
     except (RuntimeError, ValueError) as error:
         raise PeerFailure(f"could not join the {launch.world_size}-process group as rank {launch.rank} "
                           f"({_first_line(error)}); check MASTER_ADDR/MASTER_PORT and that every rank started") from None
-    ranks = Ranks(launch, device)
+    ranks = Ranks(launch, device, wait=wait)
     try:
         yield ranks
     except TrainerError:

@@ -191,7 +191,7 @@ class TrainingRun:
 def run_training(config: RunConfig, launch: LaunchEnvironment = LaunchEnvironment(),
                  events: TrainingEvents = TrainingEvents()) -> Outcome:
     """Run on every rank; all ranks return the same status."""
-    with process_group(launch, resolve_device(config.device)) as ranks:
+    with process_group(launch, resolve_device(config.device), config.background_wait) as ranks:
         outcome = TrainingRun(config, ranks, events).run()
         ignore_late_stop_requests()
         ranks.finish()

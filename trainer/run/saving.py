@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 from torch import nn
 
@@ -24,8 +25,8 @@ from trainer.checkpoint.manifest import GenerationFacts
 from trainer.checkpoint.retention import apply_retention
 from trainer.checkpoint.section import Published
 from trainer.config import RunConfig
-from trainer.errors import TrainerError
-from trainer.layout import EXPORTS, GENERATIONS
+from trainer.errors import TrainerError, reraise_as_storage_failure
+from trainer.layout import EXPORTS, GENERATIONS, generation_name
 from trainer.parallel.ranks import Ranks, StepAgreement
 from trainer.run.attempts import AttemptRecorder, utc_now
 from trainer.run.records import read_attempts
@@ -104,7 +105,7 @@ class CadencedSaves:
         self.record_durable(self.completed())
         if agreed.recover or final or agreed.preempt:
             self.save_generation(state)
-        if (agreed.export or final) and (self.ranks.is_primary or self.sharded):
+        if agreed.export or final:
             self.save_export(state, model, workload)
 
     def completed(self) -> tuple[Durable, ...]:
@@ -141,16 +142,32 @@ class CadencedSaves:
         self.recover_policy.saved()
 
     def save_export(self, state: TrainingState, model: nn.Module, workload: Workload) -> None:
-        weights = full_weights(model, self.sharded)  # under FSDP a collective: every rank gathers
-        if not self.ranks.is_primary:
-            return
+        """Every rank: rank 0 writes the export (under FSDP every rank gathers the weights
+        first); its failure reaches every rank at once."""
         progress = state.progress
-        published = write_export(self.sections[EXPORTS], weights, progress.global_step, progress.epoch,
-                                 workload.architecture(), self.config.export_dtype,
-                                 self.lineage.fingerprint["source"], self.lineage.attempt_id)
-        self.export_policy.saved()
-        self.published(EXPORTS, published, progress.global_step)
-        self.apply_retention(EXPORTS)
+        weights = full_weights(model, self.sharded) if self.ranks.is_primary or self.sharded else {}
+
+        def export() -> None:
+            published = write_export(self.sections[EXPORTS], weights, progress.global_step, progress.epoch,
+                                     workload.architecture(), self.config.export_dtype,
+                                     self.lineage.fingerprint["source"], self.lineage.attempt_id)
+            self.export_policy.saved()
+            self.published(EXPORTS, published, progress.global_step)
+            self.apply_retention(EXPORTS)
+        self.on_primary(export, f"writing export {generation_name(progress.global_step)}")
+
+    def on_primary(self, act: Callable[[], None], what: str) -> None:
+        """The lock holder's own work (the export, retention) on rank 0, as a decision every
+        rank shares: a failure there reaches every rank at once, as rank 0's one line and its
+        status, instead of ending rank 0 alone. Every rank calls this at the same point."""
+        def acted() -> None:
+            try:
+                act()
+            except TrainerError:
+                raise  # already one line with its status (a store that stopped answering: 74)
+            except Exception as error:  # noqa: BLE001 - an I/O error becomes one line, 74
+                reraise_as_storage_failure(error, what)
+        self.ranks.decide_on_primary(acted, what)
 
     def finalize(self, step: int) -> None:
         """Drain the save in flight (it publishes), then the uploads (they make it durable),
@@ -174,8 +191,8 @@ class CadencedSaves:
             self.published(GENERATIONS, published, step)
             if self.auto is not None and (change := self.auto.measured(published.blocked_s)):
                 self.cadence_changed(change, published.step)
-            if prune and self.ranks.is_primary:  # retention is the lock holder's job
-                self.apply_retention(GENERATIONS)
+            if prune:  # retention is the lock holder's job
+                self.on_primary(lambda: self.apply_retention(GENERATIONS), "applying retention")
 
     def cadence_changed(self, change: CadenceChange, step: int | None) -> None:
         if self.ranks.is_primary:

@@ -346,7 +346,7 @@ class PolyaxonEvents(TrainingEvents):
             name = f"{TIMELINE}-of-this-copy" if self.cloned_as_copy() else TIMELINE
             with tempfile.TemporaryDirectory() as folder:
                 image = Path(folder) / f"{name}.png"
-                write_timeline(report, image)
+                write_timeline(report, image, for_dashboard=True)
                 # At the attempt's last step, so each attempt's picture is its own (a copy's under
                 # its own name: the original's, copied with its events, keeps its steps).
                 self.run.log_image(data=str(image), name=name, step=report.rows[-1].last_step)

@@ -4,8 +4,8 @@
 Every rank writes its own DCP shards into a scratch directory on its own disk (rank 0 also
 writes DCP's `.metadata`), hashing while it writes, and uploads them under the generation's
 prefix; the ranks then exchange their `{file: {bytes, sha256}}` and whether their upload
-succeeded, and rank 0 checks that the store holds every file at its size and commits the
-manifest, behind its lease's fence. No node ever holds a complete local copy, so the scratch
+succeeded, and rank 0 checks that the store holds exactly the bytes each rank wrote (its
+sha256, checkpoint/content.py) and commits the manifest, behind its lease's fence. No node ever holds a complete local copy, so the scratch
 is deleted after the upload and every rank restores by downloading, verified while streaming.
 
 The exchange runs on the coordinator the checkpointer hands over: in the loop for a sync save
@@ -23,6 +23,7 @@ from typing import Callable
 
 from trainer.checkpoint.atomic import file_digest
 from trainer.checkpoint.commit import Committed, Describe
+from trainer.checkpoint.content import merged, writers_of
 from trainer.checkpoint.coordination import Coordinator, raise_if_any_failed
 from trainer.checkpoint.section import LocalSection
 from trainer.checkpoint.signing import encode_signed
@@ -86,10 +87,11 @@ class ObjectCommit:
         return Committed(digest, max(upload_s for _, upload_s in every))
 
     def _commit_manifest(self, name: str, describe: Describe, every: list[tuple[dict, float]]) -> str:
-        files = {file: entry for rank_files, _ in every for file, entry in rank_files.items()}
+        reports = [rank_files for rank_files, _ in every]
+        files = merged(reports)
         data = encode_signed(self.target.owned(describe(dict(sorted(files.items())))).to_json(), self.target.signing)
         try:
-            self.target.commit_manifest(name, data, files, self.fence)
+            self.target.commit_manifest(name, data, files, self.fence, writers_of(reports))
         except BaseException as error:
             lost = lost_lease(self.fence)  # a takeover explains any failure that follows it
             if lost is not None:

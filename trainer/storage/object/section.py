@@ -20,9 +20,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from trainer import seams
+from trainer.checkpoint.content import check_content
 from trainer.checkpoint.atomic import fsync_dir, rename_into_place, temporary_sibling, write_file_durably
 from trainer.checkpoint.manifest import (RECOVERY, InvalidManifest, Manifest, Verification, file_problem,
                                         index_verification, oversized_index, unlisted_problem)
@@ -148,18 +149,23 @@ class ObjectSection:
         with ThreadPoolExecutor(min(PARALLEL_OBJECTS, len(files)), thread_name_prefix="upload") as pool:
             list(pool.map(upload, enumerate(files)))
 
-    def commit_manifest(self, name: str, manifest_data: bytes, files: dict, fence: Callable[[], None]) -> None:
-        """The commit: check the store holds every listed object at its size, then write the
-        manifest. From this instant the generation exists."""
-        for file, entry in sorted(files.items()):
-            size = self.objects.size(self.key(name, file))
-            if size != entry["bytes"]:
-                raise OSError(f"{self.url(name)}/{file}: the store holds {size} bytes after the upload, "
-                              f"the manifest says {entry['bytes']}")
+    def commit_manifest(self, name: str, manifest_data: bytes, files: dict, fence: Callable[[], None],
+                        writers: Mapping[str, int] = {}) -> None:
+        """The commit: check the store holds exactly the listed bytes (every object streamed
+        through sha256: checkpoint/content.py says why not ETags), then write the manifest.
+        From this instant the generation exists. `writers`: the rank that wrote each file."""
         seams.crash_point("store-before-manifest")
+        check_content(files, self.held(name, sorted(files)), self.url(name), writers, name)
         fence()
         self.objects.write(self.key(name, MANIFEST), manifest_data)
         seams.crash_point("store-after-manifest")
+
+    def held(self, name: str, files: list[str]) -> dict[str, dict | None]:
+        """{file: {bytes, sha256}} of what the store holds under `name` (None: missing), read in parallel."""
+        if not files:
+            return {}
+        with ThreadPoolExecutor(min(PARALLEL_OBJECTS, len(files)), thread_name_prefix="check") as pool:
+            return dict(zip(files, pool.map(lambda file: self.objects.digest(self.key(name, file)), files)))
 
     # ----------------------------------------------------------------- restore and verify
     def fetch(self, name: str, parent: Path) -> tuple[Verification, Transfer]:
