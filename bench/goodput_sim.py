@@ -287,7 +287,7 @@ def replay_scenario(run: Path) -> tuple[Scenario, list[float]]:
     """C, R, the step time and the attempts' lifetimes (start-up + wall) of a real run."""
     from trainer.inspect.listing import run_report
     from trainer.inspect.report import advise, seconds_per_step
-    from trainer.run.interval import FAILURES
+    from trainer.run.records import FAILURES
 
     report = run_report(run)
     advice = advise(report)

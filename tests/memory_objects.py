@@ -85,8 +85,11 @@ class MemoryObjects:
             self._put(key, data)
 
     def copy(self, source: str, target: str) -> None:
+        self.copy_from(self, source, target)
+
+    def copy_from(self, other: "MemoryObjects", source: str, target: str) -> None:
         with self._lock:
-            self._put(target, self.objects[source])
+            self._put(target, other.objects[source])
 
     def delete(self, keys: list[str]) -> None:
         with self._lock:

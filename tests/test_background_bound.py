@@ -34,7 +34,7 @@ def test_the_bound_follows_the_slowest_save_with_a_floor_and_an_option():
     parser = trainer_parser()
     for argv, expected in (([], None), (["--background-timeout-secs", "auto"], None),
                            (["--background-timeout-secs", "7"], 7.0)):
-        config = config_from_values(parser.parse_args(["--output", "x", *argv]), (), output=None)
+        config = config_from_values(parser.parse_args(["--output", "x", *argv]), (), location=None)
         assert config.background_wait.timeout_s == expected
     assert DEFAULTS.background_wait == auto
 

@@ -81,8 +81,7 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 
 from trainer.config import AutoCadenceConfig  # noqa: E402
-from trainer.run.attempts import auto_prior  # noqa: E402
-from trainer.run.cadence import AutoPrior, AutoSeconds, auto_trigger  # noqa: E402
+from trainer.run.cadence import AutoPrior, AutoSeconds, auto_prior, auto_trigger  # noqa: E402
 from trainer.run.interval import (FailureRate, best_interval, daly_interval, expected_goodput,  # noqa: E402
                                   young_interval)
 

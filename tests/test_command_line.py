@@ -19,8 +19,8 @@ def test_every_flag_defaults_to_its_config_field_and_the_parsed_defaults_are_the
     for flag in ALL_FLAGS:
         assert parser.get_default(flag.dest) == flag.default(), flag.flag
     config = config_from_args(args, [], args.output, declared)
-    expected = dataclasses.replace(RunConfig(output=args.output), workload=dataclasses.replace(
-        RunConfig(output=None).workload, options=config.workload.options))
+    expected = dataclasses.replace(RunConfig(location=args.output), workload=dataclasses.replace(
+        RunConfig(location=None).workload, options=config.workload.options))
     assert config == expected  # nothing the command line did not say differs from the dataclasses
 
 

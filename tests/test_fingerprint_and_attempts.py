@@ -122,12 +122,13 @@ def test_the_default_workloads_config_fingerprint_is_what_it_always_was():
 
     from trainer.cli import config_from_args, workload_parser
     from trainer.config import DEFAULT_WORKLOAD
+    from trainer.storage.location import OnDisk
 
     parser, names = workload_parser(DEFAULT_WORKLOAD)
-    config = config_from_args(parser.parse_args(["--output", "unused"]), [], Path("unused"), names)
+    config = config_from_args(parser.parse_args(["--output", "unused"]), [], OnDisk(Path("unused")), names)
     assert config.workload.training_relevant() == {
         "samples": 128, "batch_size": 16, "lr": 0.05, "seed": 1234, "hidden_size": 64, "layers": 2,
         "dropout": 0.1, "features": 16, "classes": 4, "amp": False, "threads": 1}
-    changed = config_from_args(parser.parse_args(["--output", "unused", "--grad-accum", "2"]), [], Path("unused"),
-                               names)
+    changed = config_from_args(parser.parse_args(["--output", "unused", "--grad-accum", "2"]), [],
+                               OnDisk(Path("unused")), names)
     assert changed.workload.training_relevant()["grad_accum"] == 2

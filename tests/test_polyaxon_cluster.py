@@ -25,6 +25,7 @@ from conftest import (JOB_FILE, POLYAXONFILES, PRESETS, REPO, attempts, check_al
                       start, trainer_argv)
 from trainer.cli import train_parser
 from trainer.errors import UsageError
+from trainer.storage.location import InStore, OnDisk, parse_store_url
 
 PYTORCHJOB = REPO / "polyaxonfiles" / "pytorchjob.yaml"
 PRESET = {p.stem: p for p in PRESETS}
@@ -220,11 +221,11 @@ def test_every_replica_reaches_the_artifacts_store_and_finds_the_same_run_direct
 
         placement = place_run(container_environ(container), None, world_size(polyaxonfile, workers))
         if store == "s3":
-            assert placement.output == f"s3://plx-artifacts/training-recovery/{UUID}"
-            assert placement.local_tier == Path("/local-tier") / UUID
+            assert str(placement.location) == f"s3://plx-artifacts/training-recovery/{UUID}"
+            assert placement.location.local_tier == Path("/local-tier") / UUID
             assert placement.environment == {}  # the credentials are environment variables already
         else:
-            assert placement.output == Path("/plx-store") / "training-recovery" / UUID and placement.local_tier is None
+            assert placement.location == OnDisk(Path("/plx-store") / "training-recovery" / UUID)  # no local tier
         assert placement.connection == connection["name"] and placement.warning is None
 
 
@@ -245,7 +246,7 @@ def test_a_secret_mounted_as_files_reaches_s3fs_as_environment_variables(tmp_pat
         (folder / name).write_text(value)
     environ = {**container_environ(container), "AWS_ENDPOINT_URL": "http://set-already:9000"}
     placement = place_run(environ)
-    assert placement.output == f"s3://plx-artifacts/team/training-recovery/{UUID}"
+    assert str(placement.location) == f"s3://plx-artifacts/team/training-recovery/{UUID}"
     assert placement.environment == {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "secret"}
 
 
@@ -271,7 +272,7 @@ def test_without_the_store_exposed_a_managed_run_warns_once_and_keeps_the_output
     args = train_parser().parse_args(["--tracked"])
     with caplog.at_level(logging.WARNING, logger="trainer"):
         placement = tracked_placement(args, LaunchEnvironment.from_environ(os.environ), UUID)
-    assert placement.output is None and placement.kind == "outputs"
+    assert placement.location is None and placement.kind == "outputs"
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "only as durable as the sidecar's next sync" in warning and "mountArtifactsStore: true" in warning
     # The store options need a store: refused with one line (exit 2), not silently ignored.
@@ -366,7 +367,7 @@ def test_lineage_of_a_bucket_store_run_names_the_store_once_the_store_holds_it(t
 
     run, tier, url = Run(), tmp_path / "tier", f"s3://plx-artifacts/{UUID}/outputs"
     events = PolyaxonEvents(run, "managed", None)
-    events.place(RunPlacement(url, tier, kind="bucket", connection="plx-s3"))
+    events.place(RunPlacement(InStore(parse_store_url(url), tier), kind="bucket", connection="plx-s3"))
     generation = Published("step-00000008", 8, "ab" * 32, 0.1, 0.1)
     events.published("generation", tier / "checkpoints" / "step-00000008", generation)
     events.published("export", tier / "exports" / "step-00000008", generation)
@@ -385,7 +386,7 @@ def test_lineage_of_a_bucket_store_run_names_the_store_once_the_store_holds_it(t
     # A volume store: the run directory is the store's own folder, referenced when published.
     run, folder = Run(), tmp_path / "plx-store" / UUID / "outputs"
     events = PolyaxonEvents(run, "managed", None)
-    events.place(RunPlacement(folder, kind="volume", connection="plx-host"))
+    events.place(RunPlacement(OnDisk(folder), kind="volume", connection="plx-host"))
     assert events.run_directory == folder
     events.published("generation", folder / "checkpoints" / "step-00000008", generation)
     assert run.references == [("generation-step-00000008", str(folder / "checkpoints" / "step-00000008"))]

@@ -117,7 +117,8 @@ def test_a_section_or_a_generation_is_not_a_run_directory(tmp_path):
 def test_an_attempt_that_ends_between_publishes_records_the_step_it_reached(tmp_path):
     """A failure or a grace timeout ends without `reached()`: the per-step marker decides, so
     the next attempt counts the steps it redoes."""
-    from trainer.run.attempts import AttemptRecorder, AttemptStart, read_attempts
+    from trainer.run.attempts import AttemptRecorder, AttemptStart
+    from trainer.run.records import read_attempts
 
     recorder = AttemptRecorder.start(RunDirectory(tmp_path), "20261201T000000Z-abcdef", [], AttemptStart())
     recorder.reached(10, first=True)

@@ -106,7 +106,7 @@ def test_a_failed_upload_surfaces_at_the_next_save(tier):
     uploader = uploader_for(objects, run)
     first = publish(1)
     uploader.submit(GENERATIONS, first.name, run.checkpoints / first.name, 0.0)
-    wait_until(lambda: uploader._failure is not None, "the upload to fail", every=0.01)
+    wait_until(lambda: uploader.failed, "the upload to fail", every=0.01)
     second = publish(2)
     with pytest.raises(TrainerError) as failed:
         uploader.submit(GENERATIONS, second.name, run.checkpoints / second.name, 0.0)

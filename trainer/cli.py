@@ -27,7 +27,7 @@ from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_f
 from trainer.run.fingerprint import FIELDS
 from trainer.parallel.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
 from trainer.options import AUTO, location_argument, path_argument, positive_float
-from trainer.storage.location import parse_store_url
+from trainer.storage.location import ClaimedByPrimary, OnDisk, Location
 
 EXIT_STATUS_ENV = "TRAINER_EXIT_STATUS_FILE"
 
@@ -117,9 +117,15 @@ def add_auto_cadence_options(group) -> None:
                        help="with auto: shortest interval, and the first one until a save cost is known")
     group.add_argument("--recover-auto-max-secs", type=positive_float, default=AutoCadenceConfig.max_s, metavar="S",
                        help="with auto: longest interval")
+    add_assume_mtbf_option(group, "with auto: mean time between failures to plan with while the run has seen "
+                                  "fewer than 3 (e.g. the cluster's; default: the run's own history)")
+
+
+def add_assume_mtbf_option(group, text: str) -> None:
+    """`--assume-mtbf-secs`, the M to plan with while a run has seen few failures: training's
+    auto cadence and the report's advice read it alike."""
     group.add_argument("--assume-mtbf-secs", type=positive_float, default=AutoCadenceConfig.assume_mtbf_s,
-                       metavar="S", help="with auto: mean time between failures to plan with while the run has seen "
-                                         "fewer than 3 (e.g. the cluster's; default: the run's own history)")
+                       metavar="S", help=text)
 
 
 def check_auto_cadence(args: argparse.Namespace) -> None:
@@ -165,7 +171,7 @@ def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironmen
         raise UsageError("--output DIR is required (the run directory); e.g. --output outputs/run1, "
                          "or --tracked to use Polyaxon's outputs path")
     if not args.tracked:  # tracked: known once the run's artifacts store is (tracked_placement)
-        require_store_for_store_options(args, isinstance(args.output, str))
+        require_store_for_store_options(args, args.output.in_store)
     if args.lease_ttl_secs < 1:
         raise UsageError(f"--lease-ttl-secs {args.lease_ttl_secs:g} is too short to renew over a network; "
                          f"use 1 or more (default {StoreConfig.lease_ttl_s:g})")
@@ -195,14 +201,11 @@ def require_store_for_store_options(args: argparse.Namespace, in_store: bool) ->
                          f"a store; {where}, or drop {'it' if one else 'them'}")
 
 
-def config_from_args(args: argparse.Namespace, argv: list[str], output: Path | str | None,
-                     workload_options: tuple[str, ...], local_tier: Path | None = None) -> RunConfig:
-    store = None
-    if isinstance(output, str):  # an object store URL: `output` becomes this machine's local tier of it
-        store = output
-        output = args.local_tier or local_tier or parse_store_url(store).default_local_tier()
+def config_from_args(args: argparse.Namespace, argv: list[str], location: Location,
+                     workload_options: tuple[str, ...]) -> RunConfig:
     config = config_from_values(args, tuple((name, getattr(args, name)) for name in workload_options),
-                                output=output, store=store, signing=signing_config(args), argv=tuple(argv))
+                                location=location.with_local_tier(args.local_tier),  # beats the default tier
+                                 signing=signing_config(args), argv=tuple(argv))
     return replace(config, recover=replace(config.recover, auto=auto_cadence(args)))
 
 
@@ -220,7 +223,7 @@ def run_train(argv: list[str]) -> int:
         # Under torchrun only rank 0 talks to Polyaxon. Every rank finds the run's store itself
         # (pods share no filesystem); without one, the others learn rank 0's outputs path.
         placement = tracked_placement(args, launch)
-        return train_in(config_from_args(args, argv, placement.output, workload_options, placement.local_tier),
+        return train_in(config_from_args(args, argv, placement.location or ClaimedByPrimary(), workload_options),
                         launch)
     from trainer.integrations.polyaxon.tracking import PolyaxonEvents  # imports polyaxon: only with --tracked
 
@@ -229,7 +232,7 @@ def run_train(argv: list[str]) -> int:
     def train_tracked(outputs: Path) -> int:
         placement = tracked_placement(args, launch, events.run_uuid)
         events.place(placement)
-        config = config_from_args(args, argv, placement.output or outputs, workload_options, placement.local_tier)
+        config = config_from_args(args, argv, placement.location or OnDisk(outputs), workload_options)
         events.seed_if_copy(placement, config.store_config)  # `ops restart --copy` (copy_seed.py)
         return train_in(config, launch, events)
 
@@ -294,18 +297,24 @@ def run_list(argv: list[str]) -> int:
     from trainer.inspect.listing import print_run, require_run_directory
     from trainer.inspect.sources import open_source
 
-    if isinstance(args.directory, str) and args.store is not None:
+    return print_run(open_source(listed_location(args, require_run_directory), signing).describe(), args.json)
+
+
+def listed_location(args: argparse.Namespace, require_run_directory) -> Location:
+    """`list URL [--local-tier DIR]` or `list DIR --store URL`: one run in a store and its local
+    tier; `list DIR`: a local run."""
+    if args.directory.in_store and args.store is not None:
         raise UsageError("--store goes with a local run directory; with a URL, name the local tier with "
                          "--local-tier DIR")
-    if not isinstance(args.directory, str) and args.local_tier is not None:
+    if not args.directory.in_store and args.local_tier is not None:
         raise UsageError("--local-tier goes with a store URL; for a local run directory that is the local tier "
                          "of a run in a store, add --store URL")
     if args.store is None:
-        return print_run(open_source(args.directory, args.local_tier, signing).describe(), args.json)
-    if not isinstance(args.store, str):
+        return args.directory.with_local_tier(args.local_tier)
+    if not args.store.in_store:
         raise UsageError(f"--store takes a store URL (s3://BUCKET/RUN), not the path {args.store}")
-    require_run_directory(args.directory)
-    return print_run(open_source(args.store, args.directory, signing).describe(), args.json)
+    require_run_directory(args.directory.root)
+    return args.store.with_local_tier(args.directory.root)
 
 
 def run_verify(argv: list[str]) -> int:
@@ -320,7 +329,7 @@ def run_verify(argv: list[str]) -> int:
     from trainer.inspect.listing import print_verifications
     from trainer.inspect.sources import open_source
 
-    return print_verifications(open_source(args.path, signing=signing).verifications(), args.json)
+    return print_verifications(open_source(args.path, signing).verifications(), args.json)
 
 
 def run_report(argv: list[str]) -> int:
@@ -331,9 +340,8 @@ def run_report(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--png", type=path_argument, metavar="FILE",
                         help="also draw the timeline of the attempts into FILE (PNG, 1600x900)")
-    parser.add_argument("--assume-mtbf-secs", type=positive_float, default=AutoCadenceConfig.assume_mtbf_s,
-                        metavar="S", help="mean time between failures for the save-interval advice while the run "
-                                          "has seen fewer than 3 (e.g. the cluster's known rate)")
+    add_assume_mtbf_option(parser, "mean time between failures for the save-interval advice while the run has "
+                                   "seen fewer than 3 (e.g. the cluster's known rate)")
     args = parser.parse_args(argv)
     from trainer.inspect.listing import print_report
     from trainer.inspect.sources import open_source

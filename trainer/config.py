@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from trainer.storage.location import Location
+
 CHECKPOINT_MODES = ("auto", "sync", "async")
 
 
@@ -167,12 +169,6 @@ class StoreConfig:
     """How long a new trainer waits for a held lease to expire before exit 73 (None: the
     holder's ttl plus a margin, so a dead holder's lease is taken over unattended)."""
 
-    def bound_s(self) -> float:
-        """The longest one operation may take before it fails: every try timing out, plus
-        every backoff."""
-        waits = sum(min(self.backoff_s * 2 ** n, 8.0) for n in range(self.retries))
-        return (self.retries + 1) * 2 * self.timeout_s + waits
-
 
 @dataclass(frozen=True)
 class SigningConfig:
@@ -188,9 +184,9 @@ class SigningConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    output: Path | None
-    """The run directory. None on the non-primary ranks of a tracked multi-process run: they
-    use the outputs path rank 0's tracking run was given."""
+    location: Location
+    """Where the run directory lives: on this disk, or in an object store with this machine's
+    local tier (trainer/storage/location.py)."""
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     interrupt_at_step: int | None = None
     resume: str | None = None
@@ -214,9 +210,6 @@ class RunConfig:
     max_failed_attempts: int = 3
     """Stop (exit 70) when this many attempts in a row restored the same generation and died
     before publishing a newer one; 0 disables the check."""
-    store: str | None = None
-    """The run directory's store URL (s3://…) when it lives in an object store; `output` is
-    then this machine's local tier of it."""
     store_config: StoreConfig = field(default_factory=StoreConfig)
     signing: SigningConfig = field(default_factory=SigningConfig)
     argv: tuple[str, ...] = ()

@@ -15,8 +15,8 @@ from typing import Callable
 from trainer.config import CHECKPOINT_MODES, RunConfig
 from trainer.options import AUTO, non_negative_float, non_negative_int, positive_float, positive_float_or_auto, positive_int
 
-DEFAULTS = RunConfig(output=None)
-"""Where every flag's default comes from."""
+DEFAULTS = RunConfig(location=None)
+"""Where every flag's default comes from (its location is never read)."""
 _WAIT = DEFAULTS.background_wait
 
 
@@ -55,8 +55,10 @@ class Flag:
         return default_of(self.path)
 
 
+STORE_GROUP = "object store (with --output s3://…, gs://…, az://…)"
+
 GROUPS: dict[str, list[Flag]] = {
-    "object store (with --output s3://…, gs://…, az://…)": [  # STORE_GROUP
+    STORE_GROUP: [
         Flag("--max-pending-uploads", "store_config.max_pending_uploads", metavar="N", type=non_negative_int,
              help="saves published locally but not yet durable before a save waits (0: every save waits until "
                   "durable)"),
@@ -196,13 +198,12 @@ def add_flags(parser: argparse.ArgumentParser, allowed_drift: tuple[str, ...]) -
 
 
 ALL_FLAGS = tuple(flag for flags in GROUPS.values() for flag in flags)
-STORE_GROUP = "object store (with --output s3://…, gs://…, az://…)"
 
 
 def config_from_values(args: argparse.Namespace, workload_options: tuple[tuple[str, object], ...],
                        **given) -> RunConfig:
     """The configuration the flags in `args` describe, the workload's own options, and the
-    `given` fields of RunConfig (output, store, argv) as they are."""
+    `given` fields of RunConfig (location, signing, argv) as they are."""
     top, nested = dict(given), {"workload": {"options": workload_options}}
     for flag in ALL_FLAGS:
         section, _, name = flag.path.rpartition(".")

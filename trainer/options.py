@@ -8,6 +8,9 @@ import argparse
 import re
 from pathlib import Path
 
+from trainer.errors import UsageError
+from trainer.storage.location import OnDisk, InStore, is_url, parse_location
+
 
 def positive_int(text: str) -> int:
     value = _number(text, int)
@@ -30,20 +33,20 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def location_argument(text: str) -> Path | str:
-    """A run directory: a local path, or a store URL (kept as text, parsed where it is used)."""
-    from trainer.storage.location import is_url, parse_store_url
-    from trainer.errors import UsageError
-
-    if re.match(r"^(s3|gs|gcs|az|abfs):/[^/]", text.strip()):  # a URL with one slash: a local path by accident
-        raise argparse.ArgumentTypeError(f"{text.strip()!r} looks like a store URL missing a slash; write "
-                                         f"{text.strip().replace(':/', '://', 1)}")
-    if is_url(text.strip()):
-        try:
-            return parse_store_url(text.strip()).url
-        except UsageError as error:
-            raise argparse.ArgumentTypeError(str(error).removeprefix(f"--output {text.strip()}: ")) from None
-    return path_argument(text)
+def location_argument(text: str) -> OnDisk | InStore:
+    """A run directory, parsed once: a local path (`OnDisk`), or a store URL with its default
+    local tier (`InStore`)."""
+    text_stripped = text.strip()
+    if re.match(r"^(s3|gs|gcs|az|abfs):/[^/]", text_stripped):  # a URL with one slash: a local path by accident
+        raise argparse.ArgumentTypeError(f"{text_stripped!r} looks like a store URL missing a slash; write "
+                                         f"{text_stripped.replace(':/', '://', 1)}")
+    if not is_url(text_stripped):
+        path_argument(text)  # refuses an empty path
+        return OnDisk(Path(text))
+    try:
+        return parse_location(text_stripped)
+    except UsageError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix(f"--output {text_stripped}: ")) from None
 
 
 def positive_float(text: str) -> float:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from trainer.checkpoint.manifest import Manifest, Verification
 from trainer.checkpoint.signing import Signing, authenticated
+from trainer.errors import CorruptGeneration
 from trainer.layout import MANIFEST, RUN_IDENTITY, generation_step
 
 ADOPT_OPTION = "--adopt-from"
@@ -87,6 +88,15 @@ def identity_or_problem(data: bytes | None) -> tuple[RunIdentity | None, str | N
         return RunIdentity.from_bytes(data), None
     except InvalidIdentity as problem:
         return None, str(problem)
+
+
+def adopted(own: bytes | None, run: str, attempt: str, how: str) -> bytes:
+    """The bytes of a run's `run.json` (`own`; a new identity without one) adopting `run`'s
+    generations, recorded with `attempt` and `how`; CorruptGeneration when `own` is unreadable."""
+    identity, problem = identity_or_problem(own)
+    if problem:
+        raise CorruptGeneration(f"this run's {RUN_IDENTITY} is {problem.split(': ', 1)[1]}; remove it")
+    return (identity or RunIdentity.new()).adopting(run, attempt, how).to_bytes()
 
 
 def naming_problem(name: str, manifest: Manifest) -> str | None:

@@ -4,16 +4,19 @@ publishing through the shared atomic protocol."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from trainer.checkpoint.atomic import (finish_interrupted_replacements, fsync_dir, manifest_digest, rename_aside,
-                                     rename_into_place, seal_directory, set_aside, temporary_sibling)
+                                     rename_into_place, seal_directory, set_aside, temporary_sibling,
+                                     write_file_durably)
 from trainer.checkpoint.manifest import Manifest, Verification, verify_directory
-from trainer.checkpoint.identity import identity_or_problem, trusted
+from trainer.checkpoint.identity import adopted, identity_or_problem, trusted
 from trainer.checkpoint.signing import Signing, encode_signed
+from trainer.errors import CorruptGeneration
 from trainer.layout import (DELETING, MANIFEST, REMOVABLE, REPLACED, REPLACING, RUN_IDENTITY, generation_name,
                              generation_step)
 
@@ -55,6 +58,10 @@ class LocalSection:
         `aws s3 sync`, a sidecar, a hand copy). Never selected, never damage, never deleted."""
         return [name for name in self._step_directories() if not (self.root / name / MANIFEST).exists()]
 
+    def committed(self) -> list[str]:
+        """`names()`, by the verb `ObjectSection` uses: a copy reads either section alike."""
+        return self.names()
+
     def _step_directories(self) -> list[str]:
         if not self.root.is_dir():
             return []
@@ -85,6 +92,10 @@ class LocalSection:
             return (self.root.parent / RUN_IDENTITY).read_bytes()
         except (FileNotFoundError, NotADirectoryError):
             return None
+
+    def adopt(self, run: str, attempt: str, how: str) -> None:
+        """Record in the run's `run.json` that it continues from `run`'s generations (identity.py)."""
+        write_file_durably(self.root.parent / RUN_IDENTITY, adopted(self.identity_bytes(), run, attempt, how))
 
     def owned(self, manifest: Manifest) -> Manifest:
         """`manifest`, naming the run this section belongs to (as it is published)."""
@@ -163,4 +174,30 @@ class LocalSection:
         stat = (self.path(name) / MANIFEST).stat()
         # Sealing just hashed every file: remember it as verified instead of re-reading.
         self._verified[(name, stat.st_ino, stat.st_mtime_ns)] = Verification(self.path(name), sealed, None)
+        return manifest_digest(self.path(name))
+
+    def copy_committed(self, name: str, source: LocalSection,
+                       before_commit: Callable[[Manifest], None] = lambda manifest: None) -> str:
+        """Copy `source`'s committed `name` here by this section's commit: verified there, copied
+        into a temporary sibling, fsynced, verified again, `before_commit(manifest)`, renamed into
+        place. Returns the sha256 of the manifest now under the name; CorruptGeneration when
+        either side does not verify (nothing is left here then)."""
+        checked = source.verify(name)
+        if not checked.ok:
+            raise CorruptGeneration(f"{source.path(name)} does not verify ({checked.problem})")
+        self.root.mkdir(parents=True, exist_ok=True)
+        temporary = temporary_sibling(self.root, name, "copy")
+        for entry in sorted(source.path(name).iterdir()):
+            if entry.is_file():
+                shutil.copyfile(entry, temporary / entry.name)
+        for entry in temporary.iterdir():
+            with entry.open("rb") as handle:
+                os.fsync(handle.fileno())
+        fsync_dir(temporary)
+        copied = verify_directory(temporary)
+        if not copied.ok:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise CorruptGeneration(f"{name} copied from {source.path(name)} does not verify ({copied.problem})")
+        before_commit(copied.manifest)
+        rename_into_place(temporary, self.path(name))
         return manifest_digest(self.path(name))

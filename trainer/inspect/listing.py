@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from trainer.inspect.report import cell
-from trainer.run.attempts import RUNNING, read_attempts
+from trainer.run.records import RUNNING, read_attempts
 from trainer.errors import CorruptGeneration, NothingToResume, StorageFailure
 from trainer.checkpoint.manifest import Manifest, Verification
 from trainer.checkpoint.section import LocalSection
@@ -283,8 +283,8 @@ def targets(path: Path) -> list[Path]:
         return [path]
     found = []
     for folder in SECTIONS.values():
-        store = LocalSection(path / folder)
-        found += [store.path(name) for name in store.names()]
+        section = LocalSection(path / folder)
+        found += [section.path(name) for name in section.names()]
     return found
 
 

@@ -15,7 +15,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from trainer.run.attempts import RUNNING, read_attempts
+from trainer.run.records import RUNNING, read_attempts
 from trainer.config import StoreConfig
 from trainer.errors import NothingToResume, UsageError
 from trainer.inspect.listing import attempt_rows, local_row, publish_costs, sealed_row
@@ -24,7 +24,7 @@ from trainer.checkpoint.manifest import InvalidManifest, Manifest, Verification
 from trainer.checkpoint.section import LocalSection
 from trainer.checkpoint.signing import Signing
 from trainer.storage.object.lease import LEASE
-from trainer.storage.location import StoreLocation, parse_store_url
+from trainer.storage.location import StoreLocation
 from trainer.storage.object.client import ObjectStore
 from trainer.storage.object.section import ObjectSection, digest_of
 from trainer.layout import ATTEMPTS, GENERATIONS, SECTIONS, RunDirectory, generation_step
@@ -59,12 +59,10 @@ def store_attempts(objects: ObjectStore) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- list
-def describe_store_run(url: str, local_tier: Path | None, signing: Signing | None = None) -> dict:
+def describe_store_run(location: StoreLocation, tier: Path, signing: Signing | None = None) -> dict:
     """`list`'s description of a run in a store: its committed generations and exports, plus
     the ones this machine's local tier published that are not durable (yet); per row whether it
     is durable and whether the local tier holds the same copy."""
-    location = parse_store_url(url)
-    tier = local_tier or location.default_local_tier()
     objects = open_store(location)
     attempts = store_attempts(objects)
     described = {"output": objects.url, "store": objects.url, "local_tier": str(tier),
@@ -123,16 +121,15 @@ def local_copy(local: LocalSection, name: str, committed_digest: str) -> str:
 
 
 # ----------------------------------------------------------------------------- verify
-def store_verifications(url: str, signing: Signing | None = None) -> list[tuple[str, Verification]]:
+def store_verifications(location: StoreLocation, signing: Signing | None = None) -> list[tuple[str, Verification]]:
     """Stream every object of every committed generation and export (or the one the URL
     names) through sha256: the local verify's lines and exit codes (65 on damage)."""
-    location = parse_store_url(url)
     target = sealed_target(location)
     objects = open_store(target[0] if target else location)
     if target:
         section = ObjectSection(objects, target[1], signing)
         if section.manifest_bytes(target[2]) is None:
-            raise NothingToResume(f"{url} is not a committed generation or export (no manifest.json object); "
+            raise NothingToResume(f"{location.url} is not a committed generation or export (no manifest.json object); "
                                   f"`python -m trainer list` shows what is")
         found = [(section, target[2])]
     else:
@@ -144,13 +141,13 @@ def store_verifications(url: str, signing: Signing | None = None) -> list[tuple[
 
 
 # ----------------------------------------------------------------------------- report
-def store_report(url: str):
+def store_report(location: StoreLocation):
     """The recovery report from the store's attempt records (pushed at start and after every
     commit). A `running` record is live only while its attempt holds the lease; a killed one's
     wall time is estimated up to its last publish (the objects' times say nothing better)."""
     from trainer.inspect.report import build_report
 
-    objects = open_store(parse_store_url(url))
+    objects = open_store(location)
     records = store_attempts(objects)
     if not records:
         raise NothingToResume(f"no attempt records under {objects.url_of(ATTEMPTS)}; pass the --output URL of a "
@@ -176,14 +173,13 @@ def leased_attempt(objects: ObjectStore) -> str | None:
 
 
 # ----------------------------------------------------------------------------- compare
-def local_generation(where: Path | str, parent: Path) -> Path:
-    """A local generation as it is; one named by URL downloaded into `parent`, every object
-    verified as it streams. Damage is an unusable input (UsageError), as for a local one."""
-    if isinstance(where, Path):
-        return where
-    target = sealed_target(parse_store_url(where))
+def local_generation(location: StoreLocation, parent: Path) -> Path:
+    """The generation a URL names, downloaded into `parent`, every object verified as it
+    streams. Damage is an unusable input (UsageError), as for a local one."""
+    where = location.url
+    target = sealed_target(location)
     if target is None:
-        committed = sorted(ObjectSection(open_store(parse_store_url(where)), SECTIONS[GENERATIONS]).committed())
+        committed = sorted(ObjectSection(open_store(location), SECTIONS[GENERATIONS]).committed())
         if committed:
             raise UsageError(f"{where} is a run, not a generation; pass {where.rstrip('/')}/"
                              f"{SECTIONS[GENERATIONS]}/{committed[-1]} (its newest generation)")

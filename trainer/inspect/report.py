@@ -37,10 +37,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 
-from trainer.run.interval import FAILURES, FailureRate, best_interval, expected_goodput, young_interval
-
-OUTCOMES = ("completed", "interrupted", "preempted", "killed", "failed", "refused", "running")
-"""Every outcome a row can have; `killed` is a `running` record nobody is running any more."""
+from trainer.run.interval import best_interval, expected_goodput, young_interval
+from trainer.run.records import OUTCOMES, PUBLISHED, exposure_s, failure_rate, lifetime
+from trainer.layout import GENERATIONS
 
 
 @dataclass(frozen=True)
@@ -146,19 +145,10 @@ def start_time(record: dict) -> float | None:
         return None
 
 
-def outcome_of(record: dict, live: frozenset[str]) -> str:
-    """A `running` record is `killed` unless its process is known to be alive: offline, a
-    record alone cannot tell a live attempt from one that died without a word."""
-    status = record.get("status")
-    if status == "running":
-        return "running" if record.get("id") in live else "killed"
-    return status if status in OUTCOMES else "failed"
-
-
 def durable_entries(record: dict) -> list[dict]:
     """The attempt's generations that survive its machine: every publish on a local run, only
     those committed in the store (`durable_s`) on a store run."""
-    entries = [entry for entry in record.get("generations_published", []) if isinstance(entry, dict)]
+    entries = [entry for entry in record.get(PUBLISHED[GENERATIONS], []) if isinstance(entry, dict)]
     return [entry for entry in entries if "durable_s" in entry] if record.get("store") else entries
 
 
@@ -185,7 +175,9 @@ def _number(value, default: float = 0.0) -> float:
 
 
 def attempt_row(record: dict, live: frozenset[str], marker_unix: float | None, origin: float | None) -> AttemptRow:
-    outcome = outcome_of(record, live)
+    start = start_time(record)
+    lived = lifetime(record, live, marker_unix - start if marker_unix is not None and start is not None else None)
+    outcome = lived.outcome
     costs = record.get("costs") if isinstance(record.get("costs"), dict) else {}
     first, last = record.get("first_step"), record.get("last_step")
     started = isinstance(first, int) and isinstance(last, int) and outcome != "refused"
@@ -198,14 +190,7 @@ def attempt_row(record: dict, live: frozenset[str], marker_unix: float | None, o
     lost = 0 if outcome in ("completed", "running") else max(0, last - durable)
     generations = tuple(Publish(e["name"], e.get("step"), e.get("at_s"), _optional(e.get("blocked_s")),
                                 _optional(e.get("durable_s", e.get("save_s"))))
-                        for e in record.get("generations_published", []))
-    start = start_time(record)
-    wall, estimated = record.get("wall_s"), False
-    if not isinstance(wall, (int, float)) and outcome in ("killed", "running"):
-        # Never ended: up to its last per-step marker, else its last publish.
-        ends = [marker_unix - start] if marker_unix is not None and start is not None else []
-        ends += [g.at_s for g in generations if isinstance(g.at_s, (int, float))]
-        wall, estimated = (max(0.0, max(ends)), True) if ends else (None, False)
+                        for e in record.get(PUBLISHED[GENERATIONS], []))
     first_publish = next((at for entry in durable_entries(record) if (at := durable_at_s(entry)) is not None), None)
     return AttemptRow(
         id=str(record.get("id")), outcome=outcome, exit_code=record.get("exit_code"),
@@ -214,10 +199,9 @@ def attempt_row(record: dict, live: frozenset[str], marker_unix: float | None, o
         replayed=min(computed, record.get("steps_replayed") or 0), lost=lost, durable_step=durable, abandoned=0,
         restore_s=_number(costs.get("restore_s")), verify_s=_number(costs.get("verify_s")),
         save_s=_number(costs.get("save_s")), blocked_s=_number(costs.get("blocked_s")),
-        saves=int(_number(costs.get("saves"))), wall_s=None if wall is None else float(wall),
-        wall_estimated=estimated, time_to_durable_s=first_publish,
+        saves=int(_number(costs.get("saves"))), wall_s=lived.wall_s, wall_estimated=lived.wall_estimated, time_to_durable_s=first_publish,
         start_s=None if start is None or origin is None else start - origin,
-        generations=generations, reason=record.get("reason"), startup_s=_optional(record.get("startup_s")),
+        generations=generations, reason=record.get("reason"), startup_s=lived.startup_s,
         download_s=_number(costs.get("download_s")), progress=progress_points(record),
         first_step_s=_optional(record.get("first_step_s")) if started else None,
         witness=witness_verdict(record), mismatch=witness_mismatch(record),
@@ -315,7 +299,7 @@ def mean_seconds_per_step(rows) -> float | None:
 
 def time_goodput(rows: tuple[AttemptRow, ...], useful: int) -> float | None:
     per_step = mean_seconds_per_step(rows)
-    spent = sum((row.wall_s or 0.0) + (row.startup_s or 0.0) for row in rows)
+    spent = sum(map(exposure_s, rows))
     return useful * per_step / spent if per_step is not None and spent else None
 
 
@@ -404,8 +388,9 @@ def advise(report: Report, assume_mtbf_s: float | None = None) -> Advice:
     parts = {"startup": _mean(startup), "verify": _mean([row.verify_s for row in restarts]),
              "download": _mean([row.download_s for row in restarts]), "load": _mean(loads), "warm_up": _mean(warm)}
     restart = None if not restarts and parts["startup"] is None else sum(v or 0.0 for v in parts.values())
-    exposure = sum((row.wall_s or 0.0) + (row.startup_s or 0.0) for row in rows)
-    mtbf = FailureRate(sum(row.outcome in FAILURES for row in rows), exposure).mtbf(assume_mtbf_s)
+    rate = failure_rate(rows)  # the auto cadence's M too (trainer/run/cadence.py)
+    exposure = rate.exposure_s
+    mtbf = rate.mtbf(assume_mtbf_s)
     m = mtbf.seconds if mtbf.seconds > 0 else None
     training = sum(max(0.0, (row.wall_s or 0.0) - row.restore_s - row.blocked_s) for row in rows)
     current = training / len(saves) if saves else None

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.signing import Signing
+from trainer.storage.location import InStore, OnDisk
 
 
 class RunSource(ABC):
@@ -65,33 +66,35 @@ class LocalRun(RunSource):
 
 
 class ObjectStoreRun(RunSource):
-    def __init__(self, url: str, local_tier: Path | None = None, signing: Signing | None = None):
-        self.url = self.where = url
-        self.local_tier, self.signing = local_tier, signing
+    def __init__(self, location: InStore, signing: Signing | None = None):
+        self.location, self.where, self.signing = location, location.store.url, signing
 
     def describe(self) -> dict:
         from trainer.inspect.object_store import describe_store_run
 
-        return describe_store_run(self.url, self.local_tier, self.signing)
+        return describe_store_run(self.location.store, self.location.local_tier, self.signing)
 
     def verifications(self) -> list[tuple[str, Verification]]:
         from trainer.inspect.object_store import store_verifications
 
-        return store_verifications(self.url, self.signing)
+        return store_verifications(self.location.store, self.signing)
 
     def report(self):
         from trainer.inspect.object_store import store_report
 
-        return store_report(self.url)
+        return store_report(self.location.store)
 
     def generation(self, scratch: Path) -> Path:
         from trainer.inspect.object_store import local_generation
 
-        return local_generation(self.url, scratch)
+        return local_generation(self.location.store, scratch)
 
 
-def open_source(location: Path | str, local_tier: Path | None = None, signing: Signing | None = None) -> RunSource:
-    """A path or an object store URL (as `location_argument` parsed it): the one place that asks."""
-    if isinstance(location, str):
-        return ObjectStoreRun(location, local_tier, signing)
-    return LocalRun(location, signing)
+def open_source(location: OnDisk | InStore, signing: Signing | None = None) -> RunSource:
+    """A run on this disk or in an object store (as `location_argument` parsed it): the one
+    place of the read side that asks."""
+    match location:
+        case InStore():
+            return ObjectStoreRun(location, signing)
+        case OnDisk(root):
+            return LocalRun(root, signing)

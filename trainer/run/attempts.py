@@ -6,6 +6,7 @@ as the attempt progresses and ends. An attempt that held the output but refused 
 record, so an orchestrator's retries show up too. Records are informational: the newest
 verified generation, not an attempt record, decides where training resumes.
 
+Its schema (statuses, event lists, costs) and its one reader are trainer/run/records.py.
 The record is changed only through `AttemptRecorder`'s methods, each named for the event it
 records (`start`, `restored`, `set_aside`, `reached`, `mark_step`, `waited`, `published`,
 `ended`, `refused`, `cadence_changed`).
@@ -32,21 +33,15 @@ from typing import TYPE_CHECKING
 from trainer.errors import CrashLoop, TrainerError
 from trainer.checkpoint.atomic import atomic_write_bytes, atomic_write_json
 from trainer.run.witness import ReplayWitness, StepDigestLog
-from trainer.layout import (ATTEMPT_RECORD, ATTEMPT_REQUIREMENTS, ATTEMPT_SUMMARY, EXPORTS, GENERATIONS, PROGRESS_MARKER,
-                            RunDirectory)
+from trainer.layout import ATTEMPT_RECORD, ATTEMPT_REQUIREMENTS, ATTEMPT_SUMMARY, EXPORTS, GENERATIONS, PROGRESS_MARKER, RunDirectory
+from trainer.run.records import PUBLISHED, REFUSED, RUNNING, UNFINISHED, attempts_that_trained
 
 if TYPE_CHECKING:  # `list` and `report` read records without importing torch
     from trainer.checkpoint.restore import Restored
     from trainer.checkpoint.section import Published
-    from trainer.run.cadence import AutoPrior
 
 log = logging.getLogger("trainer")
 
-RUNNING, COMPLETED, INTERRUPTED, PREEMPTED, FAILED = "running", "completed", "interrupted", "preempted", "failed"
-REFUSED = "refused"
-UNFINISHED = (FAILED, RUNNING)  # "running" in a record nobody holds: the process was killed
-PUBLISHED = {GENERATIONS: "generations_published", EXPORTS: "exports_published"}
-"""Where a record lists what it published, per kind (GENERATIONS, EXPORTS of trainer/layout.py)."""
 PROGRESS_EVERY, MAX_PROGRESS_POINTS = 8, 128
 """Coarse progress: a point every 8 steps at first; past 128 points, every other one goes."""
 MAX_CADENCE_CHANGES = 64
@@ -75,55 +70,6 @@ def resolved_requirements() -> str:
     return "\n".join(sorted(pins, key=str.lower)) + "\n"
 
 
-# ----------------------------------------------------------------------------- reading
-def read_attempts(output: Path) -> list[dict]:
-    """All readable attempt records, oldest first (ids start with the UTC start time)."""
-    root = RunDirectory(output).attempts
-    records = []
-    if root.is_dir():
-        for folder in sorted(root.iterdir()):
-            try:
-                record = json.loads((folder / ATTEMPT_RECORD).read_text())
-            except (OSError, ValueError):
-                continue
-            if not is_well_formed(record):
-                log.warning("ignoring %s: not an attempt record this trainer wrote", folder / ATTEMPT_RECORD)
-                continue
-            marker = read_progress_marker(folder)
-            if record.get("status") == RUNNING and marker is not None:
-                # Killed: its record is only as fresh as its last publish; the marker is per step.
-                record["last_step"] = max(record.get("last_step") or 0, marker)
-            records.append(record)
-    return records
-
-
-OPTIONAL_INT = (int, type(None))
-RECORD_SHAPE = {"id": (str,), "status": (str,), "exit_code": OPTIONAL_INT, "restored": (dict, type(None)),
-                "last_step": OPTIONAL_INT, "steps_replayed": OPTIONAL_INT, "wall_s": (int, float, type(None)),
-                "reason": (str, type(None)), PUBLISHED[GENERATIONS]: (list,), PUBLISHED[EXPORTS]: (list,)}
-"""The fields whose types readers rely on (the crash-loop guard, `list`, steps replayed)."""
-
-
-def is_well_formed(record) -> bool:
-    """A hand-edited or foreign attempt.json must not crash the next resume or `list`."""
-    if not isinstance(record, dict):
-        return False
-    if not all(isinstance(record.get(field), kinds) for field, kinds in RECORD_SHAPE.items()):
-        return False
-    restored = record["restored"]
-    if restored is not None and not isinstance(restored.get("name"), str):
-        return False
-    published = record[PUBLISHED[GENERATIONS]] + record[PUBLISHED[EXPORTS]]
-    return all(isinstance(entry, dict) and isinstance(entry.get("name"), str) for entry in published)
-
-
-def read_progress_marker(folder: Path) -> int | None:
-    try:
-        return int((folder / PROGRESS_MARKER).read_text().strip() or "x")
-    except (OSError, ValueError):
-        return None
-
-
 # ----------------------------------------------------------------------------- decisions
 def steps_replayed(previous: dict | None, restored_step: int | None) -> int | None:
     """Work the previous attempt did beyond the generation now restored (lost and redone).
@@ -140,12 +86,6 @@ def newest_generation(record: dict) -> str | None:
     """The generation an attempt would fall back to now: its newest publish, else what it restored."""
     published = record.get(PUBLISHED[GENERATIONS]) or [record.get("restored") or {}]
     return published[-1].get("name")
-
-
-def attempts_that_trained(records: list[dict]) -> list[dict]:
-    """The records of attempts that went ahead: a refused one restored nothing and did no
-    work, so it is neither the "previous attempt" of the next one nor part of a crash loop."""
-    return [record for record in records if record.get("status") != REFUSED]
 
 
 def previous_attempt(records: list[dict]) -> dict | None:
@@ -170,33 +110,6 @@ def refuse_crash_loop(records: list[dict], restoring: str | None, limit: int, at
         raise CrashLoop(f"the last {limit} attempts all started from {restoring or 'scratch'} and died "
                         f"before publishing a newer generation; inspect {attempts_dir}, fix the "
                         f"cause, then rerun (or pass --max-failed-attempts 0)")
-
-
-def exposure_s(record: dict) -> float:
-    """Seconds the attempt ran, start-up included: its wall time, or for one that never ended
-    its last recorded progress point or publish."""
-    wall = record.get("wall_s")
-    if not isinstance(wall, (int, float)):
-        points = [p[1] for p in (record.get("progress") or {}).get("points", []) if isinstance(p, list)]
-        points += [e.get("at_s") for e in record.get(PUBLISHED[GENERATIONS], [])]
-        wall = max([at for at in points if isinstance(at, (int, float))], default=0.0)
-    startup = record.get("startup_s")
-    return float(wall) + (float(startup) if isinstance(startup, (int, float)) else 0.0)
-
-
-def auto_prior(records: list[dict], own_id: str) -> "AutoPrior":
-    """What the earlier attempts say for `--recover-every-secs auto`: how many failed over how
-    many seconds, and what a recovery save blocked on average. `own_id`'s record (this
-    attempt, `running`) is left out; every other `running` record is a killed attempt."""
-    from trainer.run.cadence import AutoPrior
-    from trainer.run.interval import FailureRate
-
-    earlier = [r for r in attempts_that_trained(records) if r.get("id") != own_id]
-    failures = sum(r.get("status") in (INTERRUPTED, PREEMPTED, FAILED, RUNNING) for r in earlier)
-    blocked = [e["blocked_s"] for r in earlier for e in r.get(PUBLISHED[GENERATIONS], [])
-               if isinstance(e.get("blocked_s"), (int, float))]
-    return AutoPrior(FailureRate(failures, sum(map(exposure_s, earlier))),
-                     sum(blocked) / len(blocked) if blocked else None)
 
 
 def world_size_change(stored_world_size: int | None, world_size: int) -> dict:
@@ -280,7 +193,7 @@ def initial_record(attempt_id: str, argv: list[str], fields: dict) -> dict:
         "started_utc": utc_now(), "started_unix": round(time.time(), 3), "ended_utc": None, "wall_s": None,
         "host": socket.gethostname(), "pid": os.getpid(), "argv": argv,
         "last_step": None, PUBLISHED[GENERATIONS]: [], PUBLISHED[EXPORTS]: [],
-        "costs": {"restore_s": 0.0, "save_s": 0.0, "blocked_s": 0.0, "saves": 0},
+        "costs": {"restore_s": 0.0, "save_s": 0.0, "blocked_s": 0.0, "saves": 0},  # the rest of COSTS when paid
         "startup_s": process_age_s(), "progress": {"every": PROGRESS_EVERY, "points": []},
         **fields,
     }

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from trainer.config import AutoCadenceConfig, CadenceConfig
+from trainer.layout import GENERATIONS
 from trainer.run.interval import FailureRate, best_interval, clamp
+from trainer.run.records import PUBLISHED, attempts_that_trained, failure_rate, lifetime
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,17 @@ class AutoPrior:
     rate: FailureRate = FailureRate(0, 0.0)
     cost_s: float | None = None
     """Mean blocked seconds per recovery save of the earlier attempts (None: none saved)."""
+
+
+def auto_prior(records: list[dict], own_id: str) -> AutoPrior:
+    """What the earlier attempts say for `--recover-every-secs auto`: how many failed over how
+    many seconds (the report's M, trainer/run/records.py), and what a recovery save blocked on
+    average. `own_id`'s record (this attempt, `running`) is left out; every other `running`
+    record is a killed attempt."""
+    earlier = [r for r in attempts_that_trained(records) if r.get("id") != own_id]
+    blocked = [e["blocked_s"] for r in earlier for e in r.get(PUBLISHED[GENERATIONS], [])
+               if isinstance(e.get("blocked_s"), (int, float))]
+    return AutoPrior(failure_rate(map(lifetime, earlier)), sum(blocked) / len(blocked) if blocked else None)
 
 
 @dataclass(frozen=True)

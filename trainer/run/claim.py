@@ -58,8 +58,7 @@ class Claimant:
         committed = storage.committed()
         self.considered = choose_candidate(committed, config.resume, config.from_generation,
                                            storage.generations_where)
-        storage.establish_identity(attempt_id, config.adopt_from)  # what the generation must belong to
-        storage.go_ahead()
+        storage.go_ahead(attempt_id, config.adopt_from)  # the run's identity: what the generation must belong to
         generation, download = None, NOTHING_MOVED
         if self.considered:
             generation, download = storage.restorable(self.considered, committed)

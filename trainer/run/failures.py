@@ -21,7 +21,7 @@ from types import CodeType
 from typing import NoReturn
 
 from trainer.errors import TrainerError
-from trainer.run.attempts import FAILED
+from trainer.run.records import FAILED
 from trainer.run.fetching import KeyedSeeding
 from trainer.run.stepping import OptimizerSteps
 from trainer.workload.loading import first_line

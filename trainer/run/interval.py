@@ -23,10 +23,6 @@ from dataclasses import dataclass
 
 MIN_FAILURES = 3
 """Fewer failures than this and the observed interval is a guess: `--assume-mtbf-secs` wins."""
-FAILURES = ("interrupted", "preempted", "killed", "failed")
-"""Outcomes that count as a failure. `interrupted` is `--interrupt-at-step`, a simulated lost
-worker; `preempted` is a signal (an eviction); `killed` a record nobody ended (kill -9, node
-loss). Completed and refused attempts do not count."""
 
 
 def young_interval(cost_s: float, mtbf_s: float) -> float:

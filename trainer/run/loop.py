@@ -23,7 +23,8 @@ from trainer.errors import (EXIT_INTERRUPTED, EXIT_OK, CorruptGeneration, CrashL
                             UntrustedGeneration)
 from trainer.parallel.launch import LaunchEnvironment
 from trainer.parallel.ranks import Ranks, process_group, unshared_output
-from trainer.run.attempts import COMPLETED, INTERRUPTED, PREEMPTED, new_attempt_id
+from trainer.run.attempts import new_attempt_id
+from trainer.run.records import COMPLETED, INTERRUPTED, PREEMPTED
 from trainer.run.claim import Claim, Claimant
 from trainer.run.events import TrainingEvents
 from trainer.run.failures import attributed
@@ -70,12 +71,12 @@ class TrainingRun:
             try:
                 # Rank 0's run directory wins: under --tracked only rank 0 knows the outputs path.
                 claim = self.ranks.decide_on_primary(lambda: self.claimant.claim(self.attempt_id, held),
-                                                     "claiming the output")
+                                                     "claiming the run directory")
                 if not self.ranks.is_primary:
                     self.storage.join(claim.run)
-                if self.storage.needs_one_disk():
+                if self.storage.shares_one_disk:
                     self.ranks.require_on_every_rank(unshared_output(claim.run.root, self.ranks.is_primary),
-                                                     "checking that every rank sees the output")
+                                                     "checking that every rank sees the run directory")
                 self.attempt_id = claim.attempt_id
                 return self.attempt(claim, preemption)
             except REFUSALS as refusal:
@@ -84,7 +85,7 @@ class TrainingRun:
                 raise
             finally:
                 if self.claimant.held is not None:
-                    self.storage.push_record(self.claimant.held.attempt_folder(self.attempt_id))
+                    self.storage.records.push(self.claimant.held.attempt_folder(self.attempt_id))
 
     def attempt(self, claim: Claim, preemption: PreemptionGuard) -> Outcome:
         """Check the environment, start the record, then build, restore and train."""
@@ -93,14 +94,12 @@ class TrainingRun:
         dataset = self.workload.build_dataset()
         checked = check_attempt(config, self.workload, claim, dataset, ranks)
         recorder = self.recorder = start_record(config, claim, checked, ranks, self.events)
-        self.storage.push_record(claim.run.attempt_folder(self.attempt_id))  # a kill -9 of this machine still counts
+        self.storage.records.push(claim.run.attempt_folder(self.attempt_id))  # a kill -9 of this machine still counts
         lineage = Lineage(self.attempt_id, checked.fingerprint, checked.drift,
                           frozenset([generation.name]) if generation else frozenset())
         if claim.download.bytes:
             recorder.downloaded(claim.download.seconds, claim.download.bytes)
-        self.storage.start_uploads(lineage.protected, claim.run.attempt_folder(self.attempt_id))
-        checkpointer = self.storage.checkpointer(checked.mode, self.attempt_id, ranks, ranks.device)
-        saves = CadencedSaves(config, self.storage, checkpointer, lineage, ranks, Witnesses(recorder, self.events))
+        saves = CadencedSaves(config, self.storage, lineage, ranks, Witnesses(recorder, self.events), checked.mode)
         preemption.last_words = lambda reason: recorder.ended(PREEMPTED, EXIT_INTERRUPTED, reason)
         try:
             self.events.attempt_started(recorder.record)
@@ -180,7 +179,7 @@ class TrainingRun:
                        "history": {"loss": state.history.loss, "lr": state.history.lr}}
             said = f"completed {step} steps; newest generation {summary['final_generation']}"
         # What survives this machine: in the log, the record and the 75 line.
-        if durable := self.storage.durable_note(self.recorder.newest_durable, self.claimant.considered):
+        if durable := self.storage.records.note(self.recorder.newest_durable, self.claimant.considered):
             said += f"; {durable}"
             reason = f"{reason}; {durable}" if reason else reason
         self.recorder.reached(step)

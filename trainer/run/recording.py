@@ -10,8 +10,9 @@ from trainer.config import RunConfig
 from trainer.errors import TrainerError
 from trainer.parallel.ranks import Ranks
 from trainer.checkpoint.checkpointer import effective_mode
-from trainer.run.attempts import (AttemptRecorder, AttemptStart, RefusedStart, previous_attempt, read_attempts,
-                                  refuse_crash_loop, steps_replayed, world_size_change)
+from trainer.run.attempts import (AttemptRecorder, AttemptStart, RefusedStart, previous_attempt, refuse_crash_loop,
+                                  steps_replayed, world_size_change)
+from trainer.run.records import read_attempts
 from trainer.run.batching import require_even_split, training_steps
 from trainer.run.fingerprint import check_fingerprint, current_fingerprint
 from trainer.run.claim import Claim, Claimant
@@ -73,7 +74,7 @@ def start_record(config: RunConfig, claim: Claim, checked: Checked, ranks: Ranks
         previous_attempt=previous["id"] if previous else None,
         steps_replayed=steps_replayed(previous, step) if generation else None,
         allowed_drift=config.allow_drift, drift=checked.drift, checkpoint_mode=checked.mode,
-        device=str(ranks.device), fingerprint=checked.fingerprint, store=config.store,
+        device=str(ranks.device), fingerprint=checked.fingerprint, store=config.location.store_url,
         polyaxon=events.run_identity(previous), world_size=ranks.world_size,
         world_size_change=world_size_change(stored_world_size, ranks.world_size).get("world_size_change"),
         allow_unsigned=config.signing.allow_unsigned, exactness=checked.exactness.as_record())

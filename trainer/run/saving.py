@@ -18,7 +18,7 @@ from typing import Callable
 
 from torch import nn
 
-from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.checkpointer import Checkpointer, build_checkpointer
 from trainer.checkpoint.coordination import raise_if_any_failed
 from trainer.checkpoint.export import full_weights, write_export
 from trainer.checkpoint.manifest import GenerationFacts
@@ -28,8 +28,9 @@ from trainer.config import RunConfig
 from trainer.errors import TrainerError, reraise_as_storage_failure
 from trainer.layout import EXPORTS, GENERATIONS, generation_name
 from trainer.parallel.ranks import Ranks, StepAgreement
-from trainer.run.attempts import AttemptRecorder, auto_prior, read_attempts, utc_now
-from trainer.run.cadence import CadenceChange, StepPoint, auto_trigger, build_policy
+from trainer.run.attempts import AttemptRecorder, utc_now
+from trainer.run.records import read_attempts
+from trainer.run.cadence import CadenceChange, StepPoint, auto_prior, auto_trigger, build_policy
 from trainer.run.events import TrainingEvents
 from trainer.run.checksum import safe_state_digests
 from trainer.run.state import TrainingState
@@ -60,12 +61,16 @@ class Witnesses:
 
 
 class CadencedSaves:
-    def __init__(self, config: RunConfig, storage: RunStorage, checkpointer: Checkpointer, lineage: Lineage,
-                 ranks: Ranks, witnesses: Witnesses):
-        self.config, self.storage, self.checkpointer, self.lineage, self.ranks = (config, storage, checkpointer,
-                                                                                  lineage, ranks)
+    def __init__(self, config: RunConfig, storage: RunStorage, lineage: Lineage, ranks: Ranks, witnesses: Witnesses,
+                 mode: str):
+        """Every rank builds its durability and the checkpointer (`mode`: sync or async) that
+        writes through its commit, at the same point (an async one creates process groups)."""
+        self.config, self.lineage, self.ranks = config, lineage, ranks
         self.recorder, self.events = witnesses.recorder, witnesses.events
-        self.sections = {GENERATIONS: checkpointer.local, EXPORTS: storage.section(EXPORTS)}
+        self.durability = storage.durability(lineage.protected, self.recorder.folder, ranks.is_primary)
+        self.checkpointer: Checkpointer = build_checkpointer(mode, self.durability.commit(), lineage.attempt_id,
+                                                             ranks.device, ranks)
+        self.sections = {GENERATIONS: self.checkpointer.local, EXPORTS: storage.section(EXPORTS)}
         self.recover_policy = build_policy(config.recover, prior=auto_prior(
             read_attempts(storage.local.root), lineage.attempt_id) if config.recover.auto and ranks.is_primary else None)
         self.auto = auto_trigger(self.recover_policy)
@@ -105,7 +110,7 @@ class CadencedSaves:
 
     def completed(self) -> tuple[Durable, ...]:
         """What became durable since the last step (see `held_for_every_rank`)."""
-        return self.held_for_every_rank(self.storage.completed, ())
+        return self.held_for_every_rank(self.durability.completed, ())
 
     def held_for_every_rank(self, call, nothing):
         """`call()`, with rank 0's background upload failure (exports, tiered saves) held under
@@ -168,18 +173,18 @@ class CadencedSaves:
         """Drain the save in flight (it publishes), then the uploads (they make it durable),
         before the attempt ends."""
         self.record_generations(self.checkpointer.finalize(), step)
-        self.record_durable(self.held_for_every_rank(self.storage.drain, ()))
+        self.record_durable(self.held_for_every_rank(self.durability.drain, ()))
         self.agree_on_uploads()
-        self.storage.close()
+        self.durability.close()
 
     def close_after_failure(self) -> None:
         """After a failure: finish what is in flight and record it; never raises."""
         self.record_generations(self.checkpointer.close_after_failure(), None, prune=False)
         try:  # what is published may still become durable
-            self.record_durable(self.storage.drain())
+            self.record_durable(self.durability.drain())
         except Exception as error:  # noqa: BLE001 - the original failure is what ends the attempt
             log.warning("an upload failed too: %s", error)
-        self.storage.close()
+        self.durability.close()
 
     def record_generations(self, published_now: list[Published], step: int | None, prune: bool = True) -> None:
         for published in published_now:
@@ -198,11 +203,11 @@ class CadencedSaves:
         self.recorder.published(kind, published, step)
         self.events.published(NOUN[kind], self.sections[kind].path(published.name), published)
         after: AfterPublish = self.held_for_every_rank(
-            lambda: self.storage.after_publish(kind, published, self.sections[kind].path(published.name)),
+            lambda: self.durability.after_publish(kind, published, self.sections[kind].path(published.name)),
             AfterPublish())
         self.record_durable(after.durable)
         if after.durable:
-            self.storage.recorded(self.recorder.folder)
+            self.durability.recorded(self.recorder.folder)
         for name in after.removed:
             self.events.removed(NOUN[kind], name)
         self.recorder.waited(after.waited_s)
@@ -221,7 +226,7 @@ class CadencedSaves:
         retention = self.config.retention
         keep_last, keep_every = ((retention.keep_last, retention.keep_every) if kind == GENERATIONS
                                  else (retention.keep_exports, None))
-        kept = self.storage.kept_locally(kind) | (self.lineage.protected if kind == GENERATIONS else frozenset())
+        kept = self.durability.kept_locally(kind) | (self.lineage.protected if kind == GENERATIONS else frozenset())
         for name in apply_retention(self.sections[kind], keep_last, keep_every, kept):
             log.info("retention removed %s %s", NOUN[kind], name)
             self.events.removed(NOUN[kind], name)

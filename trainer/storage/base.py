@@ -1,8 +1,19 @@
-"""Where a run directory lives: one interface, whatever the backend.
+"""Where a run directory lives: two roles, whatever the backend.
 
 The attempt (trainer/run/) holds one `RunStorage` and never asks which kind it is, the way
 torchtitan's checkpointer dispatches its public verbs to a backend's hooks and Orbax picks
-one of two commit strategies behind one interface. We have the same pair of strategies:
+one of two commit strategies behind one interface. The interface has two roles, composed:
+
+* the **claim** (`RunStorage`): hold the run directory, say what is committed, hand over a
+  verified generation to restore (and each other rank its own copy), go ahead, go back;
+* the **durability** (`Durability`, built by `RunStorage.durability()` once the attempt's
+  record exists): the `Commit` a checkpointer writes through, and what becomes of each
+  publish until it survives this machine (`after_publish`, `completed`, `kept_locally`,
+  `drain`, `close`). Rank 0 and the other ranks are given the durability that fits them.
+
+The record of an attempt survives the machine through `RunStorage.records` (a `RecordCopy`).
+
+We have the same pair of commit strategies as Orbax:
 
 * `LocalStorage` (storage/local.py): the run directory is on this machine's disk. A
   generation is committed by an atomic rename; a flock keeps a second writer out.
@@ -12,11 +23,11 @@ one of two commit strategies behind one interface. We have the same pair of stra
   tier, then made durable by a background uploader. Direct (several processes that share no
   disk): every rank uploads its own shards and rank 0 commits inside the save.
 
-The verbs, in the order an attempt calls them: `claim` (rank 0: hold the run directory, bring
-its history here), `committed` and `restorable` (what can be restored, and a verified local
-copy of one), `go_ahead` (the attempt goes on: clean up), `checkpointer` (how a save is
-written), `start_uploads`, `after_publish` and `completed` (what happens to what a save
-published), `set_aside_later_than` (going back), `push_record`, `drain` and `close`.
+The claim's verbs, in the order an attempt calls them: `claim` (rank 0: hold the run
+directory, bring its history here), `committed` and `restorable` (what can be restored, and a
+verified local copy of one), `go_ahead` (the run's identity; the attempt goes on: clean up),
+`remove_stale_temporaries`, `join` and `local_copy` (every other rank), `durability`, and
+`set_aside_later_than` (going back).
 """
 
 from __future__ import annotations
@@ -27,8 +38,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.coordination import Coordinator
+from trainer.checkpoint.commit import Commit
 from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.resume import set_aside_later_line
 from trainer.checkpoint.section import LocalSection, Published
@@ -78,16 +88,79 @@ class AfterPublish:
     """Generations the backend's own retention removed from the object store."""
 
 
-class RunStorage(ABC):
-    """A run directory and this machine's copy of it (see the module docstring)."""
+class RecordCopy(ABC):
+    """Where an attempt's record goes to survive this machine."""
 
-    def __init__(self, local: RunDirectory, where: str, signing: Signing | None):
+    @abstractmethod
+    def push(self, folder: Path, step_digests: bool = True) -> None:
+        """Copy the attempt's record (and, with `step_digests`, its per-step log); never raises."""
+
+    @abstractmethod
+    def note(self, newest_durable: str | None, considered: str | None) -> str | None:
+        """The line an attempt ends with about what survives this machine (None: nothing more
+        to say than the run directory on this disk)."""
+
+
+class KeptHere(RecordCopy):
+    """The record is where the run directory is: on this disk (or, on a rank other than 0,
+    nowhere: only rank 0 keeps records)."""
+
+    def push(self, folder: Path, step_digests: bool = True) -> None:
+        return None
+
+    def note(self, newest_durable: str | None, considered: str | None) -> str | None:
+        return None
+
+
+class Durability(ABC):
+    """What makes a publish survive this machine, built after the claim for this rank."""
+
+    @abstractmethod
+    def commit(self) -> Commit:
+        """The commit a checkpointer writes recovery generations through."""
+
+    @abstractmethod
+    def after_publish(self, kind: str, published: Published, directory: Path) -> AfterPublish:
+        """Rank 0: a generation or export was just published on this machine."""
+
+    @abstractmethod
+    def completed(self) -> tuple[Durable, ...]:
+        """Publishes that became durable since the last call; raises a background failure."""
+
+    @abstractmethod
+    def kept_locally(self, kind: str) -> frozenset[str]:
+        """What local retention must not delete yet (not durable, or the newest durable one)."""
+
+    @abstractmethod
+    def recorded(self, folder: Path) -> None:
+        """The record now says that publishes became durable (`after_publish` returned them)."""
+
+    @abstractmethod
+    def drain(self) -> tuple[Durable, ...]:
+        """Wait until everything published is durable."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop background work (after `drain`, or after a failure)."""
+
+
+class RunStorage(ABC):
+    """The claim on a run directory, and this machine's copy of it (see the module docstring)."""
+
+    shares_one_disk: bool = True
+    """Every rank must see the run directory rank 0 claimed (else each has its own copy)."""
+
+    def __init__(self, local: RunDirectory, where: str, generations_where: str, signing: Signing | None):
         self.local = local
         """This machine's run directory: the run itself, or the local tier of one in an object store."""
         self.where = where
         """The run directory as the user named it (a path or a URL), for messages."""
+        self.generations_where = generations_where
+        """Where the committed generations are, for messages."""
         self.signing = signing
         """With a key: what this attempt publishes is signed, what it restores must be."""
+        self.records: RecordCopy = KeptHere()
+        """Where this attempt's record survives this machine (rank 0's claim may change it)."""
 
     def section(self, kind: str) -> LocalSection:
         """This machine's generations or exports."""
@@ -103,17 +176,18 @@ class RunStorage(ABC):
     def committed(self) -> list[str]:
         """The committed generations, oldest first: what a resume may choose from."""
 
-    @property
-    @abstractmethod
-    def generations_where(self) -> str:
-        """Where the committed generations are, for messages."""
-
     @abstractmethod
     def restorable(self, name: str, committed: list[str]) -> tuple[Verification, Transfer]:
         """The committed generation `name`, verified, on this machine (and what fetching it
         moved); a damaged one is refused (65), naming the newest earlier one that verifies."""
 
-    def establish_identity(self, attempt_id: str, adopt_from: tuple[str, ...]) -> RunIdentity:
+    def go_ahead(self, attempt_id: str, adopt_from: tuple[str, ...]) -> RunIdentity:
+        """The choice succeeded and the attempt goes ahead: the run's identity is established
+        (what the generation must belong to), and a backend may now delete what is not
+        committed. A refused start (73, 66) therefore touches nothing."""
+        return self._establish_identity(attempt_id, adopt_from)
+
+    def _establish_identity(self, attempt_id: str, adopt_from: tuple[str, ...]) -> RunIdentity:
         """The run's identity (`run.json`): created with the run directory, kept from then on,
         with the runs the operator adopts (`--adopt-from`) added and recorded. A directory
         without one gets a new id: its generations that name a run are then foreign until
@@ -132,16 +206,12 @@ class RunStorage(ABC):
             identity = identity.adopting(run, attempt_id, ADOPT_OPTION)
             log.info("adopting the generations of run %s (%s, recorded in %s)", run, ADOPT_OPTION, RUN_IDENTITY)
         if identity != found:
-            self.keep_identity(identity.to_bytes())
+            self._keep_identity(identity.to_bytes())
         return identity
 
-    def keep_identity(self, data: bytes) -> None:
+    def _keep_identity(self, data: bytes) -> None:
         """Write `run.json` where the run directory lives."""
         write_file_durably(self.local.identity, data)
-
-    def go_ahead(self) -> None:
-        """The choice succeeded and the attempt goes ahead: the backend may now delete what is
-        not committed. A refused start (73, 66) therefore deletes nothing."""
 
     def remove_stale_temporaries(self) -> None:
         """Once the generation to restore verified: temporaries of dead writers go."""
@@ -150,7 +220,7 @@ class RunStorage(ABC):
             for name in section.remove_stale_temporaries():
                 log.info("removed stale temporary %s/%s", section.root.name, name)
 
-    def tidy_local_sections(self, warn_uncommitted: bool) -> None:
+    def _tidy_local_sections(self, warn_uncommitted: bool) -> None:
         """Finish what a crash interrupted on this disk; say which copies were never committed."""
         for kind in (GENERATIONS, EXPORTS):
             section = self.section(kind)
@@ -160,58 +230,22 @@ class RunStorage(ABC):
                 log.warning("%s has no manifest: an uncommitted copy (kept, never selected)", section.path(name))
 
     # ----------------------------------------------------------------- every rank
+    @abstractmethod
     def join(self, claimed: RunDirectory) -> None:
         """A rank other than 0 learns the run directory rank 0 claimed (under --tracked only
         rank 0 knows the outputs path)."""
-
-    def needs_one_disk(self) -> bool:
-        """Every rank must see the run directory rank 0 claimed (a shared disk)."""
-        return True
 
     def local_copy(self, generation: Verification) -> Verification:
         """A rank other than 0: the generation rank 0 verified, as this rank reads it."""
         return generation
 
     @abstractmethod
-    def checkpointer(self, mode: str, attempt_id: str, coordinator: Coordinator, device) -> Checkpointer:
-        """How this attempt writes a recovery generation ("sync" or "async")."""
+    def durability(self, protected: frozenset[str], attempt_folder: Path, primary: bool) -> Durability:
+        """This rank's durability, once the attempt's record exists (rank 0 starts making
+        publishes durable; `protected`: generations the backend's retention must keep)."""
 
-    # ----------------------------------------------------------------- after each publish
-    def start_uploads(self, protected: frozenset[str], attempt_folder: Path) -> None:
-        """Rank 0, once the attempt's record exists: start making publishes durable."""
-
-    def after_publish(self, kind: str, published: Published, directory: Path) -> AfterPublish:
-        """Rank 0: a generation or export was just published on this machine."""
-        return AfterPublish()
-
-    def completed(self) -> tuple[Durable, ...]:
-        """Publishes that became durable since the last call; raises a background failure."""
-        return ()
-
-    def kept_locally(self, kind: str) -> frozenset[str]:
-        """What local retention must not delete yet (not durable, or the newest durable one)."""
-        return frozenset()
-
+    # ----------------------------------------------------------------- going back (rank 0)
     def set_aside_later_than(self, step: int) -> list[str]:
         """Going back: every later generation and export is set aside (kept, never selected);
         see `set_aside_later_line`."""
         return set_aside_later_line(self.section(GENERATIONS), self.section(EXPORTS), step)
-
-    def push_record(self, folder: Path) -> None:
-        """Copy an attempt's record where it survives this machine; never raises."""
-
-    def recorded(self, folder: Path) -> None:
-        """The record now says that publishes became durable (`after_publish` returned them)."""
-
-    def durable_note(self, newest_durable: str | None, considered: str | None) -> str | None:
-        """The line an attempt ends with about what survives this machine (None: the run
-        directory is on this disk, nothing more to say)."""
-        return None
-
-    # ----------------------------------------------------------------- the end
-    def drain(self) -> tuple[Durable, ...]:
-        """Wait until everything published is durable."""
-        return ()
-
-    def close(self) -> None:
-        """Stop background work (after `drain`, or after a failure)."""

@@ -1,7 +1,8 @@
 """Where a run lives: a local directory, or a prefix in an object store named by URL.
 
-`--output` takes either. A URL's run directory has the same layout as a local one
-(`checkpoints/step-%08d/`, `exports/…`, `attempts/…`), as objects under its prefix.
+`--output` takes either, parsed once into a `Location` (`parse_location`): a `OnDisk`, or a
+`InStore` with this machine's local tier of it. A URL's run directory has the same layout as
+a local one (`checkpoints/step-%08d/`, `exports/…`, `attempts/…`), as objects under its prefix.
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import ClassVar, Union
 
 from trainer.errors import UsageError
 
@@ -37,11 +39,83 @@ class StoreLocation:
         parts = [self.bucket] + [part for part in (self.prefix, key.strip("/")) if part]
         return "/".join(parts)
 
+    def child(self, key: str) -> StoreLocation:
+        """The location of a folder under this one (`key` relative to the prefix)."""
+        return StoreLocation(self.scheme, self.bucket, self.path(key).partition("/")[2])
+
     def default_local_tier(self) -> Path:
         """A working directory private to this machine for this run: outside any folder a
         Polyaxon sidecar uploads, so nothing is uploaded twice."""
         parent = Path(os.environ.get(LOCAL_TIER_ENV) or Path(tempfile.gettempdir()) / "training-recovery")
         return parent / self.scheme / self.bucket / (self.prefix or "_root")
+
+
+@dataclass(frozen=True)
+class OnDisk:
+    """A run directory on this machine's disk."""
+
+    root: Path
+    in_store: ClassVar[bool] = False
+    store_url: ClassVar[None] = None
+    """What the attempt record names as the run's store: none."""
+
+    def with_local_tier(self, local_tier: Path | None) -> OnDisk:
+        """As it is: a run on this disk has no local tier (the command line refuses
+        `--local-tier` without a store)."""
+        return self
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+
+@dataclass(frozen=True)
+class InStore:
+    """A run directory in an object store, and this machine's working copy of it (its local
+    tier: where generations are published before they are uploaded, and where a restore
+    finds a copy it need not download)."""
+
+    store: StoreLocation
+    local_tier: Path
+    in_store: ClassVar[bool] = True
+
+    @property
+    def store_url(self) -> str:
+        return self.store.url
+
+    def with_local_tier(self, local_tier: Path | None) -> InStore:
+        """This run with an explicit local tier (`--local-tier`, a tracked run's), or as it is."""
+        return self if local_tier is None else replace(self, local_tier=local_tier)
+
+    def __str__(self) -> str:
+        return self.store.url
+
+
+@dataclass(frozen=True)
+class ClaimedByPrimary:
+    """The run directory rank 0 claims and every other rank joins: on the other ranks of a
+    tracked run whose store is not exposed, only rank 0 knows the tracking run's outputs path."""
+
+    in_store: ClassVar[bool] = False
+    store_url: ClassVar[None] = None
+
+    def with_local_tier(self, local_tier: Path | None) -> ClaimedByPrimary:
+        return self
+
+    def __str__(self) -> str:
+        return "the run directory rank 0 claims"
+
+
+Location = Union[OnDisk, InStore, ClaimedByPrimary]
+"""Where a run directory lives, parsed once from `--output` (or a tracked run's placement)."""
+
+
+def parse_location(text: str) -> OnDisk | InStore:
+    """A local path, or a store URL with its default local tier; UsageError (exit 2) naming
+    what is wrong with a URL."""
+    if is_url(text):
+        store = parse_store_url(text)
+        return InStore(store, store.default_local_tier())
+    return OnDisk(Path(text))
 
 
 def is_url(text: str) -> bool:

@@ -3,20 +3,39 @@
 from __future__ import annotations
 
 from trainer.checkpoint.signing import load_signing
-from trainer.config import RunConfig
-from trainer.layout import RunDirectory
+from trainer.checkpoint.section import LocalSection
+from trainer.config import RunConfig, StoreConfig
+from trainer.layout import GENERATIONS, SECTIONS, RunDirectory
 from trainer.storage.base import RunStorage
 from trainer.storage.local import LocalStorage
-from trainer.storage.location import parse_store_url
+from trainer.storage.location import ClaimedByPrimary, OnDisk, InStore
 
 
 def open_storage(config: RunConfig, processes: int) -> RunStorage:
-    """`--output DIR`: this disk. `--output s3://…`: the object store, with `config.output` as
-    this machine's local tier; tiered for one process, direct for several."""
-    signing = load_signing(config.signing)  # read once: the key file is never read again
-    if config.store is None:
-        return LocalStorage(RunDirectory(config.output), signing)
-    from trainer.storage.object.backend import open_object_storage
+    """`--output DIR`: this disk. `--output s3://…`: the object store, with its local tier on
+    this machine; tiered for one process, direct for several."""
+    signing = load_signing(config.signing)  # the backend holds the key (cli.py read it first, to fail early)
+    match config.location:
+        case OnDisk(root):
+            return LocalStorage(RunDirectory(root), signing)
+        case ClaimedByPrimary():  # joins rank 0's run directory once it is claimed
+            return LocalStorage(RunDirectory(None), signing)
+        case InStore(store, local_tier):
+            from trainer.storage.object.backend import open_object_storage
 
-    return open_object_storage(parse_store_url(config.store), RunDirectory(config.output), config.store_config,
-                               config.retention, processes, signing)
+            return open_object_storage(store, RunDirectory(local_tier), config.store_config, config.retention,
+                                       processes, signing)
+
+
+def generations_of(location: OnDisk | InStore, settings: StoreConfig = StoreConfig()):
+    """The committed generations of a run directory, wherever it lives: a `LocalSection` or an
+    `ObjectSection`, both able to `copy_committed` a generation from a section like them and to
+    `adopt` another run's generations (`ops restart --copy`'s seeding)."""
+    match location:
+        case OnDisk(root):
+            return LocalSection(RunDirectory(root).section(GENERATIONS))
+        case InStore(store):
+            from trainer.storage.object.client import ObjectStore
+            from trainer.storage.object.section import ObjectSection
+
+            return ObjectSection(ObjectStore(store, settings), SECTIONS[GENERATIONS])

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Mapping
 
 from trainer.errors import UsageError
-from trainer.storage.location import LOCAL_TIER_ENV, parse_store_url
+from trainer.storage.location import LOCAL_TIER_ENV, OnDisk, Location, StoreLocation, InStore, parse_store_url
 
 CATALOG_ENV = "POLYAXON_CONNECTIONS_CATALOG"
 STORE_NAME_ENV = "POLYAXON_ARTIFACTS_STORE_NAME"
@@ -65,11 +65,9 @@ MOUNT_HINT = ("set `plugins: {mountArtifactsStore: true}` in the polyaxonfile (a
 class RunPlacement:
     """The run directory of a tracked run, as `--output` and `--local-tier` would give it."""
 
-    output: Path | str | None
-    """A store URL (str), a local directory, or None: the tracking run's outputs path (rank 0
-    opens it; other ranks learn it from rank 0)."""
-    local_tier: Path | None = None
-    """With a store URL: this machine's working copy."""
+    location: Location | None
+    """In a bucket (with this machine's local tier), a folder of a mounted volume, or None: the
+    tracking run's outputs path (rank 0 opens it; other ranks learn it from rank 0)."""
     kind: str = "outputs"
     """bucket | volume | outputs (nothing exposed)."""
     connection: str | None = None
@@ -82,7 +80,7 @@ class RunPlacement:
 
     @property
     def in_store(self) -> bool:
-        return isinstance(self.output, str)
+        return self.location is not None and self.location.in_store
 
     @property
     def direct(self) -> bool:
@@ -158,11 +156,14 @@ def client_environment(connection, environ: Mapping[str, str]) -> dict[str, str]
     return {name: value for name, value in found.items() if not environ.get(name)}
 
 
-def run_directory_in(store: Path | str, run_uuid: str) -> Path | str:
-    """The run directory of run `run_uuid` in a store's path (a mounted folder or a store URL)."""
-    if isinstance(store, Path):
-        return store / RUN_DIRECTORIES / run_uuid
-    return f"{store.rstrip('/')}/{RUN_DIRECTORIES}/{run_uuid}"
+def run_directory_in(volume: Path, run_uuid: str) -> Path:
+    """The run directory of run `run_uuid` in a mounted volume store."""
+    return volume / RUN_DIRECTORIES / run_uuid
+
+
+def run_prefix_in(store: StoreLocation, run_uuid: str) -> StoreLocation:
+    """The run directory of run `run_uuid` in a bucket store."""
+    return store.child(f"{RUN_DIRECTORIES}/{run_uuid}")
 
 
 def under(path: Path, folder: Path) -> bool:
@@ -188,10 +189,9 @@ def place_run(environ: Mapping[str, str], own_run_uuid: str | None = None, world
         return RunPlacement(None, warning=warning)
     run_uuid = run_uuid_from(environ, own_run_uuid, world_size)
     if connection.is_mount:
-        return RunPlacement(run_directory_in(Path(connection.store_path), run_uuid), kind="volume",
+        return RunPlacement(OnDisk(run_directory_in(Path(connection.store_path), run_uuid)), kind="volume",
                             connection=connection.name)
-    url = run_directory_in(store_url_of(connection), run_uuid)
-    location = parse_store_url(url)
+    location = run_prefix_in(parse_store_url(store_url_of(connection)), run_uuid)
     source = "--local-tier"
     if local_tier is None:
         parent = environ.get(LOCAL_TIER_ENV)
@@ -204,6 +204,6 @@ def place_run(environ: Mapping[str, str], own_run_uuid: str | None = None, world
         raise UsageError(f"{source}: the local tier {local_tier} is under {synced}, which Polyaxon's "
                          f"sidecar uploads to the store a second time (and mirrors deletions of); point it at a "
                          f"volume of its own (the polyaxonfiles mount an emptyDir at /local-tier)")
-    return RunPlacement(location.url, local_tier, kind="bucket", connection=connection.name,
+    return RunPlacement(InStore(location, local_tier), kind="bucket", connection=connection.name,
                         environment=client_environment(connection, environ))
 

@@ -75,6 +75,7 @@ from trainer.integrations.polyaxon.internals import (PROCESS_SIDECAR_ENV, flush_
 from trainer.integrations.polyaxon.retries import call, one_line
 from trainer.layout import GENERATIONS, SECTIONS
 from trainer.run.events import TrainingEvents
+from trainer.storage.location import OnDisk, InStore
 
 log = logging.getLogger("trainer")
 
@@ -166,14 +167,14 @@ class PolyaxonEvents(TrainingEvents):
     def place(self, placement) -> None:
         """Where the run directory is (trainer/integrations/polyaxon/placement.py): lineage and outputs then name
         the store location, never the local tier."""
-        if placement.in_store:
-            self.store_url, self.run_directory = placement.output, placement.local_tier
-            log.info("tracking: generations go straight to %s (artifacts store %s; local tier %s)",
-                     placement.output, placement.connection, placement.local_tier)
-        elif placement.output is not None:
-            self.run_directory = Path(placement.output)
-            log.info("tracking: run directory %s (the artifacts store %s, mounted)", placement.output,
-                     placement.connection)
+        match placement.location:
+            case InStore(store, local_tier):
+                self.store_url, self.run_directory = store.url, local_tier
+                log.info("tracking: generations go straight to %s (artifacts store %s; local tier %s)",
+                         store.url, placement.connection, local_tier)
+            case OnDisk(root):
+                self.run_directory = root
+                log.info("tracking: run directory %s (the artifacts store %s, mounted)", root, placement.connection)
 
     def original(self):
         return getattr(getattr(self.run, "run_data", None), "original", None)
@@ -207,7 +208,7 @@ class PolyaxonEvents(TrainingEvents):
         reference with the original's manifest digest) and where it came from."""
         seed = self.copied_from
         relative = f"{SECTIONS[GENERATIONS]}/{seed.generation}"
-        location = f"{self.store_url}/{relative}" if self.store_url else str(Path(placement.output) / relative)
+        location = f"{self.store_url}/{relative}" if self.store_url else str(self.run_directory / relative)
         summary = {"hash": seed.manifest_sha256, "hash_of": "manifest.json (sha256)", "copied_from": seed.run}
         try:
             self.run.log_artifact_ref(location, kind="dir", name=lineage_name("generation", seed.generation),

@@ -33,9 +33,9 @@ s3fs's default part, 50 MiB, holds 500 MiB of each large object in memory at onc
 under 100 MiB as one PUT, and cost a third more client CPU per byte than 16 MiB parts (a 514 MB
 generation on loopback SeaweedFS: 1.34 vs 1.01 CPU-s); boto3's upload_file uses 8 MiB."""
 MAX_PARTS = 10_000
+"""S3's limit on the parts of one multipart upload."""
 BUDGET_BYTES = 64 << 20
 """A call gets one more --store-timeout-secs for every this many bytes it moves."""
-"""S3's limit on the parts of one multipart upload."""
 
 CREDENTIAL_ERRORS = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"})
 """botocore's "no usable credentials", found by name (this module imports no client library):
@@ -152,6 +152,8 @@ class ObjectClient(Protocol):
     def write(self, key: str, data: bytes) -> None: ...
 
     def copy(self, source: str, target: str) -> None: ...
+
+    def copy_from(self, other: "ObjectClient", source: str, target: str) -> None: ...
 
     def delete(self, keys: list[str]) -> None: ...
 
@@ -341,8 +343,12 @@ class ObjectStore:
 
     def copy(self, source: str, target: str) -> None:
         """A copy inside the store (server-side where the store supports it)."""
-        self.call(f"copying {self.url_of(source)}", lambda: self._run("copy", self.location.path(source),
-                                                                          self.location.path(target)))
+        self.copy_from(self, source, target)
+
+    def copy_from(self, other: ObjectStore, source: str, target: str) -> None:
+        """A copy of `other`'s object `source` (another prefix of the same store) to `target` here."""
+        self.call(f"copying {other.url_of(source)}", lambda: self._run("copy", other.location.path(source),
+                                                                           self.location.path(target)))
 
     def delete(self, keys: list[str]) -> None:
         """Delete objects in order; one already gone is fine."""

@@ -27,8 +27,9 @@ from trainer.checkpoint.content import check_content
 from trainer.checkpoint.atomic import fsync_dir, rename_into_place, temporary_sibling, write_file_durably
 from trainer.checkpoint.manifest import (RECOVERY, InvalidManifest, Manifest, Verification, file_problem,
                                         index_verification, oversized_index, unlisted_problem)
-from trainer.checkpoint.identity import identity_or_problem, trusted
+from trainer.checkpoint.identity import adopted, identity_or_problem, trusted
 from trainer.checkpoint.signing import Signing
+from trainer.errors import CorruptGeneration
 from trainer.storage.base import Transfer
 from trainer.storage.object.client import ObjectClient
 from trainer.layout import MANIFEST, REPLACED, RUN_IDENTITY, SNAPSHOT_INDEX, generation_step, hidden_name
@@ -107,6 +108,24 @@ class ObjectSection:
         self.upload_files(name, directory, sorted(files), fence)
         self.commit_manifest(name, manifest_data, files, fence)
         return Transfer(sum(int(entry["bytes"]) for entry in files.values()), time.monotonic() - started)
+
+    def copy_committed(self, name: str, source: ObjectSection,
+                       before_commit: Callable[[Manifest], None] = lambda manifest: None) -> str:
+        """Copy `source`'s committed `name` (another run prefix of the same store) here by this
+        section's commit: every data object copied inside the store (server-side where it can),
+        `before_commit(manifest)`, then the commit (sizes checked, the manifest last). Returns
+        the sha256 of the manifest; CorruptGeneration when `source` has no readable manifest."""
+        manifest_data = source.manifest_bytes(name)
+        try:
+            manifest = Manifest.from_json(json.loads(manifest_data or b"null"))
+        except (InvalidManifest, ValueError) as reason:
+            raise CorruptGeneration(f"{source.url(name)}: {MANIFEST} {reason}") from None
+        files = dict(manifest.files)
+        for file in sorted(files):
+            self.objects.copy_from(source.objects, source.key(name, file), self.key(name, file))
+        before_commit(manifest)
+        self.commit_manifest(name, manifest_data, files, fence=lambda: None)  # seeding holds no lease
+        return digest_of(manifest_data)
 
     def clear(self, name: str, keep: set[str] = frozenset()) -> None:
         """Before writing `name`: uncommit what is committed there (another line's
@@ -213,11 +232,19 @@ class ObjectSection:
 
     def trusted(self, verification: Verification, name: str) -> Verification:
         """The same check of name, run and signature as a local directory's (identity.py)."""
-        return trusted(verification, name, *identity_or_problem(self.objects.read(RUN_IDENTITY)), self.signing)
+        return trusted(verification, name, *identity_or_problem(self.identity_bytes()), self.signing)
+
+    def identity_bytes(self) -> bytes | None:
+        """The run's `run.json` object, None without one."""
+        return self.objects.read(RUN_IDENTITY)
+
+    def adopt(self, run: str, attempt: str, how: str) -> None:
+        """Record in the run's `run.json` that it continues from `run`'s generations (identity.py)."""
+        self.objects.write(RUN_IDENTITY, adopted(self.identity_bytes(), run, attempt, how))
 
     def owned(self, manifest: Manifest) -> Manifest:
         """`manifest`, naming the run this store prefix belongs to (as it is committed)."""
-        identity, _ = identity_or_problem(self.objects.read(RUN_IDENTITY))
+        identity, _ = identity_or_problem(self.identity_bytes())
         return replace(manifest, run=identity.run) if identity else manifest
 
     # ----------------------------------------------------------------- removal

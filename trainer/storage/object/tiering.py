@@ -231,6 +231,12 @@ class Uploader:
                 self._condition.wait(remaining)
         return self.completed()
 
+    @property
+    def failed(self) -> bool:
+        """An upload failed: the next `submit`, `completed` or `drain` raises it."""
+        with self._condition:
+            return self._failure is not None
+
     def not_durable(self, kind: str) -> set[str]:
         """Names published locally whose upload has not committed: local retention keeps them."""
         with self._condition:
