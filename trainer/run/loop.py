@@ -27,12 +27,13 @@ from trainer.run.attempts import COMPLETED, INTERRUPTED, PREEMPTED, new_attempt_
 from trainer.run.claim import Claim, Claimant
 from trainer.run.events import TrainingEvents
 from trainer.run.failures import attributed
-from trainer.run.fetching import KeyedSeeding
+from trainer.run.ledger import SampleLedger
 from trainer.run.preemption import PreemptionGuard, ignore_late_stop_requests
 from trainer.run.progress import Progress
 from trainer.run.recording import check_attempt, record_refusal, start_record
 from trainer.run.restoring import Restorer
 from trainer.run.runtime import configure_determinism, resolve_device
+from trainer.run.streaming import DataSource, data_source
 from trainer.run.saving import CadencedSaves, Lineage, Witnesses
 from trainer.run.training import Training, build_training, train_steps
 from trainer.storage.opening import open_storage
@@ -90,7 +91,8 @@ class TrainingRun:
         """Check the environment, start the record, then build, restore and train."""
         config, ranks, generation = self.config, self.ranks, claim.generation
         configure_determinism(config, ranks.rank)
-        dataset = self.workload.build_dataset()
+        dataset = data_source(self.workload.build_dataset(), config.workload.seed, config.workload.shuffle_buffer,
+                              self.workload.spec)
         checked = check_attempt(config, self.workload, claim, dataset, ranks)
         recorder = self.recorder = start_record(config, claim, checked, ranks, self.events)
         self.storage.push_record(claim.run.attempt_folder(self.attempt_id))  # a kill -9 of this machine still counts
@@ -100,11 +102,12 @@ class TrainingRun:
             recorder.downloaded(claim.download.seconds, claim.download.bytes)
         self.storage.start_uploads(lineage.protected, claim.run.attempt_folder(self.attempt_id))
         checkpointer = self.storage.checkpointer(checked.mode, self.attempt_id, ranks, ranks.device)
-        saves = CadencedSaves(config, self.storage, checkpointer, lineage, ranks, Witnesses(recorder, self.events))
+        saves = CadencedSaves(config, self.storage, checkpointer, lineage, ranks, Witnesses(recorder, self.events),
+                              SampleLedger(len(dataset), config.workload.batch_size))
         preemption.last_words = lambda reason: recorder.ended(PREEMPTED, EXIT_INTERRUPTED, reason)
         try:
             self.events.attempt_started(recorder.record)
-            return self.train(claim, KeyedSeeding(dataset, config.workload.seed), checked.drift, saves, preemption)
+            return self.train(claim, dataset, checked.drift, saves, preemption)
         except (CorruptGeneration, FingerprintMismatch, UntrustedGeneration) as refusal:
             # Found while restoring, before the first step (a shape-changing drift, stored
             # data that disagrees with its rank): a refusal, like the ones found earlier.
@@ -115,7 +118,7 @@ class TrainingRun:
             saves.close_after_failure()
             attributed(error).record_and_raise(recorder)  # the workload's own exception: one line naming where
 
-    def train(self, claim: Claim, dataset: KeyedSeeding, drift: tuple[str, ...], saves: CadencedSaves,
+    def train(self, claim: Claim, dataset: DataSource, drift: tuple[str, ...], saves: CadencedSaves,
               preemption: PreemptionGuard) -> Outcome:
         training: Training = build_training(self.config, self.workload, self.ranks, dataset)
         if claim.generation is not None:

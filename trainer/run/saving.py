@@ -30,6 +30,7 @@ from trainer.parallel.ranks import Ranks, StepAgreement
 from trainer.run.attempts import AttemptRecorder, auto_prior, read_attempts, utc_now
 from trainer.run.cadence import CadenceChange, StepPoint, auto_trigger, build_policy
 from trainer.run.events import TrainingEvents
+from trainer.run.ledger import SampleLedger
 from trainer.run.checksum import safe_state_digests
 from trainer.run.state import TrainingState
 from trainer.storage.base import AfterPublish, Durable, RunStorage
@@ -60,10 +61,12 @@ class Witnesses:
 
 class CadencedSaves:
     def __init__(self, config: RunConfig, storage: RunStorage, checkpointer: Checkpointer, lineage: Lineage,
-                 ranks: Ranks, witnesses: Witnesses):
+                 ranks: Ranks, witnesses: Witnesses, ledger: SampleLedger):
         self.config, self.storage, self.checkpointer, self.lineage, self.ranks = (config, storage, checkpointer,
                                                                                   lineage, ranks)
         self.recorder, self.events = witnesses.recorder, witnesses.events
+        self.ledger = ledger
+        """The samples trained on since the last generation, for the next one's manifest."""
         self.sections = {GENERATIONS: checkpointer.local, EXPORTS: storage.section(EXPORTS)}
         self.recover_policy = build_policy(config.recover, prior=auto_prior(
             read_attempts(storage.local.root), lineage.attempt_id) if config.recover.auto and ranks.is_primary else None)
@@ -128,10 +131,12 @@ class CadencedSaves:
         self.agree_on_uploads()
         progress, state_dict = state.progress, state.state_dict()
         digests = self.ranks.gather(safe_state_digests(state_dict), "gathering the state digests")
+        samples = self.ranks.gather(self.ledger.micro_batches, "gathering the sample ledger")
         facts = GenerationFacts(progress.global_step, progress.epoch, progress.position, self.lineage.fingerprint,
                                 self.lineage.allowed_drift, {"recover": {}, "export": self.export_policy.state()},
                                 utc_now(), {str(rank): digest for rank, digest in enumerate(digests)}
-                                if all(digests) else {})
+                                if all(digests) else {},
+                                self.ledger.entry(samples, progress.global_step, progress.epoch, progress.position))
         self.record_generations(self.checkpointer.save(state_dict, facts), progress.global_step)
         self.recover_policy.saved()
 
