@@ -25,7 +25,7 @@ from trainer.checkpoint.retention import apply_retention
 from trainer.checkpoint.section import Published
 from trainer.config import RunConfig
 from trainer.errors import TrainerError
-from trainer.layout import EXPORTS, GENERATIONS
+from trainer.layout import EXPORTS, GENERATIONS, generation_name
 from trainer.parallel.ranks import Ranks, StepAgreement
 from trainer.run.attempts import AttemptRecorder, auto_prior, read_attempts, utc_now
 from trainer.run.cadence import CadenceChange, StepPoint, auto_trigger, build_policy
@@ -67,6 +67,8 @@ class CadencedSaves:
         self.recorder, self.events = witnesses.recorder, witnesses.events
         self.ledger = ledger
         """The samples trained on since the last generation, for the next one's manifest."""
+        self.ledger_entries: dict[str, dict] = {}
+        """Saved generations' ledgers, recorded in the attempt record once published."""
         self.sections = {GENERATIONS: checkpointer.local, EXPORTS: storage.section(EXPORTS)}
         self.recover_policy = build_policy(config.recover, prior=auto_prior(
             read_attempts(storage.local.root), lineage.attempt_id) if config.recover.auto and ranks.is_primary else None)
@@ -137,6 +139,7 @@ class CadencedSaves:
                                 utc_now(), {str(rank): digest for rank, digest in enumerate(digests)}
                                 if all(digests) else {},
                                 self.ledger.entry(samples, progress.global_step, progress.epoch, progress.position))
+        self.ledger_entries[generation_name(facts.step)] = facts.ledger
         self.record_generations(self.checkpointer.save(state_dict, facts), progress.global_step)
         self.recover_policy.saved()
 
@@ -184,6 +187,8 @@ class CadencedSaves:
 
     def published(self, kind: str, published: Published, step: int | None) -> None:
         self.recorder.published(kind, published, step)
+        if kind == GENERATIONS:
+            self.recorder.sample_ledger(published.step, self.ledger_entries.pop(published.name, {}))
         self.events.published(NOUN[kind], self.sections[kind].path(published.name), published)
         after: AfterPublish = self.held_for_every_rank(
             lambda: self.storage.after_publish(kind, published, self.sections[kind].path(published.name)),
