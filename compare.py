@@ -42,7 +42,7 @@ def compare(argv: list[str] | None) -> int:
         from trainer.inspect.compare import as_json, format_ledgers, format_table
 
         print(json.dumps(as_json(args.a, args.b, results, ledgers), indent=2) if args.json
-              else format_table(results) + format_ledgers(*ledgers), flush=True)
+              else format_ledgers(*ledgers) + format_table(results), flush=True)
     except BrokenPipeError:
         # `compare.py A B | head`: the reader left; the verdict is still the exit status.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -95,6 +95,7 @@ def test_the_ledger_finds_samples_repeated_or_skipped():
     its data at row 0; one that skipped ahead; one that trained twice on a sample)."""
     ledger = SampleLedger(epoch_samples=36, batch_size=6)
     ledger.consumed(torch.arange(6))
+    assert ledger.micro_batches == [[0, 1, 2, 3, 4, 5]]
     first = {"step": 1, **ledger.entry([ledger.micro_batches], 1, 0, 1)}
     assert first["from"] == [0, 0] and first["to"] == [0, 6] and first["chain"] != GENESIS
     good = {**first, "after_step": 1, "from": [0, 6], "to": [0, 12]}

@@ -16,6 +16,7 @@ import torch
 from trainer.errors import UntrustedGeneration, UsageError
 from trainer.checkpoint.manifest import RECOVERY, verify_directory
 from trainer.checkpoint.snapshot import load_flat
+from trainer.run.ledger import UNKNOWN
 
 
 @dataclass(frozen=True)
@@ -148,14 +149,17 @@ def format_ledgers(a: dict, b: dict) -> str:
         return f"{name:<22} {left:<28} {right}"
 
     ranks = sorted(set(a.get("by_rank", {})) | set(b.get("by_rank", {})), key=int)
-    lines = ["", "", f"{'sample ledger':<22} {'A':<28} B",
+    lines = [f"{'sample ledger':<22} {'A':<28} B",
              row("steps", lambda e: f"{e['after_step'] + 1}..{e['step']}"),
              row("cursor (epoch, done)", lambda e: f"{tuple(e['from'])} → {tuple(e['to'])}"),
              row("samples", lambda e: e["samples"]), row("sha256", lambda e: e["sha256"]),
              row("chain since step 0", lambda e: e["chain"])]
-    lines += [row(f"rank {rank}", lambda e, rank=rank: (lambda r: f"{r['samples']} {short(r['sha256'])}" if r else "-")(
-        e.get("by_rank", {}).get(rank))) for rank in ranks]
-    if not a or not b or "unknown" in (a.get("chain"), b.get("chain")):
+    def of_rank(entry: dict, rank: str) -> str:
+        kept = entry.get("by_rank", {}).get(rank)
+        return f"{kept['samples']} {short(kept['sha256'])}" if kept else "-"
+
+    lines += [row(f"rank {rank}", lambda entry, rank=rank: of_rank(entry, rank)) for rank in ranks]
+    if not a or not b or UNKNOWN in (a.get("chain"), b.get("chain")):
         verdict = "the chains cannot be compared (a generation without a full ledger)"
     elif a["step"] != b["step"]:
         verdict = f"generations of different steps ({a['step']} and {b['step']}): the chains cover other samples"
@@ -163,5 +167,5 @@ def format_ledgers(a: dict, b: dict) -> str:
         verdict = "same samples in the same order since step 0"
     else:
         verdict = "DIFFERENT samples or order since step 0"
-    return "\n".join(lines + [f"ledgers: {verdict}"])
+    return "\n".join(lines + [f"ledgers: {verdict}", "", ""])
 

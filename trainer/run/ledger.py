@@ -15,15 +15,15 @@ one this attempt restored, or its own previous save):
   from which `report` checks that nothing was repeated or skipped between generations
   (`ledger_problems`), and `compare.py` shows two ledgers side by side.
 
-The ids are gathered at each save (8 bytes a sample); rank 0 builds the global entry.
+The ids are gathered at each save (8 bytes a sample); rank 0 builds the global entry. Plain
+Python, no torch: `report` reads ledgers without loading it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Mapping, Sequence
-
-import torch
 
 GENESIS = hashlib.sha256(b"training-recovery sample ledger").hexdigest()
 """The chain before any sample (a fresh run)."""
@@ -31,8 +31,8 @@ UNKNOWN = "unknown"
 """The chain after restoring a generation written before ledgers."""
 
 
-def id_bytes(ids: torch.Tensor) -> bytes:
-    return ids.to(torch.int64).contiguous().numpy().astype("<i8").tobytes()
+def id_bytes(ids: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(ids)}q", *ids)
 
 
 class SampleLedger:
@@ -41,10 +41,11 @@ class SampleLedger:
     def __init__(self, epoch_samples: int, batch_size: int):
         self.epoch_samples, self.batch_size = epoch_samples, batch_size
         self.after, self.chain, self.start = 0, GENESIS, [0, 0]
-        self.micro_batches: list[torch.Tensor] = []
+        self.micro_batches: list[list[int]] = []
 
-    def consumed(self, ids: torch.Tensor) -> None:
-        self.micro_batches.append(ids.detach().to(torch.int64).reshape(-1).clone())
+    def consumed(self, ids) -> None:
+        """One micro-batch's sample ids (a tensor or a list), in order."""
+        self.micro_batches.append([int(sample) for sample in (ids.tolist() if hasattr(ids, "tolist") else ids)])
 
     def continue_from(self, ledger: Mapping | None, step: int, epoch: int, position: int) -> None:
         """After a restore: the next entry follows the restored generation."""
@@ -55,13 +56,13 @@ class SampleLedger:
     def cursor(self, epoch: int, position: int) -> list[int]:
         return [epoch, min(position * self.batch_size, self.epoch_samples)]
 
-    def entry(self, by_rank: Sequence[list[torch.Tensor]], step: int, epoch: int, position: int) -> dict:
+    def entry(self, by_rank: Sequence[list[list[int]]], step: int, epoch: int, position: int) -> dict:
         """The manifest's `ledger` from every rank's micro-batches (gathered, in rank order);
         it starts the next one."""
         world_size = len(by_rank)
         digest, chain = hashlib.sha256(), self.chain
         for micro in zip(*by_rank):
-            placed = torch.empty(sum(len(part) for part in micro), dtype=torch.int64)
+            placed = [0] * sum(len(part) for part in micro)
             for rank, part in enumerate(micro):
                 placed[rank::world_size] = part
             data = id_bytes(placed)
@@ -76,7 +77,7 @@ class SampleLedger:
         return entry
 
 
-def rank_digest(micro_batches: Sequence[torch.Tensor]) -> dict:
+def rank_digest(micro_batches: Sequence[list[int]]) -> dict:
     digest = hashlib.sha256()
     for part in micro_batches:
         digest.update(id_bytes(part))

@@ -27,14 +27,13 @@ from trainer.run.attempts import COMPLETED, INTERRUPTED, PREEMPTED, new_attempt_
 from trainer.run.claim import Claim, Claimant
 from trainer.run.events import TrainingEvents
 from trainer.run.failures import attributed
-from trainer.run.ledger import SampleLedger
 from trainer.run.preemption import PreemptionGuard, ignore_late_stop_requests
 from trainer.run.progress import Progress
 from trainer.run.recording import check_attempt, record_refusal, start_record
 from trainer.run.restoring import Restorer
 from trainer.run.runtime import configure_determinism, resolve_device
-from trainer.run.streaming import DataSource, data_source
 from trainer.run.saving import CadencedSaves, Lineage, Witnesses
+from trainer.run.streaming import DataSource, data_source
 from trainer.run.training import Training, build_training, train_steps
 from trainer.storage.opening import open_storage
 from trainer.workload import BoundWorkload, build_workload
@@ -91,8 +90,7 @@ class TrainingRun:
         """Check the environment, start the record, then build, restore and train."""
         config, ranks, generation = self.config, self.ranks, claim.generation
         configure_determinism(config, ranks.rank)
-        dataset = data_source(self.workload.build_dataset(), config.workload.seed, config.workload.shuffle_buffer,
-                              self.workload.spec)
+        dataset = data_source(self.workload.build_dataset(), config.workload, self.workload.spec)
         checked = check_attempt(config, self.workload, claim, dataset, ranks)
         recorder = self.recorder = start_record(config, claim, checked, ranks, self.events)
         self.storage.push_record(claim.run.attempt_folder(self.attempt_id))  # a kill -9 of this machine still counts
@@ -103,7 +101,7 @@ class TrainingRun:
         self.storage.start_uploads(lineage.protected, claim.run.attempt_folder(self.attempt_id))
         checkpointer = self.storage.checkpointer(checked.mode, self.attempt_id, ranks, ranks.device)
         saves = CadencedSaves(config, self.storage, checkpointer, lineage, ranks, Witnesses(recorder, self.events),
-                              SampleLedger(len(dataset), config.workload.batch_size))
+                              len(dataset))
         preemption.last_words = lambda reason: recorder.ended(PREEMPTED, EXIT_INTERRUPTED, reason)
         try:
             self.events.attempt_started(recorder.record)

@@ -61,11 +61,11 @@ class Witnesses:
 
 class CadencedSaves:
     def __init__(self, config: RunConfig, storage: RunStorage, checkpointer: Checkpointer, lineage: Lineage,
-                 ranks: Ranks, witnesses: Witnesses, ledger: SampleLedger):
+                 ranks: Ranks, witnesses: Witnesses, epoch_samples: int):
         self.config, self.storage, self.checkpointer, self.lineage, self.ranks = (config, storage, checkpointer,
                                                                                   lineage, ranks)
         self.recorder, self.events = witnesses.recorder, witnesses.events
-        self.ledger = ledger
+        self.ledger = SampleLedger(epoch_samples, config.workload.batch_size)
         """The samples trained on since the last generation, for the next one's manifest."""
         self.ledger_entries: dict[str, dict] = {}
         """Saved generations' ledgers, recorded in the attempt record once published."""

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
+from trainer.config import WorkloadConfig
 from trainer.errors import CorruptGeneration, UsageError
 from trainer.run.fetching import COLLATE, KeyedSeeding, seeded_globals
 from trainer.run.runtime import WorkerSignals
@@ -95,12 +96,19 @@ class StreamOrder:
         ordered = [self.records[shard] for shard in self.shard_order]
         self.stream_start = np.concatenate([[0], np.cumsum(ordered)]).tolist()
         """Where each shard (in this epoch's order) starts in the epoch's stream."""
+        self.permutations: dict[int, np.ndarray] = {}
+        """The last blocks' permutations (a cache: a reader moves forward, block by block)."""
 
     def block_size(self, block: int) -> int:
         return min(self.buffer, self.samples - block * self.buffer)
 
     def block_permutation(self, block: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, self.epoch, block, 0xB1]).permutation(self.block_size(block))
+        if block not in self.permutations:
+            if len(self.permutations) >= 4:
+                del self.permutations[min(self.permutations)]
+            self.permutations[block] = np.random.default_rng([self.seed, self.epoch, block, 0xB1]).permutation(
+                self.block_size(block))
+        return self.permutations[block]
 
     def locate(self, stream_position: int) -> tuple[int, int]:
         """(index into this epoch's shard order, offset inside that shard) of a stream position."""
@@ -266,15 +274,15 @@ DataSource = KeyedSeeding | StreamSource
 per epoch), `fingerprint()` and `probe()`."""
 
 
-def data_source(dataset, seed: int, buffer: int, spec: str) -> DataSource:
+def data_source(dataset, config: WorkloadConfig, spec: str) -> DataSource:
     """The workload's dataset as the trainer fetches it: a stream (shards and a reader) or a
     map-style dataset; anything else is refused in one line, before the run starts."""
     if is_stream(dataset):
-        return StreamSource(dataset, seed, buffer, spec)
+        return StreamSource(dataset, config.seed, config.shuffle_buffer, spec)
     if isinstance(dataset, IterableDataset) or not callable(getattr(dataset, "__len__", None)) \
             or not callable(getattr(dataset, "__getitem__", None)):
         raise UsageError(f"--workload {spec}: build_dataset returned a {type(dataset).__name__}, which is neither "
                          f"map-style (__len__ and __getitem__) nor a stream: for an iterable dataset give "
                          f"shards() -> [(name, records)] and read(shard, offset) -> records from that offset, "
                          f"and the trainer owns the order, the shuffle buffer and the cursor (README: Streaming data)")
-    return KeyedSeeding(dataset, seed)
+    return KeyedSeeding(dataset, config.seed)
