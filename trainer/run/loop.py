@@ -95,13 +95,12 @@ class TrainingRun:
         recorder = self.recorder = start_record(config, claim, checked, ranks, self.events)
         self.storage.push_record(claim.run.attempt_folder(self.attempt_id))  # a kill -9 of this machine still counts
         lineage = Lineage(self.attempt_id, checked.fingerprint, checked.drift,
-                          frozenset([generation.name]) if generation else frozenset())
+                          frozenset([generation.name]) if generation else frozenset(), len(dataset))
         if claim.download.bytes:
             recorder.downloaded(claim.download.seconds, claim.download.bytes)
         self.storage.start_uploads(lineage.protected, claim.run.attempt_folder(self.attempt_id))
         checkpointer = self.storage.checkpointer(checked.mode, self.attempt_id, ranks, ranks.device)
-        saves = CadencedSaves(config, self.storage, checkpointer, lineage, ranks, Witnesses(recorder, self.events),
-                              len(dataset))
+        saves = CadencedSaves(config, self.storage, checkpointer, lineage, ranks, Witnesses(recorder, self.events))
         preemption.last_words = lambda reason: recorder.ended(PREEMPTED, EXIT_INTERRUPTED, reason)
         try:
             self.events.attempt_started(recorder.record)

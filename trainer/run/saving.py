@@ -49,6 +49,8 @@ class Lineage:
     allowed_drift: tuple[str, ...]
     protected: frozenset[str]
     """Generations retention must keep (the one restored)."""
+    epoch_samples: int = 0
+    """Samples in an epoch: the sample ledger's cursors count them (trainer/run/ledger.py)."""
 
 
 @dataclass(frozen=True)
@@ -61,11 +63,11 @@ class Witnesses:
 
 class CadencedSaves:
     def __init__(self, config: RunConfig, storage: RunStorage, checkpointer: Checkpointer, lineage: Lineage,
-                 ranks: Ranks, witnesses: Witnesses, epoch_samples: int):
+                 ranks: Ranks, witnesses: Witnesses):
         self.config, self.storage, self.checkpointer, self.lineage, self.ranks = (config, storage, checkpointer,
                                                                                   lineage, ranks)
         self.recorder, self.events = witnesses.recorder, witnesses.events
-        self.ledger = SampleLedger(epoch_samples, config.workload.batch_size)
+        self.ledger = SampleLedger(lineage.epoch_samples, config.workload.batch_size)
         """The samples trained on since the last generation, for the next one's manifest."""
         self.ledger_entries: dict[str, dict] = {}
         """Saved generations' ledgers, recorded in the attempt record once published."""

@@ -43,6 +43,7 @@ from trainer.config import WorkloadConfig
 from trainer.errors import CorruptGeneration, UsageError
 from trainer.run.fetching import COLLATE, KeyedSeeding, seeded_globals
 from trainer.run.runtime import WorkerSignals
+from trainer.workload.adapters import is_hf_iterable, refuse_hf_shuffle, refuse_loader
 
 READ = 2
 """The `purpose` of the seeds a block's read runs under, apart from samples' and collates'."""
@@ -277,6 +278,12 @@ per epoch), `fingerprint()` and `probe()`."""
 def data_source(dataset, config: WorkloadConfig, spec: str) -> DataSource:
     """The workload's dataset as the trainer fetches it: a stream (shards and a reader) or a
     map-style dataset; anything else is refused in one line, before the run starts."""
+    refuse_loader(dataset, spec)
+    if is_hf_iterable(dataset):
+        refuse_hf_shuffle(dataset, spec)
+        raise UsageError(f"--workload {spec}: build_dataset returned a datasets.IterableDataset; wrap it as a stream: "
+                         f"return trainer.workload.adapters.HFStream(dataset) (the trainer then owns its order, "
+                         f"shuffle buffer and cursor)")
     if is_stream(dataset):
         return StreamSource(dataset, config.seed, config.shuffle_buffer, spec)
     if isinstance(dataset, IterableDataset) or not callable(getattr(dataset, "__len__", None)) \
