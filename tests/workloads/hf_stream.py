@@ -7,6 +7,8 @@ torchdata StatefulDataLoader over it: refused, naming its dataset).
 
 from __future__ import annotations
 
+import warnings
+
 import datasets
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -40,5 +42,7 @@ class HFRegression(ToyWorkload):
         if self.options.form == "raw":
             return dataset
         if self.options.form == "loader":
-            return StatefulDataLoader(dataset, batch_size=6, num_workers=2)
+            with warnings.catch_warnings():  # torchdata 0.11 warns about its own use of torch.set_vital
+                warnings.simplefilter("ignore")
+                return StatefulDataLoader(dataset, batch_size=6, num_workers=2)
         return HFStream(dataset, records=SIZES, fingerprint="toy-regression-v1")

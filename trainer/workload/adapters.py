@@ -2,7 +2,8 @@
 
 - **Hugging Face `datasets.IterableDataset`** → `HFStream`, the streaming protocol
   (trainer/workload/protocol.py `Stream`): its shards (`num_shards`, each one
-  `dataset.shard(num_shards, index)`), read from an offset with `skip(offset)`. Exact: the
+  `dataset.shard(num_shards, index)`), read from an offset with `skip(offset)` (through
+  `iter(batch_size=1)`, which does not split itself across DataLoader workers). Exact: the
   trainer owns the shard order, the shuffle buffer, the split and the cursor, so its own
   `state_dict()` is not needed. Its buffered `shuffle(buffer_size=…)` cannot be made exact (the
   buffer's contents are not in its state: datasets#7444) and is refused in one line; the trainer
@@ -62,7 +63,7 @@ class HFStream:
         refuse_hf_shuffle(dataset, spec)
         self.dataset, self.count = dataset, dataset.num_shards
         self.records = list(records) if records is not None else [
-            sum(1 for _ in self.shard(index)) for index in range(self.count)]
+            sum(1 for _ in self.shard(index).iter(batch_size=1)) for index in range(self.count)]
         if len(self.records) != self.count:
             raise UsageError(f"--workload {spec}: HFStream got {len(self.records)} record counts for a dataset of "
                              f"{self.count} shards; give one count per shard (or none, to count them)")
@@ -75,15 +76,20 @@ class HFStream:
         return [(f"shard-{index:05d}", records) for index, records in enumerate(self.records)]
 
     def read(self, shard: tuple[str, int], offset: int):
+        """Through `iter(batch_size=1)`: inside a DataLoader worker, iterating an HF dataset
+        splits it across the workers by itself (only its share of the shards comes), and the
+        trainer has already split the samples; the batched iterator does not."""
         index = int(shard[0].removeprefix("shard-"))
-        return iter(self.shard(index).skip(offset)) if offset else iter(self.shard(index))
+        rows = self.shard(index).skip(offset) if offset else self.shard(index)
+        for batch in rows.iter(batch_size=1):
+            yield {key: value[0] for key, value in batch.items()}
 
     def fingerprint(self) -> str:
         if self.own_fingerprint is not None:
             return self.own_fingerprint
         digest = hashlib.sha256(repr(self.records).encode())
         for index in range(self.count):
-            digest.update(repr(next(islice(iter(self.shard(index)), 1), None)).encode())
+            digest.update(repr(next(islice(self.read(self.shards()[index], 0), 1), None)).encode())
         return f"hf-stream:{digest.hexdigest()}"
 
 
