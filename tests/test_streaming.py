@@ -23,11 +23,10 @@ from trainer.run.ledger import GENESIS, SampleLedger, ledger_problems
 from trainer.run.streaming import StreamOrder, StreamSource, rank_positions
 
 WORKLOAD = f"{REPO}/examples/stream_lm.py:StreamLM"
-EPOCH_SAMPLES = 66
-"""4 shards of a 30-token context: 66 records, 11 global batches of 6 (2 and 3 ranks split them)."""
 STREAM = ("--workload", WORKLOAD, "--shards", "4", "--context", "30", "--batch-size", "6", "--shuffle-buffer", "20",
           "--max-steps", "14", "--recover-every-steps", "4", "--recover-every-epochs", "0")
-"""14 steps cross the epoch end (11 batches); generations at 4, 8, 12, 14: 8 is mid-epoch and
+"""4 shards of a 30-token context: 66 records, 11 global batches of 6 (2 and 3 ranks split them
+evenly). 14 steps cross the epoch end; generations at 4, 8, 12, 14: 8 is mid-epoch and
 mid-block (48 samples done, block 2 spans 40..59)."""
 FINAL = "step-00000014"
 
