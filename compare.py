@@ -35,25 +35,25 @@ def compare(argv: list[str] | None) -> int:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     try:
         args = parser.parse_args(argv)
-        results = compare_inputs(args.a, args.b)
+        results, ledgers = compare_inputs(args.a, args.b)
     except TrainerError as error:
         print(f"compare: error: {error}", file=sys.stderr)
         return error.exit_code if error.exit_code in (EXIT_INTERRUPTED, StorageFailure.exit_code,
                                                       UntrustedGeneration.exit_code) else 2
     try:
-        from trainer.inspect.compare import as_json, format_table
+        from trainer.inspect.compare import as_json, format_ledgers, format_table
 
-        print(json.dumps(as_json(args.a, args.b, results), indent=2) if args.json else format_table(results),
-              flush=True)
+        print(json.dumps(as_json(args.a, args.b, results, ledgers), indent=2) if args.json
+              else format_ledgers(*ledgers) + format_table(results), flush=True)
     except BrokenPipeError:
         # `compare.py A B | head`: the reader left; the verdict is still the exit status.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if all(r.equal for r in results) else 1
 
 
-def compare_inputs(a: Path | str, b: Path | str) -> list:
-    """Field results of two generations; one named by store URL is downloaded (verified while it
-    streams) into a temporary directory that is gone afterwards."""
+def compare_inputs(a: Path | str, b: Path | str) -> tuple[list, tuple[dict, dict]]:
+    """Field results of two generations and their sample ledgers; one named by store URL is
+    downloaded (verified while it streams) into a temporary directory that is gone afterwards."""
     from trainer.cli import collect_after_start_up
     from trainer.inspect.compare import compare_states, load_generation
     from trainer.inspect.sources import open_source
@@ -61,8 +61,9 @@ def compare_inputs(a: Path | str, b: Path | str) -> list:
     collect_after_start_up()
 
     with tempfile.TemporaryDirectory(prefix="compare-") as scratch:
-        return compare_states(load_generation(open_source(a).generation(Path(scratch) / "a")),
-                              load_generation(open_source(b).generation(Path(scratch) / "b")))
+        first = load_generation(open_source(a).generation(Path(scratch) / "a"))
+        second = load_generation(open_source(b).generation(Path(scratch) / "b"))
+        return compare_states(first.state, second.state), (first.ledger, second.ledger)
 
 
 def main(argv: list[str] | None = None) -> int:

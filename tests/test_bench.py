@@ -23,7 +23,8 @@ MAKE_BENCH = re.findall(r"bench/(\w+\.py) --quick", (REPO / "Makefile").read_tex
 
 def test_every_benchmark_script_is_covered():
     assert {path.name for path in BENCHMARKS} >= {"checkpoint_bench.py", "loop_overhead.py", "store_bench.py",
-                                                  "goodput_sim.py", "goodput_validation.py", "reduction_bench.py"}
+                                                  "goodput_sim.py", "goodput_validation.py", "reduction_bench.py",
+                                                  "stream_bench.py"}
 
 
 def store_bench_checks(report: dict) -> None:
@@ -80,7 +81,14 @@ def loop_overhead_checks(report: dict) -> None:
     assert all(witness[key] > 0 for key in ("step_s", "step_digest_s", "state_digest_s", "sync_save_s"))
 
 
-CHECKS = {"store_bench.py": store_bench_checks, "scale_out_bench.py": scale_out_bench_checks,
+def stream_bench_checks(report: dict) -> None:
+    """Structure only: both readers timed, reading alone and under a training step, per worker count."""
+    assert [(row["workers"], row["what"]) for row in report["rows"]] == [
+        (0, "reading only"), (0, "training step"), (2, "reading only"), (2, "training step")]
+    assert all(row["stream_s"] > 0 and row["plain_s"] > 0 and row["ratio"] > 0 for row in report["rows"])
+
+
+CHECKS = {"stream_bench.py": stream_bench_checks, "store_bench.py": store_bench_checks, "scale_out_bench.py": scale_out_bench_checks,
           "goodput_sim.py": goodput_sim_checks, "goodput_validation.py": goodput_validation_checks,
           "reduction_bench.py": reduction_bench_checks, "loop_overhead.py": loop_overhead_checks}
 

@@ -46,3 +46,23 @@ def test_stopped_inside_a_window_resumed_with_other_workers_equals_the_baseline(
         assert (weights["head.weight"] == weights["tokens.weight"]).all()  # tied, stored twice
     else:
         assert "features.0.1.running_mean" in weights  # BatchNorm statistics travel with the weights
+
+
+def test_the_transformers_example_exports_what_from_pretrained_loads(tmp_path):
+    """examples/hf_gpt2.py: a GPT-2 from a config, trained on the streaming token shards for 4
+    steps; its export directory loads with `GPT2LMHeadModel.from_pretrained`, every weight as
+    trained and nothing missing or unexpected (`architecture()` returns the config's dict).
+    Cost: ~20 s (transformers imports in two processes)."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    run = tmp_path / "run"
+    train(run, "--workload", "examples/hf_gpt2.py:HFGPT2", "--shard-dir", tmp_path / "shards", "--max-steps", 4,
+          "--batch-size", 8)
+    export = run / "exports" / "step-00000004"
+    model, info = GPT2LMHeadModel.from_pretrained(export, output_loading_info=True)
+    assert {key: set(value) if isinstance(value, (set, list)) else value for key, value in info.items()} == {
+        "missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": set()}
+    weights = load_file(str(export / "model.safetensors"))
+    state = model.state_dict()
+    assert weights and all(torch.equal(state[name], value) for name, value in weights.items())

@@ -23,11 +23,14 @@ DEFAULT_WORKLOAD = "trainer.workload.example:ExampleWorkload"
 @dataclass(frozen=True)
 class WorkloadConfig:
     """What is trained and how: the trainer's own training options, and the workload with the
-    options it declared. Every field except `epochs` and `num_workers` changes what is
-    trained, so they are fingerprinted; those two may change between attempts."""
+    options it declared. Every field except `epochs`, `max_steps` and `num_workers` changes
+    what is trained, so they are fingerprinted; those may change between attempts."""
 
     epochs: int = 8
     """Total epochs. Extending a finished run with a larger value is allowed on resume."""
+    max_steps: int | None = None
+    """Total optimizer steps, counted across epochs (a stream's step budget); when set it
+    decides the run's length instead of `epochs`. Extending it is allowed on resume."""
     batch_size: int = 16
     """Samples per batch (per micro-batch under --grad-accum), across all processes."""
     seed: int = 1234
@@ -50,6 +53,9 @@ class WorkloadConfig:
     `per-parameter` all-reduces each gradient on its own, so a resumed run is bit-exact at any
     world size; `bucketed` is DDP's own all-reduce of whole buckets, one collective per bucket
     but exact only up to 2 processes. Fingerprinted: the two can give different bits."""
+    shuffle_buffer: int = 1024
+    """Streaming data only: records per shuffle block (trainer/run/streaming.py). Larger mixes
+    more; a resume re-reads up to one block, and each reader holds one in memory."""
     grad_accum: int = 1
     """Micro-batches per optimizer step. Steps, cadence and the LR schedule count optimizer
     steps; saves and preemption stops happen only between them, so no generation holds
@@ -63,12 +69,12 @@ class WorkloadConfig:
     def training_relevant(self) -> dict:
         """The options whose change alters the trained bits (fingerprint `config`): the
         trainer's and every option the workload declared."""
-        values = {name: value for name, value in asdict(self).items() if name not in ("epochs", "num_workers",
-                                                                                         "options")}
+        values = {name: value for name, value in asdict(self).items() if name not in ("epochs", "max_steps",
+                                                                                         "num_workers", "options")}
         # Leaving a default out keeps the fingerprints of generations written before the
         # option existed equal, so they still resume without drift.
         for name, default in (("data_parallel", "ddp"), ("gradient_reduction", "per-parameter"), ("grad_accum", 1),
-                              ("workload", DEFAULT_WORKLOAD)):
+                              ("workload", DEFAULT_WORKLOAD), ("shuffle_buffer", 1024)):
             if values[name] == default:
                 values.pop(name)
         return {**values, **dict(self.options)}

@@ -146,6 +146,11 @@ GROUPS: dict[str, list[Flag]] = {
                   "(with --workload X --help, those of X)"),
         Flag("--epochs", "workload.epochs", metavar="N", type=positive_int,
              help="total epochs (a larger value extends a finished run on resume)"),
+        Flag("--max-steps", "workload.max_steps", metavar="N", type=positive_int,
+             help="total optimizer steps across epochs (a stream's step budget); decides the run's length "
+                  "instead of --epochs (a larger value extends a finished run on resume)"),
+        Flag("--shuffle-buffer", "workload.shuffle_buffer", metavar="N", type=positive_int,
+             help="streaming data: records per deterministic shuffle block; a resume re-reads at most one"),
         Flag("--batch-size", "workload.batch_size", metavar="N", type=positive_int,
              help="samples per (micro-)batch, across all processes"),
         Flag("--grad-accum", "workload.grad_accum", metavar="N", type=positive_int,

@@ -180,3 +180,18 @@ class MaskingRows(torch.utils.data.Dataset):
 class MaskedCollate(ToyWorkload):
     def build_dataset(self):
         return MaskingRows(self.options.toy_samples, self.options.features, self.options.seed)
+
+
+class ShardStream(torch.utils.data.IterableDataset):
+    """What a user writes first for streamed shards: an IterableDataset without a length."""
+
+    def __iter__(self):
+        for index in range(32):
+            yield {"inputs": torch.full((4,), float(index)), "target": torch.ones(1)}
+
+
+class NotAStream(ToyWorkload):
+    """An IterableDataset that is not the streaming protocol (no shards(), no read()): refused in one line."""
+
+    def build_dataset(self):
+        return ShardStream()

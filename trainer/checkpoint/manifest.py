@@ -59,6 +59,9 @@ class GenerationFacts:
     state_digest: dict = field(default_factory=dict)
     """{rank: {section: digest}} of the live state this generation saved (trainer/run/witness.py):
     a restore digests what it loaded and compares. Empty in generations written before it."""
+    ledger: dict = field(default_factory=dict)
+    """The sample ledger since the generation before it (trainer/run/ledger.py). Empty in
+    generations written before it."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,8 @@ class Manifest:
                         created_utc=facts.created_utc, timings=dict(self.timings))
             if facts.state_digest:
                 data["state_digest"] = facts.state_digest
+            if facts.ledger:
+                data["ledger"] = facts.ledger
         return data
 
     @classmethod
@@ -142,9 +147,11 @@ class Manifest:
                             "created_utc": str, "timings": dict})
             if not isinstance(data.get("state_digest", {}), dict):
                 raise InvalidManifest(f"{MANIFEST}: state_digest is not a mapping")
+            if not isinstance(data.get("ledger", {}), dict):
+                raise InvalidManifest(f"{MANIFEST}: ledger is not a mapping")
             facts = GenerationFacts(data["step"], data["epoch"], data["position"], data["fingerprint"],
                                     tuple(data["allowed_drift"]), data["cadence"], data["created_utc"],
-                                    data.get("state_digest", {}))
+                                    data.get("state_digest", {}), data.get("ledger", {}))
         return cls(kind, data["name"], data["step"], data["epoch"], data["attempt"], files, facts,
                    data.get("timings", {}), data.get(SIGNATURE), data.get("run"), canonical_bytes(data))
 

@@ -16,6 +16,7 @@ import torch
 from trainer.errors import UntrustedGeneration, UsageError
 from trainer.checkpoint.manifest import RECOVERY, verify_directory
 from trainer.checkpoint.snapshot import load_flat
+from trainer.run.ledger import UNKNOWN
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,15 @@ def compare_states(a: dict, b: dict) -> list[FieldResult]:
     return results
 
 
-def load_generation(path: Path) -> dict:
+@dataclass(frozen=True)
+class Loaded:
+    state: dict
+    """Every stored field, flat."""
+    ledger: dict
+    """The manifest's sample ledger with its step (empty in generations written before ledgers)."""
+
+
+def load_generation(path: Path) -> Loaded:
     """Verify, then load every stored field; an unusable input is a usage error (exit 2)."""
     if not path.exists():
         raise UsageError(f"{path}: no such directory; pass a generation, e.g. OUTPUT/checkpoints/step-00000064")
@@ -105,7 +114,9 @@ def load_generation(path: Path) -> dict:
         raise UsageError(f"{path} cannot be compared: {verification.problem}")
     if verification.manifest.kind != RECOVERY:
         raise UsageError(f"{path} is an {verification.manifest.kind}, not a recovery generation")
-    return load_flat(path)
+    manifest = verification.manifest
+    ledger = manifest.facts.ledger if manifest.facts else {}
+    return Loaded(load_flat(path), {"step": manifest.step, **ledger} if ledger else {})
 
 
 def format_table(results: list[FieldResult]) -> str:
@@ -118,7 +129,43 @@ def format_table(results: list[FieldResult]) -> str:
     return "\n".join(lines)
 
 
-def as_json(a: Path, b: Path, results: list[FieldResult]) -> dict:
+def as_json(a: Path, b: Path, results: list[FieldResult], ledgers: tuple[dict, dict] = ({}, {})) -> dict:
     return {"a": str(a), "b": str(b), "equal": all(r.equal for r in results),
-            "fields": [asdict(r) for r in results]}
+            "fields": [asdict(r) for r in results], "ledgers": {"a": ledgers[0], "b": ledgers[1]}}
+
+
+def format_ledgers(a: dict, b: dict) -> str:
+    """The two generations' sample ledgers side by side (trainer/run/ledger.py): informative,
+    never part of the verdict (each covers the steps since its own previous generation, so
+    cadence and interruptions change it; the chain since step 0 does not)."""
+    if not a and not b:
+        return ""
+
+    def short(value) -> str:
+        return value[:16] + "…" if isinstance(value, str) and len(value) > 16 else str(value)
+
+    def row(name: str, of) -> str:
+        left, right = (short(of(ledger)) if ledger else "-" for ledger in (a, b))
+        return f"{name:<22} {left:<28} {right}"
+
+    ranks = sorted(set(a.get("by_rank", {})) | set(b.get("by_rank", {})), key=int)
+    lines = [f"{'sample ledger':<22} {'A':<28} B",
+             row("steps", lambda e: f"{e['after_step'] + 1}..{e['step']}"),
+             row("cursor (epoch, done)", lambda e: f"{tuple(e['from'])} → {tuple(e['to'])}"),
+             row("samples", lambda e: e["samples"]), row("sha256", lambda e: e["sha256"]),
+             row("chain since step 0", lambda e: e["chain"])]
+    def of_rank(entry: dict, rank: str) -> str:
+        kept = entry.get("by_rank", {}).get(rank)
+        return f"{kept['samples']} {short(kept['sha256'])}" if kept else "-"
+
+    lines += [row(f"rank {rank}", lambda entry, rank=rank: of_rank(entry, rank)) for rank in ranks]
+    if not a or not b or UNKNOWN in (a.get("chain"), b.get("chain")):
+        verdict = "the chains cannot be compared (a generation without a full ledger)"
+    elif a["step"] != b["step"]:
+        verdict = f"generations of different steps ({a['step']} and {b['step']}): the chains cover other samples"
+    elif a["chain"] == b["chain"]:
+        verdict = "same samples in the same order since step 0"
+    else:
+        verdict = "DIFFERENT samples or order since step 0"
+    return "\n".join(lines + [f"ledgers: {verdict}", "", ""])
 

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 
 from trainer.run.interval import best_interval, expected_goodput, young_interval
+from trainer.run.ledger import ledger_problems
 from trainer.run.records import OUTCOMES, PUBLISHED, exposure_s, failure_rate, lifetime
 from trainer.layout import GENERATIONS
 
@@ -126,9 +127,24 @@ class Totals:
 
 
 @dataclass(frozen=True)
+class LedgerCheck:
+    """The sample ledgers of the run's generations, across attempts (trainer/run/ledger.py)."""
+
+    generations: int
+    """Generations that recorded a ledger."""
+    attempts: int
+    """Attempts those generations came from."""
+    samples: int
+    """Samples the ledgers account for (each once, however often its step was replayed)."""
+    problems: tuple[str, ...] = ()
+    """Samples repeated or skipped between or inside generations: empty when none."""
+
+
+@dataclass(frozen=True)
 class Report:
     rows: tuple[AttemptRow, ...]
     totals: Totals
+    ledger: LedgerCheck = LedgerCheck(0, 0, 0)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -330,7 +346,18 @@ def build_report(records: list[dict], live: frozenset[str] = frozenset(),
         wall_lost_s=round(sum(wall_lost(row) for row in rows), 3),
         restore_s=round(sum(row.restore_s for row in rows), 3),
         checkpoint_s=round(checkpoint, 3), checkpoint_share=checkpoint / wall if wall else None)
-    return Report(rows, totals)
+    return Report(rows, totals, check_ledgers(records))
+
+
+def check_ledgers(records: list[dict]) -> LedgerCheck:
+    """Every generation's ledger, the newest attempt's where two wrote the same step (going
+    back with --from-generation), checked for samples repeated or skipped."""
+    entries, sources = {}, {}
+    for record in records:
+        for entry in record.get("ledger") or []:
+            entries[entry["step"]], sources[entry["step"]] = entry, record.get("id")
+    return LedgerCheck(len(entries), len(set(sources.values())), sum(entry["samples"] for entry in entries.values()),
+                       tuple(ledger_problems(entries)))
 
 
 @dataclass(frozen=True)
@@ -457,6 +484,17 @@ def format_witness(rows: tuple[AttemptRow, ...]) -> list[str]:
                                                        for number, row in checked]
 
 
+def format_ledger(check: LedgerCheck) -> list[str]:
+    if not check.generations:
+        return []
+    head = (f"  sample ledger      {plural(check.generations, 'generation')} from {plural(check.attempts, 'attempt')}, "
+            f"{check.samples} samples: ")
+    if not check.problems:
+        return ["", head + "none repeated or skipped (replayed steps' samples reach a generation once)"]
+    return ["", head + f"REPEATED OR SKIPPED in {plural(len(check.problems), 'place')}"] + [
+        f"    {problem}" for problem in check.problems]
+
+
 def format_report(report: Report, output: str, advice: Advice | None = None) -> str:
     """The terminal table: one row per attempt, then the run's totals (and the advice)."""
     lines = [f"recovery report {output}", ""]
@@ -488,5 +526,5 @@ def format_report(report: Report, output: str, advice: Advice | None = None) -> 
                                                                  for row in report.rows)]
     if estimated:
         lines.append(f"  ~ {' or '.join(estimated)}: wall time up to its last step marker (or last publish)")
-    lines += format_witness(report.rows)
+    lines += format_witness(report.rows) + format_ledger(report.ledger)
     return "\n".join(lines + (format_advice(advice) if advice is not None else []))

@@ -355,6 +355,12 @@ class AttemptRecorder:
         self._record["costs"]["saves"] += 1
         self.reached(step if step is not None else (self._record["last_step"] or 0))
 
+    def sample_ledger(self, step: int, ledger: dict) -> None:
+        """A published generation's sample ledger (trainer/run/ledger.py), for `report`."""
+        if ledger:
+            self._record.setdefault("ledger", []).append({"step": step, **ledger})
+            self._flush()
+
     # ------------------------------------------------------------------ reading
     def elapsed_s(self) -> float:
         """Seconds since this attempt started: its wall time at the end, and when each

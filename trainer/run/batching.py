@@ -66,7 +66,7 @@ def require_even_split(samples: int, batch_size: int, world_size: int) -> None:
 
 def training_steps(samples: int, config: WorkloadConfig) -> TrainingSteps:
     """The run's optimizer steps: an epoch's batches in windows of --grad-accum (the last one
-    may be shorter), times --epochs."""
+    may be shorter), times --epochs, or --max-steps when given (a stream's step budget)."""
     batches_per_epoch = len(EpochBatchOrder(samples, config.batch_size, config.seed, 0, 0))
     per_epoch = -(-batches_per_epoch // config.grad_accum)
-    return TrainingSteps(per_epoch, config.epochs * per_epoch)
+    return TrainingSteps(per_epoch, config.max_steps or config.epochs * per_epoch)

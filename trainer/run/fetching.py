@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from trainer.errors import UsageError
 from trainer.run.batching import EpochBatchOrder
 from trainer.run.runtime import WorkerSignals
+from trainer.workload import dataset_fingerprint
 
 
 @contextmanager
@@ -77,6 +78,21 @@ class KeyedSeeding(Dataset):
         with seeded_globals(self.seed, epoch, index):
             sample = self.dataset.sample_at(epoch, index) if self.keyed else self.dataset[index]
         return (key, sample) if self.collate is not None else sample
+
+    def loader(self, epoch: int, batch_size: int, start_batch: int, rank: int, world_size: int,
+               num_workers: int) -> Iterator[tuple[torch.Tensor, object]]:
+        """(sample indices, batch) of this rank for the rest of the epoch, in order; the same
+        interface as a stream's (`trainer.run.streaming.StreamSource`)."""
+        order = EpochBatchOrder(len(self), batch_size, self.seed, epoch, start_batch, rank, world_size)
+        for keys, batch in zip(order, epoch_loader(self, order, num_workers)):
+            yield torch.tensor([index for _, index in keys], dtype=torch.int64), batch
+
+    def fingerprint(self) -> str:
+        return dataset_fingerprint(self.dataset)
+
+    def probe(self) -> None:
+        """Fetch one sample here, in the main process (see `refuse_state_moved_by_fetching`)."""
+        self[(0, 0)]
 
 
 class KeyedCollate:
@@ -130,7 +146,7 @@ def refuse_state_moved_by_fetching(extras: dict, dataset: KeyedSeeding, num_work
     if num_workers == 0 or not extras or len(dataset) == 0:
         return
     before = {name: copy.deepcopy(kept.state_dict()) for name, kept in extras.items()}
-    dataset[(0, 0)]
+    dataset.probe()
     moved = [name for name, kept in extras.items() if not same_state(before[name], kept.state_dict())]
     for name in moved:
         extras[name].load_state_dict(before[name])
@@ -138,7 +154,8 @@ def refuse_state_moved_by_fetching(extras: dict, dataset: KeyedSeeding, num_work
         raise UsageError(f"--workload {spec}: its stateful() {moved[0]!r} changes when a sample is fetched; with "
                          f"--num-workers {num_workers} that happens in the workers' copies, which no generation "
                          f"saves, so the run would train on other data than with --num-workers 0: fetch by "
-                         f"index (the trainer owns the order and the position), or run with --num-workers 0")
+                         f"index, or give shards() and read(shard, offset) (the streaming protocol: the trainer "
+                         f"owns the order and the cursor), or run with --num-workers 0")
 
 
 def same_state(a, b) -> bool:

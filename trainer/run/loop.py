@@ -28,13 +28,13 @@ from trainer.run.records import COMPLETED, INTERRUPTED, PREEMPTED
 from trainer.run.claim import Claim, Claimant
 from trainer.run.events import TrainingEvents
 from trainer.run.failures import attributed
-from trainer.run.fetching import KeyedSeeding
 from trainer.run.preemption import PreemptionGuard, ignore_late_stop_requests
 from trainer.run.progress import Progress
 from trainer.run.recording import check_attempt, record_refusal, start_record
 from trainer.run.restoring import Restorer
 from trainer.run.runtime import configure_determinism, resolve_device
 from trainer.run.saving import CadencedSaves, Lineage, Witnesses
+from trainer.run.streaming import DataSource, data_source
 from trainer.run.training import Training, build_training, train_steps
 from trainer.storage.opening import open_storage
 from trainer.workload import BoundWorkload, build_workload
@@ -91,19 +91,19 @@ class TrainingRun:
         """Check the environment, start the record, then build, restore and train."""
         config, ranks, generation = self.config, self.ranks, claim.generation
         configure_determinism(config, ranks.rank)
-        dataset = self.workload.build_dataset()
+        dataset = data_source(self.workload.build_dataset(), config.workload, self.workload.spec)
         checked = check_attempt(config, self.workload, claim, dataset, ranks)
         recorder = self.recorder = start_record(config, claim, checked, ranks, self.events)
         self.storage.records.push(claim.run.attempt_folder(self.attempt_id))  # a kill -9 of this machine still counts
         lineage = Lineage(self.attempt_id, checked.fingerprint, checked.drift,
-                          frozenset([generation.name]) if generation else frozenset())
+                          frozenset([generation.name]) if generation else frozenset(), len(dataset))
         if claim.download.bytes:
             recorder.downloaded(claim.download.seconds, claim.download.bytes)
         saves = CadencedSaves(config, self.storage, lineage, ranks, Witnesses(recorder, self.events), checked.mode)
         preemption.last_words = lambda reason: recorder.ended(PREEMPTED, EXIT_INTERRUPTED, reason)
         try:
             self.events.attempt_started(recorder.record)
-            return self.train(claim, KeyedSeeding(dataset, config.workload.seed), checked.drift, saves, preemption)
+            return self.train(claim, dataset, checked.drift, saves, preemption)
         except (CorruptGeneration, FingerprintMismatch, UntrustedGeneration) as refusal:
             # Found while restoring, before the first step (a shape-changing drift, stored
             # data that disagrees with its rank): a refusal, like the ones found earlier.
@@ -114,7 +114,7 @@ class TrainingRun:
             saves.close_after_failure()
             attributed(error).record_and_raise(recorder)  # the workload's own exception: one line naming where
 
-    def train(self, claim: Claim, dataset: KeyedSeeding, drift: tuple[str, ...], saves: CadencedSaves,
+    def train(self, claim: Claim, dataset: DataSource, drift: tuple[str, ...], saves: CadencedSaves,
               preemption: PreemptionGuard) -> Outcome:
         training: Training = build_training(self.config, self.workload, self.ranks, dataset)
         if claim.generation is not None:

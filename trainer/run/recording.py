@@ -19,7 +19,7 @@ from trainer.run.claim import Claim, Claimant
 from trainer.run.events import TrainingEvents
 from trainer.run.witness import ReplayWitness, computed_before, replay_not_compared
 from trainer.parallel.reduction import Exactness, exactness
-from trainer.workload import BoundWorkload, dataset_fingerprint
+from trainer.workload import BoundWorkload
 
 log = logging.getLogger("trainer")
 
@@ -44,7 +44,7 @@ def check_attempt(config: RunConfig, workload: BoundWorkload, claim: Claim, data
     ranks.decide_on_primary(lambda: require_even_split(len(dataset), config.workload.batch_size, ranks.world_size),
                             "checking the batch split")
     planned = workload.plan(training_steps(len(dataset), config.workload))
-    fingerprint = current_fingerprint({**config.workload.training_relevant(), **planned}, dataset_fingerprint(dataset),
+    fingerprint = current_fingerprint({**config.workload.training_relevant(), **planned}, dataset.fingerprint(),
                                       ranks.device, world_size=ranks.world_size,
                                       workload_sources=workload.source_files)
     drift = [] if generation is None else ranks.decide_on_primary(lambda: check_fingerprint(

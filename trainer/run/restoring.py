@@ -40,10 +40,12 @@ class Restorer:
                 log.warning("config drift accepted, but the workload has no adopt_config: the restored optimizer "
                             "and scheduler keep the values they were saved with (e.g. the learning rate)")
         saves.load_cadence(restored.manifest.cadence)
+        progress = state.progress
+        saves.ledger.continue_from(restored.manifest.facts.ledger if restored.manifest.facts else None,
+                                   progress.global_step, progress.epoch, progress.position)
         recorder.restored(restored, claim.verify_s)
         recorder.set_aside(self.ranks.decide_on_primary(lambda: self.abandon_later_line(restored.step),
                                                         "setting aside the abandoned line"))
-        progress = state.progress
         log.info("restored %s (step=%d epoch=%d position=%d) in %.3fs", restored.name, progress.global_step,
                  progress.epoch, progress.position, recorder.restore_s)
 

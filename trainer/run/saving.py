@@ -32,6 +32,7 @@ from trainer.run.attempts import AttemptRecorder, utc_now
 from trainer.run.records import read_attempts
 from trainer.run.cadence import CadenceChange, StepPoint, auto_prior, auto_trigger, build_policy
 from trainer.run.events import TrainingEvents
+from trainer.run.ledger import SampleLedger
 from trainer.run.checksum import safe_state_digests
 from trainer.run.state import TrainingState
 from trainer.storage.base import AfterPublish, Durable, RunStorage
@@ -50,6 +51,8 @@ class Lineage:
     allowed_drift: tuple[str, ...]
     protected: frozenset[str]
     """Generations retention must keep (the one restored)."""
+    epoch_samples: int = 0
+    """Samples in an epoch: the sample ledger's cursors count them (trainer/run/ledger.py)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,10 @@ class CadencedSaves:
         self.durability = storage.durability(lineage.protected, self.recorder.folder, ranks.is_primary)
         self.checkpointer: Checkpointer = build_checkpointer(mode, self.durability.commit(), lineage.attempt_id,
                                                              ranks.device, ranks)
+        self.ledger = SampleLedger(lineage.epoch_samples, config.workload.batch_size)
+        """The samples trained on since the last generation, for the next one's manifest."""
+        self.ledger_entries: dict[str, dict] = {}
+        """Saved generations' ledgers, recorded in the attempt record once published."""
         self.sections = {GENERATIONS: self.checkpointer.local, EXPORTS: storage.section(EXPORTS)}
         self.recover_policy = build_policy(config.recover, prior=auto_prior(
             read_attempts(storage.local.root), lineage.attempt_id) if config.recover.auto and ranks.is_primary else None)
@@ -134,10 +141,13 @@ class CadencedSaves:
         self.agree_on_uploads()
         progress, state_dict = state.progress, state.state_dict()
         digests = self.ranks.gather(safe_state_digests(state_dict), "gathering the state digests")
+        samples = self.ranks.gather(self.ledger.micro_batches, "gathering the sample ledger")
         facts = GenerationFacts(progress.global_step, progress.epoch, progress.position, self.lineage.fingerprint,
                                 self.lineage.allowed_drift, {"recover": {}, "export": self.export_policy.state()},
                                 utc_now(), {str(rank): digest for rank, digest in enumerate(digests)}
-                                if all(digests) else {})
+                                if all(digests) else {},
+                                self.ledger.entry(samples, progress.global_step, progress.epoch, progress.position))
+        self.ledger_entries[generation_name(facts.step)] = facts.ledger
         self.record_generations(self.checkpointer.save(state_dict, facts), progress.global_step)
         self.recover_policy.saved()
 
@@ -201,6 +211,8 @@ class CadencedSaves:
 
     def published(self, kind: str, published: Published, step: int | None) -> None:
         self.recorder.published(kind, published, step)
+        if kind == GENERATIONS:
+            self.recorder.sample_ledger(published.step, self.ledger_entries.pop(published.name, {}))
         self.events.published(NOUN[kind], self.sections[kind].path(published.name), published)
         after: AfterPublish = self.held_for_every_rank(
             lambda: self.durability.after_publish(kind, published, self.sections[kind].path(published.name)),

@@ -138,6 +138,9 @@ class TrainingState:
     extras: dict = field(default_factory=dict)
     """The workload's own stateful objects (`Workload.stateful()`), saved under `workload`;
     absent when it has none, so such generations keep their layout."""
+    cursors: dict = field(default_factory=dict)
+    """Data cursors derived from the progress, saved under their name and checked against it
+    on restore (`stream`: trainer/run/streaming.py); none for map-style data."""
 
     def state_dict(self) -> dict:
         return {
@@ -149,6 +152,7 @@ class TrainingState:
                          "position": self.progress.position},
             "history": self.history.state_dict(),
             **({"workload": {name: kept.state_dict() for name, kept in self.extras.items()}} if self.extras else {}),
+            **{name: cursor.state(self.progress) for name, cursor in self.cursors.items()},
             **self._per_rank_state(),
         }
 
@@ -218,6 +222,8 @@ class TrainingState:
             self.scaler.load_state_dict(stored["scaler"])
         self.progress = Progress(**stored["progress"])
         self.history.load_state_dict(stored["history"])
+        for name, cursor in self.cursors.items():
+            cursor.check(stored[name], self.progress)
         for name, kept in self.extras.items():
             kept.load_state_dict(stored["workload"][name])
         position = stored.get(DATA_BY_RANK, {}).get(str(self.rank))

@@ -18,11 +18,12 @@ from trainer.config import RunConfig
 from trainer.parallel.ranks import Ranks, StepAgreement
 from trainer.run.batching import EpochBatchOrder, training_steps
 from trainer.run.cadence import StepPoint
-from trainer.run.fetching import KeyedSeeding, epoch_loader, refuse_state_moved_by_fetching
+from trainer.run.fetching import refuse_state_moved_by_fetching
 from trainer.run.preemption import PreemptionGuard
 from trainer.run.saving import CadencedSaves
 from trainer.run.state import TrainingState
 from trainer.run.stepping import OptimizerSteps
+from trainer.run.streaming import DataSource, cursors
 from trainer.run.checksum import parameter_checksum
 from trainer.run.witness import step_digest
 from trainer.workload import BoundWorkload
@@ -49,7 +50,7 @@ class StepDone:
     """What the step computed (this rank's), for the exactness witness."""
 
 
-def build_training(config: RunConfig, workload: BoundWorkload, ranks: Ranks, dataset: KeyedSeeding) -> Training:
+def build_training(config: RunConfig, workload: BoundWorkload, ranks: Ranks, dataset: DataSource) -> Training:
     """The live state, and the module to run forward/backward through: the model itself,
     DDP around it, or (under FSDP) the same module sharded in place, which is why the
     optimizer is built after wrapping. What the trainer's step cannot run, and workload
@@ -65,7 +66,8 @@ def build_training(config: RunConfig, workload: BoundWorkload, ranks: Ranks, dat
     workload.refuse_inexpressible(optimizer, scaler.is_enabled(), ranks.world_size)
     # A compiled model (torch.compile) is saved and exported under the model's own names.
     state = TrainingState(compat.uncompiled(model), optimizer, scheduler, scaler, rank=ranks.rank,
-                          world_size=ranks.world_size, extras=workload.stateful())
+                          world_size=ranks.world_size, extras=workload.stateful(),
+                          cursors=cursors(dataset, config.workload.batch_size))
     refuse_state_moved_by_fetching(state.extras, dataset, config.workload.num_workers, workload.spec)
     steps = OptimizerSteps(workload, state, trained, device, config.workload.amp)
     batches_per_epoch = len(EpochBatchOrder(samples, config.workload.batch_size, config.workload.seed, 0, 0))
@@ -73,26 +75,28 @@ def build_training(config: RunConfig, workload: BoundWorkload, ranks: Ranks, dat
                     list(model.parameters()))
 
 
-def batch_order(training: Training, samples: int) -> EpochBatchOrder:
-    """This rank's batches for the rest of the current epoch."""
+def epoch_batches(training: Training, dataset: DataSource):
+    """(sample ids, batch) of this rank for the rest of the current epoch."""
     config, progress, ranks = training.config.workload, training.state.progress, training.ranks
-    return EpochBatchOrder(samples, config.batch_size, config.seed, progress.epoch, progress.position, ranks.rank,
-                           ranks.world_size)
+    return dataset.loader(progress.epoch, config.batch_size, progress.position, ranks.rank, ranks.world_size,
+                          config.num_workers)
 
 
-def train_steps(training: Training, dataset: KeyedSeeding, saves: CadencedSaves,
+def train_steps(training: Training, dataset: DataSource, saves: CadencedSaves,
                 preemption: PreemptionGuard) -> Iterator[StepDone]:
     """Every remaining optimizer step of the run. Micro-batches accumulate into windows of
     --grad-accum; an epoch's last window may be shorter. A step is yielded only once its
-    window is complete, so saves and stops never see partial gradients."""
+    window is complete, so saves and stops never see partial gradients. Every batch's sample
+    ids go to the ledger."""
     state, steps, accumulate = training.state, training.steps, training.config.workload.grad_accum
     while state.progress.global_step < training.total_steps:
         window, seen = 0, 0
-        for batch in epoch_loader(dataset, batch_order(training, len(dataset)), training.config.workload.num_workers):
+        for ids, batch in epoch_batches(training, dataset):
             if seen == 0:
                 saves.wait_for_staging()  # the staged copy must be complete before parameters change
                 window = steps.open_window(min(accumulate, training.batches_per_epoch - state.progress.position))
             steps.micro_batch(batch)
+            saves.ledger.consumed(ids)
             seen += 1
             if seen < window:
                 continue
@@ -103,3 +107,5 @@ def train_steps(training: Training, dataset: KeyedSeeding, saves: CadencedSaves,
             seen = 0
             digest = step_digest(agreed.loss, parameter_checksum(training.parameters, step))
             yield StepDone(step, float(lr), agreed, digest)
+            if step >= training.total_steps:  # --max-steps may end the run inside an epoch
+                return

@@ -48,11 +48,31 @@ class Dataset(Protocol):
     def __getitem__(self, index: int) -> Any: ...
 
 
+class Stream(Protocol):
+    """Streaming data: records read in order from an offset, never fetched by index (token
+    shards, JSONL files). The trainer owns the shard order per (seed, epoch), a deterministic
+    shuffle buffer (`--shuffle-buffer`), the split across ranks and DataLoader workers by
+    global sample index, and the cursor saved in every generation (trainer/run/streaming.py):
+    a resume is exact mid-epoch, for any `--num-workers`, and keeps the global sample order
+    across a world-size change. Records are collated like map-style items.
+
+    Optional: `fingerprint()` (without it, the shards' names and record counts), and
+    `collate(samples)` (run with the global RNGs keyed by the batch's first position).
+    """
+
+    def shards(self) -> list:
+        """[(name, records), ...] or objects with `name` and `records`: every record counts,
+        so a resume and every rank agree on where each sample is."""
+
+    def read(self, shard, offset: int):
+        """The records of `shard` (as `shards()` gave it) from `offset` to its end, in order."""
+
+
 @dataclass(frozen=True)
 class TrainingSteps:
     """The run's optimizer steps, for a workload's `plan(steps)` (a warmup and cosine schedule
     needs its length): `per_epoch` over the dataset at this batch size and --grad-accum,
-    `total` over --epochs. When a workload plans, `total` enters the fingerprint's `config`
+    `total` over --epochs, or --max-steps when given. When a workload plans, `total` enters the fingerprint's `config`
     (`config.total_steps`): extending the run changes its schedule, an explicit drift."""
 
     per_epoch: int
@@ -87,7 +107,7 @@ class Workload(Protocol):
       make changed options that restored state holds (the learning rate) take effect.
     """
 
-    def build_dataset(self) -> Dataset: ...
+    def build_dataset(self) -> Dataset | Stream: ...
 
     def build_model(self) -> nn.Module: ...
 

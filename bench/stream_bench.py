@@ -1,0 +1,173 @@
+"""What does the trainer's streaming reader cost against a plain DataLoader over the same shards?
+
+    python bench/stream_bench.py                       # 8 shards x 4096 windows of 128 tokens
+    python bench/stream_bench.py --quick
+
+Token shards (uint16 files, memory-mapped) are read two ways, in the same process, alternating
+round by round: the trainer's stream (`trainer.run.streaming.StreamSource`: shard order per
+epoch, the block shuffle buffer, sample ids for the ledger) and a plain map-style DataLoader with
+`shuffle=True` over the same windows. Each is timed reading batches alone (the reader's own
+cost) and under a small language model's training step (what a run feels), for each worker
+count. The ratios are stream / plain: 1.00 is free. With workers, each stream worker reads every
+block it draws samples from (trainer/run/streaming.py): the volume read grows with the workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from trainer.run.streaming import StreamSource  # noqa: E402
+
+warnings.filterwarnings("ignore")
+VOCABULARY = 256
+
+
+def write_shards(folder: Path, shards: int, records: int, context: int) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    paths = []
+    for number in range(shards):
+        path = folder / f"tokens-{number:03d}.bin"
+        rng.integers(0, VOCABULARY, records * context + 1, dtype=np.uint16).tofile(path)
+        paths.append(path)
+    return paths
+
+
+def window(tokens: np.ndarray, record: int, context: int) -> dict:
+    data = np.asarray(tokens[record * context:(record + 1) * context + 1], dtype=np.int64)
+    return {"inputs": torch.from_numpy(data[:-1]), "targets": torch.from_numpy(data[1:])}
+
+
+class TokenStream:
+    """The streaming protocol over the shards."""
+
+    def __init__(self, paths: list[Path], records: int, context: int):
+        self.paths, self.records, self.context = paths, records, context
+
+    def shards(self):
+        return [(path.name, self.records) for path in self.paths]
+
+    def read(self, shard, offset: int):
+        tokens = np.memmap(self.paths[0].with_name(shard[0]), dtype=np.uint16, mode="r")
+        for record in range(offset, shard[1]):
+            yield window(tokens, record, self.context)
+
+
+class TokenWindows(Dataset):
+    """The same windows, map-style, for a plain DataLoader."""
+
+    def __init__(self, paths: list[Path], records: int, context: int):
+        self.paths, self.records, self.context = paths, records, context
+        self.tokens = None
+
+    def __len__(self) -> int:
+        return len(self.paths) * self.records
+
+    def __getitem__(self, index: int) -> dict:
+        if self.tokens is None:  # opened in the process that reads (a worker)
+            self.tokens = [np.memmap(path, dtype=np.uint16, mode="r") for path in self.paths]
+        shard, record = divmod(index, self.records)
+        return window(self.tokens[shard], record, self.context)
+
+
+def stream_batches(paths, records, context, batch, workers, buffer):
+    source = StreamSource(TokenStream(paths, records, context), seed=1, buffer=buffer, spec="bench")
+    return (batch_of for _, batch_of in source.loader(0, batch, 0, 0, 1, workers))
+
+
+def plain_batches(paths, records, context, batch, workers, buffer):
+    return iter(DataLoader(TokenWindows(paths, records, context), batch_size=batch, shuffle=True,
+                           num_workers=workers, generator=torch.Generator().manual_seed(1)))
+
+
+def model_step(context: int):
+    model = nn.Sequential(nn.Embedding(VOCABULARY, 64), nn.Linear(64, 128), nn.GELU(), nn.Linear(128, VOCABULARY))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(batch: dict) -> None:
+        logits = model(batch["inputs"])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCABULARY), batch["targets"].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return step
+
+
+def timed(batches, steps: int, step) -> float:
+    """Seconds per batch after the first (worker start-up and the first block excluded)."""
+    step(next(batches))
+    started = time.perf_counter()
+    for _ in range(steps):
+        step(next(batches))
+    return (time.perf_counter() - started) / steps
+
+
+def measure(args, paths) -> dict:
+    rows = []
+    for workers in args.workers:
+        for training in (False, True):
+            seconds = {"stream": [], "plain": []}
+            for _ in range(args.rounds):
+                for name, make in (("stream", stream_batches), ("plain", plain_batches)):
+                    step = model_step(args.context) if training else (lambda batch: None)
+                    batches = make(paths, args.records, args.context, args.batch, workers, args.buffer)
+                    seconds[name].append(timed(batches, args.steps, step))
+                    del batches
+            stream, plain = statistics.median(seconds["stream"]), statistics.median(seconds["plain"])
+            rows.append({"workers": workers, "what": "training step" if training else "reading only",
+                         "stream_s": stream, "plain_s": plain, "ratio": stream / plain})
+    return {"shards": args.shards, "records": args.records, "context": args.context, "batch": args.batch,
+            "buffer": args.buffer, "steps": args.steps, "rounds": args.rounds, "rows": rows}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--records", type=int, default=4096, help="windows per shard")
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--buffer", type=int, default=1024, help="--shuffle-buffer")
+    parser.add_argument("--steps", type=int, default=100, help="batches timed per measurement")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    parser.add_argument("--quick", action="store_true", help="4 shards x 256 windows of 32 tokens, 20 batches, 1 round")
+    parser.add_argument("--dir", type=Path, default=None, help="where the shards are written (removed after)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.quick:
+        args.shards, args.records, args.context, args.batch, args.buffer = 4, 256, 32, 8, 64
+        args.steps, args.rounds, args.workers = 20, 1, [0, 2]
+    torch.set_num_threads(1)
+    scratch = Path(tempfile.mkdtemp(prefix="stream-bench-", dir=args.dir))
+    try:
+        report = measure(args, write_shards(scratch, args.shards, args.records, args.context))
+    finally:
+        shutil.rmtree(scratch)
+    print(f"{args.shards} shards x {args.records} windows of {args.context} tokens, batch {args.batch}, shuffle "
+          f"buffer {args.buffer}, {args.steps} batches timed, median of {args.rounds} rounds\n")
+    print("| workers | measured | stream s/batch | plain DataLoader s/batch | stream / plain |\n|---|---|---|---|---|")
+    for row in report["rows"]:
+        print(f"| {row['workers']} | {row['what']} | {row['stream_s']:.5f} | {row['plain_s']:.5f} | "
+              f"{row['ratio']:.2f} |")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
