@@ -226,6 +226,11 @@ def closed_port_env(monkeypatch) -> str:
     return endpoint
 
 
+ONE_TRY_S = 5.0
+"""Well under the 7-12 s botocore's five tries with back-off take, well over one refused
+connect on an idle machine (milliseconds): a loaded one took 2.5 s."""
+
+
 def failure(fs: s3fs.S3FileSystem) -> tuple[BaseException, float]:
     began = time.monotonic()
     with pytest.raises(Exception) as caught:
@@ -244,7 +249,7 @@ def test_an_unreachable_endpoint_raises_endpoint_connection_error(closed_port_en
     assert type(error) is botocore.exceptions.EndpointConnectionError
     assert not isinstance(error, OSError)
     assert str(error) == f'Could not connect to the endpoint URL: "{closed_port_env}/some-bucket/k"'
-    assert seconds < 2
+    assert seconds < ONE_TRY_S
 
     with pytest.raises(TypeError, match="unexpected keyword argument 'retries'"):
         s3fs.S3FileSystem(skip_instance_cache=True, retries=1).ls("some-bucket")
@@ -253,7 +258,7 @@ def test_an_unreachable_endpoint_raises_endpoint_connection_error(closed_port_en
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     error, seconds = failure(s3fs.S3FileSystem(skip_instance_cache=True))
     assert type(error) is botocore.exceptions.EndpointConnectionError
-    assert seconds < 2
+    assert seconds < ONE_TRY_S
 
 
 @pytest.mark.skipif(not os.environ.get("S3_SLOW_TESTS"), reason="about 10 s; set S3_SLOW_TESTS=1")
