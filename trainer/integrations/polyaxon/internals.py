@@ -80,14 +80,23 @@ def flush_only_at_exit(run) -> None:
     run._register_exit_handler(lambda: run._wait(sync_artifacts=True))
 
 
-def lineage_answered_before_the_next(run) -> None:
-    """The client posts each lineage reference in the background (`log_artifact_ref` and
-    `log_model_ref` call `log_artifact_lineage` with `async_req=True`), where the sandbox's
-    spurious 405 loses it without a word. This run's posts go through `retries.call` instead,
-    each answered before the next."""
-    post = run.log_artifact_lineage
+def answered_before_the_next(run) -> None:
+    """The client posts each lineage reference (`log_artifact_ref` and `log_model_ref` call
+    `log_artifact_lineage`) and each status (`log_status`, under `log_failed`, `log_stopped`,
+    `log_succeeded`: `create_run_status`) in the background, with `async_req=True`, where the
+    sandbox's spurious 405 loses it without a word (a run left `running` after its trainer
+    posted `failed`). This run's posts go through `retries.call` instead, each answered before
+    the next."""
+    lineage = run.log_artifact_lineage
 
-    def answered(body, async_req: bool = True):
-        return call(post, body=body, async_req=False)
+    def lineage_answered(body, async_req: bool = True):
+        return call(lineage, body=body, async_req=False)
 
-    run.log_artifact_lineage = answered
+    runs = run.client.runs_v1  # created once per client, then kept
+    status = runs.create_run_status
+
+    def status_answered(*args, async_req: bool = True, **kwargs):
+        return call(status, *args, async_req=False, **kwargs)
+
+    run.log_artifact_lineage = lineage_answered
+    runs.create_run_status = status_answered

@@ -70,8 +70,7 @@ from pathlib import Path
 from typing import Callable
 
 from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, NothingToResume, TrackingUnavailable, TrainerError, UsageError
-from trainer.integrations.polyaxon.internals import (PROCESS_SIDECAR_ENV, flush_only_at_exit,
-                                                     lineage_answered_before_the_next)
+from trainer.integrations.polyaxon.internals import PROCESS_SIDECAR_ENV, answered_before_the_next, flush_only_at_exit
 from trainer.integrations.polyaxon.retries import call, one_line
 from trainer.layout import GENERATIONS, SECTIONS
 from trainer.run.events import TrainingEvents
@@ -262,7 +261,7 @@ class PolyaxonEvents(TrainingEvents):
             run = Run(**identity, track_code=False, track_logs=False)
             if mode == "managed":
                 require_identity(instance, run)
-                lineage_answered_before_the_next(run)
+                answered_before_the_next(run)
             if process_sidecar:
                 flush_only_at_exit(run)
             outputs = run.get_outputs_path()
