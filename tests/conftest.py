@@ -181,21 +181,35 @@ def torchrun(output, *args, nproc: int = 2, expect: int = 0, env: dict | None = 
     return result
 
 
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """A folder `make(folder)` fills once per pytest session, shared by every xdist worker: the
+    first worker that asks makes it under a file lock, the others wait for it and reuse it (a
+    reference run costs every worker's CPU otherwise). Tests only read it or copy it."""
+    from filelock import FileLock  # a dependency of torch
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's folder
+    folder = root / f"shared-{name}"
+    with FileLock(str(root / f"shared-{name}.lock")):
+        if not (folder / ".made").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            (folder / ".made").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def baseline(tmp_path_factory) -> Path:
     """An uninterrupted default run, shared by every test that compares against it."""
-    output = tmp_path_factory.mktemp("baseline") / "run"
-    train(output)
-    return output
+    return made_once(tmp_path_factory, "baseline", lambda folder: train(folder / "run")) / "run"
 
 
 @pytest.fixture(scope="session")
 def short_baseline(tmp_path_factory) -> Path:
     """An uninterrupted 3-epoch local run (`SHORT`), shared by every short local and store run
     that must end equal to it."""
-    output = tmp_path_factory.mktemp("short-baseline") / "run"
-    train(output, *SHORT)
-    return output
+    return made_once(tmp_path_factory, "short-baseline", lambda folder: train(folder / "run", *SHORT)) / "run"
 
 
 # -- a real S3 server (SeaweedFS) for the object-store tests ---------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (SHORT, attempts, compare, finish, generation, one_error_line, run_cli, start, train,
+from conftest import (SHORT, attempts, compare, finish, generation, made_once, one_error_line, run_cli, start, train,
                       wait_for_line, wait_until)
 
 
@@ -29,9 +29,8 @@ def published_all_verify(output):
 def interrupted_at_10(tmp_path_factory) -> Path:
     """A short run interrupted at step 10 (step-00000008 published): each crash test below
     starts from its own copy of it."""
-    run = tmp_path_factory.mktemp("interrupted") / "run"
-    train(run, *SHORT, "--interrupt-at-step", 10, expect=75)
-    return run
+    return made_once(tmp_path_factory, "interrupted-at-10",
+                     lambda folder: train(folder / "run", *SHORT, "--interrupt-at-step", 10, expect=75)) / "run"
 
 
 @pytest.mark.parametrize("point, mode", [

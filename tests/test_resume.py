@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import attempts, compare, generation, train
 
 
-@pytest.mark.parametrize("interrupt_at, restored", [(27, "step-00000024"), (24, "step-00000016"), (9, "step-00000008")])
-def test_resume_after_interrupt_matches_baseline(tmp_path, baseline, interrupt_at, restored):
+def test_resume_after_interrupts_at_and_after_a_save_matches_baseline(tmp_path, baseline):
+    """Interrupted three times: after step 9 (step-8 newest), at step 24 itself (interrupted
+    before its save: step-16 newest), after step 27 (step-24 newest); each resume restores the
+    newest, and the last ends bit-identical to the uninterrupted run."""
     run = tmp_path / "run"
-    train(run, "--interrupt-at-step", interrupt_at, expect=75)
-    assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == restored
-    resumed = train(run, "--resume")
-    assert f"restored {restored}" in resumed.stdout
+    train(run, "--interrupt-at-step", 9, expect=75)
+    for interrupt_at, restored in ((24, "step-00000008"), (27, "step-00000016"), (None, "step-00000024")):
+        assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == restored
+        resumed = train(run, "--resume", *(("--interrupt-at-step", interrupt_at) if interrupt_at else ()),
+                        expect=75 if interrupt_at else 0)
+        assert f"restored {restored}" in resumed.stdout
     result = compare(generation(baseline), generation(run))
     assert result.returncode == 0, result.stdout
     assert "all equal" in result.stdout

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import (REPO, TORCHRUN, TORCHRUN_CHILD_FAILED, attempts, clean_environment, compare, finish, free_port,
-                      generation, one_error_line, run_cli, scaled, train, wait_until)
+                      generation, made_once, one_error_line, run_cli, scaled, train, wait_until)
 from conftest import torchrun as run_torchrun
 
 EPOCHS = 2  # 16 steps: enough for mid-run generations, short enough for CI
@@ -33,9 +33,7 @@ def trainer_error_lines(result: subprocess.CompletedProcess) -> list[str]:
 @pytest.fixture(scope="module")
 def baseline_2p(tmp_path_factory) -> Path:
     """An uninterrupted 2-process run, the reference for every 2-process resume."""
-    root = tmp_path_factory.mktemp("baseline2p")
-    torchrun(root / "run", tmp=root)
-    return root / "run"
+    return made_once(tmp_path_factory, "baseline-2p", lambda root: torchrun(root / "run", tmp=root)) / "run"
 
 
 def crash(run: Path, point: str, rank: int, *args) -> subprocess.CompletedProcess:

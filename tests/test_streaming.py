@@ -18,7 +18,8 @@ import shutil
 import pytest
 import torch
 
-from conftest import REPO, attempts, compare, finish, generation, run_cli, start, torchrun, train, wait_for_line
+from conftest import (REPO, attempts, compare, finish, generation, made_once, run_cli, start, torchrun, train,
+                      wait_for_line)
 from trainer.run.ledger import GENESIS, SampleLedger, ledger_problems
 from trainer.run.streaming import StreamOrder, StreamSource, rank_positions
 
@@ -125,9 +126,8 @@ def test_the_ledger_of_two_ranks_equals_the_ledger_of_one():
 @pytest.fixture(scope="module")
 def stream_baseline(tmp_path_factory):
     """The uninterrupted streaming run, one process, no workers. Cost: ~6 s."""
-    root = tmp_path_factory.mktemp("stream-baseline")
-    train(root / "run", *STREAM, "--shard-dir", root / "shards")
-    return root
+    return made_once(tmp_path_factory, "stream-baseline",
+                     lambda root: train(root / "run", *STREAM, "--shard-dir", root / "shards"))
 
 
 def test_kill_9_mid_epoch_then_other_workers_resumes_exactly(stream_baseline, tmp_path):

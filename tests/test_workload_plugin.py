@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from conftest import REPO, attempts, compare, generation, one_error_line, run_cli, train
+from conftest import REPO, attempts, compare, generation, made_once, one_error_line, run_cli, train
 
 TOY = "tests/workloads/toy.py:ToyWorkload"
 EDGE = ("--workload", "tests/workloads/edge_cases.py:EdgeCase", "--epochs", 3, "--batch-size", 8)
@@ -25,9 +25,7 @@ def manifest(output, name=FINAL) -> dict:
 
 @pytest.fixture(scope="module")
 def toy_baseline(tmp_path_factory):
-    output = tmp_path_factory.mktemp("toy") / "run"
-    train(output, *RUN, "--num-workers", 1)
-    return output
+    return made_once(tmp_path_factory, "toy", lambda folder: train(folder / "run", *RUN, "--num-workers", 1)) / "run"
 
 
 def test_the_workloads_options_are_listed_and_parsed():
