@@ -49,8 +49,11 @@ MAX_CADENCE_CHANGES = 64
 
 
 def new_attempt_id(now: datetime | None = None) -> str:
+    """The start time to the microsecond, then a random tag: ids sort in start order, which
+    `read_attempts` and the crash-loop check rely on, even for attempts that die and restart
+    within one second (a restart loop of a fast failure)."""
     now = now or datetime.now(timezone.utc)
-    return f"{now:%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
+    return f"{now:%Y%m%dT%H%M%S.%f}Z-{secrets.token_hex(3)}"
 
 
 def utc_now() -> str:
