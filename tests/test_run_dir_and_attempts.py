@@ -7,7 +7,7 @@ import pytest
 
 from trainer import seams
 from trainer.run.witness import step_digest
-from trainer.run.attempts import is_crash_loop, previous_attempt, steps_replayed, world_size_change
+from trainer.run.attempts import is_crash_loop, new_attempt_id, previous_attempt, steps_replayed, world_size_change
 from trainer.errors import NothingToResume, RefuseOverwrite, UsageError
 from trainer.layout import (REMOVABLE, REPLACED, RunDirectory, generation_name, generation_step, hidden_name,
                              split_hidden, temporary_name)
@@ -22,8 +22,9 @@ def test_generation_names_sort_by_step_and_parse_back():
 
 
 def test_hidden_siblings_are_never_generations_and_only_ours_are_removable():
-    temporary = temporary_name("step-00000024", "20261201T000000Z-abc123")
-    assert temporary.startswith(".step-00000024.tmp-20261201T000000Z-abc123-") and REMOVABLE.match(temporary)
+    tag = new_attempt_id()  # the tag a real attempt writes under (to the microsecond: it has a dot)
+    temporary = temporary_name("step-00000024", tag)
+    assert temporary.startswith(f".step-00000024.tmp-{tag}-") and REMOVABLE.match(temporary)
     assert REMOVABLE.match(hidden_name("step-00000024", ".deleting-"))
     replaced = hidden_name("step-00000024", REPLACED, "abc")
     assert replaced == ".step-00000024.replaced-abc" and not REMOVABLE.match(replaced)

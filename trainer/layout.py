@@ -59,7 +59,7 @@ REPLACING = ".replacing-"
 """Suffix of a directory being replaced (its name is about to be taken over)."""
 REPLACED = ".replaced-"
 """Suffix of a superseded directory kept for inspection; never selected or restored."""
-REMOVABLE = re.compile(r"^\.step-\d{8}\.(tmp|deleting)-[0-9A-Za-z-]+$")
+REMOVABLE = re.compile(r"^\.step-\d{8}\.(tmp|deleting)-[0-9A-Za-z.-]+$")
 """Hidden directories we created and may remove: temporaries being written, and
 generations being deleted (renamed aside first, so a crash mid-delete never leaves a
 published generation with missing files)."""
