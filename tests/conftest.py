@@ -11,6 +11,7 @@ kills), never for a fixed time.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import resource
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from forking import Zygote, forkable
 from s3server import SeaweedServer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,20 +72,56 @@ def trainer_env(env: dict | None = None) -> dict:
 def run_cli(*args, env: dict | None = None, timeout: float = CLI_TIMEOUT_S, **options) -> subprocess.CompletedProcess:
     """`python -m trainer ARGS` (or `python compare.py ...` when args start with compare.py);
     `options` go to subprocess.run (preexec_fn, ...)."""
-    command = [sys.executable, *map(str, args)] if str(args[0]).endswith(".py") else \
-        [sys.executable, "-m", "trainer", *map(str, args)]
-    return subprocess.run(command, cwd=REPO, env=trainer_env(env), capture_output=True, text=True,
-                          timeout=scaled(timeout), **options)
+    argv = [*map(str, args)] if str(args[0]).endswith(".py") else ["-m", "trainer", *map(str, args)]
+    environment = trainer_env(env)
+    if not forked(environment, options):
+        return subprocess.run([sys.executable, *argv], cwd=REPO, env=environment, capture_output=True, text=True,
+                              timeout=scaled(timeout), **options)
+    with zygote().spawn(argv, REPO, environment, new_session=False) as process:
+        try:
+            out, err = process.communicate(timeout=scaled(timeout))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+    return subprocess.CompletedProcess(argv, process.returncode, out, err)
 
 
 def start(output, *args, env: dict | None = None, command: tuple = (sys.executable, "-m", "trainer"),
-          **options) -> subprocess.Popen:
+          fresh: bool = False, **options) -> subprocess.Popen:
     """The trainer (or `command`, e.g. torchrun ... -m trainer) on `output` as a live process
     with a progress line per step, arriving unbuffered; `options` go to Popen
-    (start_new_session, ...)."""
-    return subprocess.Popen([*map(str, command), "--output", str(output), "--log-every-steps", "1",
-                             *map(str, args)], cwd=REPO, env=trainer_env(env), stdout=subprocess.PIPE,
+    (start_new_session, ...). `fresh`: a fresh interpreter, never a fork of the zygote (a test
+    of start-up itself)."""
+    rest = ["--output", str(output), "--log-every-steps", "1", *map(str, args)]
+    environment = trainer_env(env)
+    if not fresh and tuple(command) == TRAINER and forked(environment, {**options, "start_new_session": False}):
+        return zygote().spawn(["-m", "trainer", *rest], REPO, environment,
+                              new_session=options.get("start_new_session", False))
+    return subprocess.Popen([*map(str, command), *rest], cwd=REPO, env=environment, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **options)
+
+
+TRAINER = (sys.executable, "-m", "trainer")
+FORK_ENV = "TEST_FORK"
+
+
+def forked(environment: dict, options: dict) -> bool:
+    """Whether a trainer or compare.py run is forked from the worker's zygote (tests/forking.py)
+    rather than started as a fresh interpreter: unless TEST_FORK=0, a `preexec_fn` (or another
+    Popen option) is asked for, or the environment differs in what torch reads at import."""
+    return (os.environ.get(FORK_ENV, "1") != "0" and not any(options.values())
+            and forkable(environment, zygote_environment()))
+
+
+def zygote_environment() -> dict:
+    return trainer_env()
+
+
+@functools.cache
+def zygote() -> Zygote:
+    """This worker's zygote, started on first use; it ends with the worker."""
+    return Zygote(sys.executable, REPO, zygote_environment())
 
 
 def wait_for_line(process: subprocess.Popen, prefix: str) -> str:
@@ -412,4 +450,5 @@ def pytest_runtest_protocol(item, nextitem):
 
 def cpu_seconds() -> float:
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    forked_children = zygote().cpu_seconds if zygote.cache_info().currsize else 0.0
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + forked_children

@@ -204,7 +204,7 @@ def wait_until_sigterm_is_caught(process):
 def test_a_signal_while_starting_is_one_line_and_75(tmp_path, signum):
     """Ctrl-C or SIGTERM while torch is still importing: no traceback, no bare -15."""
     run = tmp_path / "run"
-    process = start(run, "--epochs", 1)
+    process = start(run, "--epochs", 1, fresh=True)  # torch is imported here, not in a zygote
     wait_until_sigterm_is_caught(process)
     process.send_signal(signum)
     out, err = finish(process)

@@ -1,0 +1,298 @@
+"""Trainer processes forked from one that imported torch already: the suite's CPU seam.
+
+Every `python -m trainer` and `python compare.py` a test runs spends about 2 s of CPU importing
+torch, DCP and dynamo before it does anything, and the suite runs hundreds of them: more than
+half of its 2-core budget was imports. A pytest worker therefore starts one *zygote*
+(`python tests/forking.py`, below) that imports those libraries once and then forks a child
+for each request. The child is a real process with its own pid, stdin/stdout/stderr pipes,
+working directory, environment, session and signals (kill -9, SIGTERM and process-group
+signals reach it as they would reach `python -m trainer`); it runs the trainer's own
+`__main__` through `runpy`, then ends the way an interpreter does (non-daemon threads joined,
+atexit handlers run, the exit status of an uncaught exception or signal).
+
+What a fork cannot reproduce, the real interpreter runs instead (`conftest.run_cli` and
+`conftest.start` decide, through `forkable`): a `preexec_fn`, another command (torchrun), or an
+environment that differs in what is read while torch is imported (OMP_*, TORCH_*, ...). Tests
+of start-up itself (a signal while torch is still being imported) ask for the real interpreter
+with `start(..., fresh=True)`, and `TEST_FORK=0` runs every process as a real interpreter.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+READ_AT_IMPORT = ("OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "TORCH", "PYTORCH_", "CUDA", "LD_", "PYTHON", "MALLOC_")
+"""Environment variables a library reads while it is imported or loaded: a child whose
+environment differs from the zygote's in one of them needs the real interpreter."""
+PRELOADED = ("numpy", "torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
+             "torch.utils.data", "safetensors.torch")
+
+
+def forkable(env: dict, zygote_env: dict) -> bool:
+    """Whether a child with `env` behaves as a fresh interpreter would (see READ_AT_IMPORT)."""
+    names = {name for name in (*env, *zygote_env) if name.startswith(READ_AT_IMPORT)}
+    return all(env.get(name) == zygote_env.get(name) for name in names)
+
+
+# ----------------------------------------------------------------------------- the client (pytest)
+class Zygote:
+    """One per pytest worker: started on first use, ends when the worker does (its stdin)."""
+
+    def __init__(self, python: str, cwd: Path, env: dict):
+        self.env = dict(env)
+        self.folder = Path(os.environ.get("TMPDIR", "/tmp"))
+        self.address = str(self.folder / f"trainer-zygote-{os.getpid()}.sock")
+        self.cpu_seconds = 0.0
+        """CPU its children used, reported as each one ends (conftest's TEST_CPU_LOG counts it)."""
+        self.process = subprocess.Popen([python, __file__, self.address], cwd=cwd, env=self.env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        if self.process.stdout.readline() != b"ready\n":
+            raise RuntimeError("the trainer zygote did not start")
+
+    def spawn(self, argv: list[str], cwd: Path, env: dict, new_session: bool) -> "Forked":
+        """A forked child running `argv` (["-m", "trainer", ...] or [script.py, ...])."""
+        out_read, out_write = os.pipe()
+        err_read, err_write = os.pipe()
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            connection.connect(self.address)
+            request = json.dumps({"argv": argv, "cwd": str(cwd), "env": env, "new_session": new_session}).encode()
+            socket.send_fds(connection, [len(request).to_bytes(8, "big") + request], [out_write, err_write])
+            pid = int(read_line(connection))
+        except BaseException:
+            connection.close()
+            for fd in (out_read, err_read):
+                os.close(fd)
+            raise
+        finally:
+            os.close(out_write)
+            os.close(err_write)
+        return Forked(self, argv, pid, connection, os.fdopen(out_read, "r"), os.fdopen(err_read, "r"))
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def read_line(connection: socket.socket) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = connection.recv(64)
+        if not chunk:
+            raise ConnectionError("the trainer zygote closed the connection")
+        data += chunk
+    return data
+
+
+class Forked(subprocess.Popen):
+    """A forked child as a `subprocess.Popen` (communicate, wait, poll, kill, send_signal):
+    its exit status comes from the zygote, its parent, over the connection."""
+
+    def __init__(self, zygote: Zygote, argv, pid: int, connection: socket.socket, stdout, stderr):  # noqa: D107
+        self._zygote, self.args, self.pid, self.returncode = zygote, argv, pid, None
+        self.stdin, self.stdout, self.stderr = None, stdout, stderr
+        self.text_mode, self.encoding, self.errors, self.universal_newlines = True, None, None, True
+        self._communication_started, self._input, self._sigint_wait_secs = False, None, 0.25
+        self._waitpid_lock, self._child_created, self._closed_child_pipe_fds = threading.Lock(), True, True
+        self._fileobj2output = {}
+        self._status = connection
+
+    def _settle(self, timeout: float | None) -> None:
+        self._status.settimeout(timeout)
+        try:
+            status, cpu = read_line(self._status).split()
+        except TimeoutError as error:
+            raise subprocess.TimeoutExpired(self.args, timeout) from error
+        self._status.close()
+        self.returncode = int(status)
+        self._zygote.cpu_seconds += float(cpu)
+
+    def _wait(self, timeout):
+        if self.returncode is None:
+            self._settle(timeout)
+        return self.returncode
+
+    def _internal_poll(self, _deadstate=None, **_):
+        if self.returncode is None:
+            ready, _, _ = select.select([self._status], [], [], 0)
+            if ready:
+                self._settle(None)
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def __del__(self):
+        pass
+
+
+# ----------------------------------------------------------------------------- the zygote
+def serve(address: str) -> None:
+    """Import the libraries once, then fork a child per request until pytest's worker ends."""
+    import gc
+
+    import importlib
+
+    gc.disable()  # as trainer/cli.py's start-up: no collections over torch's import
+    for name in PRELOADED:
+        importlib.import_module(name)
+    gc.freeze()
+    gc.enable()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if os.path.exists(address):
+        os.unlink(address)
+    listener.bind(address)
+    listener.listen(64)
+    sys.stdout.buffer.write(b"ready\n")
+    sys.stdout.flush()
+    waiting: dict[int, socket.socket] = {}
+    while True:
+        ready, _, _ = select.select([listener, sys.stdin], [], [], 0.02)
+        if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1):
+            break  # pytest's worker ended
+        if listener in ready:
+            connection, _ = listener.accept()
+            pid = fork_child(connection, listener, waiting)
+            waiting[pid] = connection
+            connection.sendall(f"{pid}\n".encode())
+        reap(waiting)
+    listener.close()
+    os.unlink(address)
+
+
+def reap(waiting: dict[int, socket.socket]) -> None:
+    while waiting:
+        try:
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        connection = waiting.pop(pid, None)
+        if connection is not None:
+            try:  # the status, and the CPU the child used (its own reaped children's included)
+                cpu = usage.ru_utime + usage.ru_stime
+                connection.sendall(f"{os.waitstatus_to_exitcode(status)} {cpu:.3f}\n".encode())
+            except OSError:
+                pass  # the test stopped listening
+            connection.close()
+
+
+def fork_child(connection: socket.socket, listener: socket.socket, waiting: dict) -> int:
+    size_and_request, fds, _, _ = socket.recv_fds(connection, 1 << 20, 2)
+    size = int.from_bytes(size_and_request[:8], "big")
+    request = size_and_request[8:]
+    while len(request) < size:
+        request += connection.recv(size - len(request))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        for fd in fds:
+            os.close(fd)
+        return pid
+    code = 1
+    try:
+        listener.close()
+        connection.close()
+        for other in waiting.values():
+            other.close()
+        code = run_child(json.loads(request), *fds)
+    finally:
+        os._exit(code)
+
+
+def run_child(request: dict, stdout_fd: int, stderr_fd: int) -> int:
+    """In the forked child: become `python ARGV` in the request's directory and environment."""
+    import io
+    import random
+    import runpy
+
+    if request["new_session"]:
+        os.setsid()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    for fd, target in ((devnull, 0), (stdout_fd, 1), (stderr_fd, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    random.seed()  # a fresh interpreter seeds from the OS; forked children would share one sequence
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+    sys.stdout = sys.__stdout__ = text_stream(1, unbuffered, "strict")
+    sys.stderr = sys.__stderr__ = text_stream(2, unbuffered, "backslashreplace", line_buffering=True)
+    argv = request["argv"]
+    try:
+        if argv[0] == "-m":
+            sys.argv = argv[1:]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = argv
+            sys.path[0] = str(Path(argv[0]).resolve().parent)
+            runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = exit_code(stop.code)
+    except KeyboardInterrupt:
+        import traceback
+
+        traceback.print_exc()
+        finish_interpreter()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)  # as Python does: the status of a SIGINT
+        code = 1
+    except BaseException:  # noqa: BLE001 - an uncaught exception: its traceback and status 1
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    return finish_interpreter(code)
+
+
+def exit_code(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def finish_interpreter(code: int = 0) -> int:
+    """What an interpreter does at exit: join non-daemon threads, run atexit, flush."""
+    import atexit
+
+    try:
+        threading._shutdown()
+    except BaseException:  # noqa: BLE001
+        pass
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            code = code or 120
+    return code
+
+
+def text_stream(fd: int, unbuffered: bool, errors: str, line_buffering: bool = False):
+    import io
+
+    raw = io.FileIO(fd, "w", closefd=False)
+    binary = raw if unbuffered else io.BufferedWriter(raw)
+    return io.TextIOWrapper(binary, encoding="utf-8", errors=errors, write_through=unbuffered,
+                            line_buffering=line_buffering or (not unbuffered and os.isatty(fd)))
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
