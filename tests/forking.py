@@ -49,8 +49,9 @@ class Zygote:
 
     def __init__(self, python: str, cwd: Path, env: dict):
         self.env = dict(env)
-        self.folder = Path(os.environ.get("TMPDIR", "/tmp"))
-        self.address = str(self.folder / f"trainer-zygote-{os.getpid()}.sock")
+        folder = os.environ.get("TMPDIR", "/tmp")
+        folder = folder if len(folder) < 64 else "/tmp"  # a Unix socket's path is at most 107 bytes
+        self.address = str(Path(folder) / f"trainer-zygote-{os.getpid()}.sock")
         self.cpu_seconds = 0.0
         """CPU its children used, reported as each one ends (conftest's TEST_CPU_LOG counts it)."""
         self.process = subprocess.Popen([python, __file__, self.address], cwd=cwd, env=self.env,
