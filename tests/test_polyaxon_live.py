@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -327,6 +328,25 @@ def test_statuses_under_a_process_sidecar_are_the_trainers(project, upload):
     assert record["exit"] == 66 and record["status_at_exit"] == "failed" and record["posted"] is None
     record = plx.finish(usage, "failed")
     assert record["exit"] == 2 and record["posted"] == "failed"
+
+
+def test_a_run_whose_approval_met_the_spurious_405_is_approved_again(project, upload):
+    """`run -u` creates the run, uploads, then approves it: a spurious 405 on that last call
+    (seen once in CI) left the run pending upload forever. `Sandbox.cli` approves it again with
+    `ops approve`; here the run is left unapproved on purpose and the client's report of the 405
+    is handed to that path."""
+    plx = project()
+    created = plx.cli("run", "-p", plx.name, "-f", "polyaxonfiles/polyaxonfile.yaml", "-u", "--approved=false",
+                      "-P", "data_parallel=fsdp", cwd=upload)
+    run_uuid = run_uuid_of(created)
+    assert plx.sandbox.run(plx.name, run_uuid)["pending"] == "approval"
+    report = (f"Could not approve run `{run_uuid}`.\nHTTP request: POST \n"
+              f"/api/v1/default/{plx.name}/runs/{run_uuid}/approve\nReason: Method Not Allowed\nStatus: 405.")
+    refused = subprocess.CompletedProcess(created.args, 1, created.stdout, report)
+    approved = plx.sandbox.approve_after_upload(plx.home, refused, upload, 120)
+    assert approved.returncode == 0 and run_uuid_of(approved) == run_uuid, approved.stdout + approved.stderr
+    record = plx.finish(run_uuid, "failed")  # approved, so the agent ran it: a usage error, exit 2
+    assert record["exit"] == 2
 
 
 # ------------------------------------------------------------------------------- pure parts
