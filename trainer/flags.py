@@ -217,6 +217,19 @@ def config_from_values(args: argparse.Namespace, workload_options: tuple[tuple[s
                                        for section, values in nested.items()})
 
 
+LOADER_SETTINGS = ("batch_size", "num_workers")
+"""The training options a DataLoader returned by `build_dataset` fills where the command line
+leaves them unset (trainer/workload/adapters.py `from_loader`)."""
+
+
+def given_settings(parser: argparse.ArgumentParser, argv: list[str]) -> frozenset[str]:
+    """Which of LOADER_SETTINGS the command line set, even to its default value: argparse
+    fills a default only where the namespace holds nothing yet."""
+    unset = object()
+    seen = parser.parse_args(argv, argparse.Namespace(**{name: unset for name in LOADER_SETTINGS}))
+    return frozenset(name for name in LOADER_SETTINGS if getattr(seen, name) is not unset)
+
+
 def changed_store_flags(args: argparse.Namespace) -> list[str]:
     """The object-store flags the command line set to something other than their defaults."""
     return [flag.flag for flag in GROUPS[STORE_GROUP] if getattr(args, flag.dest) != flag.default()]

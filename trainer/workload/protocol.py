@@ -68,6 +68,11 @@ class Stream(Protocol):
         """The records of `shard` (as `shards()` gave it) from `offset` to its end, in order."""
 
 
+def is_stream(dataset) -> bool:
+    """Whether a dataset is a stream (shards and a reader) rather than map-style."""
+    return callable(getattr(dataset, "shards", None)) and callable(getattr(dataset, "read", None))
+
+
 @dataclass(frozen=True)
 class TrainingSteps:
     """The run's optimizer steps, for a workload's `plan(steps)` (a warmup and cosine schedule
