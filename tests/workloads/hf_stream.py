@@ -2,7 +2,7 @@
 brought through the adapter (trainer/workload/adapters.py `HFStream`). `--form` chooses what
 `build_dataset` returns: `adapted` (the stream), `shuffled` (the adapter over HF's buffered
 shuffle: refused), `raw` (the HF dataset itself: refused, naming the adapter), `loader` (a
-torchdata StatefulDataLoader over it: refused, naming its dataset).
+torchdata StatefulDataLoader over it: refused, naming HFStream).
 """
 
 from __future__ import annotations

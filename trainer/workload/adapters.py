@@ -9,11 +9,34 @@
   buffer's contents are not in its state: datasets#7444) and is refused in one line; the trainer
   shuffles instead (`--shuffle-buffer`). Record counts per shard come from the caller or from
   one counting pass at start (a full read: give them when the data is large).
-- **A `DataLoader` (torch's, or torchdata's `StatefulDataLoader`)** returned by
-  `build_dataset` is refused in one line naming the fix (`refuse_loader`): the trainer owns the
-  loader, and its dataset is what to return. A `StatefulDataLoader`'s `state_dict()` restores
-  its position but fast-forwards past prefetched batches (meta-pytorch/data#1520) and depends on
-  its worker count; the trainer's cursor does neither.
+- **A `DataLoader`, or torchdata's `StatefulDataLoader`**, returned by `build_dataset` as it
+  is (`from_loader`): the trainer adopts it. Returning the loader, rather than wrapping it
+  (`FromLoader(loader)`) or taking it apart into flags, is the form a user's code already has;
+  everything the trainer needs is in the loader's public attributes, and what would need a
+  marker (which of the loader's settings win) is decided by the flags the command line gave
+  (`WorkloadConfig.given`).
+  - Taken: `loader.dataset` (map-style, or a stream: `Stream`; the sample randomness is keyed
+    as for any dataset); `batch_size` (fingerprinted as `config.batch_size`, the global batch
+    across ranks, as `--batch-size` is; an explicit `--batch-size` that disagrees is refused
+    naming both); `num_workers` (not fingerprinted; an explicit `--num-workers` wins, since
+    workers do not change what is trained, and a resume with another count is exact); a
+    `collate_fn` other than torch's default (run with the global RNGs keyed by the batch's
+    first position, so a random collator is exact too).
+  - Replaced: its sampler by the trainer's keyed order, and its `state_dict()` by the
+    trainer's cursor in every generation. The loader's state is not used: it is valid only for
+    the worker count that saved it, and its fast-forward drops prefetched batches
+    (meta-pytorch/data#1520).
+  - Refused, one line each (exit 2): a loader over an `IterableDataset` that is not a stream
+    (implement `shards()` and `read(shard, offset)`) or over a bare HF iterable (build it over
+    `HFStream(dataset)`); a `sampler` or `batch_sampler` (or `batch_size=None`); map-style data
+    read in order (`shuffle=False`: the trainer always permutes by (seed, epoch)); a
+    RandomSampler with replacement or `num_samples`; `drop_last=True`; a `generator` (the
+    order is drawn from `--seed`); a `worker_init_fn` (the trainer starts its own workers);
+    a `collate_fn` over a dataset that has its own `collate`.
+  - Not taken, because they change speed and never what is trained: `pin_memory`,
+    `prefetch_factor`, `persistent_workers`, `timeout`, `multiprocessing_context`, `in_order`,
+    `snapshot_every_n_steps`. The factory still receives the `--batch-size` flag's value (it
+    runs before the dataset is built): a workload that returns a loader sizes nothing by it.
 
 `datasets` and `torchdata` are optional: nothing here imports them.
 """

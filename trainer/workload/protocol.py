@@ -112,7 +112,10 @@ class Workload(Protocol):
       make changed options that restored state holds (the learning rate) take effect.
     """
 
-    def build_dataset(self) -> Dataset | Stream: ...
+    def build_dataset(self) -> Dataset | Stream:
+        """Map-style data or a stream; or a `DataLoader` (torchdata's `StatefulDataLoader`)
+        over either, whose batch size, workers and collate_fn the trainer adopts and whose
+        sampler and state it replaces (trainer/workload/adapters.py `from_loader`)."""
 
     def build_model(self) -> nn.Module: ...
 
