@@ -9,10 +9,11 @@ the trainer cannot honour is refused in one line each."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from conftest import REPO, compare, generation, one_error_line, run_cli, train
+from conftest import REPO, compare, generation, made_once, one_error_line, run_cli, train
 
 WORKLOAD = f"{REPO}/tests/workloads/hf_stream.py:HFRegression"
 ARGS = ("--workload", WORKLOAD, "--batch-size", "6", "--shuffle-buffer", "5", "--max-steps", "10",
@@ -21,15 +22,24 @@ ARGS = ("--workload", WORKLOAD, "--batch-size", "6", "--shuffle-buffer", "5", "-
 is mid-epoch."""
 
 
-def test_a_hugging_face_stream_resumes_exactly_with_other_workers(tmp_path):
+@pytest.fixture(scope="session")
+def hf_baseline(tmp_path_factory) -> Path:
+    """The uninterrupted HF stream run, no workers, shared by the tests below."""
+    return made_once(tmp_path_factory, "hf-stream-baseline", lambda folder: train(folder / "run", *ARGS)) / "run"
+
+
+@pytest.mark.parametrize("form, workers", [("adapted", ("--num-workers", "2")), ("loader-adapted", ())])
+def test_a_hugging_face_stream_resumes_exactly_with_other_workers(form, workers, hf_baseline, tmp_path):
     """Interrupted after step 5 with 2 workers, resumed with none: equal to the uninterrupted
-    run bit for bit. Cost: ~30 s (three processes importing datasets, ~5 s each)."""
-    baseline, run = tmp_path / "baseline", tmp_path / "run"
-    train(baseline, *ARGS)
-    train(run, *ARGS, "--num-workers", "2", "--interrupt-at-step", "5", expect=75)
-    resumed = train(run, *ARGS, "--resume")
+    run bit for bit. `adapted` returns the HFStream; `loader-adapted` a StatefulDataLoader built
+    over it (the fix the refusal of a loader over a bare HF dataset names), whose 2 workers are
+    adopted, and which trains exactly as the stream returned alone. Cost: ~10 s each, plus ~4 s
+    once for the baseline (processes importing datasets)."""
+    run = tmp_path / "run"
+    train(run, *ARGS, "--form", form, *workers, "--interrupt-at-step", "5", expect=75)
+    resumed = train(run, *ARGS, "--form", form, "--num-workers", "0", "--resume")
     assert "restored step-00000003" in resumed.stdout
-    compared = compare(generation(baseline, "step-00000010"), generation(run, "step-00000010"))
+    compared = compare(generation(hf_baseline, "step-00000010"), generation(run, "step-00000010"))
     assert compared.returncode == 0, compared.stdout[-3000:]
     assert "ledgers: same samples in the same order since step 0" in compared.stdout
 
@@ -40,7 +50,7 @@ def test_a_hugging_face_stream_resumes_exactly_with_other_workers(tmp_path):
     ("loader", "build the loader over trainer.workload.adapters.HFStream(dataset)"),
 ])
 def test_what_an_adapter_cannot_make_exact_is_refused_in_one_line(form, named, tmp_path):
-    """Cost: ~8 s each (the datasets import)."""
+    """Cost: ~4 s each (the datasets import)."""
     result = run_cli("--output", tmp_path / "run", *ARGS, "--form", form)
     assert result.returncode == 2, result.stderr
     assert named in one_error_line(result)
@@ -57,7 +67,8 @@ def test_a_stateful_dataloader_is_adopted_and_resumes_exactly_with_other_workers
     """The loader's own 2 workers, interrupted after step 5; resumed with --num-workers 1;
     equal bit for bit to an uninterrupted run with none, ledgers included. Its random
     collate_fn runs under the keyed RNGs (the workload fails when it does not run at all), and
-    its batch size is fingerprinted, its workers not. Cost: ~7 s each (three small runs)."""
+    its batch size is fingerprinted, its workers not. Cost: ~12 s each (three small runs, two with
+    worker processes)."""
     baseline, run = tmp_path / "baseline", tmp_path / "run"
     train(baseline, *LOADER_ARGS, "--form", form, "--num-workers", "0")
     interrupted = train(run, *LOADER_ARGS, "--form", form, "--interrupt-at-step", "5", expect=75)
@@ -83,7 +94,7 @@ def test_a_stateful_dataloader_is_adopted_and_resumes_exactly_with_other_workers
     ("iterable", "over a Unresumable, an IterableDataset no resume can make exact"),
 ])
 def test_what_a_stateful_dataloader_cannot_make_exact_is_refused_in_one_line(form, named, tmp_path):
-    """Cost: ~2 s each (refused before the first step)."""
+    """Cost: ~2.5 s each (refused before the first step)."""
     result = run_cli("--output", tmp_path / "run", *LOADER_ARGS, "--form", form)
     assert result.returncode == 2, result.stderr
     assert named in one_error_line(result)
@@ -91,7 +102,7 @@ def test_what_a_stateful_dataloader_cannot_make_exact_is_refused_in_one_line(for
 
 @pytest.mark.parametrize("given", ["16"])
 def test_a_batch_size_flag_that_disagrees_with_the_loader_is_refused_naming_both(given, tmp_path):
-    """Even `--batch-size 16`, the flag's default: given is given. Cost: ~2 s each."""
+    """Even `--batch-size 16`, the flag's default: given is given. Cost: ~2.5 s."""
     result = run_cli("--output", tmp_path / "run", *LOADER_ARGS, "--batch-size", given)
     assert result.returncode == 2, result.stderr
     assert f"StatefulDataLoader with batch_size=6, but --batch-size {given} was given" in one_error_line(result)
