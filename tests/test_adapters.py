@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REPO, compare, generation, made_once, one_error_line, run_cli, train
 
@@ -72,8 +73,8 @@ def test_a_stateful_dataloader_is_adopted_and_resumes_exactly_with_other_workers
     baseline, run = tmp_path / "baseline", tmp_path / "run"
     train(baseline, *LOADER_ARGS, "--form", form, "--num-workers", "0")
     interrupted = train(run, *LOADER_ARGS, "--form", form, "--interrupt-at-step", "5", expect=75)
-    assert "adopted the StatefulDataLoader: batch_size=6, num_workers=2, collate_fn=masking_collate" \
-        in interrupted.stdout + interrupted.stderr
+    assert "adopted the StatefulDataLoader: batch_size=6 (the global batch, split across processes under " \
+           "torchrun), num_workers=2, collate_fn=masking_collate" in interrupted.stdout + interrupted.stderr
     resumed = train(run, *LOADER_ARGS, "--form", form, "--num-workers", "1", "--resume")
     assert "restored step-00000003" in resumed.stdout
     assert "--num-workers 1 instead of its num_workers=2" in resumed.stdout + resumed.stderr
@@ -106,3 +107,24 @@ def test_a_batch_size_flag_that_disagrees_with_the_loader_is_refused_naming_both
     result = run_cli("--output", tmp_path / "run", *LOADER_ARGS, "--batch-size", given)
     assert result.returncode == 2, result.stderr
     assert f"StatefulDataLoader with batch_size=6, but --batch-size {given} was given" in one_error_line(result)
+
+
+def test_torchs_own_dataloader_is_adopted_and_its_generators_are_refused():
+    """torch's DataLoader (not torchdata's) takes the same path; its RandomSampler holds the
+    generator it was given, through `generator=` or directly. In-process. Cost: < 1 s."""
+    from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+    from trainer.config import WorkloadConfig
+    from trainer.errors import UsageError
+    from trainer.workload.adapters import from_loader
+
+    data = TensorDataset(torch.arange(10.0))
+    adopted = from_loader(DataLoader(data, batch_size=4, shuffle=True, num_workers=1), WorkloadConfig(), "w")
+    assert adopted.dataset is data and adopted.collate is None
+    assert (adopted.config.batch_size, adopted.config.num_workers) == (4, 1)
+    given = WorkloadConfig(num_workers=3, given=frozenset({"num_workers"}))
+    assert from_loader(DataLoader(data, batch_size=4, shuffle=True), given, "w").config.num_workers == 3
+    for seeded in (DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator()),
+                   DataLoader(data, batch_size=4, sampler=RandomSampler(data, generator=torch.Generator()))):
+        with pytest.raises(UsageError, match="with a generator: the trainer draws the order"):
+            from_loader(seeded, WorkloadConfig(), "w")

@@ -11,17 +11,18 @@
   one counting pass at start (a full read: give them when the data is large).
 - **A `DataLoader`, or torchdata's `StatefulDataLoader`**, returned by `build_dataset` as it
   is (`from_loader`): the trainer adopts it. Returning the loader, rather than wrapping it
-  (`FromLoader(loader)`) or taking it apart into flags, is the form a user's code already has;
-  everything the trainer needs is in the loader's public attributes, and what would need a
-  marker (which of the loader's settings win) is decided by the flags the command line gave
+  (a `FromLoader(loader)` marker would add nothing) or taking it apart into flags, is the form
+  a user's code already has; everything the trainer needs is in the loader's public
+  attributes, and which settings win is decided by the flags the command line gave
   (`WorkloadConfig.given`).
   - Taken: `loader.dataset` (map-style, or a stream: `Stream`; the sample randomness is keyed
-    as for any dataset); `batch_size` (fingerprinted as `config.batch_size`, the global batch
-    across ranks, as `--batch-size` is; an explicit `--batch-size` that disagrees is refused
-    naming both); `num_workers` (not fingerprinted; an explicit `--num-workers` wins, since
-    workers do not change what is trained, and a resume with another count is exact); a
-    `collate_fn` other than torch's default (run with the global RNGs keyed by the batch's
-    first position, so a random collator is exact too).
+    as for any dataset); `batch_size` (fingerprinted as `config.batch_size`: the global batch
+    across ranks, as `--batch-size` is, not per process as in DDP code, so a world-size change
+    keeps it; an explicit `--batch-size` that disagrees is refused naming both); `num_workers`
+    (not fingerprinted; an explicit `--num-workers` wins, since workers do not change what is
+    trained, and a resume with another count is exact); a `collate_fn` other than torch's
+    default (run with the global RNGs keyed by the batch's first position, so a random
+    collator is exact too).
   - Replaced: its sampler by the trainer's keyed order, and its `state_dict()` by the
     trainer's cursor in every generation. The loader's state is not used: it is valid only for
     the worker count that saved it, and its fast-forward drops prefetched batches
@@ -125,7 +126,7 @@ class HFStream:
 
 
 @dataclass(frozen=True)
-class FromLoader:
+class AdoptedLoader:
     """What the trainer takes from a DataLoader returned by `build_dataset` (`from_loader`)."""
 
     dataset: object
@@ -141,7 +142,7 @@ def is_loader(dataset) -> bool:
     return isinstance(dataset, DataLoader)
 
 
-def from_loader(loader: DataLoader, config: WorkloadConfig, spec: str) -> FromLoader:
+def from_loader(loader: DataLoader, config: WorkloadConfig, spec: str) -> AdoptedLoader:
     """Adopt a DataLoader: its dataset, its `batch_size` (an explicit --batch-size that
     disagrees is refused), its `num_workers` (unless --num-workers is given: workers do not
     change what is trained, so the flag wins and says so) and its `collate_fn`. Every setting
@@ -170,12 +171,14 @@ def from_loader(loader: DataLoader, config: WorkloadConfig, spec: str) -> FromLo
                          f"given: drop --batch-size (the loader's is adopted) or make the two equal")
     workers, said = loader.num_workers, f"num_workers={loader.num_workers}"
     if "num_workers" in config.given and config.num_workers != workers:
-        workers, said = config.num_workers, f"--num-workers {config.num_workers} instead of its num_workers={workers} " \
-                                            f"(workers do not change what is trained)"
-    log.info("adopted the %s: batch_size=%d, %s, collate_fn=%s; the trainer's order and cursor replace its "
-             "sampler and state_dict()", type(loader).__name__, loader.batch_size, said,
+        said = f"--num-workers {config.num_workers} instead of its num_workers={workers} (workers do not change " \
+               f"what is trained)"
+        workers = config.num_workers
+    log.info("adopted the %s: batch_size=%d (the global batch, split across processes under torchrun), %s, "
+             "collate_fn=%s; the trainer's order and cursor replace its sampler and state_dict()",
+             type(loader).__name__, loader.batch_size, said,
              getattr(collate, "__name__", type(collate).__name__) if collate is not None else "default")
-    return FromLoader(dataset, collate, replace(config, batch_size=loader.batch_size, num_workers=workers))
+    return AdoptedLoader(dataset, collate, replace(config, batch_size=loader.batch_size, num_workers=workers))
 
 
 RANDOM_SAMPLERS = ("torch.utils.data.sampler", "torchdata.stateful_dataloader.sampler")
