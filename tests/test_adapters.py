@@ -1,13 +1,20 @@
 """Adapters for data where users already are (trainer/workload/adapters.py), through the real
 CLI with the real packages: a Hugging Face `datasets.IterableDataset` brought as a stream
 resumes exactly with another worker count; HF's buffered shuffle, a bare HF iterable dataset
-and a torchdata StatefulDataLoader are each refused at start in one line naming the fix."""
+and a torchdata StatefulDataLoader over one are each refused at start in one line naming the
+fix. A StatefulDataLoader returned by `build_dataset` (tests/workloads/loader.py) is adopted,
+over map-style data or a stream, and resumes exactly with another worker count; what in it
+the trainer cannot honour is refused in one line each."""
 
 from __future__ import annotations
 
-import pytest
+import json
+from pathlib import Path
 
-from conftest import REPO, compare, generation, one_error_line, run_cli, train
+import pytest
+import torch
+
+from conftest import REPO, compare, generation, made_once, one_error_line, run_cli, train
 
 WORKLOAD = f"{REPO}/tests/workloads/hf_stream.py:HFRegression"
 ARGS = ("--workload", WORKLOAD, "--batch-size", "6", "--shuffle-buffer", "5", "--max-steps", "10",
@@ -16,15 +23,24 @@ ARGS = ("--workload", WORKLOAD, "--batch-size", "6", "--shuffle-buffer", "5", "-
 is mid-epoch."""
 
 
-def test_a_hugging_face_stream_resumes_exactly_with_other_workers(tmp_path):
+@pytest.fixture(scope="session")
+def hf_baseline(tmp_path_factory) -> Path:
+    """The uninterrupted HF stream run, no workers, shared by the tests below."""
+    return made_once(tmp_path_factory, "hf-stream-baseline", lambda folder: train(folder / "run", *ARGS)) / "run"
+
+
+@pytest.mark.parametrize("form, workers", [("adapted", ("--num-workers", "2")), ("loader-adapted", ())])
+def test_a_hugging_face_stream_resumes_exactly_with_other_workers(form, workers, hf_baseline, tmp_path):
     """Interrupted after step 5 with 2 workers, resumed with none: equal to the uninterrupted
-    run bit for bit. Cost: ~30 s (three processes importing datasets, ~5 s each)."""
-    baseline, run = tmp_path / "baseline", tmp_path / "run"
-    train(baseline, *ARGS)
-    train(run, *ARGS, "--num-workers", "2", "--interrupt-at-step", "5", expect=75)
-    resumed = train(run, *ARGS, "--resume")
+    run bit for bit. `adapted` returns the HFStream; `loader-adapted` a StatefulDataLoader built
+    over it (the fix the refusal of a loader over a bare HF dataset names), whose 2 workers are
+    adopted, and which trains exactly as the stream returned alone. Cost: ~10 s each, plus ~4 s
+    once for the baseline (processes importing datasets)."""
+    run = tmp_path / "run"
+    train(run, *ARGS, "--form", form, *workers, "--interrupt-at-step", "5", expect=75)
+    resumed = train(run, *ARGS, "--form", form, "--num-workers", "0", "--resume")
     assert "restored step-00000003" in resumed.stdout
-    compared = compare(generation(baseline, "step-00000010"), generation(run, "step-00000010"))
+    compared = compare(generation(hf_baseline, "step-00000010"), generation(run, "step-00000010"))
     assert compared.returncode == 0, compared.stdout[-3000:]
     assert "ledgers: same samples in the same order since step 0" in compared.stdout
 
@@ -32,10 +48,83 @@ def test_a_hugging_face_stream_resumes_exactly_with_other_workers(tmp_path):
 @pytest.mark.parametrize("form, named", [
     ("shuffled", "drop .shuffle() and pass --shuffle-buffer N"),
     ("raw", "return trainer.workload.adapters.HFStream(dataset)"),
-    ("loader", "return its dataset (loader.dataset, map-style or a stream) and pass --batch-size 6 --num-workers 2"),
+    ("loader", "build the loader over trainer.workload.adapters.HFStream(dataset)"),
 ])
 def test_what_an_adapter_cannot_make_exact_is_refused_in_one_line(form, named, tmp_path):
-    """Cost: ~8 s each (the datasets import)."""
+    """Cost: ~4 s each (the datasets import)."""
     result = run_cli("--output", tmp_path / "run", *ARGS, "--form", form)
     assert result.returncode == 2, result.stderr
     assert named in one_error_line(result)
+
+
+LOADER = f"{REPO}/tests/workloads/loader.py:LoaderRegression"
+LOADER_ARGS = ("--workload", LOADER, "--max-steps", "10", "--recover-every-steps", "3", "--recover-every-epochs", "0")
+"""No --batch-size: the loader's 6 is adopted (24 samples, 4 batches an epoch), and its 2 workers
+unless --num-workers says otherwise; generation 3 is mid-epoch."""
+
+
+@pytest.mark.parametrize("form", ["map", "stream"])
+def test_a_stateful_dataloader_is_adopted_and_resumes_exactly_with_other_workers(form, tmp_path):
+    """The loader's own 2 workers, interrupted after step 5; resumed with --num-workers 1;
+    equal bit for bit to an uninterrupted run with none, ledgers included. Its random
+    collate_fn runs under the keyed RNGs (the workload fails when it does not run at all), and
+    its batch size is fingerprinted, its workers not. Cost: ~12 s each (three small runs, two with
+    worker processes)."""
+    baseline, run = tmp_path / "baseline", tmp_path / "run"
+    train(baseline, *LOADER_ARGS, "--form", form, "--num-workers", "0")
+    interrupted = train(run, *LOADER_ARGS, "--form", form, "--interrupt-at-step", "5", expect=75)
+    assert "adopted the StatefulDataLoader: batch_size=6 (the global batch, split across processes under " \
+           "torchrun), num_workers=2, collate_fn=masking_collate" in interrupted.stdout + interrupted.stderr
+    resumed = train(run, *LOADER_ARGS, "--form", form, "--num-workers", "1", "--resume")
+    assert "restored step-00000003" in resumed.stdout
+    assert "--num-workers 1 instead of its num_workers=2" in resumed.stdout + resumed.stderr
+    compared = compare(generation(baseline, "step-00000010"), generation(run, "step-00000010"))
+    assert compared.returncode == 0, compared.stdout[-3000:]
+    assert "ledgers: same samples in the same order since step 0" in compared.stdout
+    config = json.loads((generation(run, "step-00000010") / "manifest.json").read_text())["fingerprint"]["config"]
+    assert config["batch_size"] == 6 and "num_workers" not in config
+
+
+@pytest.mark.parametrize("form, named", [
+    ("sequential", "with shuffle=False: the trainer reads map-style data in a permutation drawn from (--seed, epoch)"),
+    ("sampler", "with sampler=WeightedRandomSampler: the trainer's seeded order"),
+    ("batch-sampler", "with a batch_sampler (or batch_size=None)"),
+    ("drop-last", "with drop_last=True: the trainer keeps an epoch's last, smaller batch"),
+    ("generator", "with a generator: the trainer draws the order"),
+    ("worker-init", "with a worker_init_fn"),
+    ("iterable", "over a Unresumable, an IterableDataset no resume can make exact"),
+])
+def test_what_a_stateful_dataloader_cannot_make_exact_is_refused_in_one_line(form, named, tmp_path):
+    """Cost: ~2.5 s each (refused before the first step)."""
+    result = run_cli("--output", tmp_path / "run", *LOADER_ARGS, "--form", form)
+    assert result.returncode == 2, result.stderr
+    assert named in one_error_line(result)
+
+
+@pytest.mark.parametrize("given", ["16"])
+def test_a_batch_size_flag_that_disagrees_with_the_loader_is_refused_naming_both(given, tmp_path):
+    """Even `--batch-size 16`, the flag's default: given is given. Cost: ~2.5 s."""
+    result = run_cli("--output", tmp_path / "run", *LOADER_ARGS, "--batch-size", given)
+    assert result.returncode == 2, result.stderr
+    assert f"StatefulDataLoader with batch_size=6, but --batch-size {given} was given" in one_error_line(result)
+
+
+def test_torchs_own_dataloader_is_adopted_and_its_generators_are_refused():
+    """torch's DataLoader (not torchdata's) takes the same path; its RandomSampler holds the
+    generator it was given, through `generator=` or directly. In-process. Cost: < 1 s."""
+    from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+    from trainer.config import WorkloadConfig
+    from trainer.errors import UsageError
+    from trainer.workload.adapters import from_loader
+
+    data = TensorDataset(torch.arange(10.0))
+    adopted = from_loader(DataLoader(data, batch_size=4, shuffle=True, num_workers=1), WorkloadConfig(), "w")
+    assert adopted.dataset is data and adopted.collate is None
+    assert (adopted.config.batch_size, adopted.config.num_workers) == (4, 1)
+    given = WorkloadConfig(num_workers=3, given=frozenset({"num_workers"}))
+    assert from_loader(DataLoader(data, batch_size=4, shuffle=True), given, "w").config.num_workers == 3
+    for seeded in (DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator()),
+                   DataLoader(data, batch_size=4, sampler=RandomSampler(data, generator=torch.Generator()))):
+        with pytest.raises(UsageError, match="with a generator: the trainer draws the order"):
+            from_loader(seeded, WorkloadConfig(), "w")

@@ -22,7 +22,8 @@ from typing import NoReturn
 from trainer import compat, seams
 from trainer.config import DEFAULT_WORKLOAD, AutoCadenceConfig, RunConfig, SigningConfig, StoreConfig, WorkloadConfig
 from trainer.checkpoint.signing import KEY_FILE_ENV, load_signing
-from trainer.flags import STORE_GROUP, ShowDefaults, add_flags, changed_store_flags, config_from_values
+from trainer.flags import (STORE_GROUP, ShowDefaults, add_flags, changed_store_flags, config_from_values,
+                           given_settings)
 from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_failure
 from trainer.run.fingerprint import FIELDS
 from trainer.parallel.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
@@ -206,7 +207,8 @@ def config_from_args(args: argparse.Namespace, argv: list[str], location: Locati
     config = config_from_values(args, tuple((name, getattr(args, name)) for name in workload_options),
                                 location=location.with_local_tier(args.local_tier),  # beats the default tier
                                  signing=signing_config(args), argv=tuple(argv))
-    return replace(config, recover=replace(config.recover, auto=auto_cadence(args)))
+    return replace(config, recover=replace(config.recover, auto=auto_cadence(args)),
+                   workload=replace(config.workload, given=getattr(args, "given_settings", frozenset())))
 
 
 def run_train(argv: list[str]) -> int:
@@ -214,6 +216,7 @@ def run_train(argv: list[str]) -> int:
     launch = LaunchEnvironment.from_environ(os.environ)
     parser, workload_options = workload_parser(chosen_workload(argv))
     args = parser.parse_args(argv)
+    args.given_settings = given_settings(parser, argv)  # a DataLoader from build_dataset fills the others
     check_option_combinations(args, launch)
     load_signing(signing_config(args))  # a missing or unusable key file: one line now, before any work
     seams.install(seams.Seams.from_environment(os.environ, launch.rank))

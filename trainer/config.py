@@ -65,12 +65,17 @@ class WorkloadConfig:
     options: tuple[tuple[str, object], ...] = ()
     """The workload's own options (name, value), as it declared and the command line set
     them; empty means the workload's defaults."""
+    given: frozenset[str] = frozenset()
+    """Which of `batch_size` and `num_workers` the command line set: a DataLoader returned by
+    `build_dataset` fills the others (trainer/workload/adapters.py `from_loader`), and one
+    given that disagrees with the loader's batch size is refused. Not fingerprinted: the
+    values it decides are."""
 
     def training_relevant(self) -> dict:
         """The options whose change alters the trained bits (fingerprint `config`): the
         trainer's and every option the workload declared."""
-        values = {name: value for name, value in asdict(self).items() if name not in ("epochs", "max_steps",
-                                                                                         "num_workers", "options")}
+        values = {name: value for name, value in asdict(self).items()
+                  if name not in ("epochs", "max_steps", "num_workers", "options", "given")}
         # Leaving a default out keeps the fingerprints of generations written before the
         # option existed equal, so they still resume without drift.
         for name, default in (("data_parallel", "ddp"), ("gradient_reduction", "per-parameter"), ("grad_accum", 1),

@@ -152,14 +152,16 @@ GROUPS: dict[str, list[Flag]] = {
         Flag("--shuffle-buffer", "workload.shuffle_buffer", metavar="N", type=positive_int,
              help="streaming data: records per deterministic shuffle block; a resume re-reads at most one"),
         Flag("--batch-size", "workload.batch_size", metavar="N", type=positive_int,
-             help="samples per (micro-)batch, across all processes"),
+             help="samples per (micro-)batch, across all processes (unset: a DataLoader returned by the "
+                  "workload's build_dataset gives it)"),
         Flag("--grad-accum", "workload.grad_accum", metavar="N", type=positive_int,
              help="micro-batches per optimizer step; steps, cadence and the LR schedule count optimizer steps, "
                   "and saves happen only between them"),
         Flag("--seed", "workload.seed", metavar="N", type=non_negative_int,
              help="seeds the model, the batch order and every sample's randomness"),
         Flag("--num-workers", "workload.num_workers", metavar="N", type=non_negative_int,
-             help="DataLoader worker processes (may change between attempts: it does not change training)"),
+             help="DataLoader worker processes (may change between attempts: it does not change training; "
+                  "unset: a DataLoader returned by the workload's build_dataset gives it)"),
         Flag("--amp", "workload.amp", options={"action": "store_true"},
              help="mixed precision (bf16 on CPU, fp16+GradScaler on CUDA)"),
         Flag("--threads", "workload.threads", metavar="N", type=positive_int,
@@ -215,6 +217,19 @@ def config_from_values(args: argparse.Namespace, workload_options: tuple[tuple[s
         (nested.setdefault(section, {}) if section else top)[name] = flag.to_config(getattr(args, flag.dest))
     return replace(DEFAULTS, **top, **{section: replace(default_of(section), **values)
                                        for section, values in nested.items()})
+
+
+LOADER_SETTINGS = ("batch_size", "num_workers")
+"""The training options a DataLoader returned by `build_dataset` fills where the command line
+leaves them unset (trainer/workload/adapters.py `from_loader`)."""
+
+
+def given_settings(parser: argparse.ArgumentParser, argv: list[str]) -> frozenset[str]:
+    """Which of LOADER_SETTINGS the command line set, even to its default value: argparse
+    fills a default only where the namespace holds nothing yet."""
+    unset = object()
+    seen = parser.parse_args(argv, argparse.Namespace(**{name: unset for name in LOADER_SETTINGS}))
+    return frozenset(name for name in LOADER_SETTINGS if getattr(seen, name) is not unset)
 
 
 def changed_store_flags(args: argparse.Namespace) -> list[str]:

@@ -62,13 +62,14 @@ COLLATE = 1
 class KeyedSeeding(Dataset):
     """The workload's dataset, fetched by (epoch, index) keys under `seeded_globals`:
     `dataset.sample_at(epoch, index)` when it has one, else `dataset[index]`. With a
-    `dataset.collate(samples)`, each sample travels with its key to `KeyedCollate`."""
+    `collate` (a DataLoader's `collate_fn`, adopted) or a `dataset.collate(samples)`, each
+    sample travels with its key to `KeyedCollate`."""
 
-    def __init__(self, dataset, seed: int):
+    def __init__(self, dataset, seed: int, collate=None):
         self.dataset = dataset
         self.seed = seed
         self.keyed = callable(getattr(dataset, "sample_at", None))
-        self.collate = getattr(dataset, "collate", None)
+        self.collate = collate or getattr(dataset, "collate", None)
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -91,7 +91,8 @@ class TrainingRun:
         """Check the environment, start the record, then build, restore and train."""
         config, ranks, generation = self.config, self.ranks, claim.generation
         configure_determinism(config, ranks.rank)
-        dataset = data_source(self.workload.build_dataset(), config.workload, self.workload.spec)
+        config, dataset = data_source(self.workload.build_dataset(), config, self.workload.spec)
+        self.config = config  # a DataLoader's batch size and workers, adopted (trainer/workload/adapters.py)
         checked = check_attempt(config, self.workload, claim, dataset, ranks)
         recorder = self.recorder = start_record(config, claim, checked, ranks, self.events)
         self.storage.records.push(claim.run.attempt_folder(self.attempt_id))  # a kill -9 of this machine still counts

@@ -31,7 +31,7 @@ import bisect
 import hashlib
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from typing import Iterator
 
@@ -39,19 +39,15 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from trainer.config import WorkloadConfig
+from trainer.config import RunConfig, WorkloadConfig
 from trainer.errors import CorruptGeneration, UsageError
 from trainer.run.fetching import COLLATE, KeyedSeeding, seeded_globals
 from trainer.run.runtime import WorkerSignals
-from trainer.workload.adapters import is_hf_iterable, refuse_hf_shuffle, refuse_loader
+from trainer.workload.adapters import from_loader, is_hf_iterable, is_loader, refuse_hf_shuffle
+from trainer.workload.protocol import is_stream
 
 READ = 2
 """The `purpose` of the seeds a block's read runs under, apart from samples' and collates'."""
-
-
-def is_stream(dataset) -> bool:
-    """Whether a workload's dataset is a stream (shards and a reader) rather than map-style."""
-    return callable(getattr(dataset, "shards", None)) and callable(getattr(dataset, "read", None))
 
 
 @dataclass(frozen=True)
@@ -139,11 +135,10 @@ class StreamEpoch(IterableDataset):
     """One rank's batches of one epoch from a batch position on, as (sample ids, batch);
     under DataLoader workers each builds every W-th batch (see the module docstring)."""
 
-    def __init__(self, stream, shards: tuple[Shard, ...], order: StreamOrder, batch_size: int, start_batch: int,
-                 rank: int, world_size: int):
-        self.stream, self.shards, self.order = stream, shards, order
+    def __init__(self, source: StreamSource, order: StreamOrder, batch_size: int, start_batch: int, rank: int,
+                 world_size: int):
+        self.stream, self.shards, self.collate, self.order = source.stream, source.shards, source.collate, order
         self.batch_size, self.start_batch, self.rank, self.world_size = batch_size, start_batch, rank, world_size
-        self.collate = getattr(stream, "collate", None)
 
     def batches(self) -> range:
         return range(self.start_batch, -(-self.order.samples // self.batch_size))
@@ -199,8 +194,10 @@ class StreamEpoch(IterableDataset):
 class StreamSource:
     """A stream bound to the trainer: its shards, checked once, and its epochs' loaders."""
 
-    def __init__(self, stream, seed: int, buffer: int, spec: str):
+    def __init__(self, stream, seed: int, buffer: int, spec: str, collate=None):
         self.stream, self.seed, self.buffer = stream, seed, buffer
+        self.collate = collate or getattr(stream, "collate", None)
+        """A DataLoader's `collate_fn` (adopted), else the stream's own `collate`, else None."""
         self.shards = shards_of(stream, spec)
         self.records = tuple(shard.records for shard in self.shards)
 
@@ -211,7 +208,7 @@ class StreamSource:
         return StreamOrder(self.records, self.seed, epoch, self.buffer)
 
     def epoch(self, epoch: int, batch_size: int, start_batch: int, rank: int, world_size: int) -> StreamEpoch:
-        return StreamEpoch(self.stream, self.shards, self.order(epoch), batch_size, start_batch, rank, world_size)
+        return StreamEpoch(self, self.order(epoch), batch_size, start_batch, rank, world_size)
 
     def loader(self, epoch: int, batch_size: int, start_batch: int, rank: int, world_size: int,
                num_workers: int) -> Iterator[tuple[torch.Tensor, object]]:
@@ -275,21 +272,31 @@ DataSource = KeyedSeeding | StreamSource
 per epoch), `fingerprint()` and `probe()`."""
 
 
-def data_source(dataset, config: WorkloadConfig, spec: str) -> DataSource:
-    """The workload's dataset as the trainer fetches it: a stream (shards and a reader) or a
-    map-style dataset; anything else is refused in one line, before the run starts."""
-    refuse_loader(dataset, spec)
+def data_source(dataset, config: RunConfig, spec: str) -> tuple[RunConfig, DataSource]:
+    """The workload's dataset as the trainer fetches it, and the run's configuration: a
+    DataLoader is adopted (trainer/workload/adapters.py `from_loader`), its batch size and
+    workers entering the configuration and its collate_fn running under the keyed RNGs;
+    anything the trainer cannot make exact is refused in one line, before the run starts."""
+    collate = None
+    if is_loader(dataset):
+        adopted = from_loader(dataset, config.workload, spec)
+        dataset, collate, config = adopted.dataset, adopted.collate, replace(config, workload=adopted.config)
+    return config, source_of(dataset, config.workload, spec, collate)
+
+
+def source_of(dataset, config: WorkloadConfig, spec: str, collate=None) -> DataSource:
+    """A stream (shards and a reader) or a map-style dataset; anything else is refused."""
     if is_hf_iterable(dataset):
         refuse_hf_shuffle(dataset, spec)
         raise UsageError(f"--workload {spec}: build_dataset returned a datasets.IterableDataset; wrap it as a stream: "
                          f"return trainer.workload.adapters.HFStream(dataset) (the trainer then owns its order, "
                          f"shuffle buffer and cursor)")
     if is_stream(dataset):
-        return StreamSource(dataset, config.seed, config.shuffle_buffer, spec)
+        return StreamSource(dataset, config.seed, config.shuffle_buffer, spec, collate)
     if isinstance(dataset, IterableDataset) or not callable(getattr(dataset, "__len__", None)) \
             or not callable(getattr(dataset, "__getitem__", None)):
         raise UsageError(f"--workload {spec}: build_dataset returned a {type(dataset).__name__}, which is neither "
                          f"map-style (__len__ and __getitem__) nor a stream: for an iterable dataset give "
                          f"shards() -> [(name, records)] and read(shard, offset) -> records from that offset, "
                          f"and the trainer owns the order, the shuffle buffer and the cursor (README: Streaming data)")
-    return KeyedSeeding(dataset, config.seed)
+    return KeyedSeeding(dataset, config.seed, collate)

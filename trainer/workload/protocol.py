@@ -68,6 +68,11 @@ class Stream(Protocol):
         """The records of `shard` (as `shards()` gave it) from `offset` to its end, in order."""
 
 
+def is_stream(dataset) -> bool:
+    """Whether a dataset is a stream (shards and a reader) rather than map-style."""
+    return callable(getattr(dataset, "shards", None)) and callable(getattr(dataset, "read", None))
+
+
 @dataclass(frozen=True)
 class TrainingSteps:
     """The run's optimizer steps, for a workload's `plan(steps)` (a warmup and cosine schedule
@@ -107,7 +112,10 @@ class Workload(Protocol):
       make changed options that restored state holds (the learning rate) take effect.
     """
 
-    def build_dataset(self) -> Dataset | Stream: ...
+    def build_dataset(self) -> Dataset | Stream:
+        """Map-style data or a stream; or a `DataLoader` (torchdata's `StatefulDataLoader`)
+        over either, whose batch size, workers and collate_fn the trainer adopts and whose
+        sampler and state it replaces (trainer/workload/adapters.py `from_loader`)."""
 
     def build_model(self) -> nn.Module: ...
 
