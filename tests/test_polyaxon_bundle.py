@@ -19,6 +19,7 @@ import yaml
 from conftest import JOB_FILE, POLYAXONFILES, PRESETS, REPO, check_all, preset_targets, trainer_argv
 
 from trainer.cli import train_parser
+from trainer.flags import LOADER_SETTINGS
 
 FLAG = re.compile(r"^(--[a-z0-9-]+)=")
 NOT_INPUTS = {"--output", "--tracked", "--help", "--local-tier",  # set by the bundle itself (TRAINER_LOCAL_TIER), not by the user
@@ -211,6 +212,9 @@ def test_job_inputs_cover_every_trainer_option_with_its_default():
         default = None if action.default == [] else action.default
         if flag in workload_options:  # null: the workload's own default, and nothing for another workload
             assert io["value"] is None, f"{flag}: the example workload's option must default to null"
+            continue
+        if action.dest in LOADER_SETTINGS:  # null: unset, a DataLoader from build_dataset gives it
+            assert io["value"] is None, f"{flag}: must default to null (unset), or it overrides a workload's DataLoader"
             continue
         assert io["value"] == default, f"{flag}: input default {io['value']!r}, trainer default {default!r}"
 
