@@ -4,7 +4,8 @@ resumes exactly with another worker count; HF's buffered shuffle, a bare HF iter
 and a torchdata StatefulDataLoader over one are each refused at start in one line naming the
 fix. A StatefulDataLoader returned by `build_dataset` (tests/workloads/loader.py) is adopted,
 over map-style data or a stream, and resumes exactly with another worker count; what in it
-the trainer cannot honour is refused in one line each."""
+the trainer cannot honour is refused in one line each, and a refusal caused by a setting it
+gave names the loader as the setting's source."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, compare, generation, made_once, one_error_line, run_cli, train
+from conftest import REPO, compare, generation, made_once, one_error_line, run_cli, torchrun, train
 
 WORKLOAD = f"{REPO}/tests/workloads/hf_stream.py:HFRegression"
 ARGS = ("--workload", WORKLOAD, "--batch-size", "6", "--shuffle-buffer", "5", "--max-steps", "10",
@@ -128,3 +129,30 @@ def test_torchs_own_dataloader_is_adopted_and_its_generators_are_refused():
                    DataLoader(data, batch_size=4, sampler=RandomSampler(data, generator=torch.Generator()))):
         with pytest.raises(UsageError, match="with a generator: the trainer draws the order"):
             from_loader(seeded, WorkloadConfig(), "w")
+
+
+def test_a_loader_batch_size_the_processes_cannot_share_is_refused_as_the_flag_is(tmp_path):
+    """A loader's batch_size=5 over 24 samples under 2 processes is refused (exit 2, on every
+    rank) with the line `--batch-size 5` gets on a plain workload, naming the loader's setting
+    instead of the flag. Cost: ~12 s (two torchrun launches, refused before the first step)."""
+    plain = torchrun(tmp_path / "plain", "--workload", f"{REPO}/tests/workloads/toy.py:ToyWorkload",
+                     "--batch-size", "5", "--max-steps", "2", expect=2, tmp=tmp_path)
+    adopted = torchrun(tmp_path / "loader", *LOADER_ARGS, "--loader-batch-size", "5", expect=2, tmp=tmp_path)
+    said = "(last batch of an epoch: 4 of 24 samples) does not divide evenly across 2 processes; choose sizes " \
+           "that are multiples of 2"
+    assert f"trainer: error: --batch-size 5 {said}" in plain.stderr, plain.stderr[-3000:]
+    assert f"trainer: error: the loader's batch_size=5 {said}" in adopted.stderr, adopted.stderr[-3000:]
+    assert not list((tmp_path / "loader").glob("checkpoints/step-*"))
+
+
+@pytest.mark.parametrize("workers, named", [((), "with the loader's num_workers=2 that happens in the workers'"),
+                                             (("--num-workers", "1"), "with --num-workers 1 that happens in the")])
+def test_state_moved_in_a_loaders_workers_is_refused_naming_where_the_worker_count_came_from(workers, named,
+                                                                                               tmp_path):
+    """A `stateful()` cursor that moves on every fetch, under the loader's 2 workers or under
+    --num-workers 1 (which wins): refused at start naming the one that set the count. Cost: < 1 s
+    each (forked from the test worker's zygote; ~3 s as a fresh interpreter)."""
+    result = run_cli("--output", tmp_path / "run", *LOADER_ARGS, "--form", "moving", *workers)
+    assert result.returncode == 2, result.stderr
+    line = one_error_line(result)
+    assert "stateful() 'stream' changes when a sample is fetched" in line and named in line, line

@@ -70,12 +70,22 @@ class WorkloadConfig:
     `build_dataset` fills the others (trainer/workload/adapters.py `from_loader`), and one
     given that disagrees with the loader's batch size is refused. Not fingerprinted: the
     values it decides are."""
+    loader_settings: frozenset[str] = frozenset()
+    """Which of `batch_size` and `num_workers` an adopted DataLoader set (the others came from
+    the command line or the defaults), so that a line about one names where it came from
+    (`named`). Not fingerprinted."""
+
+    def named(self, name: str) -> str:
+        """`batch_size` or `num_workers` as an error line names it: the loader's setting, or
+        the flag (given, or its default)."""
+        value = getattr(self, name)
+        return f"the loader's {name}={value}" if name in self.loader_settings else f"--{name.replace('_', '-')} {value}"
 
     def training_relevant(self) -> dict:
         """The options whose change alters the trained bits (fingerprint `config`): the
         trainer's and every option the workload declared."""
         values = {name: value for name, value in asdict(self).items()
-                  if name not in ("epochs", "max_steps", "num_workers", "options", "given")}
+                  if name not in ("epochs", "max_steps", "num_workers", "options", "given", "loader_settings")}
         # Leaving a default out keeps the fingerprints of generations written before the
         # option existed equal, so they still resume without drift.
         for name, default in (("data_parallel", "ddp"), ("gradient_reduction", "per-parameter"), ("grad_accum", 1),

@@ -45,8 +45,10 @@ class EpochBatchOrder:
         return max(0, -(-self.samples // self.batch_size) - self.start_batch)
 
 
-def uneven_split(samples: int, batch_size: int, world_size: int) -> str | None:
+def uneven_split(samples: int, batch_size: int, world_size: int, named: str | None = None) -> str | None:
     """Why the global batches cannot be split evenly across `world_size` ranks, or None.
+    `named`: where the batch size came from, as the line says it (`WorkloadConfig.named`:
+    the flag, or an adopted DataLoader's batch_size, which is refused the same way).
 
     Every batch, the last one of an epoch included, must divide evenly: gradients are
     averaged per rank, so unequal slices would weigh samples unequally (and an empty slice
@@ -54,13 +56,13 @@ def uneven_split(samples: int, batch_size: int, world_size: int) -> str | None:
     last = samples % batch_size or batch_size
     if batch_size % world_size == 0 and last % world_size == 0:
         return None
-    return (f"--batch-size {batch_size} (last batch of an epoch: {last} of {samples} samples) does not "
-            f"divide evenly across {world_size} processes; choose sizes that are multiples of {world_size}")
+    return (f"{named or f'--batch-size {batch_size}'} (last batch of an epoch: {last} of {samples} samples) does "
+            f"not divide evenly across {world_size} processes; choose sizes that are multiples of {world_size}")
 
 
-def require_even_split(samples: int, batch_size: int, world_size: int) -> None:
+def require_even_split(samples: int, config: WorkloadConfig, world_size: int) -> None:
     """Refuse (exit 2) a batch size the ranks cannot share evenly (see `uneven_split`)."""
-    if problem := uneven_split(samples, batch_size, world_size):
+    if problem := uneven_split(samples, config.batch_size, world_size, config.named("batch_size")):
         raise UsageError(problem)
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
+from trainer.config import WorkloadConfig
 from trainer.errors import UsageError
 from trainer.run.batching import EpochBatchOrder
 from trainer.run.runtime import WorkerSignals
@@ -137,14 +138,16 @@ def to_device(batch, device: torch.device):
     return batch
 
 
-def refuse_state_moved_by_fetching(extras: dict, dataset: KeyedSeeding, num_workers: int, spec: str) -> None:
+def refuse_state_moved_by_fetching(extras: dict, dataset: KeyedSeeding, config: WorkloadConfig, spec: str) -> None:
     """Refuse, before the first step, a workload whose `stateful()` object moves when a sample
     is fetched (a stream's cursor kept by a map-style dataset that ignores its index) while
     DataLoader workers fetch: each worker moves its own copy, the generation saves the main
     process's, which never moves, and the run would train on other data than with
     `--num-workers 0`, silently. The probe fetches one sample here, compares every extra's
-    state before and after, and puts the state back (the RNGs are put back by the fetch)."""
-    if num_workers == 0 or not extras or len(dataset) == 0:
+    state before and after, and puts the state back (the RNGs are put back by the fetch). The
+    line names where the worker count came from: --num-workers, or an adopted DataLoader's
+    num_workers (`WorkloadConfig.named`)."""
+    if config.num_workers == 0 or not extras or len(dataset) == 0:
         return
     before = {name: copy.deepcopy(kept.state_dict()) for name, kept in extras.items()}
     dataset.probe()
@@ -153,7 +156,7 @@ def refuse_state_moved_by_fetching(extras: dict, dataset: KeyedSeeding, num_work
         extras[name].load_state_dict(before[name])
     if moved:
         raise UsageError(f"--workload {spec}: its stateful() {moved[0]!r} changes when a sample is fetched; with "
-                         f"--num-workers {num_workers} that happens in the workers' copies, which no generation "
+                         f"{config.named('num_workers')} that happens in the workers' copies, which no generation "
                          f"saves, so the run would train on other data than with --num-workers 0: fetch by "
                          f"index, or give shards() and read(shard, offset) (the streaming protocol: the trainer "
                          f"owns the order and the cursor), or run with --num-workers 0")

@@ -41,7 +41,7 @@ def check_attempt(config: RunConfig, workload: BoundWorkload, claim: Claim, data
     """Before the record starts: the batch split, the fingerprint, the crash-loop guard, the
     save mode. Rank 0 decides each; every rank learns the outcome (or the refusal)."""
     generation = claim.generation
-    ranks.decide_on_primary(lambda: require_even_split(len(dataset), config.workload.batch_size, ranks.world_size),
+    ranks.decide_on_primary(lambda: require_even_split(len(dataset), config.workload, ranks.world_size),
                             "checking the batch split")
     planned = workload.plan(training_steps(len(dataset), config.workload))
     fingerprint = current_fingerprint({**config.workload.training_relevant(), **planned}, dataset.fingerprint(),

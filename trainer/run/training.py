@@ -68,7 +68,7 @@ def build_training(config: RunConfig, workload: BoundWorkload, ranks: Ranks, dat
     state = TrainingState(compat.uncompiled(model), optimizer, scheduler, scaler, rank=ranks.rank,
                           world_size=ranks.world_size, extras=workload.stateful(),
                           cursors=cursors(dataset, config.workload.batch_size))
-    refuse_state_moved_by_fetching(state.extras, dataset, config.workload.num_workers, workload.spec)
+    refuse_state_moved_by_fetching(state.extras, dataset, config.workload, workload.spec)
     steps = OptimizerSteps(workload, state, trained, device, config.workload.amp)
     batches_per_epoch = len(EpochBatchOrder(samples, config.workload.batch_size, config.workload.seed, 0, 0))
     return Training(config, ranks, state, steps, batches_per_epoch, training_steps(samples, config.workload).total,

@@ -134,7 +134,8 @@ class AdoptedLoader:
     collate: Callable | None
     """The loader's `collate_fn` when it is not torch's default (run under the keyed RNGs)."""
     config: WorkloadConfig
-    """The configuration with the loader's batch size, and its workers unless --num-workers is given."""
+    """The configuration with the loader's batch size, and its workers unless --num-workers is given
+    (`loader_settings` names which came from the loader)."""
 
 
 def is_loader(dataset) -> bool:
@@ -170,15 +171,18 @@ def from_loader(loader: DataLoader, config: WorkloadConfig, spec: str) -> Adopte
         raise UsageError(f"{named} with batch_size={loader.batch_size}, but --batch-size {config.batch_size} was "
                          f"given: drop --batch-size (the loader's is adopted) or make the two equal")
     workers, said = loader.num_workers, f"num_workers={loader.num_workers}"
-    if "num_workers" in config.given and config.num_workers != workers:
-        said = f"--num-workers {config.num_workers} instead of its num_workers={workers} (workers do not change " \
-               f"what is trained)"
+    settings = {"batch_size", "num_workers"} - config.given  # given equal to the loader's, the flag is named
+    if "num_workers" in config.given:
+        if config.num_workers != workers:
+            said = f"--num-workers {config.num_workers} instead of its num_workers={workers} (workers do not " \
+                   f"change what is trained)"
         workers = config.num_workers
     log.info("adopted the %s: batch_size=%d (the global batch, split across processes under torchrun), %s, "
              "collate_fn=%s; the trainer's order and cursor replace its sampler and state_dict()",
              type(loader).__name__, loader.batch_size, said,
              getattr(collate, "__name__", type(collate).__name__) if collate is not None else "default")
-    return AdoptedLoader(dataset, collate, replace(config, batch_size=loader.batch_size, num_workers=workers))
+    return AdoptedLoader(dataset, collate, replace(config, batch_size=loader.batch_size, num_workers=workers,
+                                                   loader_settings=frozenset(settings)))
 
 
 RANDOM_SAMPLERS = ("torch.utils.data.sampler", "torchdata.stateful_dataloader.sampler")
