@@ -3,7 +3,8 @@ CLI with the real packages: a Hugging Face `datasets.IterableDataset` brought as
 resumes exactly with another worker count; HF's buffered shuffle, a bare HF iterable dataset
 and a torchdata StatefulDataLoader over one are each refused at start in one line naming the
 fix. A StatefulDataLoader returned by `build_dataset` (tests/workloads/loader.py) is adopted,
-over map-style data or a stream, and resumes exactly with another worker count; what in it
+over map-style data or a stream, and resumes exactly with another worker count, in one process
+and in two under torchrun (its batch size the global batch, split across them); what in it
 the trainer cannot honour is refused in one line each, and a refusal caused by a setting it
 gave names the loader as the setting's source."""
 
@@ -129,6 +130,34 @@ def test_torchs_own_dataloader_is_adopted_and_its_generators_are_refused():
                    DataLoader(data, batch_size=4, sampler=RandomSampler(data, generator=torch.Generator()))):
         with pytest.raises(UsageError, match="with a generator: the trainer draws the order"):
             from_loader(seeded, WorkloadConfig(), "w")
+
+
+@pytest.mark.parametrize("form", ["map", "stream"])
+def test_a_loaders_batch_size_is_the_global_batch_across_two_processes(form, tmp_path):
+    """Real torchrun, 2 processes on gloo: interrupted after step 5 with the loader's own 2
+    workers per process, resumed with --num-workers 1; equal bit for bit (ledgers included) to
+    an uninterrupted 2-process run with --num-workers 0. Every generation's manifest holds the
+    loader's batch size (6, not 12) and each rank's ledger 6/2 = 3 samples per step it covers.
+    Cost (2 shared cores): ~25 s each (three torchrun launches; 28 CPU-seconds)."""
+    baseline, run = tmp_path / "baseline", tmp_path / "run"
+    args = (*LOADER_ARGS, "--form", form)
+    torchrun(baseline, *args, "--num-workers", "0", tmp=tmp_path)
+    interrupted = torchrun(run, *args, "--interrupt-at-step", "5", expect=75, tmp=tmp_path)
+    assert "batch_size=6 (the global batch, split across processes under torchrun), num_workers=2" \
+           in interrupted.stdout + interrupted.stderr
+    resumed = torchrun(run, *args, "--num-workers", "1", "--resume", tmp=tmp_path)
+    assert "restored step-00000003" in resumed.stdout
+    compared = compare(generation(baseline, "step-00000010"), generation(run, "step-00000010"))
+    assert compared.returncode == 0, compared.stdout[-3000:]
+    assert "ledgers: same samples in the same order since step 0" in compared.stdout
+    kept = sorted((run / "checkpoints").glob("step-*"))
+    assert {"step-00000006", "step-00000009", "step-00000010"} <= {folder.name for folder in kept}
+    for folder in kept:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        assert manifest["fingerprint"]["config"]["batch_size"] == 6 and manifest["fingerprint"]["world_size"] == 2
+        ledger, steps = manifest["ledger"], manifest["step"] - manifest["ledger"]["after_step"]
+        assert steps > 0 and ledger["samples"] == 6 * steps, (folder.name, ledger)
+        assert {rank: entry["samples"] for rank, entry in ledger["by_rank"].items()} == {"0": 3 * steps, "1": 3 * steps}
 
 
 def test_a_loader_batch_size_the_processes_cannot_share_is_refused_as_the_flag_is(tmp_path):
