@@ -163,7 +163,7 @@ def test_a_loaders_batch_size_is_the_global_batch_across_two_processes(form, tmp
 def test_a_loader_batch_size_the_processes_cannot_share_is_refused_as_the_flag_is(tmp_path):
     """A loader's batch_size=5 over 24 samples under 2 processes is refused (exit 2, on every
     rank) with the line `--batch-size 5` gets on a plain workload, naming the loader's setting
-    instead of the flag. Cost: ~12 s (two torchrun launches, refused before the first step)."""
+    instead of the flag. Cost: ~12-16 s (two torchrun launches, refused before the first step)."""
     plain = torchrun(tmp_path / "plain", "--workload", f"{REPO}/tests/workloads/toy.py:ToyWorkload",
                      "--batch-size", "5", "--max-steps", "2", expect=2, tmp=tmp_path)
     adopted = torchrun(tmp_path / "loader", *LOADER_ARGS, "--loader-batch-size", "5", expect=2, tmp=tmp_path)
