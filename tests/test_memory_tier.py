@@ -87,6 +87,7 @@ def test_a_kill_after_a_tier0_save_restores_from_tier0_exactly(crashed, uninterr
     restored = attempts(run)[-1]["restored"]
     assert restored["tier"] == "memory" and restored["bytes"] > 0 and "refused" not in restored
     assert "step-00000006   from tier 0 (memory)" in run_cli("report", run).stdout
+    assert names(memory / "checkpoints") == []  # completed: tier 0 older than the final generation is given back
     assert_exact(uninterrupted, run)
 
 

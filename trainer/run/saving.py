@@ -204,6 +204,7 @@ class CadencedSaves:
         self.record_durable(self.held_for_every_rank(self.durability.drain, ()))
         self.agree_on_uploads()
         self.durability.close()
+        self.memory.retire(self.generations.names())  # what tier 0 holds that is older is never restored
 
     def close_after_failure(self) -> None:
         """After a failure: finish what is in flight and record it; never raises."""

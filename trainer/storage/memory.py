@@ -43,7 +43,7 @@ from trainer.checkpoint.manifest import GenerationFacts, InvalidManifest, Verifi
 from trainer.checkpoint.section import LocalSection, Published
 from trainer.checkpoint.signing import Signing
 from trainer.config import MemoryTierConfig
-from trainer.errors import MemoryTierTooSmall
+from trainer.errors import MemoryTierTooSmall, StorageFailure
 from trainer.layout import GENERATIONS, RunDirectory, generation_step
 from trainer.storage.lock import OutputLock
 
@@ -123,6 +123,9 @@ class NoMemorySaves:
         return False
 
     def save(self, state_dict: dict, facts: GenerationFacts) -> Published | None:
+        return None
+
+    def retire(self, durable: list[str]) -> None:
         return None
 
 
@@ -256,8 +259,20 @@ class MemorySaves(NoMemorySaves):
         for name in doomed:
             section.remove(name)
         started = time.monotonic()
-        (published,) = self.checkpointer.save(state_dict, facts)
+        try:
+            (published,) = self.checkpointer.save(state_dict, facts)
+        except StorageFailure as failure:  # tier 0 is a speed-up: its failure never ends the run
+            log.warning("tier 0 skipped step %d: %s", facts.step, failure)
+            return None
         self.generation_bytes = max(self.generation_bytes, directory_bytes(section.path(published.name)))
         log.info("saved %s to tier 0 in %.3fs", published.name, time.monotonic() - started)
         seams.crash_point("after-memory-save")
         return published
+
+    def retire(self, durable: list[str]) -> None:
+        """The attempt ends with everything published durable: tier-0 generations no newer than
+        the newest durable one can never be restored, so their memory is given back."""
+        newest = generation_step(durable[-1]) if durable else -1
+        for name in self.tier.section.names():
+            if generation_step(name) <= newest:
+                self.tier.section.remove(name)
