@@ -134,3 +134,21 @@ def test_a_tier0_that_cannot_hold_the_state_is_refused_at_start(tmp_path):
     assert names(tmp_path / "shm" / "checkpoints") == []
     lonely = run_cli("--output", tmp_path / "other", "--memory-keep", 3)
     assert lonely.returncode == 2 and "--memory-keep applies only with --memory-dir" in lonely.stderr
+
+
+def test_a_tier0_generation_of_an_abandoned_line_is_not_restored(crashed):
+    """A later attempt went back without tier 0 (so it could not set tier-0 step-6 aside) and
+    saved step-5 on its new line: tier-0 step-6 is newer, but belongs to the line it left."""
+    run, memory = crashed
+    train(run, *RUN, "--max-steps", 5, "--from-generation", "step-00000004")  # no --memory-dir
+    resumed = train(run, *RUN, "--max-steps", 7, "--memory-dir", memory, "--resume")
+    assert "restored step-00000005 (step=5 epoch=0 position=5) from the local disk" in resumed.stdout
+    assert "tier 0 holds step-00000006 of an abandoned line" in resumed.stdout + resumed.stderr
+
+
+def test_another_runs_tier0_is_never_restored_and_is_given_back(killed, tmp_path):
+    shutil.copytree(killed / "shm", tmp_path / "shm")
+    fresh = train(tmp_path / "run", *RUN, "--max-steps", 2, *tier0(tmp_path / "shm"), "--resume", "auto")
+    assert "held generations of run" in fresh.stdout + fresh.stderr and "restored" not in fresh.stdout
+    assert attempts(tmp_path / "run")[-1]["restored"] is None
+    assert names(tmp_path / "shm" / "checkpoints") == []
