@@ -104,6 +104,7 @@ def test_a_damaged_tier0_generation_is_refused_and_the_disk_serves(crashed, unin
     assert "restored step-00000004 (step=4 epoch=0 position=4) from the local disk" in resumed.stdout
     restored = attempts(run)[-1]["restored"]
     assert restored["tier"] == "disk" and restored["refused"][0].startswith("memory step-00000006: ")
+    assert sorted(os.listdir(memory / "checkpoints")) == []  # re-saved at 6 (no superseded copy), then given back
     assert_exact(uninterrupted, run)
 
 
@@ -123,7 +124,7 @@ def test_going_back_sets_later_tier0_generations_aside(crashed):
     record = attempts(run)[-1]
     assert record["restored"]["tier"] == "disk"
     assert record["set_aside"] == [f"{memory / 'checkpoints'}/step-00000006"]
-    assert names(memory / "checkpoints") == []  # kept as a superseded copy, never selected
+    assert sorted(os.listdir(memory / "checkpoints")) == []  # removed: no superseded copy kept in memory
 
 
 def test_a_tier0_that_cannot_hold_the_state_is_refused_at_start(tmp_path):

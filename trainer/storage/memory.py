@@ -12,7 +12,8 @@ the backend's key, renamed into place), verified on load and bound to the run (`
 copied here from the run directory). A restore reads tier 0 first when it holds a generation
 newer than the newest durable one that continues the line (`newer_than`); a damaged one is
 refused with one warning and the durable tier serves (`restorable`). Going back
-(`--from-generation`) sets later tier-0 generations aside too.
+(`--from-generation`) sets later tier-0 generations aside too (removed: no superseded copies are
+kept in memory).
 
 The budget (`--memory-tier-max-bytes`, default: what the memory filesystem has free) covers
 the K generations and the staging buffers of async durable saves; a start that cannot fit is
@@ -44,7 +45,7 @@ from trainer.checkpoint.section import LocalSection, Published
 from trainer.checkpoint.signing import Signing
 from trainer.config import MemoryTierConfig
 from trainer.errors import MemoryTierTooSmall, StorageFailure
-from trainer.layout import GENERATIONS, RunDirectory, generation_step
+from trainer.layout import GENERATIONS, RunDirectory, generation_name, generation_step
 from trainer.storage.lock import OutputLock
 
 log = logging.getLogger("trainer")
@@ -196,7 +197,13 @@ class MemoryTier(NoMemoryTier):
         return self.section.verify(name)
 
     def set_aside_later_than(self, step: int) -> list[str]:
-        return [f"{self.where}/{name}" for name in self.section.set_aside_later_than(step)]
+        """Going back: later tier-0 generations belong to the abandoned line. Removed rather
+        than kept as superseded copies: memory is the scarce thing here, and the budget counts
+        only what can be restored."""
+        later = [name for name in self.section.names() if generation_step(name) > step]
+        for name in later:
+            self.section.remove(name)
+        return [f"{self.where}/{name}" for name in later]
 
     # ----------------------------------------------------------------- saving
     def saver(self, attempt_id: str, coordinator: Coordinator, staging: bool) -> "MemorySaves":
@@ -244,9 +251,11 @@ class MemorySaves(NoMemorySaves):
     def save(self, state_dict: dict, facts: GenerationFacts) -> Published | None:
         """Prune to K - 1, then write and publish, when the new one fits; None when skipped
         (nothing pruned then)."""
-        section, keep = self.tier.section, self.tier.config.keep
-        names = section.names()
-        doomed = names[:max(0, len(names) - (keep - 1))]
+        section, keep, name = self.tier.section, self.tier.config.keep, generation_name(facts.step)
+        # Those at this step or later are of a line this one replaces (after a refused tier-0
+        # generation): removed, never replaced in place (that would keep a superseded copy in memory).
+        earlier = [held for held in section.names() if held < name]
+        doomed = [held for held in section.names() if held >= name] + earlier[:max(0, len(earlier) - (keep - 1))]
         budget = self.budget(state_dict)
         kept = self.tier.used_bytes() - sum(directory_bytes(section.path(name)) for name in doomed)
         if kept + budget.generation_bytes + budget.staging_bytes > budget.limit_bytes:
