@@ -153,3 +153,14 @@ def test_another_runs_tier0_is_never_restored_and_is_given_back(killed, tmp_path
     assert "held generations of run" in fresh.stdout + fresh.stderr and "restored" not in fresh.stdout
     assert attempts(tmp_path / "run")[-1]["restored"] is None
     assert names(tmp_path / "shm" / "checkpoints") == []
+
+
+def test_a_fresh_start_over_this_runs_tier0_is_refused_naming_it(crashed):
+    """No --resume while this run's tier 0 holds a generation newer than the durable ones: 73,
+    like any generation, and the line says where it is."""
+    run, memory = crashed
+    shutil.rmtree(run / "checkpoints" / "step-00000004")
+    refused = train(run, *RUN, *tier0(memory), expect=73)
+    assert f"and tier 0 ({memory / 'checkpoints'}) already holds generations (newest step-00000006)" in refused.stderr
+    assert names(memory / "checkpoints") == ["step-00000006"]  # touched nothing
+

@@ -78,8 +78,8 @@ class Claimant:
         durable = storage.committed()
         newer = storage.memory.newer_than(durable, read_attempts(storage.local.root),  # tier 0 first: the fastest
                                           run_identity(storage.local))
-        self.considered = choose_candidate(durable + newer, config.resume, config.from_generation,
-                                           storage.generations_where)
+        where = storage.generations_where + (f" and tier 0 ({storage.memory.where})" if newer else "")
+        self.considered = choose_candidate(durable + newer, config.resume, config.from_generation, where)
         # the run's identity: what the generation must belong to, in tier 0 too
         storage.memory.bind(storage.go_ahead(attempt_id, config.adopt_from))
         generation, download, tier, refused = None, NOTHING_MOVED, DISK, ()
