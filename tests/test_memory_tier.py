@@ -84,7 +84,9 @@ def test_a_kill_after_a_tier0_save_restores_from_tier0_exactly(crashed, uninterr
     assert names(run / "checkpoints") == ["step-00000004"] and names(memory / "checkpoints") == ["step-00000006"]
     resumed = resume(run, memory)
     assert "restored step-00000006 (step=6 epoch=0 position=6) from tier 0 (memory)" in resumed.stdout
-    restored = attempts(run)[-1]["restored"]
+    killed_record, record = attempts(run)
+    assert killed_record["memory"]["saves"] == 1 and killed_record["memory"]["newest"] == "step-00000006"
+    restored = record["restored"]
     assert restored["tier"] == "memory" and restored["bytes"] > 0 and "refused" not in restored
     assert "step-00000006   from tier 0 (memory)" in run_cli("report", run).stdout
     assert names(memory / "checkpoints") == []  # completed: tier 0 older than the final generation is given back

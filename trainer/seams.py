@@ -52,7 +52,7 @@ sealing), every file hashed and
 fsynced, manifest written, directory renamed into place; then in a store: one data object
 uploaded, every data object uploaded, the manifest committed; retention in a store
 between removing a generation's manifest and its data; rank 0's local retention before it
-removes a generation; rank 0 before it writes an export; a tier-0 generation published
+removes a generation; rank 0 before it writes an export; a tier-0 generation published and recorded
 (`--memory-dir`)."""
 RNG_KINDS = ("python", "numpy", "torch", "cuda")
 """The global RNGs a snapshot holds (trainer/run/state.py); named here so the CLI can validate

@@ -19,6 +19,7 @@ from typing import Callable
 
 from torch import nn
 
+from trainer import seams
 from trainer.checkpoint.checkpointer import Checkpointer, build_checkpointer
 from trainer.checkpoint.coordination import raise_if_any_failed
 from trainer.checkpoint.export import full_weights, write_export
@@ -157,6 +158,7 @@ class CadencedSaves:
         published = self.memory.save(state_dict, self.facts(state, state_dict, copy.copy(self.ledger)))
         if published is not None:
             self.recorder.memory_saved(published)
+            seams.crash_point("after-memory-save")
 
     def facts(self, state: TrainingState, state_dict: dict, ledger: SampleLedger) -> GenerationFacts:
         """What a generation's manifest says besides its files (`ledger` gives its entry and moves on)."""

@@ -34,7 +34,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer import seams
 from trainer.checkpoint.atomic import write_file_durably
 from trainer.checkpoint.checkpointer import SyncCheckpointer
 from trainer.checkpoint.commit import RenameCommit
@@ -275,7 +274,6 @@ class MemorySaves(NoMemorySaves):
             return None
         self.generation_bytes = max(self.generation_bytes, directory_bytes(section.path(published.name)))
         log.info("saved %s to tier 0 in %.3fs", published.name, time.monotonic() - started)
-        seams.crash_point("after-memory-save")
         return published
 
     def retire(self, durable: list[str]) -> None:
