@@ -2,7 +2,8 @@
 those `make bench` runs, through `make bench` in a fresh clone (as the README says to run them),
 the others one by one. Each one's results are checked where a check says more than "it ran".
 
-Cost: `make bench` about 40 s, scale_out_bench.py about 45 s, goodput_validation.py about 25 s."""
+Cost: `make bench` about 40 s, scale_out_bench.py about 45 s, goodput_validation.py about 25 s,
+memory_tier_bench.py about 10 s of CPU."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ MAKE_BENCH = re.findall(r"bench/(\w+\.py) --quick", (REPO / "Makefile").read_tex
 def test_every_benchmark_script_is_covered():
     assert {path.name for path in BENCHMARKS} >= {"checkpoint_bench.py", "loop_overhead.py", "store_bench.py",
                                                   "goodput_sim.py", "goodput_validation.py", "reduction_bench.py",
-                                                  "stream_bench.py"}
+                                                  "stream_bench.py", "memory_tier_bench.py"}
 
 
 def store_bench_checks(report: dict) -> None:
@@ -88,7 +89,17 @@ def stream_bench_checks(report: dict) -> None:
     assert all(row["stream_s"] > 0 and row["plain_s"] > 0 and row["ratio"] > 0 for row in report["rows"])
 
 
-CHECKS = {"stream_bench.py": stream_bench_checks, "store_bench.py": store_bench_checks, "scale_out_bench.py": scale_out_bench_checks,
+def memory_tier_bench_checks(report: dict) -> None:
+    """Structure only: both tiers restored (verify and load), the loop timed with and without
+    tier-0 saves, peak RSS read, and the ratios between them."""
+    for key in ("tier0_restore_s", "tier0_verify_s", "tier0_load_s", "disk_restore_s", "disk_warm_restore_s",
+                "tier0_save_s", "disk_save_s", "step_s", "step_with_tier0_s", "peak_rss_mb"):
+        assert report[key] > 0, key
+    assert report["generation_mb"] > 0.9 * report["state_mb"]
+    assert {"tier-0 restore / cold disk restore (time)", "peak RSS / state"} <= set(report["ratios"])
+
+
+CHECKS = {"memory_tier_bench.py": memory_tier_bench_checks, "stream_bench.py": stream_bench_checks, "store_bench.py": store_bench_checks, "scale_out_bench.py": scale_out_bench_checks,
           "goodput_sim.py": goodput_sim_checks, "goodput_validation.py": goodput_validation_checks,
           "reduction_bench.py": reduction_bench_checks, "loop_overhead.py": loop_overhead_checks}
 

@@ -22,8 +22,8 @@ from typing import NoReturn
 from trainer import compat, seams
 from trainer.config import DEFAULT_WORKLOAD, AutoCadenceConfig, RunConfig, SigningConfig, StoreConfig, WorkloadConfig
 from trainer.checkpoint.signing import KEY_FILE_ENV, load_signing
-from trainer.flags import (STORE_GROUP, ShowDefaults, add_flags, changed_store_flags, config_from_values,
-                           given_settings)
+from trainer.flags import (STORE_GROUP, ShowDefaults, add_flags, changed_memory_flags, changed_store_flags,
+                           config_from_values, given_settings)
 from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_failure
 from trainer.run.fingerprint import FIELDS
 from trainer.parallel.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
@@ -156,6 +156,16 @@ def signing_config(args: argparse.Namespace) -> SigningConfig:
     return SigningConfig(key_file, getattr(args, "allow_unsigned", SigningConfig.allow_unsigned))
 
 
+def check_memory_tier(args: argparse.Namespace, launch: LaunchEnvironment) -> None:
+    """Tier 0 is one process on one machine for now (no peer replica yet)."""
+    if args.memory_dir is None and (given := changed_memory_flags(args)):
+        raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --memory-dir; "
+                         f"add it (e.g. --memory-dir /dev/shm/RUN), or drop {'it' if len(given) == 1 else 'them'}")
+    if args.memory_dir is not None and launch.world_size > 1:
+        raise UsageError(f"--memory-dir is for one process for now ({launch.world_size} here): tier 0 under torchrun "
+                         f"and its peer replica are not built yet; drop --memory-dir")
+
+
 def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironment) -> None:
     """Cheap checks that need no import, done before tracking or torch start."""
     if args.data_parallel == "fsdp" and args.gradient_reduction != WorkloadConfig.gradient_reduction:
@@ -171,6 +181,7 @@ def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironmen
     if not args.tracked and args.output is None:
         raise UsageError("--output DIR is required (the run directory); e.g. --output outputs/run1, "
                          "or --tracked to use Polyaxon's outputs path")
+    check_memory_tier(args, launch)
     if not args.tracked:  # tracked: known once the run's artifacts store is (tracked_placement)
         require_store_for_store_options(args, args.output.in_store)
     if args.lease_ttl_secs < 1:

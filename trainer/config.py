@@ -192,6 +192,24 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class MemoryTierConfig:
+    """Tier 0 (trainer/storage/memory.py): generations in a directory on a memory filesystem,
+    outside the process, on a cadence of their own. Never fingerprinted: it changes when and
+    where saves happen, never what is trained."""
+
+    directory: Path | None = None
+    """`--memory-dir`: a directory on a memory filesystem (/dev/shm/…, an emptyDir with
+    `medium: Memory`); None: no tier 0."""
+    every_steps: int = 10
+    """A tier-0 generation every N optimizer steps (steps where a durable one is saved skip it)."""
+    keep: int = 2
+    """Newest tier-0 generations kept (K); a save prunes to K - 1 before it writes."""
+    max_bytes: int | None = None
+    """What tier 0 (K generations) plus the staging buffers of async saves may use; None: what
+    the memory filesystem holds free (an emptyDir's `sizeLimit`)."""
+
+
+@dataclass(frozen=True)
 class SigningConfig:
     """Authenticated generations (trainer/checkpoint/signing.py). Not training-relevant."""
 
@@ -233,4 +251,5 @@ class RunConfig:
     before publishing a newer one; 0 disables the check."""
     store_config: StoreConfig = field(default_factory=StoreConfig)
     signing: SigningConfig = field(default_factory=SigningConfig)
+    memory: MemoryTierConfig = field(default_factory=MemoryTierConfig)
     argv: tuple[str, ...] = ()

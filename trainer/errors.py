@@ -22,6 +22,13 @@ class UsageError(TrainerError):
     exit_code = 2
 
 
+class MemoryTierTooSmall(UsageError):
+    """Tier 0's K generations and the staging buffers do not fit `--memory-tier-max-bytes`
+    (or the memory filesystem): the options ask for what this state cannot have. A usage
+    error (2), not 73 or 74: nothing is held by another writer and no I/O failed, retrying
+    cannot help, and the fix is an option (raise the budget, lower --memory-keep)."""
+
+
 class CorruptGeneration(TrainerError):
     """A generation's files do not match its manifest (or the manifest is unreadable)."""
 

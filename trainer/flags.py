@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from trainer.config import CHECKPOINT_MODES, RunConfig
-from trainer.options import AUTO, non_negative_float, non_negative_int, positive_float, positive_float_or_auto, positive_int
+from trainer.options import (AUTO, non_negative_float, non_negative_int, path_argument, positive_float,
+                             positive_float_or_auto, positive_int)
 
 DEFAULTS = RunConfig(location=None)
 """Where every flag's default comes from (its location is never read)."""
@@ -56,6 +57,7 @@ class Flag:
 
 
 STORE_GROUP = "object store (with --output s3://…, gs://…, az://…)"
+MEMORY_GROUP = "memory tier (tier 0, with --memory-dir)"
 
 GROUPS: dict[str, list[Flag]] = {
     STORE_GROUP: [
@@ -123,6 +125,20 @@ GROUPS: dict[str, list[Flag]] = {
              help="a safetensors export when S seconds passed since the previous one"),
         Flag("--export-dtype", "export_dtype", options={"choices": ("float32", "float16", "bfloat16")},
              help="dtype of exported weights (default: the training dtype)"),
+    ],
+    MEMORY_GROUP: [
+        Flag("--memory-dir", "memory.directory", metavar="DIR", type=path_argument,
+             help="tier 0: also save generations to DIR on a memory filesystem (/dev/shm/RUN; in a pod an emptyDir "
+                  "with medium: Memory), outside the process: a restart after a crash or an OOM kill restores "
+                  "from there when it is newer than the newest durable generation (default: off)"),
+        Flag("--memory-every-steps", "memory.every_steps", metavar="N", type=positive_int,
+             help="a tier-0 generation every N optimizer steps (the durable cadence stays as it is)"),
+        Flag("--memory-keep", "memory.keep", metavar="K", type=positive_int,
+             help="newest tier-0 generations kept"),
+        Flag("--memory-tier-max-bytes", "memory.max_bytes", metavar="B", type=positive_int,
+             help="what tier 0 (K generations) plus the staging buffers of async saves may use; a start that "
+                  "cannot fit is refused (exit 2), a save that would not fit is skipped (default: the free space "
+                  "of the memory filesystem)"),
     ],
     "retention": [
         Flag("--keep-last", "retention.keep_last", metavar="K", type=positive_int,
@@ -235,3 +251,8 @@ def given_settings(parser: argparse.ArgumentParser, argv: list[str]) -> frozense
 def changed_store_flags(args: argparse.Namespace) -> list[str]:
     """The object-store flags the command line set to something other than their defaults."""
     return [flag.flag for flag in GROUPS[STORE_GROUP] if getattr(args, flag.dest) != flag.default()]
+
+
+def changed_memory_flags(args: argparse.Namespace) -> list[str]:
+    """The tier-0 flags other than --memory-dir that the command line set to something else than their defaults."""
+    return [flag.flag for flag in GROUPS[MEMORY_GROUP][1:] if getattr(args, flag.dest) != flag.default()]

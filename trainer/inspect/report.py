@@ -39,7 +39,7 @@ from datetime import datetime
 
 from trainer.run.interval import best_interval, expected_goodput, young_interval
 from trainer.run.ledger import ledger_problems
-from trainer.run.records import OUTCOMES, PUBLISHED, exposure_s, failure_rate, lifetime
+from trainer.run.records import OUTCOMES, PUBLISHED, RESTORED_FROM, exposure_s, failure_rate, lifetime
 from trainer.layout import GENERATIONS
 
 
@@ -100,6 +100,11 @@ class AttemptRow:
     """The witness saw a replayed step or a restored section differ."""
     exact_by_configuration: bool = True
     """False when the attempt's configuration said at start that it cannot be exact."""
+    restored_from: str | None = None
+    """Where its restore came from (records.RESTORED_FROM; None: not recorded, or nothing restored)."""
+    restored_bytes: int | None = None
+    refused: tuple[str, ...] = ()
+    """Faster sources refused on the way (a damaged tier-0 generation)."""
 
 
 @dataclass(frozen=True)
@@ -221,7 +226,9 @@ def attempt_row(record: dict, live: frozenset[str], marker_unix: float | None, o
         download_s=_number(costs.get("download_s")), progress=progress_points(record),
         first_step_s=_optional(record.get("first_step_s")) if started else None,
         witness=witness_verdict(record), mismatch=witness_mismatch(record),
-        exact_by_configuration=(_mapping(record, "exactness")).get("exact") is not False)
+        exact_by_configuration=(_mapping(record, "exactness")).get("exact") is not False,
+        restored_from=_mapping(record, "restored").get("tier"), restored_bytes=_mapping(record, "restored").get("bytes"),
+        refused=tuple(str(line) for line in _mapping(record, "restored").get("refused") or ()))
 
 
 def _mapping(record: dict, key: str) -> dict:
@@ -469,6 +476,19 @@ def cell(value, fmt: str = "{}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def format_restores(rows: tuple[AttemptRow, ...]) -> list[str]:
+    """Which tier each restore came from and what it cost (attempts that recorded it)."""
+    told = [(number, row) for number, row in enumerate(rows, 1) if row.restored and row.restored_from]
+    if not told:
+        return []
+    lines = ["", "  restores           from where, and what each cost (verify + download + load)"]
+    for number, row in told:
+        lines.append(f"    {number:>3} {row.restored:<15} from {RESTORED_FROM.get(row.restored_from, row.restored_from)}: "
+                     f"{row.restore_s:.3f} s, {cell(row.restored_bytes)} bytes")
+        lines += [f"        refused first: {refused}" for refused in row.refused]
+    return lines
+
+
 def format_witness(rows: tuple[AttemptRow, ...]) -> list[str]:
     """The exactness witness per attempt: did each resume continue exactly?"""
     checked = [(number, row) for number, row in enumerate(rows, 1) if row.witness]
@@ -526,5 +546,5 @@ def format_report(report: Report, output: str, advice: Advice | None = None) -> 
                                                                  for row in report.rows)]
     if estimated:
         lines.append(f"  ~ {' or '.join(estimated)}: wall time up to its last step marker (or last publish)")
-    lines += format_witness(report.rows) + format_ledger(report.ledger)
+    lines += format_restores(report.rows) + format_witness(report.rows) + format_ledger(report.ledger)
     return "\n".join(lines + (format_advice(advice) if advice is not None else []))

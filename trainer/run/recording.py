@@ -69,7 +69,9 @@ def start_record(config: RunConfig, claim: Claim, checked: Checked, ranks: Ranks
     stored_world_size = generation.manifest.fingerprint.get("world_size") if generation else None
     start = AttemptStart(
         restored=None if generation is None else {"name": generation.name, "step": step,
-                                                  "manifest_sha256": claim.manifest_sha256},
+                                                  "manifest_sha256": claim.manifest_sha256, "tier": claim.tier,
+                                                  "bytes": claim.restored_bytes,
+                                                  **({"refused": list(claim.refused)} if claim.refused else {})},
         explicit_generation=config.from_generation is not None,
         previous_attempt=previous["id"] if previous else None,
         steps_replayed=steps_replayed(previous, step) if generation else None,

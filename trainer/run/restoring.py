@@ -12,6 +12,7 @@ from trainer.errors import CorruptGeneration
 from trainer.parallel.ranks import Ranks
 from trainer.run.attempts import AttemptRecorder
 from trainer.run.claim import Claim
+from trainer.run.records import RESTORED_FROM
 from trainer.run.saving import CadencedSaves
 from trainer.run.state import TrainingState
 from trainer.run.checksum import safe_state_digests
@@ -46,8 +47,9 @@ class Restorer:
         recorder.restored(restored, claim.verify_s)
         recorder.set_aside(self.ranks.decide_on_primary(lambda: self.abandon_later_line(restored.step),
                                                         "setting aside the abandoned line"))
-        log.info("restored %s (step=%d epoch=%d position=%d) in %.3fs", restored.name, progress.global_step,
-                 progress.epoch, progress.position, recorder.restore_s)
+        log.info("restored %s (step=%d epoch=%d position=%d) from %s in %.3fs (%d bytes)", restored.name,
+                 progress.global_step, progress.epoch, progress.position, RESTORED_FROM[claim.tier], recorder.restore_s,
+                 claim.restored_bytes)
 
     def check_restored_state(self, restored: Restored, state: TrainingState, drift: tuple[str, ...],
                              recorder: AttemptRecorder) -> None:
@@ -78,7 +80,8 @@ class Restorer:
         every later generation and export (see `set_aside_later_line`)."""
         if self.config.from_generation is None:
             return []
-        abandoned = self.storage.set_aside_later_than(restored_step)
+        abandoned = self.storage.set_aside_later_than(restored_step) + \
+            self.storage.memory.set_aside_later_than(restored_step)
         if abandoned:
             log.warning("went back to %s: set aside %d later generations and exports (%s), kept as "
                         "superseded copies", self.config.from_generation, len(abandoned), ", ".join(abandoned))

@@ -12,12 +12,14 @@ already made, in an object store) is the backend's answer (`RunStorage.after_pub
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Callable
 
 from torch import nn
 
+from trainer import seams
 from trainer.checkpoint.checkpointer import Checkpointer, build_checkpointer
 from trainer.checkpoint.coordination import raise_if_any_failed
 from trainer.checkpoint.export import full_weights, write_export
@@ -73,6 +75,8 @@ class CadencedSaves:
         self.durability = storage.durability(lineage.protected, self.recorder.folder, ranks.is_primary)
         self.checkpointer: Checkpointer = build_checkpointer(mode, self.durability.commit(), lineage.attempt_id,
                                                              ranks.device, ranks)
+        self.memory = storage.memory.saver(lineage.attempt_id, ranks, staging=mode == "async")
+        """Tier 0's saves, on a cadence of their own (none without --memory-dir)."""
         self.ledger = SampleLedger(lineage.epoch_samples, config.workload.batch_size)
         """The samples trained on since the last generation, for the next one's manifest."""
         self.ledger_entries: dict[str, dict] = {}
@@ -112,6 +116,8 @@ class CadencedSaves:
         self.record_durable(self.completed())
         if agreed.recover or final or agreed.preempt:
             self.save_generation(state)
+        elif self.memory.due(state.progress.global_step):
+            self.save_to_memory(state)
         if agreed.export or final:
             self.save_export(state, model, workload)
 
@@ -139,17 +145,31 @@ class CadencedSaves:
 
     def save_generation(self, state: TrainingState) -> None:
         self.agree_on_uploads()
-        progress, state_dict = state.progress, state.state_dict()
-        digests = self.ranks.gather(safe_state_digests(state_dict), "gathering the state digests")
-        samples = self.ranks.gather(self.ledger.micro_batches, "gathering the sample ledger")
-        facts = GenerationFacts(progress.global_step, progress.epoch, progress.position, self.lineage.fingerprint,
-                                self.lineage.allowed_drift, {"recover": {}, "export": self.export_policy.state()},
-                                utc_now(), {str(rank): digest for rank, digest in enumerate(digests)}
-                                if all(digests) else {},
-                                self.ledger.entry(samples, progress.global_step, progress.epoch, progress.position))
+        state_dict = state.state_dict()
+        facts = self.facts(state, state_dict, self.ledger)
         self.ledger_entries[generation_name(facts.step)] = facts.ledger
-        self.record_generations(self.checkpointer.save(state_dict, facts), progress.global_step)
+        self.record_generations(self.checkpointer.save(state_dict, facts), state.progress.global_step)
         self.recover_policy.saved()
+
+    def save_to_memory(self, state: TrainingState) -> None:
+        """A tier-0 generation: the same facts, its ledger entry taken from a copy (the next
+        durable generation still covers every sample since the previous durable one)."""
+        state_dict = state.state_dict()
+        published = self.memory.save(state_dict, self.facts(state, state_dict, copy.copy(self.ledger)))
+        if published is not None:
+            self.recorder.memory_saved(published)
+            seams.crash_point("after-memory-save")
+
+    def facts(self, state: TrainingState, state_dict: dict, ledger: SampleLedger) -> GenerationFacts:
+        """What a generation's manifest says besides its files (`ledger` gives its entry and moves on)."""
+        progress = state.progress
+        digests = self.ranks.gather(safe_state_digests(state_dict), "gathering the state digests")
+        samples = self.ranks.gather(ledger.micro_batches, "gathering the sample ledger")
+        return GenerationFacts(progress.global_step, progress.epoch, progress.position, self.lineage.fingerprint,
+                               self.lineage.allowed_drift, {"recover": {}, "export": self.export_policy.state()},
+                               utc_now(), {str(rank): digest for rank, digest in enumerate(digests)}
+                               if all(digests) else {},
+                               ledger.entry(samples, progress.global_step, progress.epoch, progress.position))
 
     def save_export(self, state: TrainingState, model: nn.Module, workload: Workload) -> None:
         """Every rank: rank 0 writes the export (under FSDP every rank gathers the weights
@@ -186,6 +206,7 @@ class CadencedSaves:
         self.record_durable(self.held_for_every_rank(self.durability.drain, ()))
         self.agree_on_uploads()
         self.durability.close()
+        self.memory.retire(self.generations.names())  # what tier 0 holds that is older is never restored
 
     def close_after_failure(self) -> None:
         """After a failure: finish what is in flight and record it; never raises."""

@@ -89,6 +89,7 @@ def train_steps(training: Training, dataset: DataSource, saves: CadencedSaves,
     window is complete, so saves and stops never see partial gradients. Every batch's sample
     ids go to the ledger."""
     state, steps, accumulate = training.state, training.steps, training.config.workload.grad_accum
+    saves.memory.fits(state.state_dict())  # a tier 0 that cannot hold this state refuses before the first step
     while state.progress.global_step < training.total_steps:
         window, seen = 0, 0
         for ids, batch in epoch_batches(training, dataset):

@@ -8,10 +8,19 @@ from trainer.config import RunConfig, StoreConfig
 from trainer.layout import GENERATIONS, SECTIONS, RunDirectory
 from trainer.storage.base import RunStorage
 from trainer.storage.local import LocalStorage
+from trainer.storage.memory import MemoryTier
 from trainer.storage.location import ClaimedByPrimary, OnDisk, InStore
 
 
 def open_storage(config: RunConfig, processes: int) -> RunStorage:
+    """The backend, with tier 0 ahead of it when `--memory-dir` is given (storage/memory.py)."""
+    storage = open_backend(config, processes)
+    if config.memory.directory is not None:
+        storage.memory = MemoryTier(config.memory, storage.signing)
+    return storage
+
+
+def open_backend(config: RunConfig, processes: int) -> RunStorage:
     """`--output DIR`: this disk. `--output s3://…`: the object store, with its local tier on
     this machine; tiered for one process, direct for several."""
     signing = load_signing(config.signing)  # the backend holds the key (cli.py read it first, to fail early)

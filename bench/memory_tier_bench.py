@@ -1,0 +1,161 @@
+"""What does tier 0 (`--memory-dir`) save on a restart, and what does it cost the loop?
+
+    python bench/memory_tier_bench.py --size-mb 512 --json out.json
+    python bench/memory_tier_bench.py --quick          # 64 MB, well under a minute
+
+Builds the example model + SGD state at about --size-mb, publishes one generation into tier 0
+(a folder under /dev/shm, a memory filesystem) and one onto the disk (--dir, default a folder
+under /tmp) with the trainer's own SyncCheckpointer, RenameCommit and LocalSection, then
+measures in the same run (each --repeat times, median):
+
+  tier0_restore_s       our restore from tier 0: verify every file against the manifest, then
+                        dcp.load into the live state (what `--resume` does); _verify_s and
+                        _load_s are its two parts (likewise for the disk)
+  disk_restore_s        the same from the local disk tier, cold page cache (the restart of a
+                        new process on a node whose cache was dropped, or a new pod)
+  disk_warm_restore_s   the same, warm page cache (a restart soon after the save, same node)
+  tier0_save_s, disk_save_s  one sync save into each
+  step_s, step_with_tier0_s  mean step time of the training loop without saves, and with a
+                        tier-0 save every --every steps (the loop's overhead of tier 0)
+  peak_rss_mb           the process's peak resident set (ru_maxrss); tier 0's pages are shared
+                        memory, charged to the pod's memory but not to this RSS
+
+Ratios: tier-0 restore / disk restore (cold and warm), and the loop overhead of tier 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import evict, facts_for, median, state_bytes, train_step, training_state  # noqa: E402
+
+from trainer.checkpoint.checkpointer import SyncCheckpointer  # noqa: E402
+from trainer.checkpoint.commit import RenameCommit  # noqa: E402
+from trainer.checkpoint.section import LocalSection  # noqa: E402
+from trainer.checkpoint.snapshot import load_snapshot, stored_entries  # noqa: E402
+from trainer.layout import generation_name  # noqa: E402
+
+warnings.filterwarnings("ignore")
+SHM = Path("/dev/shm")
+
+
+def save(state, section: LocalSection, step: int) -> float:
+    checkpointer = SyncCheckpointer(RenameCommit(section), "bench")
+    started = time.perf_counter()
+    checkpointer.save(state.state_dict(), facts_for(step))
+    return time.perf_counter() - started
+
+
+def restore(state, section: LocalSection, name: str, cold: bool) -> tuple[float, float]:
+    """(verify_s, load_s) of the trainer's restore path; `cold`: the disk's pages evicted first."""
+    if cold:
+        evict(section.path(name))
+    started = time.perf_counter()
+    verification = section.verify(name)
+    assert verification.ok, verification.problem
+    verified = time.perf_counter()
+    load_snapshot(state.template(stored_entries(section.path(name))), section.path(name))
+    return verified - started, time.perf_counter() - verified
+
+
+def restores(state, section: LocalSection, name: str, cold: bool, repeat: int, prefix: str) -> dict:
+    """The median total of `repeat` restores, with the verify and load parts of that one."""
+    rounds = sorted((restore(state, section, name, cold) for _ in range(repeat)), key=sum)
+    verify_s, load_s = rounds[len(rounds) // 2]
+    return {f"{prefix}_restore_s": verify_s + load_s, f"{prefix}_verify_s": verify_s, f"{prefix}_load_s": load_s}
+
+
+def loop(state, workload, steps: int, every: int | None, section: LocalSection | None) -> float:
+    """Mean seconds per step, with a tier-0 save (pruned to one kept) every `every` steps."""
+    device = torch.device("cpu")
+    started = time.perf_counter()
+    for step in range(1, steps + 1):
+        train_step(state, workload, device)
+        if every and step % every == 0:
+            for old in section.names():
+                section.remove(old)
+            save(state, section, 1000 + step)
+    return (time.perf_counter() - started) / steps
+
+
+def measure(size_mb: float, repeat: int, steps: int, every: int, disk: Path, memory: Path) -> dict:
+    state, workload = training_state(size_mb, torch.device("cpu"))
+    tier0, local = LocalSection(memory / "checkpoints"), LocalSection(disk / "checkpoints")
+    result = {"size_mb": size_mb, "state_mb": state_bytes(state) / (1 << 20), "memory_dir": str(memory),
+              "memory_is_tmpfs": memory.is_relative_to(SHM), "disk_dir": str(disk), "steps": steps, "every": every,
+              "tier0_save_s": save(state, tier0, 1), "disk_save_s": save(state, local, 1)}
+    name = generation_name(1)
+    result["generation_mb"] = sum(p.stat().st_size for p in tier0.path(name).iterdir()) / (1 << 20)
+    result |= restores(state, tier0, name, False, repeat, "tier0")
+    result |= restores(state, local, name, True, repeat, "disk")
+    result |= restores(state, local, name, False, repeat, "disk_warm")
+    tier0.remove(name)
+    loop(state, workload, 2, None, None)  # warm-up
+    result["step_s"] = median([loop(state, workload, steps, None, None) for _ in range(repeat)])
+    result["step_with_tier0_s"] = median([loop(state, workload, steps, every, tier0) for _ in range(repeat)])
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["ratios"] = {
+        "tier-0 restore / cold disk restore (time)": result["tier0_restore_s"] / result["disk_restore_s"],
+        "tier-0 restore / warm disk restore (time)": result["tier0_restore_s"] / result["disk_warm_restore_s"],
+        f"loop overhead of a tier-0 save every {every} steps": result["step_with_tier0_s"] / result["step_s"] - 1,
+        "peak RSS / state": result["peak_rss_mb"] / result["state_mb"],
+    }
+    return result
+
+
+def markdown(r: dict) -> str:
+    lines = [f"state {r['state_mb']:.0f} MB (generation {r['generation_mb']:.0f} MB); tier 0 in {r['memory_dir']}"
+             f"{'' if r['memory_is_tmpfs'] else ' (NOT a memory filesystem)'}, disk in {r['disk_dir']}", "",
+             "| measure | value |", "|---|---|"]
+    for key in ("tier0_restore_s", "tier0_verify_s", "tier0_load_s", "disk_restore_s", "disk_verify_s", "disk_load_s",
+                "disk_warm_restore_s", "tier0_save_s", "disk_save_s",
+                "step_s", "step_with_tier0_s", "peak_rss_mb"):
+        lines.append(f"| {key} | {r[key]:.4f} |")
+    lines += ["", "| ratio | value |", "|---|---|"] + [f"| {name} | {value:.3f} |" for name, value in r["ratios"].items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=float, default=512)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20, help="loop steps per round")
+    parser.add_argument("--every", type=int, default=5, help="a tier-0 save every N loop steps")
+    parser.add_argument("--quick", action="store_true", help="64 MB, 3 repeats, 10 steps")
+    parser.add_argument("--dir", type=Path, help="the disk tier's scratch (default: a temporary folder under /tmp)")
+    parser.add_argument("--memory-dir", type=Path, help="tier 0's scratch (default: a temporary folder under "
+                                                         "/dev/shm, else under --dir)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.size_mb, args.repeat, args.steps = 64, 3, 10
+    torch.set_num_threads(1)
+    disk = Path(tempfile.mkdtemp(prefix="memory-tier-bench-", dir=args.dir))
+    memory_base = args.memory_dir or (SHM if SHM.is_dir() else disk)
+    memory = Path(tempfile.mkdtemp(prefix="memory-tier-bench-", dir=memory_base))
+    try:
+        result = measure(args.size_mb, args.repeat, args.steps, args.every, disk, memory)
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+    print(f"bench/memory_tier_bench.py --size-mb {args.size_mb:g}" + (" (--quick)" if args.quick else ""))
+    print(markdown(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

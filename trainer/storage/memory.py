@@ -1,0 +1,285 @@
+"""Tier 0: recovery generations in memory, outside the process (`--memory-dir`).
+
+A directory on a memory filesystem (`/dev/shm/…` on a machine, an `emptyDir` with
+`medium: Memory` in a pod) holds the newest `--memory-keep` generations, saved every
+`--memory-every-steps` steps. It survives a crashed or OOM-killed process and a container
+restart in the same pod; it does not survive the loss of the pod or the node, so it never
+replaces the durable tiers (the run directory, the object store), which keep their cadence.
+
+Its generations follow the same protocol as the durable ones: the same checkpointer and
+`RenameCommit`, the same `LocalSection` (manifest last with every file's sha256, signed with
+the backend's key, renamed into place), verified on load and bound to the run (`run.json`,
+copied here from the run directory). A restore reads tier 0 first when it holds a generation
+newer than the newest durable one that continues the line (`newer_than`); a damaged one is
+refused with one warning and the durable tier serves (`restorable`). Going back
+(`--from-generation`) sets later tier-0 generations aside too (removed: no superseded copies are
+kept in memory).
+
+The budget (`--memory-tier-max-bytes`, default: what the memory filesystem has free) covers
+the K generations and the staging buffers of async durable saves; a start that cannot fit is
+refused in one line (exit 2), and a save that would not fit is skipped with a warning, never
+written past the budget. Every save prunes to K - 1 before writing, so K are never exceeded
+even while one is being written.
+
+`NoMemoryTier` is the same interface with nothing behind it (the option is off): the attempt
+never asks which one it holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.checkpoint.atomic import write_file_durably
+from trainer.checkpoint.checkpointer import SyncCheckpointer
+from trainer.checkpoint.commit import RenameCommit
+from trainer.checkpoint.coordination import Coordinator
+from trainer.checkpoint.identity import RunIdentity, identity_or_problem
+from trainer.checkpoint.manifest import GenerationFacts, InvalidManifest, Verification, read_manifest
+from trainer.checkpoint.section import LocalSection, Published
+from trainer.checkpoint.signing import Signing
+from trainer.config import MemoryTierConfig
+from trainer.errors import MemoryTierTooSmall, StorageFailure
+from trainer.layout import GENERATIONS, RunDirectory, generation_name, generation_step
+from trainer.storage.lock import OutputLock
+
+log = logging.getLogger("trainer")
+
+OVERHEAD_BYTES = 256 * 1024
+"""Allowed on top of the state's tensor bytes for a generation's index, manifest and pickled
+values, until a saved generation gives its real size."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What tier 0 needs against what it may use."""
+
+    generation_bytes: int
+    keep: int
+    staging_bytes: int
+    limit_bytes: int
+
+    @property
+    def needed(self) -> int:
+        return self.keep * self.generation_bytes + self.staging_bytes
+
+    def line(self) -> str:
+        return (f"{self.keep} x {self.generation_bytes} bytes of generations + {self.staging_bytes} bytes of "
+                f"staging = {self.needed} bytes")
+
+
+def state_bytes(state_dict: dict) -> int:
+    """The bytes of every tensor in a (nested) state dict: what a generation of it stores."""
+    total = 0
+    stack = [state_dict]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+        elif hasattr(value, "untyped_storage") and hasattr(value, "nbytes"):
+            total += int(value.nbytes)
+    return total
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(entry.stat().st_size for entry in path.iterdir() if entry.is_file()) if path.is_dir() else 0
+
+
+class NoMemoryTier:
+    """`--memory-dir` is off: nothing newer to restore, nothing to save."""
+
+    where = "no tier 0"
+
+    def claim(self, held: contextlib.ExitStack) -> None:
+        return None
+
+    def newer_than(self, durable: list[str], history: list[dict], run: RunIdentity | None) -> list[str]:
+        return []
+
+    def bind(self, identity: RunIdentity) -> None:
+        return None
+
+    def restorable(self, name: str) -> Verification:
+        raise AssertionError("no tier 0 holds a generation")  # newer_than named none
+
+    def set_aside_later_than(self, step: int) -> list[str]:
+        return []
+
+    def saver(self, attempt_id: str, coordinator: Coordinator, staging: bool) -> "NoMemorySaves":
+        return NoMemorySaves()
+
+
+class NoMemorySaves:
+    def fits(self, state_dict: dict) -> None:
+        return None
+
+    def due(self, step: int) -> bool:
+        return False
+
+    def save(self, state_dict: dict, facts: GenerationFacts) -> Published | None:
+        return None
+
+    def retire(self, durable: list[str]) -> None:
+        return None
+
+
+class MemoryTier(NoMemoryTier):
+    """Tier 0 in `config.directory` (see the module docstring)."""
+
+    def __init__(self, config: MemoryTierConfig, signing: Signing | None):
+        self.config = config
+        self.run = RunDirectory(config.directory)
+        self.section = LocalSection(self.run.section(GENERATIONS), signing)
+        self.where = str(self.section.root)
+
+    # ----------------------------------------------------------------- restoring (rank 0)
+    def claim(self, held: contextlib.ExitStack) -> None:
+        """Hold tier 0 with the run directory: a second trainer pointed at it is refused (73)."""
+        self.section.root.mkdir(parents=True, exist_ok=True)
+        held.enter_context(OutputLock(self.run.root))
+        self.section.recover_interrupted_replacements()
+        self.section.remove_stale_temporaries()  # held: no other writer is filling one
+
+    def newer_than(self, durable: list[str], history: list[dict], run: RunIdentity | None) -> list[str]:
+        """Tier-0 generations newer than the newest durable one that continue its line: tier 0
+        is bound to this run (`run`, the run directory's identity; None: a new run directory),
+        and none was written by an attempt that a later attempt went back from
+        (`--from-generation` to an earlier step, perhaps without tier 0, so it could not set
+        them aside)."""
+        if run is None or self.bound_to() != run.run:
+            return []  # another run's (or nobody's): `bind` clears them once this attempt goes ahead
+        newest = generation_step(durable[-1]) if durable else -1
+        went_back = [(record.get("id", ""), (record.get("restored") or {}).get("step"))
+                     for record in history if record.get("explicit_generation")]
+        newer = []
+        for name in self.section.names():
+            step = generation_step(name)
+            if step <= newest:
+                continue
+            try:
+                attempt = read_manifest(self.section.path(name)).attempt
+            except InvalidManifest:
+                attempt = ""  # damaged: offered, so that verifying it refuses it with its reason
+            if any(later > attempt and isinstance(back, int) and back < step for later, back in went_back):
+                log.info("tier 0 holds %s of an abandoned line (a later attempt went back): not restored", name)
+                continue
+            newer.append(name)
+        return newer
+
+    def bound_to(self) -> str | None:
+        """The run tier 0 holds generations of (its `run.json`), None if none or unreadable."""
+        identity, _ = identity_or_problem(self.run.identity.read_bytes() if self.run.identity.is_file() else None)
+        return identity.run if identity else None
+
+    def bind(self, identity: RunIdentity) -> None:
+        """Tier 0 belongs to this run from now on: its `run.json` is the run directory's. What
+        another run left here is removed (tier 0 is this machine's memory, not a durable copy:
+        the flock held since `claim` says no live trainer uses it)."""
+        if self.bound_to() != identity.run:
+            if left := self.section.names():
+                log.warning("tier 0 (%s) held generations of run %s (%s): removed, it now belongs to run %s",
+                            self.where, self.bound_to(), ", ".join(left), identity.run)
+            for name in left:
+                self.section.remove(name)
+        data = identity.to_bytes()
+        if not self.run.identity.is_file() or self.run.identity.read_bytes() != data:
+            write_file_durably(self.run.identity, data)
+
+    def restorable(self, name: str) -> Verification:
+        """The tier-0 generation, verified like a durable one (hash, run, signature)."""
+        return self.section.verify(name)
+
+    def set_aside_later_than(self, step: int) -> list[str]:
+        """Going back: later tier-0 generations belong to the abandoned line. Removed rather
+        than kept as superseded copies: memory is the scarce thing here, and the budget counts
+        only what can be restored."""
+        later = [name for name in self.section.names() if generation_step(name) > step]
+        for name in later:
+            self.section.remove(name)
+        return [f"{self.where}/{name}" for name in later]
+
+    # ----------------------------------------------------------------- saving
+    def saver(self, attempt_id: str, coordinator: Coordinator, staging: bool) -> "MemorySaves":
+        return MemorySaves(self, SyncCheckpointer(RenameCommit(self.section), attempt_id, coordinator=coordinator),
+                           staging)
+
+    def limit_bytes(self) -> int:
+        """`--memory-tier-max-bytes`, else what tier 0 holds plus what its filesystem has free."""
+        if self.config.max_bytes is not None:
+            return self.config.max_bytes
+        stats = os.statvfs(self.section.root)
+        return stats.f_bavail * stats.f_frsize + self.used_bytes()
+
+    def used_bytes(self) -> int:
+        return sum(directory_bytes(self.section.path(name)) for name in self.section.names())
+
+
+class MemorySaves(NoMemorySaves):
+    """This attempt's tier-0 saves: cadence, budget, publish, prune."""
+
+    def __init__(self, tier: MemoryTier, checkpointer: SyncCheckpointer, staging: bool):
+        self.tier, self.checkpointer, self.staging = tier, checkpointer, staging
+        self.generation_bytes = 0
+        """The largest tier-0 generation known (estimated, then measured)."""
+        self.warned = False
+
+    def budget(self, state_dict: dict) -> Budget:
+        estimate = state_bytes(state_dict)
+        self.generation_bytes = max(self.generation_bytes, estimate + OVERHEAD_BYTES + estimate // 50)
+        return Budget(self.generation_bytes, self.tier.config.keep, estimate if self.staging else 0,
+                      self.tier.limit_bytes())
+
+    def fits(self, state_dict: dict) -> None:
+        """Before the first step: refuse a start whose tier 0 cannot hold its K generations."""
+        budget = self.budget(state_dict)
+        if budget.needed > budget.limit_bytes:
+            raise MemoryTierTooSmall(
+                f"tier 0 ({self.tier.where}) needs {budget.line()}, over its budget of {budget.limit_bytes} bytes "
+                f"(--memory-tier-max-bytes, or the free memory of its filesystem); raise it, lower --memory-keep "
+                f"(now {budget.keep}), or drop --memory-dir")
+
+    def due(self, step: int) -> bool:
+        return step % self.tier.config.every_steps == 0
+
+    def save(self, state_dict: dict, facts: GenerationFacts) -> Published | None:
+        """Prune to K - 1, then write and publish, when the new one fits; None when skipped
+        (nothing pruned then)."""
+        section, keep, name = self.tier.section, self.tier.config.keep, generation_name(facts.step)
+        # Those at this step or later are of a line this one replaces (after a refused tier-0
+        # generation): removed, never replaced in place (that would keep a superseded copy in memory).
+        earlier = [held for held in section.names() if held < name]
+        doomed = [held for held in section.names() if held >= name] + earlier[:max(0, len(earlier) - (keep - 1))]
+        budget = self.budget(state_dict)
+        kept = self.tier.used_bytes() - sum(directory_bytes(section.path(name)) for name in doomed)
+        if kept + budget.generation_bytes + budget.staging_bytes > budget.limit_bytes:
+            if not self.warned:
+                log.warning("tier 0 skipped step %d: %d bytes kept + %d for it + %d of staging would pass its "
+                            "budget of %d bytes (the durable tiers keep their cadence)", facts.step, kept,
+                            budget.generation_bytes, budget.staging_bytes, budget.limit_bytes)
+                self.warned = True
+            return None
+        for name in doomed:
+            section.remove(name)
+        started = time.monotonic()
+        try:
+            (published,) = self.checkpointer.save(state_dict, facts)
+        except StorageFailure as failure:  # tier 0 is a speed-up: its failure never ends the run
+            log.warning("tier 0 skipped step %d: %s", facts.step, failure)
+            return None
+        self.generation_bytes = max(self.generation_bytes, directory_bytes(section.path(published.name)))
+        log.info("saved %s to tier 0 in %.3fs", published.name, time.monotonic() - started)
+        return published
+
+    def retire(self, durable: list[str]) -> None:
+        """The attempt ends with everything published durable: tier-0 generations no newer than
+        the newest durable one can never be restored, so their memory is given back."""
+        newest = generation_step(durable[-1]) if durable else -1
+        for name in self.tier.section.names():
+            if generation_step(name) <= newest:
+                self.tier.section.remove(name)
