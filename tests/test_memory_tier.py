@@ -6,6 +6,7 @@ to the uninterrupted run. A tmp directory stands in for /dev/shm."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -89,6 +90,14 @@ def test_a_kill_after_a_tier0_save_restores_from_tier0_exactly(crashed, uninterr
     restored = record["restored"]
     assert restored["tier"] == "memory" and restored["bytes"] > 0 and "refused" not in restored
     assert "step-00000006   from tier 0 (memory)" in run_cli("report", run).stdout
+    report = json.loads(run_cli("report", run, "--json").stdout)
+    # the killed attempt's steps 5-6 were kept in tier 0 and continued from: not lost, not replayed
+    (killed_row, row) = report["rows"]
+    assert (killed_row["last_step"], killed_row["durable_step"], killed_row["lost"]) == (6, 6, 0), killed_row
+    assert (row["restored_step"], row["replayed"], row["restored_from"]) == (6, 0, "memory")
+    totals = report["totals"]
+    assert (totals["useful"], totals["computed"], totals["lost"], totals["replayed"]) == (16, 16, 0, 0), totals
+    assert totals["goodput"] == 1.0 and totals["computed"] == totals["useful"] + totals["lost"]
     assert names(memory / "checkpoints") == []  # completed: tier 0 older than the final generation is given back
     assert_exact(uninterrupted, run)
 

@@ -107,6 +107,24 @@ def test_going_back_counts_abandoned_steps_and_list_agrees_with_report():
     assert "abandoned 16" in format_report(report, "RUN")
 
 
+def test_a_restore_from_tier0_keeps_the_steps_up_to_it():
+    """Killed at 30 after a durable save at 24 and a tier-0 save at 28; the next attempt restored
+    tier-0 step 28: steps 25-28 are kept, only 29-30 lost. A tier-0 step above the killed
+    attempt's last (another line's) or a disk restore changes nothing."""
+    records = [record("a1", "running", 0, 30, published=[(24, 6.0)]),
+               record("a2", "completed", 28, 64, restored=28, replayed=2, published=[(64, 6.0)], exit_code=0)]
+    records[1]["restored"]["tier"] = "memory"
+    report = build_report(records)
+    assert [(r.durable_step, r.lost, r.replayed) for r in report.rows] == [(28, 2, 0), (64, 0, 2)]
+    t = report.totals
+    assert (t.useful, t.computed, t.lost, t.replayed) == (64, 66, 2, 2) and t.computed == t.useful + t.lost
+    assert t.goodput == pytest.approx(64 / 66)
+    records[1]["restored"]["tier"] = "disk"  # the same step from disk: not this path, as before
+    assert [r.lost for r in build_report(records).rows] == [6, 0]
+    records[1]["restored"] = {"name": "step-00000031", "step": 31, "tier": "memory"}
+    assert [r.lost for r in build_report(records).rows] == [6, 0]
+
+
 def test_advice_from_a_known_history_uses_daly_and_says_what_it_rests_on():
     records = history()
     for r in records:

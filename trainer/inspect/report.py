@@ -11,7 +11,9 @@ Definitions (the README repeats them):
 - replayed: the first `steps_replayed` of those steps, which an earlier attempt had already
   computed (capped at computed: an attempt killed while replaying redid only that many).
 - durable: the step of the newest generation the attempt published (with a store: committed
-  there), else the one it restored, else the step it started from.
+  there), else the one it restored, else the step it started from; or, when the next attempt
+  that trained restored a newer tier-0 generation of it (`restored.tier` "memory", a step
+  above that and at most its last), that step: the work up to it was kept and continued from.
 - lost: `last_step - durable`: computed after the attempt's newest durable point, so the
   next attempt has to redo it (0 for a completed attempt and for one still running).
 - abandoned: durable steps of the attempt that a later attempt went back from
@@ -39,7 +41,7 @@ from datetime import datetime
 
 from trainer.run.interval import best_interval, expected_goodput, young_interval
 from trainer.run.ledger import ledger_problems
-from trainer.run.records import OUTCOMES, PUBLISHED, RESTORED_FROM, exposure_s, failure_rate, lifetime
+from trainer.run.records import MEMORY, OUTCOMES, PUBLISHED, RESTORED_FROM, exposure_s, failure_rate, lifetime
 from trainer.layout import GENERATIONS
 
 
@@ -291,6 +293,20 @@ def with_abandoned(rows: tuple[AttemptRow, ...], useful: int) -> tuple[AttemptRo
     return tuple(reversed(marked))
 
 
+def with_tier0_restores(rows: tuple[AttemptRow, ...]) -> tuple[AttemptRow, ...]:
+    """Each trained row whose next trained row restored a tier-0 generation newer than the
+    row's durable step (and not beyond its last): durable up to that step, lost only the steps
+    after it. Tier 0 is not durable on its own, so nothing changes until a restore used it."""
+    trained = [number for number, row in enumerate(rows) if row.outcome != "refused"]
+    marked = list(rows)
+    for number, following in zip(trained, trained[1:]):
+        row, after = rows[number], rows[following]
+        step = after.restored_step
+        if after.restored_from == MEMORY and isinstance(step, int) and row.durable_step < step <= row.last_step:
+            marked[number] = replace(row, durable_step=step, lost=min(row.lost, row.last_step - step))
+    return tuple(marked)
+
+
 def seconds_per_step(row: AttemptRow) -> float | None:
     """Average wall time of one training step of this attempt: its wall time after its first
     step (else after its restore) without the time it waited for saves, over the steps since."""
@@ -333,7 +349,7 @@ def build_report(records: list[dict], live: frozenset[str] = frozenset(),
     markers = markers or {}
     starts = [s for s in map(start_time, records) if s is not None]
     origin = min(starts) if starts else None
-    rows = tuple(attempt_row(r, live, markers.get(r.get("id")), origin) for r in records)
+    rows = with_tier0_restores(tuple(attempt_row(r, live, markers.get(r.get("id")), origin) for r in records))
     trained = [row for row in rows if row.outcome != "refused"]
     useful = trained[-1].durable_step if trained else 0
     rows = with_abandoned(rows, useful)
