@@ -5,6 +5,7 @@ the trainer's own cadence policies (trainer/run/cadence.py) on a simulated clock
     python bench/goodput_sim.py --cost-s 0.2 --restart-s 3 --step-s 0.01 --mtbf-s 60 --png sim.png
     python bench/goodput_sim.py --scenario llama3-70b --png llama.png
     python bench/goodput_sim.py --replay OUTPUT           # C, R, step time and failures of a real run
+    python bench/goodput_sim.py --scenario llama3-70b --tiers --seeds 8   # with and without tier 0
 
 The model (Daly's, so the curve can be checked against trainer/run/interval.py): a run needs
 `work` seconds of training, in steps of `step_s`. Every attempt first pays R (start-up,
@@ -30,6 +31,15 @@ matter for the optimum. The defaults were measured by bench/goodput_validation.p
 on the shared 2-core machine under load (a 25.5 MB state: sync save 0.207 s = 123 MB/s,
 verify + restore 0.293 s = 87 MB/s, start-up 9.4 s): a quiet machine is several times faster,
 which shortens C and R alike.
+
+`--tiers`: two cadences (`simulate_tiers`). Durable saves at Daly's interval for C and M (C, R)
+and a tier-0 save every few steps (C0, R0); a failure restarts from tier 0 when it survived
+(`--memory-survives`, 1.0 = always: an upper bound, true for a crashed process, and for a lost
+node only with a peer replica, which is not built) and holds a newer step than the durable
+tiers. C0 and R0 are the measured ratios of docs/checkpoint-modes.md "Tiers" applied to C and to
+R's read of the state (R's start-up and rescheduling stay); two what-ifs are labelled as such.
+The durable interval counts tier-0 save time as training time (the trainer's seconds cadence
+reads the wall clock too).
 """
 
 from __future__ import annotations
@@ -67,6 +77,8 @@ class Scenario:
     mtbf_s: float
     steps_per_epoch: int = 8
     name: str = "custom"
+    restore_s: float | None = None
+    """The part of R that reads the state back (what a faster tier shortens); None: all of R."""
 
 
 @dataclass
@@ -80,6 +92,9 @@ class Result:
     """Seconds spent on steps that were computed (kept or not)."""
     intervals: list = field(default_factory=list)
     """The auto policy's intervals, one per re-derivation."""
+    memory_saves: int = 0
+    memory_restores: int = 0
+    """Restarts served by tier 0 (`simulate_tiers`)."""
 
     def time_goodput(self, scenario: Scenario) -> float:
         return self.useful * scenario.step_s / self.wall_s if self.wall_s else 0.0
@@ -280,7 +295,139 @@ def llama3_scenario(save_mb_s: float, restore_mb_s: float, startup_s: float, res
     cost = per_node_mb / save_mb_s
     restart = startup_s + reschedule_s + per_node_mb / restore_mb_s
     steps = int(30 * LLAMA3_MTBF_S / step_s)  # a run 30 failure intervals long
-    return Scenario(step_s, cost, restart, steps, LLAMA3_MTBF_S, steps_per_epoch=10 ** 9, name="llama3-70b")
+    return Scenario(step_s, cost, restart, steps, LLAMA3_MTBF_S, steps_per_epoch=10 ** 9, name="llama3-70b",
+                    restore_s=per_node_mb / restore_mb_s)
+
+
+# ----------------------------------------------------------------------------- tier 0
+TIER0_SAVE_RATIO = 0.7
+"""Tier-0 sync save / local-disk sync save, measured (docs/checkpoint-modes.md "Tiers": 0.41 and
+0.73 in two 512 MB runs; the higher one taken)."""
+TIER0_RESTORE_RATIO = 0.95
+"""Tier-0 restore / cold local-disk restore, measured there (0.92, 0.95): CPU-bound here."""
+GOAL_RESTORE_RATIO = 0.2 * 2.15
+"""What-if: the issue's goal, tier 0 at 0.2x the store, the store at 2.15x the disk (measured)."""
+ASYNC_SAVE_RATIO = 0.16
+"""What-if: a tier-0 save written from the async staging buffers (not built) blocks the loop as
+long as an async save's staging, 7-16 % of a sync save on CPU (docs/checkpoint-modes.md)."""
+
+
+@dataclass(frozen=True)
+class Tier0:
+    every_steps: int
+    cost_s: float
+    """C0: seconds one tier-0 save blocks the loop."""
+    restart_s: float
+    """R0: seconds before an attempt restored from tier 0 trains."""
+    survives: float = 1.0
+    """Share of failures after which tier 0 (or a peer's replica of it) is still readable."""
+
+
+def tier0_of(scenario: Scenario, every_steps: int, save_ratio: float, restore_ratio: float,
+             survives: float = 1.0) -> Tier0:
+    """C0 and R0 from the durable C and R: R0 is R with its read of the state scaled."""
+    read = scenario.restart_s if scenario.restore_s is None else scenario.restore_s
+    return Tier0(every_steps, save_ratio * scenario.cost_s, scenario.restart_s - read + restore_ratio * read,
+                 survives)
+
+
+def simulate_tiers(scenario: Scenario, interval_s: float, tier0: Tier0 | None, lifetimes: Iterator[float],
+                   seed: int = 0) -> Result:
+    """One run with durable saves every `interval_s` of training (C, R) and, with `tier0`, a
+    tier-0 save every `tier0.every_steps` steps (C0; skipped on a step where a durable save
+    fires, as in the trainer). A failure restarts from the newest generation that is left: tier 0's
+    when it survived (seeded draw at `tier0.survives`) and is newer than the durable one (R0),
+    else the durable one (R; a lost tier 0 is empty afterwards)."""
+    clock, result, draw = SimClock(), Result(), random.Random(seed)
+    durable = memory = 0
+    restart = scenario.restart_s
+    while durable < scenario.steps:
+        dies = clock.now + next(lifetimes)
+        step = max(durable, memory)
+        if clock.now + restart <= dies:
+            clock.now += restart
+            durable, memory, step = train_until(scenario, interval_s, tier0, (clock, dies, result), step,
+                                                (durable, memory))
+            if durable >= scenario.steps:
+                break
+        clock.now = dies
+        result.failures += 1
+        kept = tier0 is not None and draw.random() < tier0.survives
+        memory = memory if kept else 0
+        restart = tier0.restart_s if kept and memory > durable else scenario.restart_s
+        result.memory_restores += kept and memory > durable
+    result.useful, result.wall_s = scenario.steps, clock.now
+    return result
+
+
+def train_until(scenario: Scenario, interval_s: float, tier0: Tier0 | None, timing: tuple, step: int,
+                saved: tuple[int, int]) -> tuple[int, int, int]:
+    """One attempt's training from `step` until it fails (`dies`) or ends: the durable and tier-0
+    steps it leaves, and its last step."""
+    clock, dies, result = timing
+    durable, memory = saved
+    cadence = build_policy(CadenceConfig(every_s=interval_s), clock, AutoPrior())
+    while step < scenario.steps:
+        if clock.now + scenario.step_s > dies:
+            result.train_s += dies - clock.now
+            return durable, memory, step
+        clock.now += scenario.step_s
+        result.train_s += scenario.step_s
+        step += 1
+        result.computed += 1
+        if cadence.due(StepPoint(step, 0, False)) or step == scenario.steps:
+            if clock.now + scenario.cost_s > dies:
+                return durable, memory, step
+            clock.now, durable = clock.now + scenario.cost_s, step
+            result.saves += 1
+            cadence.saved()
+        elif tier0 is not None and step % tier0.every_steps == 0:
+            if clock.now + tier0.cost_s > dies:
+                return durable, memory, step
+            clock.now, memory = clock.now + tier0.cost_s, step
+            result.memory_saves += 1
+    return durable, memory, step
+
+
+def compare_tiers(scenario: Scenario, seeds: list[int], every_steps: list[int], survives: float = 1.0) -> dict:
+    """Goodput without tier 0 and with it, at the measured ratios and at two labelled what-ifs,
+    the durable cadence at Daly's interval throughout (it keeps its cadence)."""
+    interval = daly_interval(scenario.cost_s, scenario.mtbf_s)
+
+    def row(case: str, tier0: Tier0 | None) -> dict:
+        runs = [simulate_tiers(scenario, interval, tier0, exponential_lifetimes(scenario.mtbf_s, seed), seed)
+                for seed in seeds]
+        mean = lambda value: sum(map(value, runs)) / len(runs)  # noqa: E731
+        return {"case": case, "every_steps": tier0 and tier0.every_steps, "c0_s": tier0 and tier0.cost_s,
+                "r0_s": tier0 and tier0.restart_s, "time_goodput": mean(lambda r: r.time_goodput(scenario)),
+                "step_goodput": mean(Result.step_goodput), "failures": mean(lambda r: r.failures),
+                "memory_restores": mean(lambda r: r.memory_restores)}
+
+    cases = {"tier 0, ratios measured here": (TIER0_SAVE_RATIO, TIER0_RESTORE_RATIO),
+             "what-if: restore at the goal (0.2x the store)": (TIER0_SAVE_RATIO, GOAL_RESTORE_RATIO),
+             "what-if: goal restore, save from async staging": (ASYNC_SAVE_RATIO, GOAL_RESTORE_RATIO)}
+    rows = [row("without tier 0", None)] + [
+        row(case, tier0_of(scenario, n, save, restore, survives)) for case, (save, restore) in cases.items()
+        for n in every_steps]
+    return {"scenario": asdict(scenario), "seeds": len(seeds), "interval_s": interval, "survives": survives,
+            "rows": rows}
+
+
+def print_tiers(found: dict) -> None:
+    s = found["scenario"]
+    print(f"scenario {s['name']}: C={s['cost_s']:.4g} s, R={s['restart_s']:.4g} s, step={s['step_s']:.4g} s, "
+          f"M={s['mtbf_s']:.4g} s; durable saves every {found['interval_s']:.4g} s (Daly); tier 0 survives "
+          f"{found['survives']:.0%} of failures; {found['seeds']} seeded runs per row")
+    print("| case | tier 0 every | C0 s | R0 s | time goodput | step goodput | failures | from tier 0 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in found["rows"]:
+        print(f"| {r['case']} | {cell(r['every_steps'], '{} steps')} | {cell(r['c0_s'], '{:.3g}')} | "
+              f"{cell(r['r0_s'], '{:.4g}')} | {r['time_goodput']:.2%} | {r['step_goodput']:.2%} | "
+              f"{r['failures']:.1f} | {r['memory_restores']:.1f} |")
+
+
+def cell(value, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
 
 
 def replay_scenario(run: Path) -> tuple[Scenario, list[float]]:
@@ -320,6 +467,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--auto-min-s", type=float, default=None, help="auto's lower bound (default C)")
     parser.add_argument("--auto-max-s", type=float, default=None, help="auto's upper bound (default 10 M)")
     parser.add_argument("--quick", action="store_true", help="8 seeds, 8 intervals, a 10-minute run of 0.05 s steps")
+    parser.add_argument("--tiers", action="store_true",
+                        help="instead of the sweep: goodput with and without tier 0 (durable saves at Daly's "
+                             "interval, tier-0 saves every --memory-every-steps)")
+    parser.add_argument("--memory-every-steps", type=int, nargs="+", default=[1, 2, 5],
+                        help="--tiers: tier-0 cadences to simulate (steps)")
+    parser.add_argument("--memory-survives", type=float, default=1.0,
+                        help="--tiers: share of failures after which tier 0 (or a peer replica) is readable")
     parser.add_argument("--png", type=Path, help="also draw goodput against the interval into this PNG")
     parser.add_argument("--dir", type=Path, help="unused: nothing is written but --png and --json")
     parser.add_argument("--json", type=Path)
@@ -338,6 +492,12 @@ def main(argv: list[str] | None = None) -> int:
     auto = AutoCadenceConfig(min_s=args.auto_min_s or max(scenario.cost_s, scenario.step_s),
                              max_s=args.auto_max_s or 10 * min(scenario.mtbf_s, 1e9))
     seeds = list(range(args.seeds))
+    if args.tiers:
+        found = compare_tiers(scenario, seeds, args.memory_every_steps, args.memory_survives)
+        print_tiers(found)
+        if args.json:
+            args.json.write_text(json.dumps(found, indent=2))
+        return 0
     found = sweep(scenario, seeds, args.points, auto, lifetimes_of)
     print_sweep(found)
     if args.png:

@@ -1,5 +1,6 @@
 """bench/goodput_sim.py: the simulator is pure and seeded, so its numbers are checked exactly
-on a hand-computed history and against Daly's closed form on long runs. Cost: ~2 s."""
+on a hand-computed history and against Daly's closed form on long runs; the two-cadence (tier 0)
+model on hand-computed histories. Cost: ~2 s."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
 
-from goodput_sim import (Scenario, draw, exponential_lifetimes, replayed_lifetimes, simulate,  # noqa: E402
-                         sweep)
+from goodput_sim import (Scenario, Tier0, compare_tiers, draw, exponential_lifetimes,  # noqa: E402
+                         llama3_scenario, replayed_lifetimes, simulate, simulate_tiers, sweep, tier0_of)
 
 from trainer.config import AutoCadenceConfig  # noqa: E402
 from trainer.run.interval import daly_interval, expected_goodput  # noqa: E402
@@ -56,3 +57,34 @@ def test_auto_is_close_to_the_best_fixed_interval_and_beats_the_default(tmp_path
     assert auto["time_goodput"] >= best["time_goodput"] - 0.01
     draw(found, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 10_000
+
+
+def test_two_cadences_restart_from_tier0_when_it_survived_as_computed_by_hand():
+    # 10 steps of 1 s; durable saves (C 0.5, R 1) every 3 s, tier 0 (C0 0.1, R0 0.25) every 2 steps.
+    # The first attempt dies at 6 s: durable step 3 (at 4.6 s), tier-0 steps 2 and 4 (at 5.7 s).
+    scenario = Scenario(step_s=1.0, cost_s=0.5, restart_s=1.0, steps=10, mtbf_s=10.0)
+    tier0 = Tier0(every_steps=2, cost_s=0.1, restart_s=0.25)
+    kept = simulate_tiers(scenario, 3.0, tier0, replayed_lifetimes([6.0]))
+    assert (kept.failures, kept.memory_restores, kept.computed, kept.saves, kept.memory_saves) == (1, 1, 10, 3, 4)
+    assert kept.wall_s == pytest.approx(6.0 + 0.25 + 6 * 1.0 + 2 * 0.1 + 2 * 0.5)
+    # without tier 0: back to step 3 at R, steps 4-5 computed twice (the trainer's sync model above)
+    plain = simulate_tiers(scenario, 3.0, None, replayed_lifetimes([6.0]))
+    assert (plain.failures, plain.memory_restores, plain.computed, plain.saves) == (1, 0, 11, 4)
+    assert plain.wall_s == pytest.approx(6.0 + 1.0 + 7 * 1.0 + 3 * 0.5)
+    assert plain.wall_s == simulate(scenario, "3.0", replayed_lifetimes([6.0])).wall_s
+    # tier 0 lost with the node (no peer replica): the durable tier serves, at R
+    lost = simulate_tiers(scenario, 3.0, Tier0(2, 0.1, 0.25, survives=0.0), replayed_lifetimes([6.0]))
+    assert (lost.memory_restores, lost.computed) == (0, 11)
+
+
+def test_tier0_figures_come_from_the_measured_ratios_and_are_compared_at_one_durable_cadence():
+    scenario = llama3_scenario(123.0, 87.0, 9.4, 300.0)
+    tier0 = tier0_of(scenario, 5, 0.7, 0.5)
+    assert tier0.cost_s == pytest.approx(0.7 * scenario.cost_s)
+    assert tier0.restart_s == pytest.approx(scenario.restart_s - 0.5 * scenario.restore_s)
+    short = Scenario(step_s=1.0, cost_s=2.0, restart_s=20.0, steps=3_000, mtbf_s=300.0, restore_s=10.0)
+    found = compare_tiers(short, [0, 1], [5])
+    cases = [row["case"] for row in found["rows"]]
+    assert cases[0] == "without tier 0" and len(cases) == 4 and sum("what-if" in case for case in cases) == 2
+    best = max(found["rows"], key=lambda row: row["time_goodput"])
+    assert best["case"] != "without tier 0" and best["memory_restores"] > 0
