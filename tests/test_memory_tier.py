@@ -175,3 +175,34 @@ def test_a_fresh_start_over_this_runs_tier0_is_refused_naming_it(crashed):
     assert f"and tier 0 ({memory / 'checkpoints'}) already holds generations (newest step-00000006)" in refused.stderr
     assert names(memory / "checkpoints") == ["step-00000006"]  # touched nothing
 
+
+
+def test_the_budget_counts_optimizer_state_that_is_not_created_yet():
+    """A fresh start's estimate must not fall below the state after the first step. DCP creates
+    the lazy state of the optimizers saved under `optim` when it reads their state dict; an
+    optimizer among the workload's own stateful objects keeps none until it steps, so its
+    moments are estimated from its param groups (Adam 2 per parameter, AMSGrad 3, SGD 1 with
+    momentum, 0 without; others 2). <1 s."""
+    import torch
+
+    from trainer.run.state import TrainingState
+    from trainer.storage.memory import lazy_optimizer_bytes, state_bytes
+
+    weights = (8 * 4 + 4) * 4
+    for make, tensors in [(torch.optim.Adam, 2), (lambda p: torch.optim.AdamW(p, amsgrad=True), 3),
+                          (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 1),
+                          (lambda p: torch.optim.SGD(p, lr=0.1), 0), (torch.optim.Adamax, 2)]:
+        model, critic = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+        optimizer, kept = torch.optim.Adam(model.parameters()), make(critic.parameters())
+        state = TrainingState(model, optimizer, torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.9),
+                              torch.amp.GradScaler("cpu", enabled=False), extras={"critic": kept})
+        fresh = state_bytes(state.state_dict())
+        assert len(optimizer.state) == 2 and not kept.state  # DCP created the main one's, not the extra's
+        lazy = lazy_optimizer_bytes(state.optimizers())
+        assert lazy == tensors * weights, make
+        (model(torch.ones(2, 8)).sum() + critic(torch.ones(2, 8)).sum()).backward()
+        optimizer.step()
+        kept.step()
+        stepped = state_bytes(state.state_dict())
+        assert lazy_optimizer_bytes(state.optimizers()) == 0
+        assert fresh + lazy >= stepped - 64 and (fresh < stepped or tensors == 0)  # 64: `step` scalars

@@ -156,6 +156,12 @@ class TrainingState:
             **self._per_rank_state(),
         }
 
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Every optimizer the state holds: those saved under `optim`, and any among the
+        workload's own stateful objects."""
+        return [*named(self.optimizer).values(),
+                *(kept for kept in self.extras.values() if isinstance(kept, torch.optim.Optimizer))]
+
     def _per_rank_state(self) -> dict:
         if self.world_size == 1:
             return {"rng": capture_rng()}

@@ -87,6 +87,30 @@ def state_bytes(state_dict: dict) -> int:
     return total
 
 
+def lazy_optimizer_bytes(optimizers) -> int:
+    """Optimizer state not created yet, which `state_bytes` cannot see: most optimizers create
+    theirs at the first step (Adam's exp_avg and exp_avg_sq, SGD's momentum buffer). DCP's
+    `get_optimizer_state_dict` creates it for the optimizers saved under `optim`; an optimizer
+    among the workload's own stateful objects (`stateful()`, saved with its plain `state_dict()`)
+    keeps none until it steps. Per parameter without state: `lazy_tensors` of its size."""
+    return sum(lazy_tensors(group) * int(parameter.nbytes) for optimizer in optimizers
+               for group in optimizer.param_groups for parameter in group["params"] if parameter not in optimizer.state)
+
+
+def lazy_tensors(group: dict) -> int:
+    """Tensors of a parameter's size that an optimizer creates per parameter, from the
+    hyperparameters naming the known ones: Adam-like (`betas`: exp_avg and exp_avg_sq, a third
+    with `amsgrad`), RMSprop (`alpha`: square_avg, plus momentum and centered buffers), SGD
+    (`momentum`: its buffer unless 0); any other: 2, as Adam (conservative for most)."""
+    if "betas" in group:
+        return 3 if group.get("amsgrad") else 2
+    if "alpha" in group:
+        return 1 + bool(group.get("momentum")) + bool(group.get("centered"))
+    if "momentum" in group:
+        return 1 if group["momentum"] else 0
+    return 2
+
+
 def directory_bytes(path: Path) -> int:
     return sum(entry.stat().st_size for entry in path.iterdir() if entry.is_file()) if path.is_dir() else 0
 
@@ -116,7 +140,7 @@ class NoMemoryTier:
 
 
 class NoMemorySaves:
-    def fits(self, state_dict: dict) -> None:
+    def fits(self, state_dict: dict, lazy_bytes: int = 0) -> None:
         return None
 
     def due(self, step: int) -> bool:
@@ -229,15 +253,16 @@ class MemorySaves(NoMemorySaves):
         """The largest tier-0 generation known (estimated, then measured)."""
         self.warned = False
 
-    def budget(self, state_dict: dict) -> Budget:
-        estimate = state_bytes(state_dict)
+    def budget(self, state_dict: dict, lazy_bytes: int = 0) -> Budget:
+        estimate = state_bytes(state_dict) + lazy_bytes
         self.generation_bytes = max(self.generation_bytes, estimate + OVERHEAD_BYTES + estimate // 50)
         return Budget(self.generation_bytes, self.tier.config.keep, estimate if self.staging else 0,
                       self.tier.limit_bytes())
 
-    def fits(self, state_dict: dict) -> None:
-        """Before the first step: refuse a start whose tier 0 cannot hold its K generations."""
-        budget = self.budget(state_dict)
+    def fits(self, state_dict: dict, lazy_bytes: int = 0) -> None:
+        """Before the first step: refuse a start whose tier 0 cannot hold its K generations.
+        `lazy_bytes`: optimizer state not created yet (`lazy_optimizer_bytes`)."""
+        budget = self.budget(state_dict, lazy_bytes)
         if budget.needed > budget.limit_bytes:
             raise MemoryTierTooSmall(
                 f"tier 0 ({self.tier.where}) needs {budget.line()}, over its budget of {budget.limit_bytes} bytes "
