@@ -15,7 +15,7 @@ any loader sees it). Verification never modifies anything.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -182,6 +182,9 @@ class Verification:
     """None when verified; else "FILE: what is wrong" naming the first bad file."""
     untrusted: bool = False
     """The problem is content that loading would have to run code for (not damage)."""
+    shards_pending: bool = False
+    """Only the parsed files were hashed (`verify_directory(..., shards=False)`): the shards'
+    sha256 is still to be checked by the load (trainer/checkpoint/onepass.py)."""
 
     @property
     def ok(self) -> bool:
@@ -224,7 +227,10 @@ def unlisted_problem(manifest: Manifest, on_disk: list[str]) -> str | None:
     return f"{stray}: not listed in {MANIFEST}" if stray else None
 
 
-def verify_directory(directory: Path) -> Verification:
+def verify_directory(directory: Path, shards: bool = True) -> Verification:
+    """Verify `directory` against its manifest. With `shards=False` the tensor shards
+    (`*.distcp`) are checked for presence and size only: their sha256 is left to the load that
+    reads them (trainer/checkpoint/onepass.py), which must then be the only reader."""
     try:
         manifest = read_manifest(directory)
     except InvalidManifest as reason:
@@ -239,15 +245,30 @@ def verify_directory(directory: Path) -> Verification:
     for name, expected in sorted(manifest.files.items()):
         path = directory / name
         try:
-            actual = file_digest(path) if path.is_file() else None
+            actual = file_digest(path) if path.is_file() and (shards or not deferred(name)) else \
+                sized(path, expected)
         except OSError as error:
             return Verification(directory, manifest, f"{name}: unreadable ({error.strerror})")
         problem = file_problem(name, expected, actual)
         if problem:
             return Verification(directory, manifest, problem)
     if manifest.kind == RECOVERY:
-        return index_verification(directory, manifest, (directory / SNAPSHOT_INDEX).read_bytes)
+        checked = index_verification(directory, manifest, (directory / SNAPSHOT_INDEX).read_bytes)
+        return replace(checked, shards_pending=not shards) if checked.ok else checked
     return Verification(directory, manifest, None)
+
+
+def deferred(name: str) -> bool:
+    """A file whose sha256 a one-pass load checks while reading it: a tensor shard."""
+    return name.endswith(SNAPSHOT_SHARD_SUFFIX)
+
+
+def sized(path: Path, expected: Mapping) -> dict | None:
+    """A shard whose hash is deferred: its size observed, its sha256 taken as the manifest's
+    until the load has read it."""
+    if not path.is_file():
+        return None
+    return {"bytes": path.stat().st_size, "sha256": expected["sha256"]}
 
 
 def oversized_index(manifest: Manifest) -> str | None:

@@ -53,6 +53,8 @@ class Restored:
 def restore(generation: Verification, state: Restorable) -> Restored:
     """Load a verified generation into `state`; raises FingerprintMismatch (65) if the live
     tensors have other shapes than the stored ones."""
+    if generation.shards_pending:  # its shards' sha256 is unchecked: only onepass.load_verified may load it
+        raise AssertionError(f"{generation.name} was verified without its shards; load it with load_verified")
     started = time.monotonic()
     load_into(generation.name, generation.path, state)
     manifest = generation.manifest

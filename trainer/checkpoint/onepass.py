@@ -1,0 +1,84 @@
+"""A verified load that reads the disk once: the shards are hashed while DCP loads them.
+
+The separate verification (trainer/checkpoint/manifest.py `verify_directory`) reads every
+file from the disk to hash it, then the load reads it again (from the page cache when it
+still fits). Here the small files that are parsed (`manifest.json`, `.metadata`) are still
+verified before anything parses them (the caller's `verify_directory(..., shards=False)`),
+and only the tensor shards (`*.distcp`) are hashed at the same time as DCP loads them, by
+`HASH_THREADS` threads of their own, each shard front to back, every byte once, in order.
+Whichever of the two reads a page first reads it from the disk; the other finds it in the
+page cache. A shard whose size or sha256 differs from the manifest's raises the same
+one-line CorruptGeneration the separate pass gives ("NAME: FILE: sha256 mismatch …"), once
+the load is done: the template then holds bytes of the damaged file, so a caller that falls
+back to another source loads the whole template again from it.
+
+Measured (bench/checkpoint_bench.py, docs/checkpoint-modes.md): this is faster than the
+separate pass. Hashing inside DCP's reader (reading each item's range into memory, hashing
+it, and deserializing from there) was measured too and was slower than the separate pass:
+on this VM the copies it adds hold the GIL, so the reader threads stop overlapping; it was
+not kept. As with the separate pass, the hash and the load are two reads of the file, so
+a writer that changes a shard between them is not detected (the manifest detects
+corruption; the signature, docs/security.md, covers what was published).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Mapping
+
+from trainer.checkpoint.atomic import file_digest
+from trainer.checkpoint.manifest import Verification, deferred, file_problem, verify_directory
+from trainer.checkpoint.snapshot import load_snapshot, stored_entries
+from trainer.errors import CorruptGeneration, UntrustedGeneration
+
+HASH_THREADS = 2
+"""Shards hashed at once beside the load (2 measured best on 2 cores: one leaves the disk
+idle between reads, more only compete with DCP's reader threads)."""
+
+
+def verified_load(directory: Path, make_template: Callable[[dict], dict]) -> tuple[Verification, dict]:
+    """Verify and load `directory` with one read of the disk: its manifest and `.metadata`
+    verified (and the index checked against the allowlist) before either is parsed, then
+    `make_template(stored entries)` filled by `load_verified`. CorruptGeneration (exit 65)
+    in one line naming the file, whichever step finds the damage."""
+    verification = verify_directory(Path(directory), shards=False)
+    if not verification.ok:
+        refusal = UntrustedGeneration if verification.untrusted else CorruptGeneration
+        raise refusal(f"generation {verification.name} does not verify: {verification.problem}; restore an "
+                      f"earlier generation with --from-generation")
+    template = make_template(stored_entries(directory))
+    load_verified(template, directory, verification.manifest.files)
+    return replace(verification, shards_pending=False), template
+
+
+def load_verified(template: dict, directory: Path, files: Mapping[str, Mapping]) -> None:
+    """`load_snapshot` of a directory whose `verify_directory(directory, shards=False)`
+    passed (`files`: its manifest's), every listed shard hashed while it loads; raises
+    CorruptGeneration naming the first shard that does not match (before any error of the
+    load itself, which a damaged shard may also cause)."""
+    directory = Path(directory)
+    shards = sorted(name for name in files if deferred(name))
+    with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(shards)))) as pool:
+        digests = pool.map(lambda name: observed(directory / name), shards)
+        try:
+            load_snapshot(template, directory)
+            failed = None
+        except (CorruptGeneration, UntrustedGeneration, OSError) as error:  # a damaged shard: the hash says so
+            failed = error
+        found = dict(zip(shards, digests))
+    problem = next(filter(None, (file_problem(name, files[name], found[name]) for name in shards)), None)
+    if problem:
+        raise CorruptGeneration(f"{directory.name}: {problem}; restore an earlier generation with "
+                                f"--from-generation")
+    if failed is not None:
+        raise failed
+
+
+def observed(path: Path) -> dict | None:
+    """A shard's size and sha256 as read now (None: missing, or unreadable)."""
+    try:
+        return file_digest(path) if path.is_file() else None
+    except OSError:
+        return None
