@@ -176,6 +176,70 @@ def test_a_fresh_start_over_this_runs_tier0_is_refused_naming_it(crashed):
     assert names(memory / "checkpoints") == ["step-00000006"]  # touched nothing
 
 
+ASYNC = ("--checkpoint-mode", "async")
+
+
+def test_an_async_tier0_save_survives_a_kill_and_restores_exactly(tmp_path, uninterrupted):
+    """Under async saves a tier-0 save stages in the loop and writes and commits in the
+    background; it is reported (recorded, then the pause) once committed, at the latest when the
+    next tier-0 save waits for it. No durable save before the kill (--recover-every-steps 100),
+    so the restore can only come from tier 0; the resumed run (async too, durable every 4 and
+    tier 0 every 3 beside them) ends bit-identical to the uninterrupted one."""
+    run, memory = tmp_path / "run", tmp_path / "shm"
+    process = start(run, *RUN, *ASYNC, "--recover-every-steps", 100, *tier0(memory),
+                    env={"TRAINER_PAUSE_POINT": "after-memory-save"})
+    try:
+        wait_until(lambda: process.poll() is not None or stopped(process.pid), "the trainer pausing after its save")
+        assert process.poll() is None, process.stderr.read()
+        os.kill(process.pid, signal.SIGKILL)
+        assert process.wait(timeout=scaled(CLI_TIMEOUT_S)) == -signal.SIGKILL
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.stdout.close()
+        process.stderr.close()
+    assert not (run / "checkpoints").exists() or names(run / "checkpoints") == []
+    assert names(memory / "checkpoints") == ["step-00000003"]
+    (killed_record,) = attempts(run)
+    saved = killed_record["memory"]
+    assert saved["saves"] == 1 and saved["newest"] == "step-00000003"
+    assert saved["blocked_s"] < saved["save_s"]  # the loop held only the staging, not the write
+    resumed = train(run, *RUN, *ASYNC, *tier0(memory), "--resume")
+    assert "restored step-00000003 (step=3 epoch=0 position=3) from tier 0 (memory)" in resumed.stdout
+    assert attempts(run)[-1]["restored"]["tier"] == "memory"
+    assert attempts(run)[-1]["memory"]["saves"] >= 1  # tier 0 kept saving beside the async durable saves
+    assert names(memory / "checkpoints") == []
+    assert_exact(uninterrupted, run)
+
+
+def test_a_kill_during_a_background_tier0_write_leaves_only_a_temporary(tmp_path, uninterrupted):
+    """kill -9 once a background tier-0 write has its files and before its commit (the seam
+    `memory-after-write`): tier 0 holds a temporary and no generation; the resume never selects
+    it, removes it, restores from the durable tier (or starts fresh, if the durable async save
+    had not committed yet) and ends bit-identical."""
+    run, memory = tmp_path / "run", tmp_path / "shm"
+    killed = train(run, *RUN, *ASYNC, *tier0(memory), "--memory-every-steps", 5, expect=-signal.SIGKILL,
+                   env={"TRAINER_FAULT_POINT": "memory-after-write"})
+    assert "killing at memory-after-write" in killed.stderr
+    left = os.listdir(memory / "checkpoints")
+    assert names(memory / "checkpoints") == [] and len(left) == 1 and not left[0].startswith("step-"), left
+    assert list((memory / "checkpoints" / left[0]).glob("*.distcp"))  # its shards were written
+    resumed = train(run, *RUN, *ASYNC, *tier0(memory), "--resume", "auto")
+    assert "from tier 0" not in resumed.stdout
+    restored = attempts(run)[-1]["restored"]
+    assert restored is None or restored["tier"] == "disk", restored
+    assert os.listdir(memory / "checkpoints") == []  # the temporary removed at the claim; the rest given back
+    assert_exact(uninterrupted, run)
+
+
+def test_async_tier0_staging_is_counted_twice_in_the_budget(tmp_path):
+    """Under async saves the durable saves and tier 0 each keep a host copy of the state: the
+    refusal names both. <5 s."""
+    refused = train(tmp_path / "run", *RUN, *ASYNC, *tier0(tmp_path / "shm"), "--memory-tier-max-bytes", 10000,
+                    expect=2)
+    (line,) = [line for line in refused.stderr.splitlines() if line.startswith("trainer: error:")]
+    assert "bytes of staging (2 host copies: durable and tier-0 saves stage apart)" in line, line
+
 
 def test_the_budget_counts_optimizer_state_that_is_not_created_yet():
     """A fresh start's estimate must not fall below the state after the first step. DCP creates

@@ -45,15 +45,17 @@ RAISE_ENV = "TRAINER_RAISE_POINT"
 
 CRASH_POINTS = ("after-staging", "after-write", "before-seal", "after-files-fsync", "after-manifest", "after-rename",
                 "store-after-first-object", "store-before-manifest", "store-after-manifest",
-                "store-retention-after-uncommit", "before-retention", "before-export", "after-memory-save")
+                "store-retention-after-uncommit", "before-retention", "before-export", "memory-after-write",
+                "after-memory-save")
 """Where a crash can be injected, in publish order: an async save's host copy complete (its
 write not started), shards written, every rank's shards written (rank 0, on one disk, before
 sealing), every file hashed and
 fsynced, manifest written, directory renamed into place; then in a store: one data object
 uploaded, every data object uploaded, the manifest committed; retention in a store
 between removing a generation's manifest and its data; rank 0's local retention before it
-removes a generation; rank 0 before it writes an export; a tier-0 generation published and recorded
-(`--memory-dir`)."""
+removes a generation; rank 0 before it writes an export; a tier-0 generation's files written, before
+its commit (in the background under async saves; `--memory-dir`); a tier-0 generation published and
+recorded. An async tier-0 save passes `after-staging`, `after-write` and the commit's points too."""
 RNG_KINDS = ("python", "numpy", "torch", "cuda")
 """The global RNGs a snapshot holds (trainer/run/state.py); named here so the CLI can validate
 the skip list without importing torch."""

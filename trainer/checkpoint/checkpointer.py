@@ -140,6 +140,14 @@ class _Checkpointer:
     def wait_for_staging(self) -> float:
         return 0.0
 
+    def ready(self) -> list[Published]:
+        """Saves committed in the background since the last call, without waiting."""
+        return []
+
+    def drain(self) -> list[Published]:
+        """Wait until every save in flight is committed."""
+        return []
+
     def finalize(self) -> list[Published]:
         return []
 
@@ -319,6 +327,15 @@ class AsyncCheckpointer(_Checkpointer):
                     if failure is not None:
                         raise failure
         return time.monotonic() - started
+
+    def ready(self) -> list[Published]:
+        """What committed already, without waiting (and without a collective): with one
+        process the save in flight once its commit is done (its failure raised, as at the next
+        `save()`); with several nothing, they learn it together at the next `save()` or
+        `finalize()`."""
+        if self.coordinator.distributed or not self._in_flight or not self._in_flight[0].committed.done():
+            return []
+        return self._settle(keep=0)
 
     def drain(self) -> list[Published]:
         """Wait until every save in flight is committed (and the ranks agree on it), keeping

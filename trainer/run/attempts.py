@@ -361,11 +361,12 @@ class AttemptRecorder:
     def memory_saved(self, published: "Published") -> None:
         """A tier-0 generation (trainer/storage/memory.py): not durable, so not among the
         published generations, nor in `costs` (C of the advice is the durable saves' cost); the
-        loop was held for all of its `save_s`. Flushed: a kill -9 right after it still leaves it
-        in the record, which the next attempt may restore it from."""
-        memory = self._record.setdefault("memory", {"saves": 0, "save_s": 0.0})
+        loop was held for its `blocked_s` (all of `save_s` when sync, the staging when async).
+        Flushed: a kill -9 right after it still leaves it in the record, which the next attempt
+        may restore it from."""
+        memory = self._record.setdefault("memory", {"saves": 0, "save_s": 0.0, "blocked_s": 0.0})
         memory.update(saves=memory["saves"] + 1, save_s=round(memory["save_s"] + published.save_s, 6),
-                      newest=published.name)
+                      blocked_s=round(memory.get("blocked_s", 0.0) + published.blocked_s, 6), newest=published.name)
         self._flush()
 
     def sample_ledger(self, step: int, ledger: dict) -> None:

@@ -65,6 +65,13 @@ class Witnesses:
     events: TrainingEvents
 
 
+def memory_saved(recorder: AttemptRecorder, published_now: list[Published]) -> None:
+    """Tier-0 generations published: recorded (flushed) one by one."""
+    for published in published_now:
+        recorder.memory_saved(published)
+        seams.crash_point("after-memory-save")
+
+
 class CadencedSaves:
     def __init__(self, config: RunConfig, storage: RunStorage, lineage: Lineage, ranks: Ranks, witnesses: Witnesses,
                  mode: str):
@@ -75,8 +82,8 @@ class CadencedSaves:
         self.durability = storage.durability(lineage.protected, self.recorder.folder, ranks.is_primary)
         self.checkpointer: Checkpointer = build_checkpointer(mode, self.durability.commit(), lineage.attempt_id,
                                                              ranks.device, ranks)
-        self.memory = storage.memory.saver(lineage.attempt_id, ranks, staging=mode == "async")
-        """Tier 0's saves, on a cadence of their own (none without --memory-dir)."""
+        self.memory = storage.memory.saver(lineage.attempt_id, ranks, mode, ranks.device)
+        """Tier 0's saves, on a cadence of their own and in the same mode (none without --memory-dir)."""
         self.ledger = SampleLedger(lineage.epoch_samples, config.workload.batch_size)
         """The samples trained on since the last generation, for the next one's manifest."""
         self.ledger_entries: dict[str, dict] = {}
@@ -109,11 +116,13 @@ class CadencedSaves:
                                            lambda: self.export_policy.due(point), preempted)
 
     def wait_for_staging(self) -> None:
-        self.recorder.waited(self.checkpointer.wait_for_staging())
+        """Both staged copies (a durable save's, a tier-0 save's) complete before the state changes."""
+        self.recorder.waited(self.checkpointer.wait_for_staging() + self.memory.wait_for_staging())
 
     def after_step(self, state: TrainingState, model: nn.Module, workload: Workload, agreed: StepAgreement,
                    final: bool) -> None:
         self.record_durable(self.completed())
+        memory_saved(self.recorder, self.memory.completed())
         if agreed.recover or final or agreed.preempt:
             self.save_generation(state)
         elif self.memory.due(state.progress.global_step):
@@ -155,10 +164,7 @@ class CadencedSaves:
         """A tier-0 generation: the same facts, its ledger entry taken from a copy (the next
         durable generation still covers every sample since the previous durable one)."""
         state_dict = state.state_dict()
-        published = self.memory.save(state_dict, self.facts(state, state_dict, copy.copy(self.ledger)))
-        if published is not None:
-            self.recorder.memory_saved(published)
-            seams.crash_point("after-memory-save")
+        memory_saved(self.recorder, self.memory.save(state_dict, self.facts(state, state_dict, copy.copy(self.ledger))))
 
     def facts(self, state: TrainingState, state_dict: dict, ledger: SampleLedger) -> GenerationFacts:
         """What a generation's manifest says besides its files (`ledger` gives its entry and moves on)."""
@@ -206,11 +212,13 @@ class CadencedSaves:
         self.record_durable(self.held_for_every_rank(self.durability.drain, ()))
         self.agree_on_uploads()
         self.durability.close()
+        memory_saved(self.recorder, self.memory.finalize())
         self.memory.retire(self.generations.names())  # what tier 0 holds that is older is never restored
 
     def close_after_failure(self) -> None:
         """After a failure: finish what is in flight and record it; never raises."""
         self.record_generations(self.checkpointer.close_after_failure(), None, prune=False)
+        memory_saved(self.recorder, self.memory.close_after_failure())  # no tier-0 writer outlives the attempt
         try:  # what is published may still become durable
             self.record_durable(self.durability.drain())
         except Exception as error:  # noqa: BLE001 - the original failure is what ends the attempt

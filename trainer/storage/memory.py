@@ -6,8 +6,8 @@ A directory on a memory filesystem (`/dev/shm/…` on a machine, an `emptyDir` w
 restart in the same pod; it does not survive the loss of the pod or the node, so it never
 replaces the durable tiers (the run directory, the object store), which keep their cadence.
 
-Its generations follow the same protocol as the durable ones: the same checkpointer and
-`RenameCommit`, the same `LocalSection` (manifest last with every file's sha256, signed with
+Its generations follow the same protocol as the durable ones: the same checkpointer (of the
+attempt's mode) and `RenameCommit`, the same `LocalSection` (manifest last with every file's sha256, signed with
 the backend's key, renamed into place), verified on load and bound to the run (`run.json`,
 copied here from the run directory). A restore reads tier 0 first when it holds a generation
 newer than the newest durable one that continues the line (`newer_than`); a damaged one is
@@ -15,11 +15,22 @@ refused with one warning and the durable tier serves (`restorable`). Going back
 (`--from-generation`) sets later tier-0 generations aside too (removed: no superseded copies are
 kept in memory).
 
+Under async saves (`--checkpoint-mode async`; `auto` where it runs async, on CUDA) a tier-0 save
+is an `AsyncCheckpointer` of its own: the loop pays its staging (a host copy into buffers of its
+own, reused from save to save), and the write, the commit (manifest last, signed, renamed) and the
+pruning's accounting happen in the background. Its buffers are apart from the durable saves', so
+a tier-0 save in flight never holds or touches a durable one; a durable save never waits for it.
+It is reported once committed (`completed`, polled after every step; at the latest the next
+tier-0 save waits for it), and its failure is a warning, as in sync mode (tier 0 is for one
+process for now: the CLI refuses it under torchrun). A kill during its write leaves a temporary, never selected and removed at the next
+`claim`. Under sync saves it writes in the loop (`SyncCheckpointer`).
+
 The budget (`--memory-tier-max-bytes`, default: what the memory filesystem has free) covers
-the K generations and the staging buffers of async durable saves; a start that cannot fit is
-refused in one line (exit 2), and a save that would not fit is skipped with a warning, never
-written past the budget. Every save prunes to K - 1 before writing, so K are never exceeded
-even while one is being written.
+the K generations and the staging buffers of async saves: two host copies of the state (the
+durable saves' and tier 0's); a start that cannot fit is refused in one line (exit 2), and a
+save that would not fit is skipped with a warning, never written past the budget. Every save
+waits for the tier-0 save before it (one in flight) and prunes to K - 1 before writing, so K are
+never exceeded even while one is being written.
 
 `NoMemoryTier` is the same interface with nothing behind it (the option is off): the attempt
 never asks which one it holds.
@@ -35,8 +46,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.checkpoint.atomic import write_file_durably
-from trainer.checkpoint.checkpointer import SyncCheckpointer
-from trainer.checkpoint.commit import RenameCommit
+import torch
+
+from trainer import seams
+from trainer.checkpoint.checkpointer import Checkpointer, build_checkpointer
+from trainer.checkpoint.commit import Committed, RenameCommit
 from trainer.checkpoint.coordination import Coordinator
 from trainer.checkpoint.identity import RunIdentity, identity_or_problem
 from trainer.checkpoint.manifest import GenerationFacts, InvalidManifest, Verification, read_manifest
@@ -62,14 +76,18 @@ class Budget:
     keep: int
     staging_bytes: int
     limit_bytes: int
+    staging_copies: int = 0
+    """Host copies of the state the staging buffers hold (async: the durable saves' and tier 0's)."""
 
     @property
     def needed(self) -> int:
         return self.keep * self.generation_bytes + self.staging_bytes
 
     def line(self) -> str:
+        copies = f" ({self.staging_copies} host copies: durable and tier-0 saves stage apart)" \
+            if self.staging_copies > 1 else ""
         return (f"{self.keep} x {self.generation_bytes} bytes of generations + {self.staging_bytes} bytes of "
-                f"staging = {self.needed} bytes")
+                f"staging{copies} = {self.needed} bytes")
 
 
 def state_bytes(state_dict: dict) -> int:
@@ -135,22 +153,47 @@ class NoMemoryTier:
     def set_aside_later_than(self, step: int) -> list[str]:
         return []
 
-    def saver(self, attempt_id: str, coordinator: Coordinator, staging: bool) -> "NoMemorySaves":
+    def saver(self, attempt_id: str, coordinator: Coordinator, mode: str, device: torch.device) -> "NoMemorySaves":
         return NoMemorySaves()
 
 
 class NoMemorySaves:
+    """The saves' verbs, as the attempt calls them; each returns the tier-0 generations that
+    became published during the call."""
+
     def fits(self, state_dict: dict, lazy_bytes: int = 0) -> None:
         return None
 
     def due(self, step: int) -> bool:
         return False
 
-    def save(self, state_dict: dict, facts: GenerationFacts) -> Published | None:
-        return None
+    def save(self, state_dict: dict, facts: GenerationFacts) -> list[Published]:
+        return []
+
+    def completed(self) -> list[Published]:
+        return []
+
+    def wait_for_staging(self) -> float:
+        return 0.0
+
+    def finalize(self) -> list[Published]:
+        return []
+
+    def close_after_failure(self) -> list[Published]:
+        return []
 
     def retire(self, durable: list[str]) -> None:
         return None
+
+
+class MemoryCommit(RenameCommit):
+    """`RenameCommit` with the seam `memory-after-write`: a tier-0 generation's files written,
+    its commit not begun (on the committer thread under async saves)."""
+
+    def commit(self, temporary: Path, step: int, describe, digests: dict[str, dict],
+               coordinator: Coordinator) -> Committed:
+        seams.crash_point("memory-after-write")
+        return super().commit(temporary, step, describe, digests, coordinator)
 
 
 class MemoryTier(NoMemoryTier):
@@ -229,9 +272,10 @@ class MemoryTier(NoMemoryTier):
         return [f"{self.where}/{name}" for name in later]
 
     # ----------------------------------------------------------------- saving
-    def saver(self, attempt_id: str, coordinator: Coordinator, staging: bool) -> "MemorySaves":
-        return MemorySaves(self, SyncCheckpointer(RenameCommit(self.section), attempt_id, coordinator=coordinator),
-                           staging)
+    def saver(self, attempt_id: str, coordinator: Coordinator, mode: str, device: torch.device) -> "MemorySaves":
+        """Every rank, at the same point (an async one creates its background groups)."""
+        return MemorySaves(self, build_checkpointer(mode, MemoryCommit(self.section), attempt_id, device,
+                                                    coordinator), mode == "async")
 
     def limit_bytes(self) -> int:
         """`--memory-tier-max-bytes`, else what tier 0 holds plus what its filesystem has free."""
@@ -247,7 +291,7 @@ class MemoryTier(NoMemoryTier):
 class MemorySaves(NoMemorySaves):
     """This attempt's tier-0 saves: cadence, budget, publish, prune."""
 
-    def __init__(self, tier: MemoryTier, checkpointer: SyncCheckpointer, staging: bool):
+    def __init__(self, tier: MemoryTier, checkpointer: Checkpointer, staging: bool):
         self.tier, self.checkpointer, self.staging = tier, checkpointer, staging
         self.generation_bytes = 0
         """The largest tier-0 generation known (estimated, then measured)."""
@@ -256,8 +300,8 @@ class MemorySaves(NoMemorySaves):
     def budget(self, state_dict: dict, lazy_bytes: int = 0) -> Budget:
         estimate = state_bytes(state_dict) + lazy_bytes
         self.generation_bytes = max(self.generation_bytes, estimate + OVERHEAD_BYTES + estimate // 50)
-        return Budget(self.generation_bytes, self.tier.config.keep, estimate if self.staging else 0,
-                      self.tier.limit_bytes())
+        copies = 2 if self.staging else 0  # the durable saves' staging and tier 0's own
+        return Budget(self.generation_bytes, self.tier.config.keep, copies * estimate, self.tier.limit_bytes(), copies)
 
     def fits(self, state_dict: dict, lazy_bytes: int = 0) -> None:
         """Before the first step: refuse a start whose tier 0 cannot hold its K generations.
@@ -272,9 +316,11 @@ class MemorySaves(NoMemorySaves):
     def due(self, step: int) -> bool:
         return step % self.tier.config.every_steps == 0
 
-    def save(self, state_dict: dict, facts: GenerationFacts) -> Published | None:
-        """Prune to K - 1, then write and publish, when the new one fits; None when skipped
-        (nothing pruned then)."""
+    def save(self, state_dict: dict, facts: GenerationFacts) -> list[Published]:
+        """Wait for the tier-0 save in flight (async), prune to K - 1, then write and publish
+        (async: stage, and write in the background) when the new one fits; nothing pruned when
+        skipped."""
+        published = self.settled(self.checkpointer.drain, facts.step)
         section, keep, name = self.tier.section, self.tier.config.keep, generation_name(facts.step)
         # Those at this step or later are of a line this one replaces (after a refused tier-0
         # generation): removed, never replaced in place (that would keep a superseded copy in memory).
@@ -288,18 +334,41 @@ class MemorySaves(NoMemorySaves):
                             "budget of %d bytes (the durable tiers keep their cadence)", facts.step, kept,
                             budget.generation_bytes, budget.staging_bytes, budget.limit_bytes)
                 self.warned = True
-            return None
+            return published
         for name in doomed:
             section.remove(name)
-        started = time.monotonic()
+        return published + self.settled(lambda: self.checkpointer.save(state_dict, facts), facts.step)
+
+    def settled(self, call, step: int) -> list[Published]:
+        """`call()`'s published tier-0 generations, measured and logged; a storage failure (of
+        this save, or of the one before it in the background) is a warning: tier 0 is a
+        speed-up, its failure never ends the run."""
         try:
-            (published,) = self.checkpointer.save(state_dict, facts)
-        except StorageFailure as failure:  # tier 0 is a speed-up: its failure never ends the run
-            log.warning("tier 0 skipped step %d: %s", facts.step, failure)
-            return None
-        self.generation_bytes = max(self.generation_bytes, directory_bytes(section.path(published.name)))
-        log.info("saved %s to tier 0 in %.3fs", published.name, time.monotonic() - started)
+            published = call()
+        except StorageFailure as failure:
+            log.warning("tier 0 skipped a save (at step %d): %s", step, failure)
+            return []
+        for generation in published:
+            self.generation_bytes = max(self.generation_bytes, directory_bytes(self.tier.section.path(generation.name)))
+            log.info("saved %s to tier 0 in %.3fs (the loop held %.3fs)", generation.name, generation.save_s,
+                     generation.blocked_s)
         return published
+
+    def completed(self) -> list[Published]:
+        return self.settled(self.checkpointer.ready, -1)
+
+    def wait_for_staging(self) -> float:
+        try:
+            return self.checkpointer.wait_for_staging()
+        except StorageFailure as failure:  # with one process its staging failed: raised here
+            log.warning("tier 0 skipped a save: %s", failure)
+            return 0.0
+
+    def finalize(self) -> list[Published]:
+        return self.settled(self.checkpointer.finalize, -1)
+
+    def close_after_failure(self) -> list[Published]:
+        return self.checkpointer.close_after_failure()
 
     def retire(self, durable: list[str]) -> None:
         """The attempt ends with everything published durable: tier-0 generations no newer than
