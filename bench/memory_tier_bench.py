@@ -16,11 +16,21 @@ measures in the same run (each --repeat times, median):
   disk_warm_restore_s   the same, warm page cache (a restart soon after the save, same node)
   tier0_save_s, disk_save_s  one sync save into each
   step_s, step_with_tier0_s  mean step time of the training loop without saves, and with a
-                        tier-0 save every --every steps (the loop's overhead of tier 0)
+                        tier-0 save every --every steps (the loop's overhead of tier 0, sync saves)
+  step_with_async_tier0_s   the same with async tier-0 saves (`--checkpoint-mode async`): the
+                        trainer's own MemorySaves (trainer/storage/memory.py) as the attempt drives
+                        it: wait for the staged copy before each step, poll what committed after
+                        it, stage on cadence, the write and commit in the background
+  tier0_async_blocked_s, tier0_async_save_s  per async tier-0 save: what the loop was held
+                        (the save call plus the wait for its staged copy before the next step)
+                        and its whole time until committed (mean)
   peak_rss_mb           the process's peak resident set (ru_maxrss); tier 0's pages are shared
                         memory, charged to the pod's memory but not to this RSS
 
-Ratios: tier-0 restore / disk restore (cold and warm), and the loop overhead of tier 0.
+Ratios: tier-0 restore / disk restore (cold and warm), the loop overhead of tier 0 (sync and
+async saves), what an async tier-0 save holds the loop against a sync one, and the async loop
+overhead against the sync one (on CPU the background write shares the cores with the loop, so
+it is more than the time held).
 """
 
 from __future__ import annotations
@@ -43,9 +53,12 @@ from common import evict, facts_for, median, state_bytes, train_step, training_s
 
 from trainer.checkpoint.checkpointer import SyncCheckpointer  # noqa: E402
 from trainer.checkpoint.commit import RenameCommit  # noqa: E402
+from trainer.checkpoint.coordination import SingleProcess  # noqa: E402
 from trainer.checkpoint.section import LocalSection  # noqa: E402
 from trainer.checkpoint.snapshot import load_snapshot, stored_entries  # noqa: E402
+from trainer.config import MemoryTierConfig  # noqa: E402
 from trainer.layout import generation_name  # noqa: E402
+from trainer.storage.memory import MemoryTier  # noqa: E402
 
 warnings.filterwarnings("ignore")
 SHM = Path("/dev/shm")
@@ -90,6 +103,28 @@ def loop(state, workload, steps: int, every: int | None, section: LocalSection |
     return (time.perf_counter() - started) / steps
 
 
+def async_loop(state, workload, steps: int, every: int, memory: Path) -> tuple[float, list, float]:
+    """Mean seconds per step with an async tier-0 save every `every` steps (one kept), through
+    the trainer's MemorySaves as the attempt calls it; the saves it published; the seconds the
+    loop waited for staged copies (on CPU the copy runs on the stager's thread)."""
+    device = torch.device("cpu")
+    tier = MemoryTier(MemoryTierConfig(memory, every, 1), None)
+    saves = tier.saver("bench", SingleProcess(), "async", device)
+    published, waited = [], 0.0
+    started = time.perf_counter()
+    for step in range(1, steps + 1):
+        waited += saves.wait_for_staging()
+        train_step(state, workload, device)
+        published += saves.completed()
+        if saves.due(step):
+            published += saves.save(state.state_dict(), facts_for(2000 + step))
+    elapsed = time.perf_counter() - started
+    published += saves.finalize()  # the last write drains outside the timed loop, as in a long run
+    for name in tier.section.names():
+        tier.section.remove(name)
+    return elapsed / steps, published, waited
+
+
 def measure(size_mb: float, repeat: int, steps: int, every: int, disk: Path, memory: Path) -> dict:
     state, workload = training_state(size_mb, torch.device("cpu"))
     tier0, local = LocalSection(memory / "checkpoints"), LocalSection(disk / "checkpoints")
@@ -105,11 +140,23 @@ def measure(size_mb: float, repeat: int, steps: int, every: int, disk: Path, mem
     loop(state, workload, 2, None, None)  # warm-up
     result["step_s"] = median([loop(state, workload, steps, None, None) for _ in range(repeat)])
     result["step_with_tier0_s"] = median([loop(state, workload, steps, every, tier0) for _ in range(repeat)])
+    rounds = [async_loop(state, workload, steps, every, memory) for _ in range(repeat)]
+    result["step_with_async_tier0_s"] = median([step_s for step_s, _, _ in rounds])
+    published = [generation for _, saved, _ in rounds for generation in saved]
+    # what the loop was held per save: the save() call, plus the wait for its staged copy
+    result["tier0_async_blocked_s"] = (sum(g.blocked_s for g in published)
+                                       + sum(waited for _, _, waited in rounds)) / max(1, len(published))
+    result["tier0_async_save_s"] = sum(g.save_s for g in published) / max(1, len(published))
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result["ratios"] = {
         "tier-0 restore / cold disk restore (time)": result["tier0_restore_s"] / result["disk_restore_s"],
         "tier-0 restore / warm disk restore (time)": result["tier0_restore_s"] / result["disk_warm_restore_s"],
         f"loop overhead of a tier-0 save every {every} steps": result["step_with_tier0_s"] / result["step_s"] - 1,
+        f"loop overhead of an async tier-0 save every {every} steps":
+            result["step_with_async_tier0_s"] / result["step_s"] - 1,
+        "async tier-0 save: loop held / sync tier-0 save": result["tier0_async_blocked_s"] / result["tier0_save_s"],
+        "loop overhead, async tier 0 / sync tier 0": (result["step_with_async_tier0_s"] - result["step_s"])
+        / (result["step_with_tier0_s"] - result["step_s"]),
         "peak RSS / state": result["peak_rss_mb"] / result["state_mb"],
     }
     return result
@@ -121,7 +168,8 @@ def markdown(r: dict) -> str:
              "| measure | value |", "|---|---|"]
     for key in ("tier0_restore_s", "tier0_verify_s", "tier0_load_s", "disk_restore_s", "disk_verify_s", "disk_load_s",
                 "disk_warm_restore_s", "tier0_save_s", "disk_save_s",
-                "step_s", "step_with_tier0_s", "peak_rss_mb"):
+                "step_s", "step_with_tier0_s", "step_with_async_tier0_s", "tier0_async_blocked_s",
+                "tier0_async_save_s", "peak_rss_mb"):
         lines.append(f"| {key} | {r[key]:.4f} |")
     lines += ["", "| ratio | value |", "|---|---|"] + [f"| {name} | {value:.3f} |" for name, value in r["ratios"].items()]
     return "\n".join(lines)

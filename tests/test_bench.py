@@ -91,10 +91,12 @@ def stream_bench_checks(report: dict) -> None:
 
 def memory_tier_bench_checks(report: dict) -> None:
     """Structure only: both tiers restored (verify and load), the loop timed with and without
-    tier-0 saves, peak RSS read, and the ratios between them."""
+    tier-0 saves (sync and async), peak RSS read, and the ratios between them."""
     for key in ("tier0_restore_s", "tier0_verify_s", "tier0_load_s", "disk_restore_s", "disk_warm_restore_s",
-                "tier0_save_s", "disk_save_s", "step_s", "step_with_tier0_s", "peak_rss_mb"):
+                "tier0_save_s", "disk_save_s", "step_s", "step_with_tier0_s", "step_with_async_tier0_s",
+                "tier0_async_blocked_s", "tier0_async_save_s", "peak_rss_mb"):
         assert report[key] > 0, key
+    assert report["tier0_async_blocked_s"] < report["tier0_async_save_s"]  # the write ran in the background
     assert report["generation_mb"] > 0.9 * report["state_mb"]
     assert {"tier-0 restore / cold disk restore (time)", "peak RSS / state"} <= set(report["ratios"])
 

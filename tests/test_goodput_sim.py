@@ -85,6 +85,6 @@ def test_tier0_figures_come_from_the_measured_ratios_and_are_compared_at_one_dur
     short = Scenario(step_s=1.0, cost_s=2.0, restart_s=20.0, steps=3_000, mtbf_s=300.0, restore_s=10.0)
     found = compare_tiers(short, [0, 1], [5])
     cases = [row["case"] for row in found["rows"]]
-    assert cases[0] == "without tier 0" and len(cases) == 4 and sum("what-if" in case for case in cases) == 2
+    assert cases[0] == "without tier 0" and len(cases) == 5 and sum("what-if" in case for case in cases) == 2
     best = max(found["rows"], key=lambda row: row["time_goodput"])
     assert best["case"] != "without tier 0" and best["memory_restores"] > 0
