@@ -270,3 +270,64 @@ def test_the_budget_counts_optimizer_state_that_is_not_created_yet():
         stepped = state_bytes(state.state_dict())
         assert lazy_optimizer_bytes(state.optimizers()) == 0
         assert fresh + lazy >= stepped - 64 and (fresh < stepped or tensors == 0)  # 64: `step` scalars
+
+
+def test_a_tier0_save_in_flight_never_holds_or_touches_a_durable_save(tmp_path, monkeypatch):
+    """In process, the trainer's own parts: an async tier-0 save whose commit is held back (the
+    seam of its background write) while the loop changes the state and a durable async save
+    stages, writes and commits; the durable one is published while tier 0 is still in flight, and
+    each generation holds exactly the state of its own step (separate staging buffers). <2 s."""
+    import contextlib
+    import threading
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.checkpoint.checkpointer import AsyncCheckpointer
+    from trainer.checkpoint.commit import RenameCommit
+    from trainer.checkpoint.coordination import SingleProcess
+    from trainer.checkpoint.manifest import GenerationFacts
+    from trainer.checkpoint.section import LocalSection
+    from trainer.config import MemoryTierConfig
+    from trainer.storage.memory import MemoryCommit, MemoryTier
+
+    release, committing = threading.Event(), threading.Event()
+    original = MemoryCommit.commit
+
+    def held(self, *args):
+        committing.set()
+        assert release.wait(scaled(60))
+        return original(self, *args)
+    monkeypatch.setattr(MemoryCommit, "commit", held)
+
+    def facts(step: int) -> GenerationFacts:
+        return GenerationFacts(step=step, epoch=0, position=step, fingerprint={}, allowed_drift=(), cadence={},
+                               created_utc="test")
+    cpu, state = torch.device("cpu"), {"w": torch.arange(4096, dtype=torch.float32)}
+    tier = MemoryTier(MemoryTierConfig(tmp_path / "shm", 1, 1), None)
+    held_open = contextlib.ExitStack()
+    tier.claim(held_open)  # as the attempt does: the directory made, its lock held
+    saves = tier.saver("a", SingleProcess(), "async", cpu)
+    disk = LocalSection(tmp_path / "run" / "checkpoints")
+    durable = AsyncCheckpointer(RenameCommit(disk), "a", cpu)
+    try:
+        assert saves.save(state, facts(1)) == []
+        saves.wait_for_staging()
+        state["w"].add_(1)  # the next optimizer step
+        assert durable.save(state, facts(2)) == []
+        durable.wait_for_staging()
+        state["w"].add_(1)
+        assert committing.wait(scaled(60))
+        (published,) = durable.drain()  # committed while tier 0's commit still waits
+        assert published.name == "step-00000002" and saves.completed() == [] and tier.section.names() == []
+    finally:
+        release.set()
+        (tier0,) = saves.finalize()
+        durable.finalize()
+        held_open.close()
+    assert tier0.name == "step-00000001" and tier0.blocked_s < tier0.save_s
+    for section, name, offset in [(tier.section, "step-00000001", 0), (disk, "step-00000002", 1)]:
+        assert section.verify(name).ok
+        loaded = {"w": torch.empty(4096)}
+        dcp.load(loaded, checkpoint_id=section.path(name), no_dist=True)
+        assert torch.equal(loaded["w"], torch.arange(4096, dtype=torch.float32) + offset), name
