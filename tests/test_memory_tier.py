@@ -331,3 +331,40 @@ def test_a_tier0_save_in_flight_never_holds_or_touches_a_durable_save(tmp_path, 
         loaded = {"w": torch.empty(4096)}
         dcp.load(loaded, checkpoint_id=section.path(name), no_dist=True)
         assert torch.equal(loaded["w"], torch.arange(4096, dtype=torch.float32) + offset), name
+
+
+def test_a_failed_background_tier0_write_is_a_warning_and_the_next_save_goes_on(tmp_path, monkeypatch, caplog):
+    """An async tier-0 save whose background commit fails (a full memory filesystem): one
+    warning when it is collected, nothing published, no temporary left, and the next tier-0
+    save publishes. <1 s."""
+    import contextlib
+    import errno
+
+    import torch
+
+    from trainer.checkpoint.coordination import SingleProcess
+    from trainer.checkpoint.manifest import GenerationFacts
+    from trainer.config import MemoryTierConfig
+    from trainer.storage.memory import MemoryCommit, MemoryTier
+
+    original, calls = MemoryCommit.commit, []
+
+    def full_once(self, *args):
+        calls.append(args[1])
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "tier 0")
+        return original(self, *args)
+    monkeypatch.setattr(MemoryCommit, "commit", full_once)
+    facts = [GenerationFacts(step=step, epoch=0, position=step, fingerprint={}, allowed_drift=(), cadence={},
+                             created_utc="test") for step in (1, 2)]
+    tier, state = MemoryTier(MemoryTierConfig(tmp_path / "shm", 1, 1), None), {"w": torch.ones(256)}
+    with contextlib.ExitStack() as held:
+        tier.claim(held)
+        saves = tier.saver("a", SingleProcess(), "async", torch.device("cpu"))
+        assert saves.save(state, facts[0]) == []
+        assert saves.save(state, facts[1]) == []  # waits for step 1: failed, warned, skipped
+        (published,) = saves.finalize()
+    assert published.name == "step-00000002" and calls == [1, 2]
+    warned = [r.getMessage() for r in caplog.records if "tier 0 skipped" in r.getMessage()]
+    assert len(warned) == 1 and "No space left on device" in warned[0], warned
+    assert sorted(os.listdir(tmp_path / "shm" / "checkpoints")) == ["step-00000002"]

@@ -67,6 +67,12 @@ class Checkpointer(Protocol):
     def wait_for_staging(self) -> float:
         """Block until a staged copy is complete (before parameters change); the seconds waited."""
 
+    def ready(self) -> list[Published]:
+        """What committed in the background already, without waiting (async, one process)."""
+
+    def drain(self) -> list[Published]:
+        """Wait until every save in flight is committed, keeping the checkpointer open."""
+
     def finalize(self) -> list[Published]:
         """Drain everything in flight before the process exits."""
 
