@@ -5,10 +5,15 @@ back, the abandoned later line)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
+from trainer.checkpoint.manifest import Verification
+from trainer.checkpoint.onepass import DamagedShard, restore_verified
 from trainer.checkpoint.restore import Restored, restore
+from trainer.checkpoint.resume import refuse_damaged
 from trainer.config import RunConfig
 from trainer.errors import CorruptGeneration
+from trainer.layout import GENERATIONS
 from trainer.parallel.ranks import Ranks
 from trainer.run.attempts import AttemptRecorder
 from trainer.run.claim import Claim
@@ -30,7 +35,7 @@ class Restorer:
     def restore(self, claim: Claim, state: TrainingState, drift: tuple[str, ...], saves: CadencedSaves,
                 recorder: AttemptRecorder) -> None:
         generation = claim.generation if self.ranks.is_primary else self.storage.local_copy(claim.generation)
-        restored = restore(generation, state)
+        restored = self.load(generation, state)
         if state.progress.global_step != restored.step:
             raise CorruptGeneration(f"generation {restored.name} holds step {state.progress.global_step}, but its "
                                     f"manifest says {restored.step}; restore another one with --from-generation")
@@ -50,6 +55,26 @@ class Restorer:
         log.info("restored %s (step=%d epoch=%d position=%d) from %s in %.3fs (%d bytes)", restored.name,
                  progress.global_step, progress.epoch, progress.position, RESTORED_FROM[claim.tier], recorder.restore_s,
                  claim.restored_bytes)
+
+    def load(self, generation: Verification, state: TrainingState) -> Restored:
+        """The generation into `state`. One whose shards the claim left unhashed (one rank, the
+        local disk: `shards_pending`) is verified in the same read as the load, and a damaged
+        shard is refused as the claim's separate pass would have refused it (65, naming the
+        newest earlier generation that verifies): the same line and exit code, found later.
+
+        Several ranks keep the separate pass (the claim hashes every file first): a damaged
+        shard found by one rank's load would need every rank to agree to give up before any
+        of them waits in the next collective, and a refusal in the claim is already that one
+        shared decision. Tier 0 keeps it too: its fallback to the durable generation changes
+        what the record says was restored, and that is decided in the claim."""
+        if not generation.shards_pending:
+            return restore(generation, state)
+        try:
+            return restore_verified(generation, state)
+        except DamagedShard as damage:
+            refuse_damaged(self.storage.section(GENERATIONS), replace(generation, problem=damage.problem,
+                                                                      shards_pending=False))
+            raise
 
     def check_restored_state(self, restored: Restored, state: TrainingState, drift: tuple[str, ...],
                              recorder: AttemptRecorder) -> None:

@@ -35,8 +35,8 @@ class LocalStorage(RunStorage):
     def committed(self) -> list[str]:
         return self.section(GENERATIONS).names()
 
-    def restorable(self, name: str, committed: list[str]) -> tuple[Verification, Transfer]:
-        return verify_candidate(self.section(GENERATIONS), name), NOTHING_MOVED
+    def restorable(self, name: str, committed: list[str], one_pass: bool = False) -> tuple[Verification, Transfer]:
+        return verify_candidate(self.section(GENERATIONS), name, shards=not one_pass), NOTHING_MOVED
 
     def durability(self, protected: frozenset[str], attempt_folder: Path, primary: bool) -> Durability:
         return LocalDurability(self.section(GENERATIONS))
