@@ -9,10 +9,13 @@ under /tmp) with the trainer's own SyncCheckpointer, RenameCommit and LocalSecti
 measures in the same run (each --repeat times, median):
 
   tier0_restore_s       our restore from tier 0: verify every file against the manifest, then
-                        dcp.load into the live state (what `--resume` does); _verify_s and
-                        _load_s are its two parts (likewise for the disk)
-  disk_restore_s        the same from the local disk tier, cold page cache (the restart of a
-                        new process on a node whose cache was dropped, or a new pod)
+                        dcp.load into the live state (what `--resume` does from tier 0);
+                        _verify_s and _load_s are its two parts
+  disk_restore_s        our restore from the local disk tier, cold page cache (the restart of a
+                        new process on a node whose cache was dropped, or a new pod), as
+                        `--resume` of one process does it: the manifest and `.metadata`
+                        verified (_verify_s), then the shards hashed while they load (_load_s,
+                        trainer/checkpoint/onepass.py)
   disk_warm_restore_s   the same, warm page cache (a restart soon after the save, same node)
   tier0_save_s, disk_save_s  one sync save into each
   step_s, step_with_tier0_s  mean step time of the training loop without saves, and with a
@@ -54,6 +57,7 @@ from common import evict, facts_for, median, state_bytes, train_step, training_s
 from trainer.checkpoint.checkpointer import SyncCheckpointer  # noqa: E402
 from trainer.checkpoint.commit import RenameCommit  # noqa: E402
 from trainer.checkpoint.coordination import SingleProcess  # noqa: E402
+from trainer.checkpoint.onepass import load_verified  # noqa: E402
 from trainer.checkpoint.section import LocalSection  # noqa: E402
 from trainer.checkpoint.snapshot import load_snapshot, stored_entries  # noqa: E402
 from trainer.config import MemoryTierConfig  # noqa: E402
@@ -71,21 +75,27 @@ def save(state, section: LocalSection, step: int) -> float:
     return time.perf_counter() - started
 
 
-def restore(state, section: LocalSection, name: str, cold: bool) -> tuple[float, float]:
-    """(verify_s, load_s) of the trainer's restore path; `cold`: the disk's pages evicted first."""
+def restore(state, section: LocalSection, name: str, cold: bool, one_pass: bool) -> tuple[float, float]:
+    """(verify_s, load_s) of the trainer's restore path; `cold`: the disk's pages evicted first;
+    `one_pass`: the shards hashed while they load (the local disk's path under `--resume`)."""
     if cold:
         evict(section.path(name))
     started = time.perf_counter()
-    verification = section.verify(name)
+    verification = section.verify(name, shards=not one_pass)
     assert verification.ok, verification.problem
     verified = time.perf_counter()
-    load_snapshot(state.template(stored_entries(section.path(name))), section.path(name))
+    template = state.template(stored_entries(section.path(name)))
+    if one_pass:
+        load_verified(template, section.path(name), verification.manifest.files)
+    else:
+        load_snapshot(template, section.path(name))
     return verified - started, time.perf_counter() - verified
 
 
-def restores(state, section: LocalSection, name: str, cold: bool, repeat: int, prefix: str) -> dict:
+def restores(state, section: LocalSection, name: str, cold: bool, repeat: int, prefix: str,
+             one_pass: bool = False) -> dict:
     """The median total of `repeat` restores, with the verify and load parts of that one."""
-    rounds = sorted((restore(state, section, name, cold) for _ in range(repeat)), key=sum)
+    rounds = sorted((restore(state, section, name, cold, one_pass) for _ in range(repeat)), key=sum)
     verify_s, load_s = rounds[len(rounds) // 2]
     return {f"{prefix}_restore_s": verify_s + load_s, f"{prefix}_verify_s": verify_s, f"{prefix}_load_s": load_s}
 
@@ -134,8 +144,8 @@ def measure(size_mb: float, repeat: int, steps: int, every: int, disk: Path, mem
     name = generation_name(1)
     result["generation_mb"] = sum(p.stat().st_size for p in tier0.path(name).iterdir()) / (1 << 20)
     result |= restores(state, tier0, name, False, repeat, "tier0")
-    result |= restores(state, local, name, True, repeat, "disk")
-    result |= restores(state, local, name, False, repeat, "disk_warm")
+    result |= restores(state, local, name, True, repeat, "disk", one_pass=True)
+    result |= restores(state, local, name, False, repeat, "disk_warm", one_pass=True)
     tier0.remove(name)
     loop(state, workload, 2, None, None)  # warm-up
     result["step_s"] = median([loop(state, workload, steps, None, None) for _ in range(repeat)])

@@ -8,6 +8,10 @@ import shutil
 
 import pytest
 
+from trainer.checkpoint.resume import verify_candidate
+from trainer.checkpoint.section import LocalSection
+from trainer.errors import CorruptGeneration
+
 from conftest import attempts, compare, generation, one_error_line, run_cli, train
 
 
@@ -175,3 +179,29 @@ def test_a_copied_or_renamed_generation_is_damage_not_a_newer_one(tmp_path, inte
     generation(run, "step-00000024").rename(generation(run, "step-00000099"))
     refused = train(run, "--resume", expect=65)
     assert "step-00000099 holds step 24, but its manifest says 99" in one_error_line(refused)
+
+
+def test_a_flipped_shard_byte_is_refused_by_the_one_pass_load_as_before(tmp_path, interrupted):
+    """One rank on the local disk: the claim leaves the shards' sha256 to the load, which
+    hashes them as it reads them (trainer/checkpoint/onepass.py). A byte flipped in a
+    `.distcp` of the newest generation is refused exactly as the separate pass refuses it
+    (the same line, 65, the same advice), but by the load: the attempt's record had started
+    (it holds the fingerprint a refusal in the claim never reaches). The suggested resume
+    then records that its shards were verified while loading. ~4 s."""
+    run = fresh_copy(interrupted, tmp_path)
+    shard = max(generation(run, "step-00000024").glob("*.distcp"), key=lambda path: path.stat().st_size)
+    damage_flip(shard)
+    with pytest.raises(CorruptGeneration) as two_pass:  # today's separate pass, for the expected line
+        verify_candidate(LocalSection(run / "checkpoints"), "step-00000024")
+    result = run_cli("--output", run, "--resume")
+    assert result.returncode == 65
+    assert one_error_line(result).endswith(str(two_pass.value))
+    assert shard.name in str(two_pass.value) and "--from-generation step-00000016" in str(two_pass.value)
+    refused = attempts(run)[-1]
+    assert (refused["status"], refused["considered_generation"], refused["restored"]) == ("refused", "step-00000024",
+                                                                                          None)
+    assert "fingerprint" in refused, "refused in the claim: the shards were hashed before the load"
+    train(run, "--from-generation", "step-00000016")
+    resumed = attempts(run)[-1]
+    assert resumed["restored"]["name"] == "step-00000016"
+    assert resumed["restored"]["shards_verified"] == "while loading"

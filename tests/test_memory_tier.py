@@ -89,6 +89,7 @@ def test_a_kill_after_a_tier0_save_restores_from_tier0_exactly(crashed, uninterr
     assert killed_record["memory"]["saves"] == 1 and killed_record["memory"]["newest"] == "step-00000006"
     restored = record["restored"]
     assert restored["tier"] == "memory" and restored["bytes"] > 0 and "refused" not in restored
+    assert restored["shards_verified"] == "before loading"  # tier 0 keeps the separate pass (its fallback)
     assert "step-00000006   from tier 0 (memory)" in run_cli("report", run).stdout
     report = json.loads(run_cli("report", run, "--json").stdout)
     # the killed attempt's steps 5-6 were kept in tier 0 and continued from: not lost, not replayed
@@ -115,6 +116,7 @@ def test_a_damaged_tier0_generation_is_refused_and_the_disk_serves(crashed, unin
     assert "restored step-00000004 (step=4 epoch=0 position=4) from the local disk" in resumed.stdout
     restored = attempts(run)[-1]["restored"]
     assert restored["tier"] == "disk" and restored["refused"][0].startswith("memory step-00000006: ")
+    assert restored["shards_verified"] == "while loading"  # the durable one, in one pass
     assert sorted(os.listdir(memory / "checkpoints")) == []  # re-saved at 6 (no superseded copy), then given back
     assert_exact(uninterrupted, run)
 

@@ -67,6 +67,7 @@ def test_a_local_copy_is_used_only_when_it_is_the_committed_one(s3_server, bucke
     train(url, "--local-tier", tier, "--epochs", 3, "--resume", "--interrupt-at-step", 20,
           expect=75, env=env)
     assert attempts(tier)[-1]["costs"].get("download_s") is None  # same manifest: no download
+    assert attempts(tier)[-1]["restored"]["shards_verified"] == "while loading"  # one process: one pass
     # A local copy the store does not hold (never made durable) is dropped, never restored.
     forged = tier / "checkpoints" / "step-00000032"
     os.rename(tier / "checkpoints" / "step-00000016", forged)
@@ -232,3 +233,27 @@ def test_unknown_scheme_and_store_options_without_a_store_are_usage_errors(tmp_p
     stray = run_cli("--output", tmp_path / "run", "--local-tier", tmp_path / "tier")
     assert stray.returncode == 2 and "--local-tier applies only to a run directory in a store; pass --output s3://BUCKET/PREFIX, or drop it" in \
         one_error_line(stray)
+
+
+def test_a_damaged_shard_of_the_local_copy_is_downloaded_again_by_the_load(s3_server, bucket, tmp_path):
+    """One process restores the local tier's copy in one pass (its shards hashed while they
+    load): a flipped byte in one makes the load warn once, download the committed generation
+    again and restore the whole state from the download, as the claim's separate pass did;
+    the record says the store served it and the restore check matches. ~6 s."""
+    env, url, tier = store_env(s3_server), f"s3://{bucket}/run", tmp_path / "tier"
+    train(url, "--local-tier", tier, "--epochs", 2, "--interrupt-at-step", 12, expect=75, env=env)
+    newest = committed(s3_server, bucket)[-1]
+    shard = max((tier / "checkpoints" / newest).glob("*.distcp"), key=lambda path: path.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    again = train(url, "--local-tier", tier, "--epochs", 2, "--resume", env=env)
+    output = again.stdout + again.stderr
+    warned = [line for line in output.splitlines() if "downloading it again" in line]
+    assert len(warned) == 1 and newest in warned[0] and f"{shard.name}: sha256 mismatch" in warned[0], output
+    assert f"restored {newest}" in again.stdout and "not exact" not in output
+    record = attempts(tier)[-1]
+    assert (record["status"], record["restored"]["name"], record["restored"]["tier"]) == ("completed", newest, "store")
+    assert record["restored"]["shards_verified"] == "before loading"  # the download was hashed as it streamed
+    assert record["downloaded_bytes"] > 0 and record["costs"]["download_s"] > 0
+    assert record["restore_check"] == {"matched": True}

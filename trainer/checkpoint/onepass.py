@@ -30,8 +30,18 @@ from typing import Callable, Mapping
 
 from trainer.checkpoint.atomic import file_digest
 from trainer.checkpoint.manifest import Verification, deferred, file_problem, verify_directory
+from trainer.checkpoint.restore import Restorable, Restored, restored_by
 from trainer.checkpoint.snapshot import load_snapshot, stored_entries
 from trainer.errors import CorruptGeneration, UntrustedGeneration
+
+class DamagedShard(CorruptGeneration):
+    """A shard the one-pass load found damaged (65); `problem` is "FILE: what is wrong", as
+    `verify_directory` words it, so a caller can refuse it as the separate pass would."""
+
+    def __init__(self, message: str, problem: str):
+        super().__init__(message)
+        self.problem = problem
+
 
 HASH_THREADS = 2
 """Shards hashed at once beside the load (2 measured best on 2 cores: one leaves the disk
@@ -70,10 +80,23 @@ def load_verified(template: dict, directory: Path, files: Mapping[str, Mapping])
         found = dict(zip(shards, digests))
     problem = next(filter(None, (file_problem(name, files[name], found[name]) for name in shards)), None)
     if problem:
-        raise CorruptGeneration(f"{directory.name}: {problem}; restore an earlier generation with "
-                                f"--from-generation")
+        raise DamagedShard(f"{directory.name}: {problem}; restore an earlier generation with --from-generation",
+                           problem)
     if failed is not None:
         raise failed
+
+
+def restore_verified(generation: Verification, state: Restorable) -> Restored:
+    """`restore()` of a generation whose shards are still to be hashed (`shards_pending`,
+    verified by `verify_directory(..., shards=False)`): the same template, checks and
+    hand-over, the shards hashed while they load. A damaged shard raises DamagedShard before
+    the state is handed anything (the template, which may share the live tensors, then holds
+    damaged bytes: a caller that goes on restores the whole state from another source)."""
+    if not generation.shards_pending:
+        raise AssertionError(f"{generation.name} is verified already: restore it with restore()")
+    files = generation.manifest.files
+    return restored_by(replace(generation, shards_pending=False), state,
+                       lambda template, directory: load_verified(template, directory, files))
 
 
 def observed(path: Path) -> dict | None:

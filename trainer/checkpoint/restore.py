@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -55,20 +55,27 @@ def restore(generation: Verification, state: Restorable) -> Restored:
     tensors have other shapes than the stored ones."""
     if generation.shards_pending:  # its shards' sha256 is unchecked: only onepass.load_verified may load it
         raise AssertionError(f"{generation.name} was verified without its shards; load it with load_verified")
+    return restored_by(generation, state, load_snapshot)
+
+
+def restored_by(generation: Verification, state: Restorable, load: Callable[[dict, Path], None]) -> Restored:
+    """`load_into` with `load`, timed."""
     started = time.monotonic()
-    load_into(generation.name, generation.path, state)
+    load_into(generation.name, generation.path, state, load)
     manifest = generation.manifest
     return Restored(generation.name, manifest.step, manifest, manifest_digest(generation.path),
                     time.monotonic() - started)
 
 
-def load_into(name: str, directory: Path, state: Restorable) -> None:
-    """Template, checks, DCP load, hand-over: every stored entry is read, or nothing is."""
+def load_into(name: str, directory: Path, state: Restorable,
+              load: Callable[[dict, Path], None] = load_snapshot) -> None:
+    """Template, checks, DCP load (`load`: onepass's hashes the shards as it reads them),
+    hand-over: every stored entry is read, or nothing is."""
     stored = stored_entries(directory)
     template = state.template(stored)
     refuse_shape_changes(name, template, stored)
     refuse_unmatched_keys(name, compat.flatten_state_dict(template), stored, state.unread_by_design)
-    load_snapshot(template, directory)
+    load(template, directory)
     state.load_state_dict(template)
 
 

@@ -52,11 +52,18 @@ def require_verified(candidate: Verification, earlier: list[str],
     raise CorruptGeneration(f"generation {candidate.name} {verdict}: {candidate.problem}; {advice}")
 
 
-def verify_candidate(store: LocalSection, candidate: str) -> Verification:
-    """The verified candidate, or CorruptGeneration (exit 65) with the way back."""
-    verification = store.verify(candidate)
-    require_verified(verification, [name for name in store.names() if name < candidate], store.verify)
+def verify_candidate(store: LocalSection, candidate: str, shards: bool = True) -> Verification:
+    """The verified candidate, or CorruptGeneration (exit 65) with the way back. `shards`
+    False: its shards' sha256 is left to the one-pass load (`shards_pending`), which refuses
+    a damaged shard with `refuse_damaged`, the same line."""
+    verification = store.verify(candidate, shards=shards)
+    refuse_damaged(store, verification)
     return verification
+
+
+def refuse_damaged(store: LocalSection, verification: Verification) -> None:
+    """`require_verified` against the generations of `store` older than this one."""
+    require_verified(verification, [name for name in store.names() if name < verification.name], store.verify)
 
 
 def set_aside_later_line(generations: LocalSection, exports: LocalSection, step: int) -> list[str]:

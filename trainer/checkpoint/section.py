@@ -46,7 +46,7 @@ class LocalSection:
         """With a key: what this section publishes is signed, and what it verifies must be."""
         # Verification re-hashes every file; remember results per manifest identity so
         # retention after each save does not re-read every kept generation.
-        self._verified: dict[tuple[str, int, int], Verification] = {}
+        self._verified: dict[tuple[str, int, int, bool], Verification] = {}
 
     def names(self) -> list[str]:
         """Committed generation names, oldest first (names sort by step): a `step-%08d`
@@ -70,17 +70,18 @@ class LocalSection:
     def path(self, name: str) -> Path:
         return self.root / name
 
-    def verify(self, name: str, cached: bool = False) -> Verification:
+    def verify(self, name: str, cached: bool = False, shards: bool = True) -> Verification:
         """Full re-hash against the manifest, then name, run and signature (`trusted`); with
         `cached`, reuse this process's earlier result while the manifest file is unchanged
-        (same inode and mtime) and so is the run's identity."""
+        (same inode and mtime) and so is the run's identity. `shards` False leaves the
+        shards' sha256 to the load (`verify_directory`, trainer/checkpoint/onepass.py)."""
         try:
             stat = (self.path(name) / MANIFEST).stat()
-            key = (name, stat.st_ino, stat.st_mtime_ns)
+            key = (name, stat.st_ino, stat.st_mtime_ns, shards)
         except OSError:
-            return self.trusted(verify_directory(self.path(name)), name)
+            return self.trusted(verify_directory(self.path(name), shards=shards), name)
         if not cached or key not in self._verified:
-            self._verified[key] = verify_directory(self.path(name))
+            self._verified[key] = verify_directory(self.path(name), shards=shards)
         return self.trusted(self._verified[key], name)
 
     def trusted(self, verification: Verification, name: str) -> Verification:
@@ -173,7 +174,7 @@ class LocalSection:
         rename_into_place(temporary, self.path(name))
         stat = (self.path(name) / MANIFEST).stat()
         # Sealing just hashed every file: remember it as verified instead of re-reading.
-        self._verified[(name, stat.st_ino, stat.st_mtime_ns)] = Verification(self.path(name), sealed, None)
+        self._verified[(name, stat.st_ino, stat.st_mtime_ns, True)] = Verification(self.path(name), sealed, None)
         return manifest_digest(self.path(name))
 
     def copy_committed(self, name: str, source: LocalSection,

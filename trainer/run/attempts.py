@@ -328,6 +328,11 @@ class AttemptRecorder:
         del changes[:-MAX_CADENCE_CHANGES]
         self._flush()
 
+    def restored_from(self, tier: str) -> None:
+        """The restore's source changed while loading (a damaged local copy downloaded again)."""
+        self._record["restored"] = {**self._record["restored"], "tier": tier, "shards_verified": "before loading"}
+        self._flush()
+
     def downloaded(self, download_s: float, size: int) -> None:
         """The restored generation came from the store (no matching local-tier copy)."""
         self._add_cost(download_s=download_s, restore_s=download_s)

@@ -42,6 +42,8 @@ class Claim:
     generation: Verification | None
     """The verified generation to restore (None: a fresh start)."""
     verify_s: float
+    """Verifying before the state existed: every file, or (`generation.shards_pending`) all
+    but the shards, whose sha256 the load checks as it reads them (trainer/run/restoring.py)."""
     manifest_sha256: str | None = None
     """Of the generation to restore: names exactly which sealed content is restored."""
     download: Transfer = NOTHING_MOVED
@@ -61,9 +63,11 @@ class Claim:
 class Claimant:
     """Rank 0's claim. What it found stays readable after a refusal, for the refused record."""
 
-    def __init__(self, config: RunConfig, storage: RunStorage):
+    def __init__(self, config: RunConfig, storage: RunStorage, one_pass: bool = False):
         self.config = config
         self.storage = storage
+        self.one_pass = one_pass
+        """The backend may leave a durable generation's shard hashes to the load (one rank)."""
         self.held: RunDirectory | None = None
         """This machine's run directory, once this attempt holds it."""
         self.considered: str | None = None
@@ -110,5 +114,5 @@ class Claimant:
                                         f"({verification.problem}) and no durable generation is older; remove it "
                                         f"to start over")
             name, refused = earlier[-1], (f"{MEMORY} {name}: {verification.problem}",)
-        verification, download = storage.restorable(name, durable)
+        verification, download = storage.restorable(name, durable, self.one_pass)
         return verification, download, STORE if download.bytes else DISK, refused

@@ -57,7 +57,7 @@ class TrainingRun:
         self.workload: BoundWorkload = build_workload(config.workload)
         self.attempt_id, self.started = new_attempt_id(), time.monotonic()
         self.storage = open_storage(config, ranks.world_size)
-        self.claimant = Claimant(config, self.storage)
+        self.claimant = Claimant(config, self.storage, one_pass=ranks.world_size == 1)
         self.recorder = None
         """This attempt's record once started (it then records its own end)."""
         self.progress = Progress.for_stdout(config.progress, ranks.is_primary)

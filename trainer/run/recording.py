@@ -70,7 +70,8 @@ def start_record(config: RunConfig, claim: Claim, checked: Checked, ranks: Ranks
     start = AttemptStart(
         restored=None if generation is None else {"name": generation.name, "step": step,
                                                   "manifest_sha256": claim.manifest_sha256, "tier": claim.tier,
-                                                  "bytes": claim.restored_bytes,
+                                                  "shards_verified": "while loading" if generation.shards_pending
+                                                  else "before loading", "bytes": claim.restored_bytes,
                                                   **({"refused": list(claim.refused)} if claim.refused else {})},
         explicit_generation=config.from_generation is not None,
         previous_attempt=previous["id"] if previous else None,

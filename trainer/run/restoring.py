@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import logging
 
+from trainer.checkpoint.manifest import Verification
+from trainer.checkpoint.onepass import DamagedShard, restore_verified
 from trainer.checkpoint.restore import Restored, restore
 from trainer.config import RunConfig
 from trainer.errors import CorruptGeneration
 from trainer.parallel.ranks import Ranks
 from trainer.run.attempts import AttemptRecorder
 from trainer.run.claim import Claim
-from trainer.run.records import RESTORED_FROM
+from trainer.run.records import RESTORED_FROM, STORE
 from trainer.run.saving import CadencedSaves
 from trainer.run.state import TrainingState
 from trainer.run.checksum import safe_state_digests
@@ -30,7 +32,7 @@ class Restorer:
     def restore(self, claim: Claim, state: TrainingState, drift: tuple[str, ...], saves: CadencedSaves,
                 recorder: AttemptRecorder) -> None:
         generation = claim.generation if self.ranks.is_primary else self.storage.local_copy(claim.generation)
-        restored = restore(generation, state)
+        restored, tier = self.load(claim, generation, state, recorder)
         if state.progress.global_step != restored.step:
             raise CorruptGeneration(f"generation {restored.name} holds step {state.progress.global_step}, but its "
                                     f"manifest says {restored.step}; restore another one with --from-generation")
@@ -48,8 +50,36 @@ class Restorer:
         recorder.set_aside(self.ranks.decide_on_primary(lambda: self.abandon_later_line(restored.step),
                                                         "setting aside the abandoned line"))
         log.info("restored %s (step=%d epoch=%d position=%d) from %s in %.3fs (%d bytes)", restored.name,
-                 progress.global_step, progress.epoch, progress.position, RESTORED_FROM[claim.tier], recorder.restore_s,
+                 progress.global_step, progress.epoch, progress.position, RESTORED_FROM[tier], recorder.restore_s,
                  claim.restored_bytes)
+
+    def load(self, claim: Claim, generation: Verification, state: TrainingState,
+             recorder: AttemptRecorder) -> tuple[Restored, str]:
+        """The generation into `state`, and the tier it came from. One whose shards the claim
+        left unhashed (one rank, a generation on this machine's disk: `shards_pending`) is
+        verified in the same read as the load. A damaged shard is then what the claim's
+        separate pass would have made of it: on the run directory's disk a refusal (65, the
+        same line, naming the newest earlier generation that verifies); in an object store's
+        local tier the copy is removed and downloaded again (one warning, as in the claim),
+        and the whole state is loaded from the download.
+
+        Several ranks keep the separate pass (the claim hashes every file first): a damaged
+        shard found by one rank's load would need every rank to agree to give up before any
+        of them waits in the next collective, and a refusal in the claim is already that one
+        shared decision. Tier 0 keeps it too: its fallback restores another generation (the
+        durable one), which changes what the record, the lineage and the replay check were
+        started with, and that is decided in the claim."""
+        if not generation.shards_pending:
+            return restore(generation, state), claim.tier
+        try:
+            return restore_verified(generation, state), claim.tier
+        except DamagedShard as damage:
+            problem = damage.problem
+        fetched, download = self.storage.restorable(generation.name, self.storage.committed(), damaged=problem)
+        if download.bytes:
+            recorder.downloaded(download.seconds, download.bytes)
+            recorder.restored_from(STORE)
+        return restore(fetched, state), STORE if download.bytes else claim.tier
 
     def check_restored_state(self, restored: Restored, state: TrainingState, drift: tuple[str, ...],
                              recorder: AttemptRecorder) -> None:

@@ -181,9 +181,15 @@ class RunStorage(ABC):
         """The committed generations, oldest first: what a resume may choose from."""
 
     @abstractmethod
-    def restorable(self, name: str, committed: list[str]) -> tuple[Verification, Transfer]:
+    def restorable(self, name: str, committed: list[str], one_pass: bool = False,
+                   damaged: str | None = None) -> tuple[Verification, Transfer]:
         """The committed generation `name`, verified, on this machine (and what fetching it
-        moved); a damaged one is refused (65), naming the newest earlier one that verifies."""
+        moved); a damaged one is refused (65), naming the newest earlier one that verifies.
+        `one_pass`: a backend may leave the shards' sha256 to the load (`shards_pending`,
+        trainer/checkpoint/onepass.py). `damaged`: the load found this problem in the copy
+        returned before; the run directory's disk then refuses it as the separate pass would
+        (65, naming the newest earlier one that verifies), an object store's local tier
+        downloads it again (one warning) and returns the download."""
 
     def go_ahead(self, attempt_id: str, adopt_from: tuple[str, ...]) -> RunIdentity:
         """The choice succeeded and the attempt goes ahead: the run's identity is established

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from trainer.checkpoint.commit import Commit, RenameCommit
 from trainer.checkpoint.manifest import Verification
-from trainer.checkpoint.resume import verify_candidate
+from trainer.checkpoint.resume import refuse_damaged, verify_candidate
 from trainer.checkpoint.section import LocalSection, Published
 from trainer.checkpoint.signing import Signing
 from trainer.layout import GENERATIONS, RunDirectory
@@ -35,8 +35,12 @@ class LocalStorage(RunStorage):
     def committed(self) -> list[str]:
         return self.section(GENERATIONS).names()
 
-    def restorable(self, name: str, committed: list[str]) -> tuple[Verification, Transfer]:
-        return verify_candidate(self.section(GENERATIONS), name), NOTHING_MOVED
+    def restorable(self, name: str, committed: list[str], one_pass: bool = False,
+                   damaged: str | None = None) -> tuple[Verification, Transfer]:
+        section = self.section(GENERATIONS)
+        if damaged is not None:  # the only copy: refused as the claim would have refused it
+            refuse_damaged(section, Verification(section.path(name), None, damaged))
+        return verify_candidate(section, name, shards=not one_pass), NOTHING_MOVED
 
     def durability(self, protected: frozenset[str], attempt_folder: Path, primary: bool) -> Durability:
         return LocalDurability(self.section(GENERATIONS))

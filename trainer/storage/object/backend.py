@@ -79,8 +79,9 @@ class ObjectStorage(RunStorage):
         self.remote.reconcile()
         return identity
 
-    def restorable(self, name: str, committed: list[str]) -> tuple[Verification, Transfer]:
-        return self.remote.restorable(name, committed)
+    def restorable(self, name: str, committed: list[str], one_pass: bool = False,
+                   damaged: str | None = None) -> tuple[Verification, Transfer]:
+        return self.remote.restorable(name, committed, shards=not one_pass, damaged=damaged)
 
     def _keep_identity(self, data: bytes) -> None:
         """In the object store (the truth, under the lease), then on the local tier."""

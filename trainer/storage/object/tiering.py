@@ -135,17 +135,22 @@ class RemoteRun:
             committed[kind] = scan.committed
         return committed[GENERATIONS]
 
-    def restorable(self, name: str, committed: list[str]) -> tuple[Verification, Transfer]:
+    def restorable(self, name: str, committed: list[str], shards: bool = True,
+                   damaged: str | None = None) -> tuple[Verification, Transfer]:
         """The committed generation `name` on the local tier, verified: the local copy when its
         manifest is the committed one (reconcile made sure) and it still verifies, else a
         download streamed through sha256. A damaged generation is refused (65) naming the
-        newest earlier one that verifies in the store."""
+        newest earlier one that verifies in the store. `shards` False: the local copy's shard
+        hashes are left to the load (`shards_pending`), which downloads it again if one fails
+        (`damaged`: the problem it found; trainer/run/restoring.py); a download is hashed while
+        it streams, every file."""
         local = self.local_section(GENERATIONS)
         if name in local.names():
-            verification = local.verify(name)
-            if verification.ok:
+            verification = local.verify(name, shards=shards) if damaged is None else None
+            if verification is not None and verification.ok:
                 return verification, Transfer(0, 0.0)
-            log.warning("the local copy of %s does not verify (%s): downloading it again", name, verification.problem)
+            problem = damaged if verification is None else verification.problem
+            log.warning("the local copy of %s does not verify (%s): downloading it again", name, problem)
             local.remove(name)
         verification, transfer = self.generations.fetch(name, local.root)
         require_verified(verification, [earlier for earlier in committed if earlier < name], self.generations.verify)
