@@ -262,10 +262,13 @@ def test_the_budget_counts_optimizer_state_that_is_not_created_yet():
         optimizer, kept = torch.optim.Adam(model.parameters()), make(critic.parameters())
         state = TrainingState(model, optimizer, torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.9),
                               torch.amp.GradScaler("cpu", enabled=False), extras={"critic": kept})
+        estimated = state.estimated_bytes()
+        assert not optimizer.state and not kept.state  # estimated without taking a step (LBFGS could not)
         fresh = state_bytes(state.state_dict())
         assert len(optimizer.state) == 2 and not kept.state  # DCP created the main one's, not the extra's
         lazy = lazy_optimizer_bytes(state.optimizers())
         assert lazy == tensors * weights, make
+        assert estimated >= fresh + lazy - 64  # 64: `step` scalars
         (model(torch.ones(2, 8)).sum() + critic(torch.ones(2, 8)).sum()).backward()
         optimizer.step()
         kept.step()

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from trainer import compat, seams
 from trainer.errors import CorruptGeneration
+from trainer.storage.memory import lazy_optimizer_bytes, state_bytes
 from trainer.workload import needs_closure
 
 RNG_BY_RANK = "rng_by_rank"
@@ -143,9 +144,21 @@ class TrainingState:
     on restore (`stream`: trainer/run/streaming.py); none for map-style data."""
 
     def state_dict(self) -> dict:
+        return self._state_dict(lambda optimizer: get_optimizer_state_dict(self.model, optimizer))
+
+    def estimated_bytes(self) -> int:
+        """What a generation of this state will store, before the first step: the state as it
+        is, each optimizer by its plain `state_dict()`, plus the optimizer state the first step
+        creates (`lazy_optimizer_bytes`). Not through DCP's `get_optimizer_state_dict`: it
+        creates missing state by taking an optimizer step, which a closure optimizer (LBFGS)
+        cannot take there."""
+        return state_bytes(self._state_dict(lambda optimizer: optimizer.state_dict())) + \
+            lazy_optimizer_bytes(self.optimizers())
+
+    def _state_dict(self, optimizer_state) -> dict:
         return {
             "model": get_model_state_dict(self.model),
-            "optim": per_name(self.optimizer, lambda optimizer: get_optimizer_state_dict(self.model, optimizer)),
+            "optim": per_name(self.optimizer, optimizer_state),
             "scheduler": per_name(self.scheduler, lambda scheduler: scheduler.state_dict()),
             "scaler": self.scaler.state_dict(),
             "progress": {"global_step": self.progress.global_step, "epoch": self.progress.epoch,

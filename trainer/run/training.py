@@ -26,7 +26,6 @@ from trainer.run.stepping import OptimizerSteps
 from trainer.run.streaming import DataSource, cursors
 from trainer.run.checksum import parameter_checksum
 from trainer.run.witness import step_digest
-from trainer.storage.memory import lazy_optimizer_bytes
 from trainer.workload import BoundWorkload
 
 
@@ -90,8 +89,7 @@ def train_steps(training: Training, dataset: DataSource, saves: CadencedSaves,
     window is complete, so saves and stops never see partial gradients. Every batch's sample
     ids go to the ledger."""
     state, steps, accumulate = training.state, training.steps, training.config.workload.grad_accum
-    state_dict = state.state_dict()  # creates the lazy state of the optimizers under `optim` (DCP)
-    saves.memory.fits(state_dict, lazy_optimizer_bytes(state.optimizers()))  # refused before the first step
+    saves.memory.fits(state.estimated_bytes)  # a tier 0 that cannot hold this state: refused before the first step
     while state.progress.global_step < training.total_steps:
         window, seen = 0, 0
         for ids, batch in epoch_batches(training, dataset):

@@ -42,13 +42,14 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.checkpoint.atomic import write_file_durably
 import torch
 
 from trainer import seams
+from trainer.checkpoint.atomic import write_file_durably
 from trainer.checkpoint.checkpointer import Checkpointer, build_checkpointer
 from trainer.checkpoint.commit import Committed, RenameCommit
 from trainer.checkpoint.coordination import Coordinator
@@ -161,7 +162,7 @@ class NoMemorySaves:
     """The saves' verbs, as the attempt calls them; each returns the tier-0 generations that
     became published during the call."""
 
-    def fits(self, state_dict: dict, lazy_bytes: int = 0) -> None:
+    def fits(self, estimate: Callable[[], int]) -> None:
         return None
 
     def due(self, step: int) -> bool:
@@ -297,16 +298,17 @@ class MemorySaves(NoMemorySaves):
         """The largest tier-0 generation known (estimated, then measured)."""
         self.warned = False
 
-    def budget(self, state_dict: dict, lazy_bytes: int = 0) -> Budget:
-        estimate = state_bytes(state_dict) + lazy_bytes
+    def budget(self, estimate: int) -> Budget:
+        """`estimate`: the bytes a generation of the state stores (its tensors)."""
         self.generation_bytes = max(self.generation_bytes, estimate + OVERHEAD_BYTES + estimate // 50)
         copies = 2 if self.staging else 0  # the durable saves' staging and tier 0's own
         return Budget(self.generation_bytes, self.tier.config.keep, copies * estimate, self.tier.limit_bytes(), copies)
 
-    def fits(self, state_dict: dict, lazy_bytes: int = 0) -> None:
+    def fits(self, estimate: Callable[[], int]) -> None:
         """Before the first step: refuse a start whose tier 0 cannot hold its K generations.
-        `lazy_bytes`: optimizer state not created yet (`lazy_optimizer_bytes`)."""
-        budget = self.budget(state_dict, lazy_bytes)
+        `estimate()`: the bytes a generation will store, optimizer state not created yet
+        included (`TrainingState.estimated_bytes`); called only here, with tier 0 on."""
+        budget = self.budget(estimate())
         if budget.needed > budget.limit_bytes:
             raise MemoryTierTooSmall(
                 f"tier 0 ({self.tier.where}) needs {budget.line()}, over its budget of {budget.limit_bytes} bytes "
@@ -326,7 +328,7 @@ class MemorySaves(NoMemorySaves):
         # generation): removed, never replaced in place (that would keep a superseded copy in memory).
         earlier = [held for held in section.names() if held < name]
         doomed = [held for held in section.names() if held >= name] + earlier[:max(0, len(earlier) - (keep - 1))]
-        budget = self.budget(state_dict)
+        budget = self.budget(state_bytes(state_dict))
         kept = self.tier.used_bytes() - sum(directory_bytes(section.path(name)) for name in doomed)
         if kept + budget.generation_bytes + budget.staging_bytes > budget.limit_bytes:
             if not self.warned:
