@@ -130,8 +130,8 @@ def async_loop(state, workload, steps: int, every: int, memory: Path) -> tuple[f
             published += saves.save(state.state_dict(), facts_for(2000 + step))
     elapsed = time.perf_counter() - started
     published += saves.finalize()  # the last write drains outside the timed loop, as in a long run
-    for name in tier.section.names():
-        tier.section.remove(name)
+    for name in tier.own.section.names():
+        tier.own.section.remove(name)
     return elapsed / steps, published, waited
 
 

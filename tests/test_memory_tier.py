@@ -324,14 +324,14 @@ def test_a_tier0_save_in_flight_never_holds_or_touches_a_durable_save(tmp_path, 
         state["w"].add_(1)
         assert committing.wait(scaled(60))
         (published,) = durable.drain()  # committed while tier 0's commit still waits
-        assert published.name == "step-00000002" and saves.completed() == [] and tier.section.names() == []
+        assert published.name == "step-00000002" and saves.completed() == [] and tier.own.section.names() == []
     finally:
         release.set()
         (tier0,) = saves.finalize()
         durable.finalize()
         held_open.close()
     assert tier0.name == "step-00000001" and tier0.blocked_s < tier0.save_s
-    for section, name, offset in [(tier.section, "step-00000001", 0), (disk, "step-00000002", 1)]:
+    for section, name, offset in [(tier.own.section, "step-00000001", 0), (disk, "step-00000002", 1)]:
         assert section.verify(name).ok
         loaded = {"w": torch.empty(4096)}
         dcp.load(loaded, checkpoint_id=section.path(name), no_dist=True)

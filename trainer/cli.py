@@ -156,14 +156,11 @@ def signing_config(args: argparse.Namespace) -> SigningConfig:
     return SigningConfig(key_file, getattr(args, "allow_unsigned", SigningConfig.allow_unsigned))
 
 
-def check_memory_tier(args: argparse.Namespace, launch: LaunchEnvironment) -> None:
-    """Tier 0 is one process on one machine for now (no peer replica yet)."""
+def check_memory_tier(args: argparse.Namespace) -> None:
+    """The tier-0 options mean nothing without its directory."""
     if args.memory_dir is None and (given := changed_memory_flags(args)):
         raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --memory-dir; "
                          f"add it (e.g. --memory-dir /dev/shm/RUN), or drop {'it' if len(given) == 1 else 'them'}")
-    if args.memory_dir is not None and launch.world_size > 1:
-        raise UsageError(f"--memory-dir is for one process for now ({launch.world_size} here): tier 0 under torchrun "
-                         f"and its peer replica are not built yet; drop --memory-dir")
 
 
 def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironment) -> None:
@@ -181,7 +178,7 @@ def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironmen
     if not args.tracked and args.output is None:
         raise UsageError("--output DIR is required (the run directory); e.g. --output outputs/run1, "
                          "or --tracked to use Polyaxon's outputs path")
-    check_memory_tier(args, launch)
+    check_memory_tier(args)
     if not args.tracked:  # tracked: known once the run's artifacts store is (tracked_placement)
         require_store_for_store_options(args, args.output.in_store)
     if args.lease_ttl_secs < 1:

@@ -44,7 +44,7 @@ from trainer.errors import TrainerError, as_storage_failure, reraise_as_storage_
 from trainer.checkpoint.commit import Commit
 from trainer.checkpoint.coordination import Coordinator, SingleProcess, raise_if_any_failed
 from trainer.checkpoint.manifest import GenerationFacts, Manifest
-from trainer.checkpoint.snapshot import single_process, write_snapshot
+from trainer.checkpoint.snapshot import write_snapshot
 from trainer.checkpoint.staging import ReusableStager
 from trainer.checkpoint.section import LocalSection, Published
 from trainer.checkpoint.writer import HashingFileSystemWriter, WriterConfig
@@ -177,7 +177,7 @@ class SyncCheckpointer(_Checkpointer):
         name = generation_name(step)
         temporary = self.commit.begin(step, self.attempt_id, coordinator)
         try:
-            digests = write_snapshot(state_dict, temporary, self.config)
+            digests = write_snapshot(state_dict, temporary, self.config, alone=not self.coordinator.distributed)
             seams.crash_point("after-write")
             timings = {"write_s": time.monotonic() - started}
             committed = self.commit.commit(temporary, step, self._describe(facts, timings), digests, coordinator)
@@ -242,7 +242,7 @@ class AsyncCheckpointer(_Checkpointer):
         try:
             writer = self.new_writer(temporary)
             response = dcp.async_save(state_dict, storage_writer=writer, async_stager=self.stager,
-                                      process_group=self._write_group.group, no_dist=single_process())
+                                      process_group=self._write_group.group, no_dist=not self.coordinator.distributed)
         except BaseException as error:  # noqa: BLE001 - every rank must hear of it, below
             self.commit.abandon(temporary, self.coordinator)
             failure = self._failure(error, step)

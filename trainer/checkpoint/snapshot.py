@@ -33,14 +33,16 @@ def single_process() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
-def write_snapshot(state_dict: dict, directory: Path, config: WriterConfig = WriterConfig()) -> dict[str, dict]:
+def write_snapshot(state_dict: dict, directory: Path, config: WriterConfig = WriterConfig(),
+                   alone: bool | None = None) -> dict[str, dict]:
     """Write `state_dict` into `directory`, every shard fsynced; returns the shards'
     {bytes, sha256}, hashed while writing, for the manifest. With several processes each rank
     writes, hashes and fsyncs its own shards (on shared storage rank 0's fsync could not make
-    another node's writes durable)."""
+    another node's writes durable). `alone`: this rank writes a snapshot of its own, without
+    the others (a tier-0 part under torchrun); None: alone exactly when no process group exists."""
     writer = HashingFileSystemWriter(directory, config)
     try:
-        dcp.save(state_dict, storage_writer=writer, no_dist=single_process())
+        dcp.save(state_dict, storage_writer=writer, no_dist=single_process() if alone is None else alone)
     except dcp.CheckpointException as error:
         raised = _raised_by_rank(error)
         if isinstance(raised, TrainerError):  # the writer's refusal of an unloadable value: one line
@@ -91,13 +93,14 @@ class ParallelFileSystemReader(SafeFileSystemReader):
         return finished
 
 
-def load_snapshot(template: dict, directory: Path) -> None:
+def load_snapshot(template: dict, directory: Path, alone: bool | None = None) -> None:
     """Fill `template` in place: tensors must be pre-allocated with the stored shapes;
     non-tensor values are replaced by the stored values (loaded weights-only). A refusal or
-    a damaged value is raised as its own one-line error, not DCP's per-rank wrapper."""
+    a damaged value is raised as its own one-line error, not DCP's per-rank wrapper.
+    `alone`: as for `write_snapshot` (a tier-0 part is read by its rank alone)."""
     try:
         dcp.load(template, storage_reader=ParallelFileSystemReader(directory), planner=SafeLoadPlanner(),
-                 no_dist=single_process())
+                 no_dist=single_process() if alone is None else alone)
     except dcp.CheckpointException as error:  # DCP wraps whatever a rank raised
         raised = _raised_by_rank(error)
         if isinstance(raised, TrainerError):  # a refusal of ours, already one line

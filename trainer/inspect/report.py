@@ -41,7 +41,7 @@ from datetime import datetime
 
 from trainer.run.interval import best_interval, expected_goodput, young_interval
 from trainer.run.ledger import ledger_problems
-from trainer.run.records import MEMORY, OUTCOMES, PUBLISHED, RESTORED_FROM, exposure_s, failure_rate, lifetime
+from trainer.run.records import OUTCOMES, TIER0, PUBLISHED, RESTORED_FROM, exposure_s, failure_rate, lifetime
 from trainer.layout import GENERATIONS
 
 
@@ -302,7 +302,7 @@ def with_tier0_restores(rows: tuple[AttemptRow, ...]) -> tuple[AttemptRow, ...]:
     for number, following in zip(trained, trained[1:]):
         row, after = rows[number], rows[following]
         step = after.restored_step
-        if after.restored_from == MEMORY and isinstance(step, int) and row.durable_step < step <= row.last_step:
+        if after.restored_from in TIER0 and isinstance(step, int) and row.durable_step < step <= row.last_step:
             marked[number] = replace(row, durable_step=step, lost=min(row.lost, row.last_step - step))
     return tuple(marked)
 

@@ -24,6 +24,9 @@ class LaunchEnvironment:
     world_size: int = 1
     local_rank: int = 0
     """Index on this node: picks the CUDA device."""
+    local_world_size: int = 1
+    """Processes on this node (torchrun's LOCAL_WORLD_SIZE; the operator's pods: 1 each): a
+    rank's tier-0 replica goes to the same local rank on the next node."""
 
     @property
     def distributed(self) -> bool:
@@ -45,7 +48,11 @@ class LaunchEnvironment:
         rank = _env_int(env, "RANK", 0, minimum=0)
         if rank >= world_size:
             raise UsageError(f"RANK={rank} is not below WORLD_SIZE={world_size}; check the launcher's variables")
-        return cls(rank, world_size, _env_int(env, "LOCAL_RANK", 0, minimum=0))
+        local_world_size = _env_int(env, "LOCAL_WORLD_SIZE", 1, minimum=1)
+        if world_size % local_world_size:
+            raise UsageError(f"LOCAL_WORLD_SIZE={local_world_size} does not divide WORLD_SIZE={world_size}; start "
+                             f"the same number of processes on every node")
+        return cls(rank, world_size, _env_int(env, "LOCAL_RANK", 0, minimum=0), local_world_size)
 
 
 def rank_of(env: Mapping[str, str]) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from trainer.checkpoint.atomic import manifest_digest
 from trainer.checkpoint.identity import RunIdentity, identity_or_problem
@@ -20,9 +20,11 @@ from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.resume import choose_candidate
 from trainer.config import RunConfig
 from trainer.layout import RunDirectory
-from trainer.errors import CorruptGeneration
-from trainer.run.records import DISK, MEMORY, STORE, read_attempts
+from trainer.checkpoint.coordination import Coordinator, raise_if_any_failed
+from trainer.errors import CorruptGeneration, TrainerError, UsageError
+from trainer.run.records import DISK, MEMORY, PEER, STORE, read_attempts
 from trainer.storage.base import NOTHING_MOVED, RunStorage, Transfer
+from trainer.storage.memory import Holding, newer_than
 
 log = logging.getLogger("trainer")
 
@@ -49,9 +51,15 @@ class Claim:
     download: Transfer = NOTHING_MOVED
     """What restoring from an object store downloaded (nothing when the local tier had it)."""
     tier: str = DISK
-    """Where the generation was restored from: MEMORY (tier 0), DISK or STORE."""
+    """Where the generation was restored from: MEMORY (tier 0), PEER (tier 0, some ranks' parts
+    fetched from their partners), DISK or STORE."""
     refused: tuple[str, ...] = ()
     """Faster sources refused on the way ("TIER NAME: problem"): a damaged tier-0 generation."""
+    identity: RunIdentity | None = None
+    """The run's identity once this attempt went ahead: what tier 0 is bound to on every rank."""
+    memory: str | None = None
+    """A tier-0 generation rank 0 chose, until every rank made sure of its part (`settle`):
+    then `generation` is this rank's part."""
 
     @property
     def restored_bytes(self) -> int:
@@ -72,47 +80,101 @@ class Claimant:
         """This machine's run directory, once this attempt holds it."""
         self.considered: str | None = None
         """The generation chosen for restore, before it verified."""
+        self.durable: list[str] = []
 
-    def claim(self, attempt_id: str, held: contextlib.ExitStack) -> Claim:
+    def claim(self, attempt_id: str, held: contextlib.ExitStack, holdings: list[Holding]) -> Claim:
+        """`holdings`: what every rank's tier 0 holds (gathered before: each rank holds its own)."""
         config, storage = self.config, self.storage
         storage.claim(attempt_id, held, must_exist=config.resume == "latest" or config.from_generation is not None)
-        storage.memory.claim(held)
         self.held = storage.local
         started = time.monotonic()
-        durable = storage.committed()
-        newer = storage.memory.newer_than(durable, read_attempts(storage.local.root),  # tier 0 first: the fastest
-                                          run_identity(storage.local))
+        durable = self.durable = storage.committed()
+        newer = newer_than(holdings, durable, read_attempts(storage.local.root),  # tier 0 first: the fastest
+                           run_identity(storage.local))
         where = storage.generations_where + (f" and tier 0 ({storage.memory.where})" if newer else "")
         self.considered = choose_candidate(durable + newer, config.resume, config.from_generation, where)
-        # the run's identity: what the generation must belong to, in tier 0 too
-        storage.memory.bind(storage.go_ahead(attempt_id, config.adopt_from))
-        generation, download, tier, refused = None, NOTHING_MOVED, DISK, ()
+        identity = storage.go_ahead(attempt_id, config.adopt_from)  # what the generation must belong to, tier 0 too
+        if self.considered in newer:  # every rank verifies its own part next (`settle`)
+            storage.remove_stale_temporaries()
+            return Claim(storage.local, attempt_id, None, time.monotonic() - started, tier=MEMORY,
+                         identity=identity, memory=self.considered)
+        generation, download = None, NOTHING_MOVED
         if self.considered:
-            generation, download, tier, refused = self.fetch(self.considered, durable, newer)
+            generation, download = storage.restorable(self.considered, durable, self.one_pass)
+        return self.claimed(attempt_id, identity, generation, download, started)
+
+    def claimed(self, attempt_id: str, identity: RunIdentity | None, generation: Verification | None,
+                download: Transfer, started: float, refused: tuple[str, ...] = ()) -> Claim:
+        storage = self.storage
         if generation is not None and generation.manifest.run is None:
             log.warning("%s names no run (written before run ids): restored as this run's own", generation.name)
         verify_s = time.monotonic() - started - download.seconds
         storage.remove_stale_temporaries()
         return Claim(storage.local, attempt_id, generation, verify_s,
-                     manifest_digest(generation.path) if generation else None, download, tier, refused)
+                     manifest_digest(generation.path) if generation else None, download,
+                     STORE if download.bytes else DISK, refused, identity)
 
-    def fetch(self, name: str, durable: list[str], newer: list[str]):
-        """The generation `name` verified, from the fastest source that holds it: tier 0, else
-        the backend (this disk, or a download from the object store). A tier-0 generation that
-        does not verify is refused with one warning, and the newest earlier durable one serves."""
-        storage, refused = self.storage, ()
-        if name in newer:
-            verification = storage.memory.restorable(name)
-            if verification.ok:
-                return verification, NOTHING_MOVED, MEMORY, ()
-            earlier = [durable_name for durable_name in durable if durable_name < name]
-            instead = f"restoring {earlier[-1]} from {storage.generations_where}" if earlier else \
-                "no durable generation to restore instead"
-            log.warning("tier 0 refused %s (%s): %s", name, verification.problem, instead)
-            if not earlier:
-                raise CorruptGeneration(f"tier-0 generation {name} in {storage.memory.where} does not verify "
-                                        f"({verification.problem}) and no durable generation is older; remove it "
-                                        f"to start over")
-            name, refused = earlier[-1], (f"{MEMORY} {name}: {verification.problem}",)
-        verification, download = storage.restorable(name, durable, self.one_pass)
-        return verification, download, STORE if download.bytes else DISK, refused
+    def instead_of(self, claim: Claim, problems: dict[int, str]) -> Claim:
+        """Rank 0, when some rank's part of the chosen tier-0 generation cannot serve (damaged,
+        and no replica to fetch): the newest earlier durable generation, with one warning."""
+        started, name = time.monotonic(), claim.memory
+        earlier = [durable for durable in self.durable if durable < name]
+        problem = "; ".join(f"rank {rank}: {why}" if len(problems) > 1 or rank else why
+                            for rank, why in sorted(problems.items()))
+        instead = f"restoring {earlier[-1]} from {self.storage.generations_where}" if earlier else \
+            "no durable generation to restore instead"
+        log.warning("tier 0 refused %s (%s): %s", name, problem, instead)
+        if not earlier:
+            raise CorruptGeneration(f"tier-0 generation {name} in {self.storage.memory.where} does not verify "
+                                    f"({problem}) and no durable generation is older; remove it to start over")
+        self.considered = earlier[-1]
+        generation, download = self.storage.restorable(earlier[-1], self.durable, self.one_pass)
+        return self.claimed(claim.attempt_id, claim.identity, generation, download, started,
+                            (f"{MEMORY} {name}: {problem}",))
+
+
+def claim_on_every_rank(claimant: Claimant, ranks: Coordinator, attempt_id: str, held: contextlib.ExitStack) -> Claim:
+    """Every rank holds its own tier 0 and says what it holds; rank 0 claims the run
+    directory and chooses; then, if it chose a tier-0 generation, every rank makes sure of its
+    own part (`settle`)."""
+    memory = claimant.storage.memory
+    failure = None
+    try:
+        memory.claim(held)
+    except TrainerError as error:
+        failure = error
+    if ranks.distributed:
+        raise_if_any_failed(ranks, failure, "holding tier 0")
+    elif failure is not None:
+        raise failure
+    holdings = ranks.gather(memory.holding(), "listing tier 0")
+    if ranks.distributed and len({bool(holding.parts) for holding in holdings}) > 1:
+        without = [holding.rank for holding in holdings if not holding.parts]
+        raise UsageError(f"--memory-dir is given to some ranks but not to rank(s) {without}; give it on every node, "
+                         f"or on none")
+    claim = ranks.decide_on_primary(lambda: claimant.claim(attempt_id, held, holdings), "claiming the run directory")
+    memory.bind(claim.identity)
+    return settle(claimant, ranks, claim) if claim.memory else claim
+
+
+def settle(claimant: Claimant, ranks: Coordinator, claim: Claim) -> Claim:
+    """Every rank verifies its own part of the chosen tier-0 generation. A rank whose part is
+    missing (a replaced node) or damaged fetches it from the partner that keeps its replica
+    (several nodes); if some part still cannot serve, rank 0 restores the newest earlier durable
+    generation instead. Every rank learns the same outcome."""
+    memory, started, name = claimant.storage.memory, time.monotonic(), claim.memory
+    problems = dict(enumerate(ranks.gather(memory.problem(name), f"verifying tier 0's {name}")))
+    needing = {rank for rank, problem in problems.items() if problem}
+    if needing and ranks.distributed and memory.fetches_from_peers:
+        if ranks.is_primary:
+            for rank in sorted(needing):
+                log.warning("tier 0 of rank %d cannot serve %s (%s): fetching the replica its partner keeps",
+                            rank, name, problems[rank])
+        fetched = memory.fetch(ranks.background(), name, needing)
+        problems = dict(enumerate(ranks.gather(fetched, f"fetching tier 0's {name} from peers")))
+    failed = {rank: problem for rank, problem in problems.items() if problem}
+    if failed:
+        return ranks.decide_on_primary(lambda: claimant.instead_of(claim, failed), "restoring a durable generation")
+    generation = memory.restorable(name)
+    return replace(claim, generation=generation, verify_s=claim.verify_s + time.monotonic() - started,
+                   manifest_sha256=manifest_digest(generation.path), tier=PEER if needing else MEMORY)

@@ -25,7 +25,7 @@ from trainer.parallel.launch import LaunchEnvironment
 from trainer.parallel.ranks import Ranks, process_group, unshared_output
 from trainer.run.attempts import new_attempt_id
 from trainer.run.records import COMPLETED, INTERRUPTED, PREEMPTED
-from trainer.run.claim import Claim, Claimant
+from trainer.run.claim import Claim, Claimant, claim_on_every_rank
 from trainer.run.events import TrainingEvents
 from trainer.run.failures import attributed
 from trainer.run.preemption import PreemptionGuard, ignore_late_stop_requests
@@ -56,7 +56,7 @@ class TrainingRun:
         self.config, self.ranks, self.events = config, ranks, events
         self.workload: BoundWorkload = build_workload(config.workload)
         self.attempt_id, self.started = new_attempt_id(), time.monotonic()
-        self.storage = open_storage(config, ranks.world_size)
+        self.storage = open_storage(config, ranks.launch)
         self.claimant = Claimant(config, self.storage, one_pass=ranks.world_size == 1)
         self.recorder = None
         """This attempt's record once started (it then records its own end)."""
@@ -70,8 +70,7 @@ class TrainingRun:
             held.callback(self.progress.close)  # clears a terminal's status line on every way out
             try:
                 # Rank 0's run directory wins: under --tracked only rank 0 knows the outputs path.
-                claim = self.ranks.decide_on_primary(lambda: self.claimant.claim(self.attempt_id, held),
-                                                     "claiming the run directory")
+                claim = claim_on_every_rank(self.claimant, self.ranks, self.attempt_id, held)
                 if not self.ranks.is_primary:
                     self.storage.join(claim.run)
                 if self.storage.shares_one_disk:

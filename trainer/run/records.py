@@ -42,10 +42,13 @@ PUBLISHED = {GENERATIONS: "generations_published", EXPORTS: "exports_published"}
 """Where a record lists what it published, per kind (GENERATIONS, EXPORTS of trainer/layout.py):
 each entry {name, step, save_s, blocked_s, at_s}, plus {durable_s, upload_s} once a store
 committed it."""
-RESTORED_FROM = {"memory": "tier 0 (memory)", "disk": "the local disk", "store": "the object store"}
-"""Where a restore came from (the record's `restored.tier`): tier 0 (`--memory-dir`), this
-machine's disk (the run directory, or an object store's local tier), a download from the store."""
-MEMORY, DISK, STORE = RESTORED_FROM
+RESTORED_FROM = {"memory": "tier 0 (memory)", "peer": "tier 0 and a peer's replica (memory)",
+                 "disk": "the local disk", "store": "the object store"}
+"""Where a restore came from (the record's `restored.tier`): tier 0 (`--memory-dir`), tier 0
+with some ranks' parts fetched from their partners' replicas (a lost node), this machine's disk
+(the run directory, or an object store's local tier), a download from the store."""
+MEMORY, PEER, DISK, STORE = RESTORED_FROM
+TIER0 = (MEMORY, PEER)
 COSTS = ("restore_s", "verify_s", "download_s", "save_s", "blocked_s", "upload_s", "saves")
 """The fields of a record's `costs`: seconds restoring (verify and download included),
 saving, blocked by saves, uploading, and the number of saves."""

@@ -14,7 +14,7 @@ from trainer.errors import CorruptGeneration
 from trainer.parallel.ranks import Ranks
 from trainer.run.attempts import AttemptRecorder
 from trainer.run.claim import Claim
-from trainer.run.records import RESTORED_FROM, STORE
+from trainer.run.records import RESTORED_FROM, STORE, TIER0
 from trainer.run.saving import CadencedSaves
 from trainer.run.state import TrainingState
 from trainer.run.checksum import safe_state_digests
@@ -31,7 +31,8 @@ class Restorer:
 
     def restore(self, claim: Claim, state: TrainingState, drift: tuple[str, ...], saves: CadencedSaves,
                 recorder: AttemptRecorder) -> None:
-        generation = claim.generation if self.ranks.is_primary else self.storage.local_copy(claim.generation)
+        own = self.ranks.is_primary or claim.tier in TIER0  # a tier-0 claim holds this rank's own part
+        generation = claim.generation if own else self.storage.local_copy(claim.generation)
         restored, tier = self.load(claim, generation, state, recorder)
         if state.progress.global_step != restored.step:
             raise CorruptGeneration(f"generation {restored.name} holds step {state.progress.global_step}, but its "
@@ -49,6 +50,8 @@ class Restorer:
         recorder.restored(restored, claim.verify_s)
         recorder.set_aside(self.ranks.decide_on_primary(lambda: self.abandon_later_line(restored.step),
                                                         "setting aside the abandoned line"))
+        if not self.ranks.is_primary and self.config.from_generation is not None:
+            self.storage.memory.set_aside_later_than(restored.step)  # each rank's own tier 0
         log.info("restored %s (step=%d epoch=%d position=%d) from %s in %.3fs (%d bytes)", restored.name,
                  progress.global_step, progress.epoch, progress.position, RESTORED_FROM[tier], recorder.restore_s,
                  claim.restored_bytes)
@@ -70,7 +73,7 @@ class Restorer:
         durable one), which changes what the record, the lineage and the replay check were
         started with, and that is decided in the claim."""
         if not generation.shards_pending:
-            return restore(generation, state), claim.tier
+            return restore(generation, state, alone=claim.tier in TIER0), claim.tier
         try:
             return restore_verified(generation, state), claim.tier
         except DamagedShard as damage:

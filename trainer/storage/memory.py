@@ -41,9 +41,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -52,15 +52,16 @@ from trainer import seams
 from trainer.checkpoint.atomic import write_file_durably
 from trainer.checkpoint.checkpointer import Checkpointer, build_checkpointer
 from trainer.checkpoint.commit import Committed, RenameCommit
-from trainer.checkpoint.coordination import Coordinator
+from trainer.checkpoint.coordination import Coordinator, SingleProcess, raise_if_any_failed
 from trainer.checkpoint.identity import RunIdentity, identity_or_problem
 from trainer.checkpoint.manifest import GenerationFacts, InvalidManifest, Verification, read_manifest
 from trainer.checkpoint.section import LocalSection, Published
 from trainer.checkpoint.signing import Signing
 from trainer.config import MemoryTierConfig
-from trainer.errors import MemoryTierTooSmall, StorageFailure
+from trainer.errors import CorruptGeneration, MemoryTierTooSmall, StorageFailure
 from trainer.layout import GENERATIONS, RunDirectory, generation_name, generation_step
 from trainer.storage.lock import OutputLock
+from trainer.storage.peer import Parcel, exchange, keeper_of, partner, receive_into
 
 log = logging.getLogger("trainer")
 
@@ -79,15 +80,18 @@ class Budget:
     limit_bytes: int
     staging_copies: int = 0
     """Host copies of the state the staging buffers hold (async: the durable saves' and tier 0's)."""
+    parts: int = 1
+    """Parts kept per generation: this rank's own, and (several nodes) the replica of a peer's."""
 
     @property
     def needed(self) -> int:
-        return self.keep * self.generation_bytes + self.staging_bytes
+        return self.parts * self.keep * self.generation_bytes + self.staging_bytes
 
     def line(self) -> str:
         copies = f" ({self.staging_copies} host copies: durable and tier-0 saves stage apart)" \
             if self.staging_copies > 1 else ""
-        return (f"{self.keep} x {self.generation_bytes} bytes of generations + {self.staging_bytes} bytes of "
+        parts = f"{self.parts} parts (its own and a peer's replica) x " if self.parts > 1 else ""
+        return (f"{parts}{self.keep} x {self.generation_bytes} bytes of generations + {self.staging_bytes} bytes of "
                 f"staging{copies} = {self.needed} bytes")
 
 
@@ -134,22 +138,81 @@ def directory_bytes(path: Path) -> int:
     return sum(entry.stat().st_size for entry in path.iterdir() if entry.is_file()) if path.is_dir() else 0
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where this process sits: which tier-0 parts it writes and keeps (storage/peer.py)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+
+    @property
+    def partner(self) -> int | None:
+        return partner(self.rank, self.world_size, self.local_world_size)
+
+    @property
+    def keeps_replica_of(self) -> int | None:
+        return keeper_of(self.rank, self.world_size, self.local_world_size)
+
+
+def part_directory(directory: Path, rank: int, world_size: int) -> Path:
+    """One rank's tier-0 generations: `--memory-dir` itself for one process; `rank-R-of-W`
+    in it under torchrun (its own, or the replica it keeps of its keeper's partner). The world
+    size is in the name: a part of another world size is never taken for this one's."""
+    return directory if world_size == 1 else directory / f"rank-{rank}-of-{world_size}"
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one rank's tier 0 holds, for rank 0 to choose from: per rank whose part it keeps
+    (its own, and the replica of one other), the run that part is bound to and each
+    generation's writing attempt ("" when its manifest does not read)."""
+
+    rank: int
+    parts: dict[int, tuple[str | None, dict[str, str]]] = field(default_factory=dict)
+
+
+MISSING = "not in this node's tier 0"
+
+
+def available_everywhere(holdings: list[Holding], run: str) -> dict[str, str]:
+    """The tier-0 generations of run `run` whose part every rank can have: its own, or a
+    replica on another rank; {name: its writing attempt}."""
+    offered: dict[int, dict[str, str]] = {}
+    for holding in holdings:
+        for rank, (bound, generations) in holding.parts.items():
+            if bound == run:
+                offered[rank] = {**generations, **offered.get(rank, {})}
+    if len(holdings) == 0 or any(rank not in offered for rank in range(len(holdings))):
+        return {}
+    common = set.intersection(*(set(offered[rank]) for rank in range(len(holdings))))
+    return {name: offered[0][name] for name in sorted(common)}
+
+
 class NoMemoryTier:
     """`--memory-dir` is off: nothing newer to restore, nothing to save."""
 
     where = "no tier 0"
+    fetches_from_peers = False
+    """A rank's missing or damaged part can be fetched from its partner's replica (several nodes)."""
 
     def claim(self, held: contextlib.ExitStack) -> None:
         return None
 
-    def newer_than(self, durable: list[str], history: list[dict], run: RunIdentity | None) -> list[str]:
-        return []
+    def holding(self) -> Holding:
+        return Holding(0)
 
-    def bind(self, identity: RunIdentity) -> None:
+    def bind(self, identity: RunIdentity | None) -> None:
         return None
 
-    def restorable(self, name: str) -> Verification:
+    def problem(self, name: str) -> str | None:
         raise AssertionError("no tier 0 holds a generation")  # newer_than named none
+
+    def restorable(self, name: str) -> Verification:
+        raise AssertionError("no tier 0 holds a generation")
+
+    def fetch(self, coordinator: Coordinator, name: str, needing: set[int]) -> str | None:
+        raise AssertionError("no tier 0 holds a generation")
 
     def set_aside_later_than(self, step: int) -> list[str]:
         return []
@@ -187,6 +250,29 @@ class NoMemorySaves:
         return None
 
 
+def newer_than(holdings: list[Holding], durable: list[str], history: list[dict], run: RunIdentity | None) -> list[str]:
+    """Tier-0 generations newer than the newest durable one that continue its line: every
+    rank's part can be had (`available_everywhere`), bound to this run (`run`, the run
+    directory's identity; None: a new run directory), and none was written by an attempt that
+    a later attempt went back from (`--from-generation` to an earlier step, perhaps without
+    tier 0, so it could not set them aside)."""
+    if run is None:
+        return []  # nobody's yet: `bind` clears what another run left once this attempt goes ahead
+    newest = generation_step(durable[-1]) if durable else -1
+    went_back = [(record.get("id", ""), (record.get("restored") or {}).get("step"))
+                 for record in history if record.get("explicit_generation")]
+    newer = []
+    for name, attempt in available_everywhere(holdings, run.run).items():
+        step = generation_step(name)
+        if step <= newest:
+            continue
+        if any(later > attempt and isinstance(back, int) and back < step for later, back in went_back):
+            log.info("tier 0 holds %s of an abandoned line (a later attempt went back): not restored", name)
+            continue
+        newer.append(name)
+    return newer
+
+
 class MemoryCommit(RenameCommit):
     """`RenameCommit` with the seam `memory-after-write`: a tier-0 generation's files written,
     its commit not begun (on the committer thread under async saves)."""
@@ -197,58 +283,41 @@ class MemoryCommit(RenameCommit):
         return super().commit(temporary, step, describe, digests, coordinator)
 
 
-class MemoryTier(NoMemoryTier):
-    """Tier 0 in `config.directory` (see the module docstring)."""
+class MemoryPart:
+    """One rank's tier-0 generations in one directory (`part_directory`): a run directory of
+    its own (`run.json`, `checkpoints/`, a flock), on this node's memory filesystem."""
 
-    def __init__(self, config: MemoryTierConfig, signing: Signing | None):
-        self.config = config
-        self.run = RunDirectory(config.directory)
+    def __init__(self, directory: Path, signing: Signing | None):
+        self.run = RunDirectory(directory)
         self.section = LocalSection(self.run.section(GENERATIONS), signing)
         self.where = str(self.section.root)
 
-    # ----------------------------------------------------------------- restoring (rank 0)
     def claim(self, held: contextlib.ExitStack) -> None:
-        """Hold tier 0 with the run directory: a second trainer pointed at it is refused (73)."""
+        """Held for the attempt: a second trainer pointed at it is refused (73)."""
         self.section.root.mkdir(parents=True, exist_ok=True)
         held.enter_context(OutputLock(self.run.root))
         self.section.recover_interrupted_replacements()
         self.section.remove_stale_temporaries()  # held: no other writer is filling one
 
-    def newer_than(self, durable: list[str], history: list[dict], run: RunIdentity | None) -> list[str]:
-        """Tier-0 generations newer than the newest durable one that continue its line: tier 0
-        is bound to this run (`run`, the run directory's identity; None: a new run directory),
-        and none was written by an attempt that a later attempt went back from
-        (`--from-generation` to an earlier step, perhaps without tier 0, so it could not set
-        them aside)."""
-        if run is None or self.bound_to() != run.run:
-            return []  # another run's (or nobody's): `bind` clears them once this attempt goes ahead
-        newest = generation_step(durable[-1]) if durable else -1
-        went_back = [(record.get("id", ""), (record.get("restored") or {}).get("step"))
-                     for record in history if record.get("explicit_generation")]
-        newer = []
+    def held(self) -> tuple[str | None, dict[str, str]]:
+        """(the run it is bound to, {generation: its writing attempt})."""
+        generations = {}
         for name in self.section.names():
-            step = generation_step(name)
-            if step <= newest:
-                continue
             try:
-                attempt = read_manifest(self.section.path(name)).attempt
+                generations[name] = read_manifest(self.section.path(name)).attempt
             except InvalidManifest:
-                attempt = ""  # damaged: offered, so that verifying it refuses it with its reason
-            if any(later > attempt and isinstance(back, int) and back < step for later, back in went_back):
-                log.info("tier 0 holds %s of an abandoned line (a later attempt went back): not restored", name)
-                continue
-            newer.append(name)
-        return newer
+                generations[name] = ""  # damaged: offered, so that verifying it refuses it with its reason
+        return self.bound_to(), generations
 
     def bound_to(self) -> str | None:
-        """The run tier 0 holds generations of (its `run.json`), None if none or unreadable."""
+        """The run this part holds generations of (its `run.json`), None if none or unreadable."""
         identity, _ = identity_or_problem(self.run.identity.read_bytes() if self.run.identity.is_file() else None)
         return identity.run if identity else None
 
     def bind(self, identity: RunIdentity) -> None:
-        """Tier 0 belongs to this run from now on: its `run.json` is the run directory's. What
-        another run left here is removed (tier 0 is this machine's memory, not a durable copy:
-        the flock held since `claim` says no live trainer uses it)."""
+        """It belongs to this run from now on: its `run.json` is the run directory's. What
+        another run left here is removed (memory, not a durable copy: the flock held since
+        `claim` says no live trainer uses it)."""
         if self.bound_to() != identity.run:
             if left := self.section.names():
                 log.warning("tier 0 (%s) held generations of run %s (%s): removed, it now belongs to run %s",
@@ -259,41 +328,170 @@ class MemoryTier(NoMemoryTier):
         if not self.run.identity.is_file() or self.run.identity.read_bytes() != data:
             write_file_durably(self.run.identity, data)
 
-    def restorable(self, name: str) -> Verification:
-        """The tier-0 generation, verified like a durable one (hash, run, signature)."""
-        return self.section.verify(name)
-
-    def set_aside_later_than(self, step: int) -> list[str]:
-        """Going back: later tier-0 generations belong to the abandoned line. Removed rather
-        than kept as superseded copies: memory is the scarce thing here, and the budget counts
-        only what can be restored."""
-        later = [name for name in self.section.names() if generation_step(name) > step]
-        for name in later:
+    def remove_where(self, doomed: Callable[[str], bool]) -> list[str]:
+        names = [name for name in self.section.names() if doomed(name)]
+        for name in names:
             self.section.remove(name)
-        return [f"{self.where}/{name}" for name in later]
-
-    # ----------------------------------------------------------------- saving
-    def saver(self, attempt_id: str, coordinator: Coordinator, mode: str, device: torch.device) -> "MemorySaves":
-        """Every rank, at the same point (an async one creates its background groups)."""
-        return MemorySaves(self, build_checkpointer(mode, MemoryCommit(self.section), attempt_id, device,
-                                                    coordinator), mode == "async")
-
-    def limit_bytes(self) -> int:
-        """`--memory-tier-max-bytes`, else what tier 0 holds plus what its filesystem has free."""
-        if self.config.max_bytes is not None:
-            return self.config.max_bytes
-        stats = os.statvfs(self.section.root)
-        return stats.f_bavail * stats.f_frsize + self.used_bytes()
+        return names
 
     def used_bytes(self) -> int:
         return sum(directory_bytes(self.section.path(name)) for name in self.section.names())
 
 
+class MemoryTier(NoMemoryTier):
+    """Tier 0 in `config.directory` (see the module docstring): this rank's own part, and
+    under torchrun with several nodes the replica it keeps of its keeper rank's part."""
+
+    def __init__(self, config: MemoryTierConfig, signing: Signing | None, place: Place = Place()):
+        self.config, self.place = config, place
+        self.own = MemoryPart(part_directory(config.directory, place.rank, place.world_size), signing)
+        kept = place.keeps_replica_of
+        self.replica = MemoryPart(part_directory(config.directory, kept, place.world_size), signing) \
+            if kept is not None else None
+        self.parts = [self.own] + ([self.replica] if self.replica else [])
+        self.where = str(config.directory) if place.world_size > 1 else self.own.where
+        self.fetches_from_peers = place.partner is not None
+
+    # ----------------------------------------------------------------- restoring (every rank)
+    def claim(self, held: contextlib.ExitStack) -> None:
+        """Hold this rank's parts for the attempt: a second trainer pointed at them is refused (73)."""
+        for part in self.parts:
+            part.claim(held)
+
+    def holding(self) -> Holding:
+        parts = {self.place.rank: self.own.held()}
+        if self.replica is not None:
+            parts[self.place.keeps_replica_of] = self.replica.held()
+        return Holding(self.place.rank, parts)
+
+    def bind(self, identity: RunIdentity | None) -> None:
+        if identity is not None:
+            for part in self.parts:
+                part.bind(identity)
+
+    def problem(self, name: str) -> str | None:
+        """Why this rank's own part of `name` cannot serve (None: it verifies: hash, run, signature)."""
+        if name not in self.own.section.names():
+            return MISSING
+        return self.own.section.verify(name, cached=True).problem
+
+    def restorable(self, name: str) -> Verification:
+        """This rank's part of `name`, verified (`problem` hashed it already: cached)."""
+        return self.own.section.verify(name, cached=True)
+
+    def fetch(self, coordinator: Coordinator, name: str, needing: set[int]) -> str | None:
+        """Every rank, at the same point: the ranks in `needing` receive their part of `name`
+        from the rank that keeps its replica, into their own tier 0; returns why this rank's
+        part still cannot serve (None: it verifies now)."""
+        place, parcel = self.place, None
+        kept = place.keeps_replica_of
+        if kept in needing and self.replica is not None and name in self.replica.section.names():
+            parcel = Parcel.of(self.replica.section.path(name))
+        mine = place.rank in needing
+        try:
+            received = exchange(coordinator.group, kept if kept in needing else None, parcel,
+                                place.partner if mine else None)
+        except (RuntimeError, OSError) as error:
+            return f"its replica could not be fetched ({error})" if mine else None
+        if not mine:
+            return None
+        if received is None:
+            return f"rank {place.partner} keeps no replica of it"
+        try:
+            receive_into(self.own.section, received)
+        except CorruptGeneration as error:
+            return str(error)
+        return self.problem(name)
+
+    def set_aside_later_than(self, step: int) -> list[str]:
+        """Going back: later tier-0 generations belong to the abandoned line. Removed rather
+        than kept as superseded copies: memory is the scarce thing here, and the budget counts
+        only what can be restored."""
+        return [f"{part.where}/{name}" for part in self.parts
+                for name in part.remove_where(lambda held: generation_step(held) > step)]
+
+    # ----------------------------------------------------------------- saving
+    def saver(self, attempt_id: str, coordinator: Coordinator, mode: str, device: torch.device) -> "MemorySaves":
+        """Every rank, at the same point (the replica's transfers get a group of their own).
+        Each rank writes its own part alone (no collective: a tier-0 save never waits for a
+        peer), through the same checkpointer and commit as a durable save."""
+        checkpointer = build_checkpointer(mode, MemoryCommit(self.own.section), attempt_id, device, SingleProcess())
+        replicas = Replication(self, coordinator.background()) if self.place.partner is not None else None
+        return MemorySaves(self, checkpointer, mode == "async", coordinator, replicas)
+
+    def limit_bytes(self) -> int:
+        """`--memory-tier-max-bytes`, else what tier 0 holds plus what its filesystem has free."""
+        if self.config.max_bytes is not None:
+            return self.config.max_bytes
+        stats = os.statvfs(self.own.section.root)
+        return stats.f_bavail * stats.f_frsize + self.used_bytes()
+
+    def used_bytes(self) -> int:
+        return sum(part.used_bytes() for part in self.parts)
+
+
+class Replication:
+    """The peer replica (storage/peer.py): after every tier-0 save, on a thread of its own
+    and a gloo group of its own, this rank sends its newest committed part to its partner and
+    keeps the one its keeper sends. Every rank runs the same rounds in the same order (one per
+    tier-0 save point, skipped saves included: they offer nothing), so the ends always meet.
+    A failed round is a warning and ends the replication for the attempt (a peer gone)."""
+
+    def __init__(self, tier: MemoryTier, coordinator: Coordinator):
+        self.tier, self.coordinator = tier, coordinator
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tier0-replica")
+        self.sent: str | None = None
+        self.broken = False
+        self.rounds: list[Future] = []
+
+    def offer(self) -> None:
+        """A round, offering the newest committed part not sent yet (the loop's thread)."""
+        names = self.tier.own.section.names()
+        offered = names[-1] if names and names[-1] != self.sent else None
+        self.sent = offered or self.sent
+        self.rounds = [done for done in self.rounds if not done.done()]
+        self.rounds.append(self.thread.submit(self.round, offered))
+
+    def round(self, offered: str | None) -> None:
+        if self.broken:
+            return
+        tier, place = self.tier, self.tier.place
+        try:
+            parcel = Parcel.of(tier.own.section.path(offered)) if offered else None
+        except OSError:
+            parcel = None  # pruned meanwhile: nothing this round
+        try:
+            received = exchange(self.coordinator.group, place.partner, parcel, place.keeps_replica_of)
+            if received is not None:
+                receive_into(tier.replica.section, received)
+                step = generation_step(received.name)
+                kept = [name for name in tier.replica.section.names() if generation_step(name) <= step]
+                tier.replica.remove_where(lambda name: generation_step(name) > step or
+                                          name in kept[:max(0, len(kept) - tier.config.keep)])
+        except (RuntimeError, OSError, CorruptGeneration) as error:
+            log.warning("tier 0's replica stopped for this attempt: %s", str(error).splitlines()[0])
+            self.broken = True
+
+    def wait(self) -> None:
+        """Every round offered so far has ended (the attempt ends: every rank calls it)."""
+        for done in self.rounds:
+            done.result()
+        self.thread.shutdown(wait=True)
+
+    def abandon(self) -> None:
+        self.broken = True
+        self.thread.shutdown(wait=False, cancel_futures=True)
+
+
 class MemorySaves(NoMemorySaves):
     """This attempt's tier-0 saves: cadence, budget, publish, prune."""
 
-    def __init__(self, tier: MemoryTier, checkpointer: Checkpointer, staging: bool):
+    def __init__(self, tier: MemoryTier, checkpointer: Checkpointer, staging: bool, coordinator: Coordinator,
+                 replicas: Replication | None):
         self.tier, self.checkpointer, self.staging = tier, checkpointer, staging
+        self.coordinator = coordinator
+        """Every rank's: a start refused on one rank is refused on all."""
+        self.replicas = replicas
         self.generation_bytes = 0
         """The largest tier-0 generation known (estimated, then measured)."""
         self.warned = False
@@ -302,18 +500,24 @@ class MemorySaves(NoMemorySaves):
         """`estimate`: the bytes a generation of the state stores (its tensors)."""
         self.generation_bytes = max(self.generation_bytes, estimate + OVERHEAD_BYTES + estimate // 50)
         copies = 2 if self.staging else 0  # the durable saves' staging and tier 0's own
-        return Budget(self.generation_bytes, self.tier.config.keep, copies * estimate, self.tier.limit_bytes(), copies)
+        return Budget(self.generation_bytes, self.tier.config.keep, copies * estimate, self.tier.limit_bytes(), copies,
+                      len(self.tier.parts))
 
     def fits(self, estimate: Callable[[], int]) -> None:
         """Before the first step: refuse a start whose tier 0 cannot hold its K generations.
         `estimate()`: the bytes a generation will store, optimizer state not created yet
         included (`TrainingState.estimated_bytes`); called only here, with tier 0 on."""
-        budget = self.budget(estimate())
+        budget, refusal = self.budget(estimate()), None
         if budget.needed > budget.limit_bytes:
-            raise MemoryTierTooSmall(
-                f"tier 0 ({self.tier.where}) needs {budget.line()}, over its budget of {budget.limit_bytes} bytes "
-                f"(--memory-tier-max-bytes, or the free memory of its filesystem); raise it, lower --memory-keep "
-                f"(now {budget.keep}), or drop --memory-dir")
+            rank = f" of rank {self.tier.place.rank}" if self.tier.place.world_size > 1 else ""
+            refusal = MemoryTierTooSmall(
+                f"tier 0{rank} ({self.tier.own.where}) needs {budget.line()}, over its budget of {budget.limit_bytes} "
+                f"bytes (--memory-tier-max-bytes, or the free memory of its filesystem); raise it, lower "
+                f"--memory-keep (now {budget.keep}), or drop --memory-dir")
+        if self.coordinator.distributed:
+            raise_if_any_failed(self.coordinator, refusal, "checking tier 0's budget")
+        elif refusal is not None:
+            raise refusal
 
     def due(self, step: int) -> bool:
         return step % self.tier.config.every_steps == 0
@@ -321,16 +525,23 @@ class MemorySaves(NoMemorySaves):
     def save(self, state_dict: dict, facts: GenerationFacts) -> list[Published]:
         """Wait for the tier-0 save in flight (async), prune to K - 1, then write and publish
         (async: stage, and write in the background) when the new one fits; nothing pruned when
-        skipped."""
+        skipped. Then a replica round (several nodes), skipped or not: every rank runs one here."""
+        published = self.written(state_dict, facts)
+        if self.replicas is not None:
+            self.replicas.offer()
+        return published
+
+    def written(self, state_dict: dict, facts: GenerationFacts) -> list[Published]:
         published = self.settled(self.checkpointer.drain, facts.step)
-        section, keep, name = self.tier.section, self.tier.config.keep, generation_name(facts.step)
+        section, keep, name = self.tier.own.section, self.tier.config.keep, generation_name(facts.step)
         # Those at this step or later are of a line this one replaces (after a refused tier-0
         # generation): removed, never replaced in place (that would keep a superseded copy in memory).
         earlier = [held for held in section.names() if held < name]
         doomed = [held for held in section.names() if held >= name] + earlier[:max(0, len(earlier) - (keep - 1))]
         budget = self.budget(state_bytes(state_dict))
         kept = self.tier.used_bytes() - sum(directory_bytes(section.path(name)) for name in doomed)
-        if kept + budget.generation_bytes + budget.staging_bytes > budget.limit_bytes:
+        replica = budget.generation_bytes if self.replicas is not None else 0  # the next one received
+        if kept + budget.generation_bytes + replica + budget.staging_bytes > budget.limit_bytes:
             if not self.warned:
                 log.warning("tier 0 skipped step %d: %d bytes kept + %d for it + %d of staging would pass its "
                             "budget of %d bytes (the durable tiers keep their cadence)", facts.step, kept,
@@ -351,7 +562,7 @@ class MemorySaves(NoMemorySaves):
             log.warning("tier 0 skipped a save (at step %d): %s", step, failure)
             return []
         for generation in published:
-            self.generation_bytes = max(self.generation_bytes, directory_bytes(self.tier.section.path(generation.name)))
+            self.generation_bytes = max(self.generation_bytes, directory_bytes(self.tier.own.section.path(generation.name)))
             log.info("saved %s to tier 0 in %.3fs (the loop held %.3fs)", generation.name, generation.save_s,
                      generation.blocked_s)
         return published
@@ -367,15 +578,19 @@ class MemorySaves(NoMemorySaves):
             return 0.0
 
     def finalize(self) -> list[Published]:
-        return self.settled(self.checkpointer.finalize, -1)
+        published = self.settled(self.checkpointer.finalize, -1)
+        if self.replicas is not None:
+            self.replicas.wait()
+        return published
 
     def close_after_failure(self) -> list[Published]:
+        if self.replicas is not None:
+            self.replicas.abandon()  # its peer may be gone: never waited for
         return self.checkpointer.close_after_failure()
 
     def retire(self, durable: list[str]) -> None:
         """The attempt ends with everything published durable: tier-0 generations no newer than
         the newest durable one can never be restored, so their memory is given back."""
         newest = generation_step(durable[-1]) if durable else -1
-        for name in self.tier.section.names():
-            if generation_step(name) <= newest:
-                self.tier.section.remove(name)
+        for part in self.tier.parts:
+            part.remove_where(lambda name: generation_step(name) <= newest)

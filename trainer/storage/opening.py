@@ -8,15 +8,17 @@ from trainer.config import RunConfig, StoreConfig
 from trainer.layout import GENERATIONS, SECTIONS, RunDirectory
 from trainer.storage.base import RunStorage
 from trainer.storage.local import LocalStorage
-from trainer.storage.memory import MemoryTier
+from trainer.parallel.launch import LaunchEnvironment
+from trainer.storage.memory import MemoryTier, Place
 from trainer.storage.location import ClaimedByPrimary, OnDisk, InStore
 
 
-def open_storage(config: RunConfig, processes: int) -> RunStorage:
+def open_storage(config: RunConfig, launch: LaunchEnvironment) -> RunStorage:
     """The backend, with tier 0 ahead of it when `--memory-dir` is given (storage/memory.py)."""
-    storage = open_backend(config, processes)
+    storage = open_backend(config, launch.world_size)
     if config.memory.directory is not None:
-        storage.memory = MemoryTier(config.memory, storage.signing)
+        storage.memory = MemoryTier(config.memory, storage.signing,
+                                    Place(launch.rank, launch.world_size, launch.local_world_size))
     return storage
 
 
