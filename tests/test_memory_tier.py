@@ -373,3 +373,58 @@ def test_a_failed_background_tier0_write_is_a_warning_and_the_next_save_goes_on(
     warned = [r.getMessage() for r in caplog.records if "tier 0 skipped" in r.getMessage()]
     assert len(warned) == 1 and "No space left on device" in warned[0], warned
     assert sorted(os.listdir(tmp_path / "shm" / "checkpoints")) == ["step-00000002"]
+
+
+def test_each_rank_replicates_to_the_same_local_rank_on_the_next_node_and_one_node_has_no_partner():
+    from trainer.storage.peer import keeper_of, partner
+
+    # 3 nodes x 2 processes: rank r's replica is kept by rank r + 2 (the next node), in a ring.
+    assert [partner(rank, 6, 2) for rank in range(6)] == [2, 3, 4, 5, 0, 1]
+    assert [keeper_of(partner(rank, 6, 2), 6, 2) for rank in range(6)] == list(range(6))
+    assert partner(1, 2, 2) is None and keeper_of(0, 2, 2) is None and partner(0, 1, 1) is None
+
+
+def test_a_generation_is_offered_only_when_every_ranks_part_can_be_had_in_this_run():
+    from trainer.storage.memory import Holding, available_everywhere
+
+    six, nine = "step-00000006", "step-00000009"
+    holdings = [Holding(0, {0: ("run-a", {six: "a1", nine: "a1"}), 2: ("run-a", {six: "a1"})}),
+                Holding(1, {1: ("run-a", {six: "a1"}), 0: ("run-a", {six: "a1", nine: "a1"})}),
+                Holding(2, {}),  # a replaced node: its own part only as rank 0's replica
+                ]
+    # rank 2's part of step 6 is kept by rank 0 (its replica); step 9 lacks ranks 1 and 2.
+    assert available_everywhere(holdings, "run-a") == {six: "a1"}
+    assert available_everywhere(holdings, "run-b") == {}  # bound to another run: never offered
+    holdings[0] = Holding(0, {0: ("run-a", {six: "a1"})})
+    assert available_everywhere(holdings, "run-a") == {}  # rank 2's part is nowhere
+
+
+def test_a_parcel_is_kept_only_when_its_files_match_its_manifest(tmp_path):
+    import torch
+
+    from trainer.checkpoint.manifest import GenerationFacts, Manifest
+    from trainer.checkpoint.section import LocalSection
+    from trainer.checkpoint.snapshot import write_snapshot
+    from trainer.errors import CorruptGeneration
+    from trainer.storage.peer import Parcel, receive_into
+
+    source = LocalSection(tmp_path / "source")
+    temporary = source.begin(6, "t")
+    write_snapshot({"w": torch.arange(64, dtype=torch.float32)}, temporary)
+    from trainer.checkpoint.manifest import Manifest
+    facts = GenerationFacts(6, 0, 6, {}, (), {}, "2026-12-03T00:00:00Z")
+    source.publish(temporary, 6, lambda files: Manifest.for_generation(facts, "attempt", {}, files))
+    parcel = Parcel.of(source.path("step-00000006"))
+    kept = LocalSection(tmp_path / "kept")
+    receive_into(kept, parcel)
+    assert kept.names() == ["step-00000006"] and kept.verify("step-00000006").ok
+    damaged = Parcel(parcel.name, tuple((name, data[:-1] + b"X" if name.endswith(".distcp") else data)
+                                        for name, data in parcel.files))
+    with pytest.raises(CorruptGeneration, match="does not verify"):
+        receive_into(LocalSection(tmp_path / "other"), damaged)
+    assert not (tmp_path / "other").exists() or not list((tmp_path / "other").iterdir())
+    for name, files in [("../step-00000006", parcel.files), ("notes", parcel.files),
+                        (parcel.name, parcel.files + (("../escape", b"x"),))]:
+        with pytest.raises(CorruptGeneration, match="a peer sent"):
+            receive_into(LocalSection(tmp_path / "refused"), Parcel(name, files))
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "refused").exists()

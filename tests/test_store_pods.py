@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -22,17 +23,20 @@ FINAL = "step-00000016"
 
 
 def two_nodes(url: str, tmp: Path, *args, env: dict, fault: dict | None = None, per_node: dict | None = None,
-              timeout: float = 600) -> list[subprocess.CompletedProcess]:
-    """`torchrun --nnodes 2` twice on loopback (node 0 and node 1, one process each), each node
-    with its own --local-tier (and `per_node[node]` added to its environment); the trainer's
-    status of each node from TRAINER_EXIT_STATUS_FILE."""
+              timeout: float = 600, count: int = 2, memory: bool = False) -> list[subprocess.CompletedProcess]:
+    """`torchrun --nnodes 2` twice on loopback (node 0 and node 1, one process each; `count`
+    nodes if given), each node with its own --local-tier (an object store `url`) and, with
+    `memory`, its own --memory-dir `memory_dir(tmp, node)` (and `per_node[node]` added to its
+    environment); the trainer's status of each node from TRAINER_EXIT_STATUS_FILE."""
     port = free_port()
     processes = []
-    for node in (0, 1):
+    for node in range(count):
         status = tmp / f"status-{node}-{len(list(tmp.glob(f'status-{node}-*')))}"
-        command = [str(TORCHRUN), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+        tiers = (["--local-tier", str(tmp / f"node-{node}")] if url.startswith("s3://") else []) + \
+            (["--memory-dir", str(memory_dir(tmp, node))] if memory else [])
+        command = [str(TORCHRUN), "--nnodes", str(count), "--node_rank", str(node), "--nproc_per_node", "1",
                    "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "trainer",
-                   "--output", url, "--local-tier", str(tmp / f"node-{node}"), *map(str, EPOCHS + args)]
+                   "--output", url, *tiers, *map(str, EPOCHS + args)]
         node_env = clean_environment(TRAINER_EXIT_STATUS_FILE=str(status),
                                      **{**env, **(fault or {}), **(per_node or {}).get(node, {})})
         processes.append((subprocess.Popen(command, cwd=REPO, env=node_env, stdout=subprocess.PIPE,
@@ -44,6 +48,11 @@ def two_nodes(url: str, tmp: Path, *args, env: dict, fault: dict | None = None, 
         result.trainer_status = int(status.read_text()) if status.exists() else None
         results.append(result)
     return results
+
+
+def memory_dir(tmp: Path, node: int) -> Path:
+    """A node's tier 0 (a tmp directory stands in for its /dev/shm)."""
+    return tmp / f"shm-{node}"
 
 
 def statuses(results) -> list:
@@ -221,3 +230,186 @@ def test_a_paused_rank_0_of_two_nodes_is_fenced_after_a_takeover(s3_server, s3_b
         for process in [*processes, successor]:
             if process is not None and process.poll() is None:
                 process.kill()
+
+
+# ----------------------------------------------------------------------------- tier 0 on two nodes
+TIER0 = ("--recover-every-steps", 4, "--memory-every-steps", 3, "--log-every-steps", 100)
+"""Durable generations at 4, 8, 12 and 16; tier-0 saves at 3, 6, 9 and 15 (12 is durable)."""
+TIER0_STEP = "step-00000006"
+
+
+def part(tmp: Path, node: int, rank: int, name: str = TIER0_STEP, world: int = 2) -> Path:
+    """Rank `rank`'s part of a tier-0 generation as node `node` keeps it (its own or a replica)."""
+    return memory_dir(tmp, node) / f"rank-{rank}-of-{world}" / "checkpoints" / name
+
+
+def copy_bucket(server, source: str, tmp: Path) -> str:
+    """A new bucket holding every object of `source`: one interrupted run, resumed many ways."""
+    client, bucket = server.client(), server.create_bucket()
+    for key in keys(server, source, ""):
+        client.put_object(Bucket=bucket, Key=key, Body=client.get_object(Bucket=source, Key=key)["Body"].read())
+    return bucket
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def tier0_interrupted(s3_server, tmp_path_factory) -> tuple[str, Path]:
+    """Two nodes with tier 0, stopped after step 7 without saving (exit 75): the store holds
+    step-00000004; each node's tier 0 holds its own rank's part of step-00000006 and the
+    replica of the other rank's (step-00000003 was given back: older than the durable step 4)."""
+    bucket, tmp = s3_server.create_bucket(), tmp_path_factory.mktemp("tier0-two-nodes")
+    results = two_nodes(f"s3://{bucket}/run", tmp, *TIER0, "--interrupt-at-step", 7, env=store_env(s3_server),
+                        memory=True)
+    assert statuses(results) == [75, 75], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+    assert committed(s3_server, bucket) == ["step-00000004"]
+    for node in (0, 1):
+        assert sorted(p.name for p in memory_dir(tmp, node).iterdir()) == ["rank-0-of-2", "rank-1-of-2"]
+        for rank in (0, 1):
+            assert sorted(p.name for p in part(tmp, node, rank).parent.iterdir()) == [TIER0_STEP], (node, rank)
+    # Each part is its rank's alone: its own RNG entry, no other rank's.
+    index = (part(tmp, 1, 1) / "manifest.json").read_text()
+    assert "rng_by_rank" in (part(tmp, 1, 1) / ".metadata").read_bytes().decode("latin-1") and index
+    return bucket, tmp
+
+
+@pytest.fixture
+def tier0_copy(s3_server, tier0_interrupted, tmp_path) -> tuple[str, Path]:
+    """A copy of the interrupted run to resume: its bucket and both nodes' tier 0 (new local
+    tiers: the run directory is the store's)."""
+    bucket, tmp = tier0_interrupted
+    for node in (0, 1):
+        shutil.copytree(memory_dir(tmp, node), memory_dir(tmp_path, node))
+    return copy_bucket(s3_server, bucket, tmp_path), tmp_path
+
+
+def resume_tier0(s3_server, bucket: str, tmp: Path) -> list[subprocess.CompletedProcess]:
+    results = two_nodes(f"s3://{bucket}/run", tmp, *TIER0, "--resume", env=store_env(s3_server), memory=True)
+    assert statuses(results) == [0, 0], results[0].stdout[-3000:] + results[0].stderr[-3000:] + \
+        results[1].stderr[-3000:]
+    return results
+
+
+def restored_record(tmp: Path) -> dict:
+    folder = sorted((tmp / "node-0" / "attempts").iterdir())[-1]
+    return json.loads((folder / "attempt.json").read_text())["restored"]
+
+
+def assert_exact(s3_server, bucket: str, tmp: Path, baseline: Path) -> None:
+    final = download(s3_server, bucket, f"run/checkpoints/{FINAL}", tmp / "final")
+    result = compare(baseline, final)
+    assert result.returncode == 0 and "all equal" in result.stdout, result.stdout
+
+
+def test_a_process_killed_after_a_tier0_save_restores_from_each_nodes_tier0(s3_server, s3_bucket, tmp_path,
+                                                                               baseline_two_nodes):
+    """kill -9 of node 1's process right after its tier-0 save of step 6 (durable: step 4):
+    both nodes keep their memory; the resume restores step 6 from each node's own tier 0,
+    every part verified, and ends bit-identical to the uninterrupted run."""
+    url, env = f"s3://{s3_bucket.name}/run", store_env(s3_server)
+    crashed = two_nodes(url, tmp_path, *TIER0, "--memory-every-steps", 6, env=env, memory=True,
+                        fault={"TRAINER_FAULT_POINT": "after-memory-save", "TRAINER_FAULT_RANK": "1"})
+    assert "fault injection: killing at after-memory-save" in crashed[1].stderr
+    assert 0 not in statuses(crashed)
+    assert committed(s3_server, s3_bucket.name) == ["step-00000004"]
+    assert part(tmp_path, 0, 0).is_dir() and part(tmp_path, 1, 1).is_dir()
+    resumed = resume_tier0(s3_server, s3_bucket.name, tmp_path)
+    assert f"restored {TIER0_STEP} (step=6 epoch=0 position=6) from tier 0 (memory)" in resumed[0].stdout
+    restored = restored_record(tmp_path)
+    assert restored["tier"] == "memory" and restored["step"] == 6 and "refused" not in restored
+    for node in (0, 1):  # completed: every part older than the final generation is given back
+        assert not list(memory_dir(tmp_path, node).glob("rank-*/checkpoints/step-*")), node
+    assert_exact(s3_server, s3_bucket.name, tmp_path, baseline_two_nodes)
+
+
+def test_a_lost_node_is_restored_from_its_partners_replica(s3_server, tier0_copy, baseline_two_nodes):
+    """Node 1 lost (its processes gone, its memory wiped: a replacement node with an empty
+    tier 0): rank 1 fetches its part of step 6 from rank 0, which keeps its replica; rank 0
+    uses its own; exact."""
+    bucket, tmp = tier0_copy
+    shutil.rmtree(memory_dir(tmp, 1))
+    resumed = resume_tier0(s3_server, bucket, tmp)
+    output = resumed[0].stdout + resumed[0].stderr
+    assert f"tier 0 of rank 1 cannot serve {TIER0_STEP} (not in this node's tier 0): fetching the replica" in output
+    assert f"restored {TIER0_STEP} (step=6 epoch=0 position=6) from tier 0 and a peer's replica" in output
+    restored = restored_record(tmp)
+    assert restored["tier"] == "peer" and restored["step"] == 6
+    report = run_cli("report", f"s3://{bucket}/run", env=store_env(s3_server))
+    assert f"{TIER0_STEP}   from tier 0 and a peer's replica (memory)" in report.stdout, report.stdout + report.stderr
+    assert_exact(s3_server, bucket, tmp, baseline_two_nodes)
+
+
+def test_both_tier0_copies_lost_leave_the_object_store_to_serve(s3_server, tier0_copy, baseline_two_nodes):
+    bucket, tmp = tier0_copy
+    for node in (0, 1):
+        shutil.rmtree(memory_dir(tmp, node))
+    resumed = resume_tier0(s3_server, bucket, tmp)
+    assert "restored step-00000004 (step=4 epoch=0 position=4) from the object store" in resumed[0].stdout
+    assert restored_record(tmp)["tier"] == "store"
+    assert_exact(s3_server, bucket, tmp, baseline_two_nodes)
+
+
+def test_a_damaged_tier0_part_is_refused_by_its_hash_and_the_partners_replica_serves(
+        s3_server, tier0_copy, baseline_two_nodes):
+    """A flipped byte in rank 1's own part (memory damaged): refused by its sha256 with one
+    warning line, the replica on node 0 serves it; exact."""
+    bucket, tmp = tier0_copy
+    flip_a_byte(sorted(part(tmp, 1, 1).glob("*.distcp"))[0])
+    resumed = resume_tier0(s3_server, bucket, tmp)
+    output = resumed[0].stdout + resumed[0].stderr
+    warned = [line for line in output.splitlines() if "cannot serve" in line or "refused" in line]
+    assert len(warned) == 1 and "rank 1" in warned[0] and "sha256 mismatch" in warned[0], output
+    assert restored_record(tmp)["tier"] == "peer"
+    assert_exact(s3_server, bucket, tmp, baseline_two_nodes)
+
+
+def test_a_damaged_part_without_a_replica_leaves_the_object_store_to_serve(s3_server, tier0_copy,
+                                                                           baseline_two_nodes):
+    """The next source after that: rank 1's part damaged and its replica gone too: tier 0 is
+    refused in one line naming the rank and the hash, and the store's step 4 serves; exact."""
+    bucket, tmp = tier0_copy
+    flip_a_byte(sorted(part(tmp, 1, 1).glob("*.distcp"))[0])
+    shutil.rmtree(part(tmp, 0, 1))
+    resumed = resume_tier0(s3_server, bucket, tmp)
+    output = resumed[0].stdout + resumed[0].stderr
+    refused = [line for line in output.splitlines() if "tier 0 refused" in line]
+    assert len(refused) == 1 and "rank 1: " in refused[0] and "sha256 mismatch" in refused[0], output
+    assert "restoring step-00000004" in refused[0]
+    assert "restored step-00000004 (step=4 epoch=0 position=4) from the object store" in resumed[0].stdout
+    restored = restored_record(tmp)
+    assert restored["tier"] == "store" and restored["refused"][0].startswith(f"memory {TIER0_STEP}: rank 1: ")
+    assert_exact(s3_server, bucket, tmp, baseline_two_nodes)
+
+
+def test_three_nodes_a_lost_node_fetches_from_the_next_node_while_its_own_replica_is_lost_too(tmp_path):
+    """A ring of three nodes (one process each, one shared run directory): rank r's replica is
+    kept by rank r+1, so a node's sender and receiver are different peers. Node 1 lost (memory
+    wiped): rank 1 fetches its part from rank 2; the replica of rank 0 that node 1 kept is gone,
+    but rank 0's own part serves. Exact against an uninterrupted three-node run."""
+    three = ("--samples", 144, "--batch-size", 12, "--epochs", 1, *TIER0)  # 12 steps, 4 samples per rank
+
+    def run(folder: Path, *args, memory: bool = True) -> list[subprocess.CompletedProcess]:
+        return two_nodes(str(folder / "run"), folder, *(three if memory else three[:8]), *args, env={}, count=3,
+                         memory=memory)
+
+    baseline = run(tmp_path / "baseline", memory=False)
+    assert statuses(baseline) == [0, 0, 0], baseline[0].stderr[-3000:]
+    interrupted = run(tmp_path, "--interrupt-at-step", 7)
+    assert statuses(interrupted) == [75, 75, 75], interrupted[0].stderr[-3000:]
+    for node in range(3):  # its own part and its keeper's replica: rank r's on node r and r + 1
+        assert sorted(p.name for p in memory_dir(tmp_path, node).iterdir()) == \
+            sorted([f"rank-{node}-of-3", f"rank-{(node - 1) % 3}-of-3"])
+        assert part(tmp_path, node, node, world=3).is_dir() and part(tmp_path, node, (node - 1) % 3, world=3).is_dir()
+    shutil.rmtree(memory_dir(tmp_path, 1))
+    resumed = run(tmp_path, "--resume")
+    assert statuses(resumed) == [0, 0, 0], resumed[0].stdout[-3000:] + resumed[1].stderr[-3000:]
+    output = resumed[0].stdout + resumed[0].stderr
+    assert f"tier 0 of rank 1 cannot serve {TIER0_STEP}" in output and "tier 0 of rank 0" not in output
+    assert f"restored {TIER0_STEP} (step=6 epoch=0 position=6) from tier 0 and a peer's replica" in output
+    final = "step-00000012"
+    result = compare(tmp_path / "baseline" / "run" / "checkpoints" / final, tmp_path / "run" / "checkpoints" / final)
+    assert result.returncode == 0 and "all equal" in result.stdout, result.stdout

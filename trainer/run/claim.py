@@ -154,27 +154,33 @@ def claim_on_every_rank(claimant: Claimant, ranks: Coordinator, attempt_id: str,
                          f"or on none")
     claim = ranks.decide_on_primary(lambda: claimant.claim(attempt_id, held, holdings), "claiming the run directory")
     memory.bind(claim.identity)
-    return settle(claimant, ranks, claim) if claim.memory else claim
+    return settle(claimant, ranks, claim, holdings) if claim.memory else claim
 
 
-def settle(claimant: Claimant, ranks: Coordinator, claim: Claim) -> Claim:
-    """Every rank verifies its own part of the chosen tier-0 generation. A rank whose part is
-    missing (a replaced node) or damaged fetches it from the partner that keeps its replica
-    (several nodes); if some part still cannot serve, rank 0 restores the newest earlier durable
-    generation instead. Every rank learns the same outcome."""
+def settle(claimant: Claimant, ranks: Coordinator, claim: Claim, holdings: list[Holding]) -> Claim:
+    """Every rank verifies its own part of the chosen tier-0 generation. When every rank whose
+    part is missing (a replaced node) or damaged has a replica on another rank (several nodes),
+    they fetch them from those partners; when some part still cannot serve, rank 0 restores the
+    newest earlier durable generation instead. Every rank learns the same outcome."""
     memory, started, name = claimant.storage.memory, time.monotonic(), claim.memory
-    problems = dict(enumerate(ranks.gather(memory.problem(name), f"verifying tier 0's {name}")))
-    needing = {rank for rank, problem in problems.items() if problem}
-    if needing and ranks.distributed and memory.fetches_from_peers:
+    problems = {rank: problem for rank, problem in enumerate(ranks.gather(memory.problem(name),
+                                                                            f"verifying tier 0's {name}")) if problem}
+    if problems and ranks.distributed and all(replicated(holdings, rank, name) for rank in problems):
         if ranks.is_primary:
-            for rank in sorted(needing):
+            for rank in sorted(problems):
                 log.warning("tier 0 of rank %d cannot serve %s (%s): fetching the replica its partner keeps",
                             rank, name, problems[rank])
-        fetched = memory.fetch(ranks.background(), name, needing)
-        problems = dict(enumerate(ranks.gather(fetched, f"fetching tier 0's {name} from peers")))
-    failed = {rank: problem for rank, problem in problems.items() if problem}
+        fetched = ranks.gather(memory.fetch(ranks.background(), name, set(problems)), f"fetching {name} from peers")
+        failed = {rank: f"{problems[rank]}; its replica: {fetched[rank]}" for rank in problems if fetched[rank]}
+    else:
+        failed = problems
     if failed:
         return ranks.decide_on_primary(lambda: claimant.instead_of(claim, failed), "restoring a durable generation")
     generation = memory.restorable(name)
     return replace(claim, generation=generation, verify_s=claim.verify_s + time.monotonic() - started,
-                   manifest_sha256=manifest_digest(generation.path), tier=PEER if needing else MEMORY)
+                   manifest_sha256=manifest_digest(generation.path), tier=PEER if problems else MEMORY)
+
+
+def replicated(holdings: list[Holding], rank: int, name: str) -> bool:
+    """Another rank keeps a replica of `rank`'s part of `name`."""
+    return any(name in holding.parts.get(rank, (None, {}))[1] for holding in holdings if holding.rank != rank)

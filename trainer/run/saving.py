@@ -213,7 +213,9 @@ class CadencedSaves:
         self.agree_on_uploads()
         self.durability.close()
         memory_saved(self.recorder, self.memory.finalize())
-        self.memory.retire(self.generations.names())  # what tier 0 holds that is older is never restored
+        # What tier 0 holds that is older than the newest durable generation is never restored
+        # (an object store written directly by several ranks leaves no local names: the record knows).
+        self.memory.retire(sorted(self.generations.names()[-1:] + [self.recorder.newest_generation or ""])[-1:])
 
     def close_after_failure(self) -> None:
         """After a failure: finish what is in flight and record it; never raises."""

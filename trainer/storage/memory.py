@@ -193,8 +193,6 @@ class NoMemoryTier:
     """`--memory-dir` is off: nothing newer to restore, nothing to save."""
 
     where = "no tier 0"
-    fetches_from_peers = False
-    """A rank's missing or damaged part can be fetched from its partner's replica (several nodes)."""
 
     def claim(self, held: contextlib.ExitStack) -> None:
         return None
@@ -350,7 +348,6 @@ class MemoryTier(NoMemoryTier):
             if kept is not None else None
         self.parts = [self.own] + ([self.replica] if self.replica else [])
         self.where = str(config.directory) if place.world_size > 1 else self.own.where
-        self.fetches_from_peers = place.partner is not None
 
     # ----------------------------------------------------------------- restoring (every rank)
     def claim(self, held: contextlib.ExitStack) -> None:
