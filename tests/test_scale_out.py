@@ -189,11 +189,14 @@ def test_fsdp_two_process_interrupt_and_resume_matches_uninterrupted_fsdp(tmp_pa
     torchrun(baseline, "--data-parallel", "fsdp", tmp=tmp_path)
     # Async: each rank stages its own shards (DTensors) and writes them in the background; the
     # resume restores that generation and writes the final one async too.
-    torchrun(run, "--data-parallel", "fsdp", "--interrupt-at-step", 11, "--checkpoint-mode", "async", expect=75,
-             tmp=tmp_path)
+    # Tier 0 too: each rank saves its own shards alone at step 10 (one node: no replica).
+    memory = ("--memory-dir", tmp_path / "shm", "--memory-every-steps", 5)
+    torchrun(run, "--data-parallel", "fsdp", "--interrupt-at-step", 11, "--checkpoint-mode", "async", *memory,
+             expect=75, tmp=tmp_path)
     assert json.loads((generation(run, "step-00000008") / "manifest.json").read_text())["timings"]["mode"] == "async"
-    resumed = torchrun(run, "--data-parallel", "fsdp", "--resume", "--checkpoint-mode", "async", tmp=tmp_path)
-    assert "restored step-00000008 (step=8 epoch=1 position=0)" in resumed.stdout
+    assert sorted(p.name for p in (tmp_path / "shm").iterdir()) == ["rank-0-of-2", "rank-1-of-2"]
+    resumed = torchrun(run, "--data-parallel", "fsdp", "--resume", "--checkpoint-mode", "async", *memory, tmp=tmp_path)
+    assert "restored step-00000010 (step=10 epoch=1 position=2) from tier 0 (memory)" in resumed.stdout
     result = compare(generation(baseline, FINAL_2P), generation(run, FINAL_2P))
     assert result.returncode == 0, result.stdout
     assert json.loads((generation(run, FINAL_2P) / "manifest.json").read_text())["timings"]["mode"] == "async"

@@ -386,11 +386,13 @@ def test_a_damaged_part_without_a_replica_leaves_the_object_store_to_serve(s3_se
 
 
 def test_three_nodes_a_lost_node_fetches_from_the_next_node_while_its_own_replica_is_lost_too(tmp_path):
-    """A ring of three nodes (one process each, one shared run directory): rank r's replica is
+    """A ring of three nodes (one process each, one shared run directory, async saves): rank r's replica is
     kept by rank r+1, so a node's sender and receiver are different peers. Node 1 lost (memory
     wiped): rank 1 fetches its part from rank 2; the replica of rank 0 that node 1 kept is gone,
     but rank 0's own part serves. Exact against an uninterrupted three-node run."""
-    three = ("--samples", 144, "--batch-size", 12, "--epochs", 1, *TIER0)  # 12 steps, 4 samples per rank
+    three = ("--samples", 144, "--batch-size", 12, "--epochs", 1, *TIER0, "--checkpoint-mode", "async")
+    """12 steps, 4 samples per rank per step; async saves: a part is replicated once its
+    background commit is reported."""
 
     def run(folder: Path, *args, memory: bool = True) -> list[subprocess.CompletedProcess]:
         return two_nodes(str(folder / "run"), folder, *(three if memory else three[:8]), *args, env={}, count=3,

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -413,7 +414,7 @@ class MemoryTier(NoMemoryTier):
         Each rank writes its own part alone (no collective: a tier-0 save never waits for a
         peer), through the same checkpointer and commit as a durable save."""
         checkpointer = build_checkpointer(mode, MemoryCommit(self.own.section), attempt_id, device, SingleProcess())
-        replicas = Replication(self, coordinator.background()) if self.place.partner is not None else None
+        replicas = Replication(self, coordinator.background()) if self.place.partner is not None else NoReplication()
         return MemorySaves(self, checkpointer, mode == "async", coordinator, replicas)
 
     def limit_bytes(self) -> int:
@@ -427,34 +428,73 @@ class MemoryTier(NoMemoryTier):
         return sum(part.used_bytes() for part in self.parts)
 
 
-class Replication:
-    """The peer replica (storage/peer.py): after every tier-0 save, on a thread of its own
-    and a gloo group of its own, this rank sends its newest committed part to its partner and
+class NoReplication:
+    """One node (or no tier 0): no partner to keep a replica."""
+
+    def offer(self, name: str | None) -> None:
+        return None
+
+    def published(self, name: str) -> None:
+        return None
+
+    def gave_up(self) -> None:
+        return None
+
+    def wait(self) -> None:
+        return None
+
+    def abandon(self) -> None:
+        return None
+
+
+class Replication(NoReplication):
+    """The peer replica (storage/peer.py): at every tier-0 save point, on a thread of its own
+    and a gloo group of its own, this rank sends the part it just saved to its partner once it
+    is committed (async saves commit in the background: the loop reports it, `published`), and
     keeps the one its keeper sends. Every rank runs the same rounds in the same order (one per
-    tier-0 save point, skipped saves included: they offer nothing), so the ends always meet.
-    A failed round is a warning and ends the replication for the attempt (a peer gone)."""
+    save point; a skipped or failed save offers nothing), so the ends always meet. A failed
+    round is a warning and ends the replication for the attempt (a peer gone)."""
 
     def __init__(self, tier: MemoryTier, coordinator: Coordinator):
         self.tier, self.coordinator = tier, coordinator
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tier0-replica")
-        self.sent: str | None = None
+        self.committing: dict[str, threading.Event] = {}
+        """Parts offered whose commit the loop has not reported yet."""
+        self.reported: set[str] = set()
+        """Parts whose commit the loop reported before their round was offered (sync saves)."""
         self.broken = False
         self.rounds: list[Future] = []
 
-    def offer(self) -> None:
-        """A round, offering the newest committed part not sent yet (the loop's thread)."""
-        names = self.tier.own.section.names()
-        offered = names[-1] if names and names[-1] != self.sent else None
-        self.sent = offered or self.sent
-        self.rounds = [done for done in self.rounds if not done.done()]
-        self.rounds.append(self.thread.submit(self.round, offered))
+    def offer(self, name: str | None) -> None:
+        """A round for this save point (the loop's thread): `name` once committed, else nothing."""
+        committed = None
+        if name in self.reported:
+            self.reported.discard(name)
+        elif name is not None:
+            committed = self.committing.setdefault(name, threading.Event())
+        self.rounds = [done for done in self.rounds if not done.done()] + \
+            [self.thread.submit(self.round, name, committed)]
 
-    def round(self, offered: str | None) -> None:
+    def published(self, name: str) -> None:
+        if event := self.committing.pop(name, None):
+            event.set()
+        else:
+            self.reported.add(name)
+
+    def gave_up(self) -> None:
+        """The save in flight failed: its round offers nothing."""
+        for event in self.committing.values():
+            event.set()
+        self.committing.clear()
+
+    def round(self, name: str | None, committed: threading.Event | None) -> None:
+        if committed is not None:
+            committed.wait()
         if self.broken:
             return
         tier, place = self.tier, self.tier.place
         try:
-            parcel = Parcel.of(tier.own.section.path(offered)) if offered else None
+            parcel = Parcel.of(tier.own.section.path(name)) if name in tier.own.section.names() else None
         except OSError:
             parcel = None  # pruned meanwhile: nothing this round
         try:
@@ -470,13 +510,16 @@ class Replication:
             self.broken = True
 
     def wait(self) -> None:
-        """Every round offered so far has ended (the attempt ends: every rank calls it)."""
+        """Every round offered so far has ended (the attempt ends: every rank calls it, after
+        every tier-0 save was committed and reported)."""
+        self.gave_up()  # nothing is in flight any more: a part never reported was never committed
         for done in self.rounds:
             done.result()
         self.thread.shutdown(wait=True)
 
     def abandon(self) -> None:
         self.broken = True
+        self.gave_up()
         self.thread.shutdown(wait=False, cancel_futures=True)
 
 
@@ -484,7 +527,7 @@ class MemorySaves(NoMemorySaves):
     """This attempt's tier-0 saves: cadence, budget, publish, prune."""
 
     def __init__(self, tier: MemoryTier, checkpointer: Checkpointer, staging: bool, coordinator: Coordinator,
-                 replicas: Replication | None):
+                 replicas: NoReplication):
         self.tier, self.checkpointer, self.staging = tier, checkpointer, staging
         self.coordinator = coordinator
         """Every rank's: a start refused on one rank is refused on all."""
@@ -523,12 +566,12 @@ class MemorySaves(NoMemorySaves):
         """Wait for the tier-0 save in flight (async), prune to K - 1, then write and publish
         (async: stage, and write in the background) when the new one fits; nothing pruned when
         skipped. Then a replica round (several nodes), skipped or not: every rank runs one here."""
-        published = self.written(state_dict, facts)
-        if self.replicas is not None:
-            self.replicas.offer()
+        published, saving = self.written(state_dict, facts)
+        self.replicas.offer(generation_name(facts.step) if saving else None)
         return published
 
-    def written(self, state_dict: dict, facts: GenerationFacts) -> list[Published]:
+    def written(self, state_dict: dict, facts: GenerationFacts) -> tuple[list[Published], bool]:
+        """(what was published meanwhile, whether this save was made)."""
         published = self.settled(self.checkpointer.drain, facts.step)
         section, keep, name = self.tier.own.section, self.tier.config.keep, generation_name(facts.step)
         # Those at this step or later are of a line this one replaces (after a refused tier-0
@@ -537,17 +580,17 @@ class MemorySaves(NoMemorySaves):
         doomed = [held for held in section.names() if held >= name] + earlier[:max(0, len(earlier) - (keep - 1))]
         budget = self.budget(state_bytes(state_dict))
         kept = self.tier.used_bytes() - sum(directory_bytes(section.path(name)) for name in doomed)
-        replica = budget.generation_bytes if self.replicas is not None else 0  # the next one received
+        replica = budget.generation_bytes * (len(self.tier.parts) - 1)  # the next one received
         if kept + budget.generation_bytes + replica + budget.staging_bytes > budget.limit_bytes:
             if not self.warned:
                 log.warning("tier 0 skipped step %d: %d bytes kept + %d for it + %d of staging would pass its "
                             "budget of %d bytes (the durable tiers keep their cadence)", facts.step, kept,
                             budget.generation_bytes, budget.staging_bytes, budget.limit_bytes)
                 self.warned = True
-            return published
+            return published, False
         for name in doomed:
             section.remove(name)
-        return published + self.settled(lambda: self.checkpointer.save(state_dict, facts), facts.step)
+        return published + self.settled(lambda: self.checkpointer.save(state_dict, facts), facts.step), True
 
     def settled(self, call, step: int) -> list[Published]:
         """`call()`'s published tier-0 generations, measured and logged; a storage failure (of
@@ -557,8 +600,10 @@ class MemorySaves(NoMemorySaves):
             published = call()
         except StorageFailure as failure:
             log.warning("tier 0 skipped a save (at step %d): %s", step, failure)
+            self.replicas.gave_up()
             return []
         for generation in published:
+            self.replicas.published(generation.name)
             self.generation_bytes = max(self.generation_bytes, directory_bytes(self.tier.own.section.path(generation.name)))
             log.info("saved %s to tier 0 in %.3fs (the loop held %.3fs)", generation.name, generation.save_s,
                      generation.blocked_s)
@@ -572,17 +617,16 @@ class MemorySaves(NoMemorySaves):
             return self.checkpointer.wait_for_staging()
         except StorageFailure as failure:  # with one process its staging failed: raised here
             log.warning("tier 0 skipped a save: %s", failure)
+            self.replicas.gave_up()
             return 0.0
 
     def finalize(self) -> list[Published]:
         published = self.settled(self.checkpointer.finalize, -1)
-        if self.replicas is not None:
-            self.replicas.wait()
+        self.replicas.wait()
         return published
 
     def close_after_failure(self) -> list[Published]:
-        if self.replicas is not None:
-            self.replicas.abandon()  # its peer may be gone: never waited for
+        self.replicas.abandon()  # its peer may be gone: never waited for
         return self.checkpointer.close_after_failure()
 
     def retire(self, durable: list[str]) -> None:
