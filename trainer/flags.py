@@ -130,13 +130,16 @@ GROUPS: dict[str, list[Flag]] = {
         Flag("--memory-dir", "memory.directory", metavar="DIR", type=path_argument,
              help="tier 0: also save generations to DIR on a memory filesystem (/dev/shm/RUN; in a pod an emptyDir "
                   "with medium: Memory), outside the process: a restart after a crash or an OOM kill restores "
-                  "from there when it is newer than the newest durable generation (default: off)"),
+                  "from there when it is newer than the newest durable generation; under torchrun each node its "
+                  "own, and with several nodes each rank's part is replicated to a partner on the next node "
+                  "(default: off)"),
         Flag("--memory-every-steps", "memory.every_steps", metavar="N", type=positive_int,
              help="a tier-0 generation every N optimizer steps (the durable cadence stays as it is)"),
         Flag("--memory-keep", "memory.keep", metavar="K", type=positive_int,
              help="newest tier-0 generations kept"),
         Flag("--memory-tier-max-bytes", "memory.max_bytes", metavar="B", type=positive_int,
-             help="what tier 0 (K generations) plus the staging buffers of async saves may use; a start that "
+             help="what tier 0 (K generations, and a peer's replica with several nodes) plus the staging buffers "
+                  "of async saves may use, per process; a start that "
                   "cannot fit is refused (exit 2), a save that would not fit is skipped (default: the free space "
                   "of the memory filesystem)"),
     ],

@@ -21,9 +21,16 @@ own, reused from save to save), and the write, the commit (manifest last, signed
 pruning's accounting happen in the background. Its buffers are apart from the durable saves', so
 a tier-0 save in flight never holds or touches a durable one; a durable save never waits for it.
 It is reported once committed (`completed`, polled after every step; at the latest the next
-tier-0 save waits for it), and its failure is a warning, as in sync mode (tier 0 is for one
-process for now: the CLI refuses it under torchrun). A kill during its write leaves a temporary, never selected and removed at the next
-`claim`. Under sync saves it writes in the loop (`SyncCheckpointer`).
+tier-0 save waits for it), and its failure is a warning, as in sync mode. A kill during its
+write leaves a temporary, never selected and removed at the next `claim`. Under sync saves it
+writes in the loop (`SyncCheckpointer`).
+
+Under torchrun each rank writes a part of its own (`part_directory`: `rank-R-of-W/` in the
+node's `--memory-dir`), alone: no collective, so a tier-0 save never waits for a peer, and a
+restore loads each part on its rank alone. With several nodes each rank's part is also kept by
+its partner on the next node (`Replication`, storage/peer.py); the claim (trainer/run/claim.py)
+offers a generation only when every rank's part can be had, and a rank whose part is missing
+or damaged fetches the replica (`fetch`).
 
 The budget (`--memory-tier-max-bytes`, default: what the memory filesystem has free) covers
 the K generations and the staging buffers of async saves: two host copies of the state (the
