@@ -213,8 +213,7 @@ class CadencedSaves:
         self.agree_on_uploads()
         self.durability.close()
         memory_saved(self.recorder, self.memory.finalize())
-        # What tier 0 holds that is older than the newest durable generation is never restored
-        # (an object store written directly by several ranks leaves no local names: the record knows).
+        # Older than the newest durable generation (the record knows it where no local copy is): never restored
         self.memory.retire(sorted(self.generations.names()[-1:] + [self.recorder.newest_generation or ""])[-1:])
 
     def close_after_failure(self) -> None:
