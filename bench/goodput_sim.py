@@ -34,8 +34,10 @@ which shortens C and R alike.
 
 `--tiers`: two cadences (`simulate_tiers`). Durable saves at Daly's interval for C and M (C, R)
 and a tier-0 save every few steps (C0, R0); a failure restarts from tier 0 when it survived
-(`--memory-survives`, 1.0 = always: an upper bound, true for a crashed process, and for a lost
-node only with a peer replica, which is not built) and holds a newer step than the durable
+(`--memory-survives`, 1.0 = always: true for a crashed process, and for a lost node with the
+peer replica that the trainer keeps on several nodes, unless the partner node is lost too;
+without a peer replica only failures that leave the node up, e.g. 0.22 for Llama 3's share of
+interruptions not attributed to hardware) and holds a newer step than the durable
 tiers. C0 and R0 are the measured ratios of docs/checkpoint-modes.md "Tiers" applied to C and to
 R's read of the state (R's start-up and rescheduling stay); two what-ifs are labelled as such.
 The durable interval counts tier-0 save time as training time (the trainer's seconds cadence
