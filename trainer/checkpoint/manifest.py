@@ -15,6 +15,8 @@ any loader sees it). Verification never modifies anything.
 from __future__ import annotations
 
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
@@ -242,20 +244,31 @@ def verify_directory(directory: Path, shards: bool = True) -> Verification:
     problem = unlisted_problem(manifest, on_disk) or oversized_index(manifest)
     if problem:
         return Verification(directory, manifest, problem)
-    for name, expected in sorted(manifest.files.items()):
+    def problem_of(entry: tuple[str, Mapping]) -> str | None:
+        name, expected = entry
         path = directory / name
         try:
             actual = file_digest(path) if path.is_file() and (shards or not deferred(name)) else \
                 sized(path, expected)
         except OSError as error:
-            return Verification(directory, manifest, f"{name}: unreadable ({error.strerror})")
-        problem = file_problem(name, expected, actual)
-        if problem:
-            return Verification(directory, manifest, problem)
+            return f"{name}: unreadable ({error.strerror})"
+        return file_problem(name, expected, actual)
+
+    # The files are hashed in parallel (sha256 releases the GIL: one core per file, as the
+    # writer wrote them); the first problem in name order is the one reported.
+    entries = sorted(manifest.files.items())
+    with ThreadPoolExecutor(max(1, min(HASH_THREADS, len(entries))), thread_name_prefix="verify") as pool:
+        problem = next((found for found in pool.map(problem_of, entries) if found), None)
+    if problem:
+        return Verification(directory, manifest, problem)
     if manifest.kind == RECOVERY:
         checked = index_verification(directory, manifest, (directory / SNAPSHOT_INDEX).read_bytes)
         return replace(checked, shards_pending=not shards) if checked.ok else checked
     return Verification(directory, manifest, None)
+
+
+HASH_THREADS = min(8, os.cpu_count() or 1)
+"""Files of one generation hashed at once by `verify_directory`."""
 
 
 def deferred(name: str) -> bool:
