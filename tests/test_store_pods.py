@@ -23,11 +23,13 @@ FINAL = "step-00000016"
 
 
 def two_nodes(url: str, tmp: Path, *args, env: dict, fault: dict | None = None, per_node: dict | None = None,
-              timeout: float = 600, count: int = 2, memory: bool = False) -> list[subprocess.CompletedProcess]:
+              timeout: float = 600, count: int = 2, memory: bool = False,
+              node_args: dict | None = None) -> list[subprocess.CompletedProcess]:
     """`torchrun --nnodes 2` twice on loopback (node 0 and node 1, one process each; `count`
     nodes if given), each node with its own --local-tier (an object store `url`) and, with
     `memory`, its own --memory-dir `memory_dir(tmp, node)` (and `per_node[node]` added to its
-    environment); the trainer's status of each node from TRAINER_EXIT_STATUS_FILE."""
+    environment, `node_args[node]` to its arguments); the trainer's status of each node from
+    TRAINER_EXIT_STATUS_FILE."""
     port = free_port()
     processes = []
     for node in range(count):
@@ -36,7 +38,7 @@ def two_nodes(url: str, tmp: Path, *args, env: dict, fault: dict | None = None, 
             (["--memory-dir", str(memory_dir(tmp, node))] if memory else [])
         command = [str(TORCHRUN), "--nnodes", str(count), "--node_rank", str(node), "--nproc_per_node", "1",
                    "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "trainer",
-                   "--output", url, *tiers, *map(str, EPOCHS + args)]
+                   "--output", url, *tiers, *map(str, EPOCHS + args + (node_args or {}).get(node, ()))]
         node_env = clean_environment(TRAINER_EXIT_STATUS_FILE=str(status),
                                      **{**env, **(fault or {}), **(per_node or {}).get(node, {})})
         processes.append((subprocess.Popen(command, cwd=REPO, env=node_env, stdout=subprocess.PIPE,
@@ -415,3 +417,15 @@ def test_three_nodes_a_lost_node_fetches_from_the_next_node_while_its_own_replic
     final = "step-00000012"
     result = compare(tmp_path / "baseline" / "run" / "checkpoints" / final, tmp_path / "run" / "checkpoints" / final)
     assert result.returncode == 0 and "all equal" in result.stdout, result.stdout
+
+
+def test_tier0_on_one_node_but_not_the_other_is_refused_on_both_in_one_line(tmp_path):
+    """--memory-dir on node 0 only: every rank would wait for a peer in the replica's
+    collectives; instead both nodes stop before anything is written, exit 2, one line."""
+    results = two_nodes(str(tmp_path / "run"), tmp_path, env={}, node_args={0: ("--memory-dir", memory_dir(tmp_path, 0))})
+    assert statuses(results) == [2, 2]
+    said = [[line for line in result.stderr.splitlines() if line.startswith("trainer:")] for result in results]
+    assert said == [["trainer: error: --memory-dir is given to some ranks but not to rank(s) [1]; give it on "
+                     "every node, or on none"], []], said  # rank 0 alone says it
+    assert "trainer/" not in results[0].stderr  # no traceback of ours (torchrun prints its own)
+    assert not (tmp_path / "run" / "checkpoints").exists() or not list((tmp_path / "run" / "checkpoints").iterdir())

@@ -21,7 +21,7 @@ from trainer.checkpoint.resume import choose_candidate
 from trainer.config import RunConfig
 from trainer.layout import RunDirectory
 from trainer.checkpoint.coordination import Coordinator, raise_if_any_failed
-from trainer.errors import CorruptGeneration, TrainerError, UsageError
+from trainer.errors import CorruptGeneration, DecidedOnPrimary, TrainerError, UsageError
 from trainer.run.records import DISK, MEMORY, PEER, STORE, read_attempts
 from trainer.storage.base import NOTHING_MOVED, RunStorage, Transfer
 from trainer.storage.memory import Holding, newer_than
@@ -149,9 +149,9 @@ def claim_on_every_rank(claimant: Claimant, ranks: Coordinator, attempt_id: str,
         raise failure
     holdings = ranks.gather(memory.holding(), "listing tier 0")
     if ranks.distributed and len({bool(holding.parts) for holding in holdings}) > 1:
-        without = [holding.rank for holding in holdings if not holding.parts]
-        raise UsageError(f"--memory-dir is given to some ranks but not to rank(s) {without}; give it on every node, "
-                         f"or on none")
+        without = [rank for rank, holding in enumerate(holdings) if not holding.parts]
+        problem = f"--memory-dir is given to some ranks but not to rank(s) {without}; give it on every node, or on none"
+        raise UsageError(problem) if ranks.is_primary else DecidedOnPrimary(problem, UsageError.exit_code)
     claim = ranks.decide_on_primary(lambda: claimant.claim(attempt_id, held, holdings), "claiming the run directory")
     memory.bind(claim.identity)
     return settle(claimant, ranks, claim, holdings) if claim.memory else claim
