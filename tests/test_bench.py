@@ -3,7 +3,7 @@ those `make bench` runs, through `make bench` in a fresh clone (as the README sa
 the others one by one. Each one's results are checked where a check says more than "it ran".
 
 Cost: `make bench` about 40 s, scale_out_bench.py about 45 s, goodput_validation.py about 25 s,
-memory_tier_bench.py about 10 s of CPU."""
+memory_tier_bench.py about 20 s (12 s before it restored from the peer: two spawned processes)."""
 
 from __future__ import annotations
 
