@@ -17,6 +17,15 @@ measures in the same run (each --repeat times, median):
                         verified (_verify_s), then the shards hashed while they load (_load_s,
                         trainer/checkpoint/onepass.py)
   disk_warm_restore_s   the same, warm page cache (a restart soon after the save, same node)
+  peer_restore_s        our restore from the peer replica (a replaced node): two processes spawned
+                        on loopback (gloo on 127.0.0.1, world size 2). The partner holds the
+                        generation published into tier 0 above and sends it as `MemoryTier.fetch`
+                        does on the rank that keeps it (`Parcel.of` read at the fetch, `exchange`);
+                        the replacement, a fresh process with an empty tier 0 (a second folder
+                        there) and a live state of the same shape, times in itself: the receive
+                        (_exchange_s, the partner's read included) and `receive_into` (written,
+                        every file checked against the manifest, renamed into place), together
+                        _fetch_s; then the same restore as tier0_restore_s (_verify_s, _load_s)
   tier0_save_s, disk_save_s  one sync save into each
   step_s, step_with_tier0_s  mean step time of the training loop without saves, and with a
                         tier-0 save every --every steps (the loop's overhead of tier 0, sync saves)
@@ -30,15 +39,20 @@ measures in the same run (each --repeat times, median):
   peak_rss_mb           the process's peak resident set (ru_maxrss); tier 0's pages are shared
                         memory, charged to the pod's memory but not to this RSS
 
-Ratios: tier-0 restore / disk restore (cold and warm), the loop overhead of tier 0 (sync and
-async saves), what an async tier-0 save holds the loop against a sync one, and the async loop
-overhead against the sync one (on CPU the background write shares the cores with the loop, so
-it is more than the time held).
+Ratios: tier-0 restore / disk restore (cold and warm), peer restore / tier-0 restore and / cold
+disk restore, the loop overhead of tier 0 (sync and async saves), what an async tier-0 save
+holds the loop against a sync one, and the async loop overhead against the sync one (on CPU the
+background write shares the cores with the loop, so it is more than the time held).
+
+The restart cost R from the object store is measured by bench/store_bench.py (`store_restore_s`,
+and "store restore / local restore (time)": the store's fetch + load against the local tier's
+verify + load, in the same round), so not here: with this bench it gives R from all four places.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import resource
 import shutil
@@ -46,9 +60,12 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -63,9 +80,12 @@ from trainer.checkpoint.snapshot import load_snapshot, stored_entries  # noqa: E
 from trainer.config import MemoryTierConfig  # noqa: E402
 from trainer.layout import generation_name  # noqa: E402
 from trainer.storage.memory import MemoryTier  # noqa: E402
+from trainer.storage.peer import Parcel, exchange, receive_into  # noqa: E402
 
 warnings.filterwarnings("ignore")
 SHM = Path("/dev/shm")
+PEER_TIMEOUT = datetime.timedelta(minutes=5)
+PARTNER, REPLACEMENT = 0, 1
 
 
 def save(state, section: LocalSection, step: int) -> float:
@@ -87,8 +107,8 @@ def restore(state, section: LocalSection, name: str, cold: bool, one_pass: bool)
     template = state.template(stored_entries(section.path(name)))
     if one_pass:
         load_verified(template, section.path(name), verification.manifest.files)
-    else:
-        load_snapshot(template, section.path(name))
+    else:  # a tier-0 part is read by its rank alone (trainer/run/restoring.py), in a process group too
+        load_snapshot(template, section.path(name), alone=True)
     return verified - started, time.perf_counter() - verified
 
 
@@ -98,6 +118,74 @@ def restores(state, section: LocalSection, name: str, cold: bool, repeat: int, p
     rounds = sorted((restore(state, section, name, cold, one_pass) for _ in range(repeat)), key=sum)
     verify_s, load_s = rounds[len(rounds) // 2]
     return {f"{prefix}_restore_s": verify_s + load_s, f"{prefix}_verify_s": verify_s, f"{prefix}_load_s": load_s}
+
+
+@dataclass(frozen=True)
+class PeerRun:
+    """What the two processes of the peer restore share: the store's port, the partner's
+    committed generation, the replacement's (empty) tier 0 and where it writes its rounds."""
+
+    port: int
+    held: Path
+    replacement: Path
+    size_mb: float
+    repeat: int
+    out: Path
+
+
+def peer_process(rank: int, run: PeerRun) -> None:
+    """One of the two processes on loopback: the partner (rank 0) sends its replica of the
+    generation each round, as `MemoryTier.fetch` does on the rank that keeps it (`Parcel.of`
+    read at the fetch, then `exchange`); the replacement (rank 1), a fresh process with an empty
+    tier 0 and a live state of the same shape, times what its `--resume` does with it."""
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    store = dist.TCPStore("127.0.0.1", run.port, 2, False, timeout=PEER_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=PEER_TIMEOUT)
+    try:
+        if rank == PARTNER:
+            for _ in range(run.repeat):
+                dist.barrier()
+                exchange(dist.group.WORLD, REPLACEMENT, Parcel.of(run.held), None)
+        else:
+            state, _ = training_state(run.size_mb, torch.device("cpu"))
+            section = LocalSection(run.replacement / "checkpoints")
+            rounds = [peer_restore(state, section, run.held.name) for _ in range(run.repeat)]
+            run.out.write_text(json.dumps(rounds))
+    finally:
+        dist.destroy_process_group()
+
+
+def peer_restore(state, section: LocalSection, name: str) -> tuple[float, float, float, float]:
+    """(exchange_s, receive_into_s, verify_s, load_s) of one restore from the peer: the parcel
+    received (`exchange`) and written into this rank's tier 0 (`receive_into`: every file
+    checked against the generation's manifest, renamed into place), then tier 0's restore
+    (`restore`: the verify every restore does, then the load)."""
+    for old in section.names():
+        section.remove(old)
+    dist.barrier()
+    started = time.perf_counter()
+    parcel = exchange(dist.group.WORLD, None, None, PARTNER)
+    exchanged = time.perf_counter()
+    receive_into(section, parcel)
+    fetched = time.perf_counter()
+    del parcel
+    verify_s, load_s = restore(state, section, name, False, False)
+    return exchanged - started, fetched - exchanged, verify_s, load_s
+
+
+def peer_restores(held: Path, size_mb: float, repeat: int, scratch: Path) -> dict:
+    """The median total of `repeat` restores from the peer (two spawned processes, gloo on
+    127.0.0.1), with the fetch (exchange + receive_into), verify and load parts of that one."""
+    scratch.mkdir()
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=PEER_TIMEOUT, wait_for_workers=False)
+    run = PeerRun(store.port, held, scratch, size_mb, repeat, scratch / "rounds.json")
+    torch.multiprocessing.spawn(peer_process, args=(run,), nprocs=2, join=True)
+    rounds = sorted(json.loads(run.out.read_text()), key=sum)
+    exchange_s, receive_s, verify_s, load_s = rounds[len(rounds) // 2]
+    return {"peer_restore_s": exchange_s + receive_s + verify_s + load_s, "peer_fetch_s": exchange_s + receive_s,
+            "peer_exchange_s": exchange_s, "peer_receive_into_s": receive_s, "peer_verify_s": verify_s,
+            "peer_load_s": load_s}
 
 
 def loop(state, workload, steps: int, every: int | None, section: LocalSection | None) -> float:
@@ -146,6 +234,9 @@ def measure(size_mb: float, repeat: int, steps: int, every: int, disk: Path, mem
     result |= restores(state, tier0, name, False, repeat, "tier0")
     result |= restores(state, local, name, True, repeat, "disk", one_pass=True)
     result |= restores(state, local, name, False, repeat, "disk_warm", one_pass=True)
+    replacement = memory / "replacement"
+    result |= peer_restores(tier0.path(name), size_mb, repeat, replacement)
+    shutil.rmtree(replacement)
     tier0.remove(name)
     loop(state, workload, 2, None, None)  # warm-up
     result["step_s"] = median([loop(state, workload, steps, None, None) for _ in range(repeat)])
@@ -161,6 +252,8 @@ def measure(size_mb: float, repeat: int, steps: int, every: int, disk: Path, mem
     result["ratios"] = {
         "tier-0 restore / cold disk restore (time)": result["tier0_restore_s"] / result["disk_restore_s"],
         "tier-0 restore / warm disk restore (time)": result["tier0_restore_s"] / result["disk_warm_restore_s"],
+        "peer restore / tier-0 restore (time)": result["peer_restore_s"] / result["tier0_restore_s"],
+        "peer restore / cold disk restore (time)": result["peer_restore_s"] / result["disk_restore_s"],
         f"loop overhead of a tier-0 save every {every} steps": result["step_with_tier0_s"] / result["step_s"] - 1,
         f"loop overhead of an async tier-0 save every {every} steps":
             result["step_with_async_tier0_s"] / result["step_s"] - 1,
@@ -177,7 +270,9 @@ def markdown(r: dict) -> str:
              f"{'' if r['memory_is_tmpfs'] else ' (NOT a memory filesystem)'}, disk in {r['disk_dir']}", "",
              "| measure | value |", "|---|---|"]
     for key in ("tier0_restore_s", "tier0_verify_s", "tier0_load_s", "disk_restore_s", "disk_verify_s", "disk_load_s",
-                "disk_warm_restore_s", "tier0_save_s", "disk_save_s",
+                "disk_warm_restore_s", "peer_restore_s", "peer_fetch_s", "peer_exchange_s",
+                "peer_receive_into_s", "peer_verify_s", "peer_load_s",
+                "tier0_save_s", "disk_save_s",
                 "step_s", "step_with_tier0_s", "step_with_async_tier0_s", "tier0_async_blocked_s",
                 "tier0_async_save_s", "peak_rss_mb"):
         lines.append(f"| {key} | {r[key]:.4f} |")
