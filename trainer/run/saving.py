@@ -261,8 +261,8 @@ class CadencedSaves:
         self.agree_on_uploads()
         self.durability.close()
         self.tier0.published(self.memory.finalize())
-        # Older than the newest durable generation (the record knows it where no local copy is): never restored
-        self.memory.retire(sorted(self.generations.names()[-1:] + [self.recorder.newest_generation or ""])[-1:])
+        newest = self.generations.names()[-1:] + [self.recorder.newest_generation or ""]  # the record's: no local copy
+        self.memory.retire(sorted(name for name in newest if name)[-1:])  # older: never restored (none durable: none)
 
     def close_after_failure(self) -> None:
         """After a failure: finish what is in flight and record it; never raises."""
