@@ -178,7 +178,7 @@ def test_tier0_auto_counts_daly_seconds_in_steps_at_the_attempts_step_time():
         if auto.due(step)[0]:
             fired.append(step)
             auto.saved(step)
-    assert fired == [21, 31]  # every 10 steps from the first step seen
+    assert fired == [20, 30]  # every 10 steps from the restored generation (step 10: the one before the first seen)
     change = auto.measured(0.05, 39)  # a tier-0 save held the loop 0.05 s; 0.1 s a step since step 11
     tau = daly_interval(0.05, 3600.0)
     assert change.seconds.interval_s == pytest.approx(tau) and change.seconds.cost_s == pytest.approx(0.05)

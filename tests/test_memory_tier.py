@@ -156,32 +156,49 @@ AUTO_LINE = re.compile(r"cadence auto: tier 0 every (\d+) steps")
 SAVED_LINE = re.compile(r"saved step-(\d+) to tier 0")
 
 
-def test_auto_tier0_cadence_saves_at_the_steps_it_derived_and_logs_and_records_each_change(tmp_path):
-    """`--memory-every-steps auto`: N from the first step time, re-derived from each tier-0
-    save's blocked seconds; every tier-0 save lands N steps after the one before (the first, N
-    after the attempt's first step), each change one line and one record entry. Cost: one
-    48-step trainer process (~3 s)."""
-    result = train(tmp_path / "run", "--epochs", 6, "--recover-every-epochs", 0, "--log-every-steps", 100,
-                   "--memory-dir", tmp_path / "shm", "--memory-every-steps", "auto", "--memory-auto-min-secs", 0.05)
-    interval, last, saves, changes = None, 1, [], []
-    for line in result.stdout.splitlines():
+def tier0_saves_follow_the_derived_interval(stdout: str, last: int) -> tuple[list[int], list[int]]:
+    """(the tier-0 saves, the intervals logged) of one attempt, asserting that every save lands
+    N steps after the save before it (`last`: the restored generation's step, 0 when fresh)."""
+    interval, saves, changes = None, [], []
+    for line in stdout.splitlines():
         if found := AUTO_LINE.search(line):
             interval = int(found.group(1))
             changes.append(interval)
         elif found := SAVED_LINE.search(line):
             step = int(found.group(1))
-            assert interval is not None and step - last == interval, (step, last, interval, result.stdout)
+            assert interval is not None and step - last == interval, (step, last, interval, stdout)
             saves.append(step)
             last = step
-    assert len(saves) >= 2 and len(changes) >= 2, result.stdout
-    (record,) = attempts(tmp_path / "run")
+    return saves, changes
+
+
+def test_auto_tier0_cadence_saves_at_the_steps_it_derived_and_logs_and_records_each_change(tmp_path):
+    """`--memory-every-steps auto`: N from the first step time, re-derived from each tier-0
+    save's blocked seconds; every tier-0 save lands N steps after the one before (the first, N
+    after the restored generation, or step 0), each change one line and one record entry; the
+    next attempt, restored from tier 0, starts from the earlier attempt's C. Cost: two trainer
+    processes of 48 and 16 steps (~1 s forked, ~3 s each fresh)."""
+    run, auto = tmp_path / "run", ("--epochs", 8, "--recover-every-epochs", 0, "--log-every-steps", 100, "--memory-dir",
+                                   tmp_path / "shm", "--memory-every-steps", "auto", "--memory-auto-min-secs", 0.02)
+    first = train(run, *auto, "--interrupt-at-step", 48, expect=75)  # no durable generation: tier 0 serves
+    saves, changes = tier0_saves_follow_the_derived_interval(first.stdout, 0)
+    assert len(saves) >= 2 and len(changes) >= 2, first.stdout
+    record = attempts(run)[0]
     recorded = record["memory_cadence_changes"]
     assert [entry["interval_steps"] for entry in recorded] == changes
-    assert recorded[0]["step"] == 2 and recorded[0]["cost_s"] is None and recorded[0]["interval_s"] == 0.05
+    assert recorded[0]["step"] == 2 and recorded[0]["cost_s"] is None and recorded[0]["interval_s"] == 0.02
     assert recorded[1]["cost_from"].startswith("this attempt") and recorded[1]["cost_s"] > 0
-    assert all(0.05 <= entry["interval_s"] <= 600 and entry["step_s"] > 0 for entry in recorded)
+    assert all(0.02 <= entry["interval_s"] <= 600 and entry["step_s"] > 0 for entry in recorded)
     assert record["memory"]["saves"] == len(saves) and record["memory"]["newest"] == f"step-{saves[-1]:08d}"
     assert "cadence_changes" not in record  # the durable cadence is not auto: its list stays apart
+
+    second = train(run, *auto, "--resume")
+    restored = attempts(run)[1]["restored"]
+    assert restored["tier"] == "memory" and restored["step"] == saves[-1]
+    tier0_saves_follow_the_derived_interval(second.stdout, saves[-1])
+    prior = attempts(run)[1]["memory_cadence_changes"][0]
+    assert prior["cost_from"] == "earlier attempts" and prior["failures"] == 1
+    assert prior["cost_s"] == pytest.approx(record["memory"]["blocked_s"] / record["memory"]["saves"], abs=1e-5)
 
 
 @pytest.mark.parametrize("args, expected", [

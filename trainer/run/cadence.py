@@ -251,7 +251,8 @@ class AutoSteps:
     seconds) over the attempt's mean seconds per step. N is derived once a step time is known
     (the second step the policy sees) and re-derived after every tier-0 save; until then nothing
     is due. Due when N steps passed since the last tier-0 or durable save (a durable one is as
-    new). Only *when*: rank 0 decides and the ranks share it."""
+    new), the restored generation counting as one: the count goes on across a resume, as the
+    step triggers' do. Only *when*: rank 0 decides and the ranks share it."""
 
     seconds: AutoSeconds
     clock: Callable[[], float] = time.monotonic
@@ -268,7 +269,7 @@ class AutoSteps:
     def due(self, step: int) -> tuple[bool, StepsChange | None]:
         """Whether tier 0 saves at `step`, and the first derivation of N (once a step time is known)."""
         if self.origin is None:
-            self.origin, self.last_step = (step, self.clock()), step
+            self.origin, self.last_step = (step, self.clock()), step - 1  # the restored generation's step (0: fresh)
             return False, None
         change = None
         if self.interval_steps is None:
