@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (CLI_TIMEOUT_S, attempts, compare, made_once, one_error_line, run_cli, scaled, start, train,
-                      wait_until)
+from conftest import (CLI_TIMEOUT_S, attempts, compare, made_once, one_error_line, run_cli, scaled, start, torchrun,
+                      train, wait_until)
 
 RUN = ("--epochs", 2, "--recover-every-steps", 4, "--log-every-steps", 100)
 """16 steps, a durable generation every 4."""
@@ -199,6 +199,20 @@ def test_auto_tier0_cadence_saves_at_the_steps_it_derived_and_logs_and_records_e
     prior = attempts(run)[1]["memory_cadence_changes"][0]
     assert prior["cost_from"] == "earlier attempts" and prior["failures"] == 1
     assert prior["cost_s"] == pytest.approx(record["memory"]["blocked_s"] / record["memory"]["saves"], abs=1e-5)
+
+
+def test_under_torchrun_rank_0s_auto_tier0_decision_is_every_ranks(tmp_path):
+    """Two processes, `--memory-every-steps auto`: rank 0 decides (its clock, its C) and every
+    rank saves its part at the same steps, through the step's one agreement. Interrupted (no
+    durable generation: the parts stay). Cost: one 2-process torchrun (~10 s here)."""
+    run, memory = tmp_path / "run", tmp_path / "shm"
+    torchrun(run, "--recover-every-epochs", 0, "--log-every-steps", 100, "--memory-dir", memory,
+             "--memory-every-steps", "auto", "--memory-auto-min-secs", 0.02, "--interrupt-at-step", 20,
+             expect=75, tmp=tmp_path)
+    parts = [names(memory / f"rank-{rank}-of-2" / "checkpoints") for rank in (0, 1)]
+    record = attempts(run)[0]
+    assert parts[0] and parts[0] == parts[1] and parts[0][-1] == record["memory"]["newest"], (parts, record["memory"])
+    assert record["memory_cadence_changes"][0]["step"] == 2
 
 
 @pytest.mark.parametrize("args, expected", [
