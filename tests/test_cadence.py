@@ -81,7 +81,7 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 
 from trainer.config import AutoCadenceConfig  # noqa: E402
-from trainer.run.cadence import AutoPrior, AutoSeconds, auto_prior, auto_trigger  # noqa: E402
+from trainer.run.cadence import AutoPrior, AutoSeconds, AutoSteps, auto_prior, auto_trigger, memory_prior  # noqa: E402
 from trainer.run.interval import (FailureRate, best_interval, daly_interval, expected_goodput,  # noqa: E402
                                   young_interval)
 
@@ -158,3 +158,62 @@ def test_auto_seconds_state_round_trips_like_every_seconds_and_joins_any_of():
     auto.load_state({"secs_since_save": 9.5})
     clock.now += 0.5
     assert auto.due(points([1])[0]) and not math.isnan(auto.interval_s)
+
+
+def tier0_auto(clock, prior=AutoPrior(), min_s=1.0, max_s=100.0, mtbf=3600.0) -> AutoSteps:
+    return AutoSteps(AutoSeconds(AutoCadenceConfig(min_s, max_s, mtbf), prior, clock), clock)
+
+
+def test_tier0_auto_counts_daly_seconds_in_steps_at_the_attempts_step_time():
+    clock = FakeClock()
+    auto = tier0_auto(clock)
+    assert auto.due(11) == (False, None)  # the first step seen: no step time yet
+    clock.now += 0.1
+    due, first = auto.due(12)
+    assert not due and first.interval_steps == 10 and first.previous_steps is None  # min 1 s at 0.1 s a step
+    assert first.seconds.cost_s is None and first.step_s == pytest.approx(0.1)
+    fired = []
+    for step in range(13, 40):
+        clock.now += 0.1
+        if auto.due(step)[0]:
+            fired.append(step)
+            auto.saved(step)
+    assert fired == [20, 30]  # every 10 steps from the restored generation (step 10: the one before the first seen)
+    change = auto.measured(0.05, 39)  # a tier-0 save held the loop 0.05 s; 0.1 s a step since step 11
+    tau = daly_interval(0.05, 3600.0)
+    assert change.seconds.interval_s == pytest.approx(tau) and change.seconds.cost_s == pytest.approx(0.05)
+    assert change.interval_steps == round(tau / 0.1) and change.previous_steps == 10
+    assert change.as_record(39, 1.0)["interval_steps"] == change.interval_steps
+    assert f"tier 0 every {change.interval_steps} steps (was 10)" in change.line()
+    assert auto.measured(0.0505, 39) is None  # N within 10 %: no change, no line
+
+
+def test_tier0_auto_is_bounded_by_its_seconds_and_never_below_one_step():
+    clock = FakeClock()
+    auto = tier0_auto(clock, min_s=0.5, max_s=2.0)
+    auto.due(1)
+    clock.now += 1.0
+    assert auto.due(2)[1].interval_steps == 1  # 0.5 s at 1 s a step: every step, never 0
+    clock.now += 0.01
+    auto.due(101)  # now 0.0101 s a step
+    assert auto.measured(1e-9, 101).interval_steps == round(0.5 / (1.01 / 100))  # a tiny C: the floor
+    assert auto.measured(1000.0, 101).interval_steps == round(2.0 / (1.01 / 100))  # a huge C: the ceiling
+
+
+def test_tier0_auto_prior_is_the_earlier_attempts_mean_tier0_cost():
+    def rec(id, status, wall, memory=None):
+        return {"id": id, "status": status, "wall_s": wall, "startup_s": 1.0,
+                **({"memory": memory} if memory else {})}
+    records = [rec("a", "interrupted", 9.0, {"saves": 3, "save_s": 0.9, "blocked_s": 0.3}),
+               rec("b", "completed", 19.0, {"saves": 1, "save_s": 0.5, "blocked_s": 0.5}),
+               rec("me", "running", None, {"saves": 5, "save_s": 9.0, "blocked_s": 9.0})]
+    prior = memory_prior(records, "me")
+    assert prior.cost_s == pytest.approx(0.8 / 4) and prior.rate == FailureRate(1, 10.0 + 20.0)
+    assert memory_prior([rec("a", "completed", 5.0)], "me").cost_s is None
+    clock = FakeClock()
+    auto = tier0_auto(clock, prior, max_s=1e6)
+    auto.due(1)
+    clock.now += 2.0
+    first = auto.due(2)[1]
+    assert first.seconds.cost_from == "earlier attempts" and first.seconds.cost_s == pytest.approx(0.2)
+    assert first.interval_steps == round(daly_interval(0.2, 3600.0) / 2.0)

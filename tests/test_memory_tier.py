@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLI_TIMEOUT_S, attempts, compare, made_once, run_cli, scaled, start, train, wait_until
+from conftest import (CLI_TIMEOUT_S, attempts, compare, made_once, one_error_line, run_cli, scaled, start, torchrun,
+                      train, wait_until)
 
 RUN = ("--epochs", 2, "--recover-every-steps", 4, "--log-every-steps", 100)
 """16 steps, a durable generation every 4."""
@@ -148,6 +150,81 @@ def test_a_tier0_that_cannot_hold_the_state_is_refused_at_start(tmp_path):
     assert names(tmp_path / "shm" / "checkpoints") == []
     lonely = run_cli("--output", tmp_path / "other", "--memory-keep", 3)
     assert lonely.returncode == 2 and "--memory-keep applies only with --memory-dir" in lonely.stderr
+
+
+AUTO_LINE = re.compile(r"cadence auto: tier 0 every (\d+) steps")
+SAVED_LINE = re.compile(r"saved step-(\d+) to tier 0")
+
+
+def tier0_saves_follow_the_derived_interval(stdout: str, last: int) -> tuple[list[int], list[int]]:
+    """(the tier-0 saves, the intervals logged) of one attempt, asserting that every save lands
+    N steps after the save before it (`last`: the restored generation's step, 0 when fresh)."""
+    interval, saves, changes = None, [], []
+    for line in stdout.splitlines():
+        if found := AUTO_LINE.search(line):
+            interval = int(found.group(1))
+            changes.append(interval)
+        elif found := SAVED_LINE.search(line):
+            step = int(found.group(1))
+            assert interval is not None and step - last == interval, (step, last, interval, stdout)
+            saves.append(step)
+            last = step
+    return saves, changes
+
+
+def test_auto_tier0_cadence_saves_at_the_steps_it_derived_and_logs_and_records_each_change(tmp_path):
+    """`--memory-every-steps auto`: N from the first step time, re-derived from each tier-0
+    save's blocked seconds; every tier-0 save lands N steps after the one before (the first, N
+    after the restored generation, or step 0), each change one line and one record entry; the
+    next attempt, restored from tier 0, starts from the earlier attempt's C. Cost: two trainer
+    processes of 48 and 16 steps (~1 s forked, ~3 s each fresh)."""
+    run, auto = tmp_path / "run", ("--epochs", 8, "--recover-every-epochs", 0, "--log-every-steps", 100, "--memory-dir",
+                                   tmp_path / "shm", "--memory-every-steps", "auto", "--memory-auto-min-secs", 0.02)
+    first = train(run, *auto, "--interrupt-at-step", 48, expect=75)  # no durable generation: tier 0 serves
+    saves, changes = tier0_saves_follow_the_derived_interval(first.stdout, 0)
+    assert len(saves) >= 2 and len(changes) >= 2, first.stdout
+    record = attempts(run)[0]
+    recorded = record["memory_cadence_changes"]
+    assert [entry["interval_steps"] for entry in recorded] == changes
+    assert recorded[0]["step"] == 2 and recorded[0]["cost_s"] is None and recorded[0]["interval_s"] == 0.02
+    assert recorded[1]["cost_from"].startswith("this attempt") and recorded[1]["cost_s"] > 0
+    assert all(0.02 <= entry["interval_s"] <= 600 and entry["step_s"] > 0 for entry in recorded)
+    assert record["memory"]["saves"] == len(saves) and record["memory"]["newest"] == f"step-{saves[-1]:08d}"
+    assert "cadence_changes" not in record  # the durable cadence is not auto: its list stays apart
+
+    second = train(run, *auto, "--resume")
+    restored = attempts(run)[1]["restored"]
+    assert restored["tier"] == "memory" and restored["step"] == saves[-1]
+    tier0_saves_follow_the_derived_interval(second.stdout, saves[-1])
+    prior = attempts(run)[1]["memory_cadence_changes"][0]
+    assert prior["cost_from"] == "earlier attempts" and prior["failures"] == 1
+    assert prior["cost_s"] == pytest.approx(record["memory"]["blocked_s"] / record["memory"]["saves"], abs=1e-5)
+
+
+def test_under_torchrun_rank_0s_auto_tier0_decision_is_every_ranks(tmp_path):
+    """Two processes, `--memory-every-steps auto`: rank 0 decides (its clock, its C) and every
+    rank saves its part at the same steps, through the step's one agreement. Interrupted (no
+    durable generation: the parts stay). Cost: one 2-process torchrun (~10 s here)."""
+    run, memory = tmp_path / "run", tmp_path / "shm"
+    torchrun(run, "--recover-every-epochs", 0, "--log-every-steps", 100, "--memory-dir", memory,
+             "--memory-every-steps", "auto", "--memory-auto-min-secs", 0.02, "--interrupt-at-step", 20,
+             expect=75, tmp=tmp_path)
+    parts = [names(memory / f"rank-{rank}-of-2" / "checkpoints") for rank in (0, 1)]
+    record = attempts(run)[0]
+    assert parts[0] and parts[0] == parts[1] and parts[0][-1] == record["memory"]["newest"], (parts, record["memory"])
+    assert record["memory_cadence_changes"][0]["step"] == 2
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("--memory-every-steps", "often"), "--memory-every-steps: must be a positive integer or auto, got often"),
+    (("--memory-auto-min-secs", 5), "--memory-auto-min-secs applies only with --memory-every-steps auto"),
+    (("--memory-every-steps", "auto", "--memory-auto-min-secs", 9, "--memory-auto-max-secs", 3),
+     "--memory-auto-min-secs 9 is above --memory-auto-max-secs 3"),
+])
+def test_a_bad_tier0_cadence_is_refused_in_one_line(tmp_path, args, expected):
+    refused = run_cli("--output", tmp_path / "run", "--memory-dir", tmp_path / "shm", *args)
+    assert refused.returncode == 2 and expected in one_error_line(refused), refused.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_tier0_generation_of_an_abandoned_line_is_not_restored(crashed):

@@ -140,6 +140,14 @@ def test_rendered_container_runs_the_tracked_trainer_with_options_our_parser_acc
     assert compiled.plugins.auto_resume and compiled.plugins.collect_artifacts
 
 
+def test_tier0_auto_cadence_reaches_the_trainer_and_a_number_stays_a_number():
+    for given, wanted in (({"memory_every_steps": "auto", "memory_auto_min_secs": 0.5}, ("auto", 0.5)), ({}, (10, 1.0))):
+        compiled = render([JOB_FILE], {"memory_dir": "/dev/shm/run", **given})
+        argv = trainer_argv(next(s for s in container_scripts(compiled) if "-m trainer" in s))
+        args = train_parser().parse_args(argv)
+        assert (args.memory_every_steps, args.memory_auto_min_secs) == wanted, argv
+
+
 def test_job_renders_defaults_unset_options_and_presets_as_documented(tmp_path):
     compiled = render([JOB_FILE])
     container = compiled.run.container

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from trainer import compat, seams
-from trainer.config import DEFAULT_WORKLOAD, AutoCadenceConfig, RunConfig, SigningConfig, StoreConfig, WorkloadConfig
+from trainer.config import DEFAULT_WORKLOAD, AutoCadenceConfig, MemoryTierConfig, RunConfig, SigningConfig, StoreConfig, WorkloadConfig
 from trainer.checkpoint.signing import KEY_FILE_ENV, load_signing
 from trainer.flags import (STORE_GROUP, ShowDefaults, add_flags, changed_memory_flags, changed_store_flags,
                            config_from_values, given_settings)
@@ -161,6 +161,15 @@ def check_memory_tier(args: argparse.Namespace) -> None:
     if args.memory_dir is None and (given := changed_memory_flags(args)):
         raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --memory-dir; "
                          f"add it (e.g. --memory-dir /dev/shm/RUN), or drop {'it' if len(given) == 1 else 'them'}")
+    bounds = {"--memory-auto-min-secs": (args.memory_auto_min_secs, MemoryTierConfig.auto_min_s),
+              "--memory-auto-max-secs": (args.memory_auto_max_secs, MemoryTierConfig.auto_max_s)}
+    if args.memory_every_steps != AUTO and (given := [name for name, (value, default) in bounds.items()
+                                                      if value != default]):
+        raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with "
+                         f"--memory-every-steps auto; add it, or drop {'it' if len(given) == 1 else 'them'}")
+    if args.memory_auto_min_secs > args.memory_auto_max_secs:
+        raise UsageError(f"--memory-auto-min-secs {args.memory_auto_min_secs:g} is above --memory-auto-max-secs "
+                         f"{args.memory_auto_max_secs:g}; make the minimum the smaller")
 
 
 def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironment) -> None:

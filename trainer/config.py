@@ -200,8 +200,15 @@ class MemoryTierConfig:
     directory: Path | None = None
     """`--memory-dir`: a directory on a memory filesystem (/dev/shm/…, an emptyDir with
     `medium: Memory`); None: no tier 0."""
-    every_steps: int = 10
-    """A tier-0 generation every N optimizer steps (steps where a durable one is saved skip it)."""
+    every_steps: int | str = 10
+    """A tier-0 generation every N optimizer steps (steps where a durable one is saved skip it);
+    "auto": N follows tier 0's measured save cost and the run's failure rate (Daly, in steps at
+    the attempt's step time; trainer/run/cadence.py `AutoSteps`)."""
+    auto_min_s: float = 1.0
+    """With auto: the shortest interval in seconds (never more often, however cheap a tier-0
+    save), and the one used until a tier-0 save is measured."""
+    auto_max_s: float = 600.0
+    """With auto: the longest interval in seconds."""
     keep: int = 2
     """Newest tier-0 generations kept (K); a save prunes to K - 1 before it writes."""
     max_bytes: int | None = None

@@ -14,7 +14,7 @@ from typing import Callable
 
 from trainer.config import CHECKPOINT_MODES, RunConfig
 from trainer.options import (AUTO, non_negative_float, non_negative_int, path_argument, positive_float,
-                             positive_float_or_auto, positive_int)
+                             positive_float_or_auto, positive_int, positive_int_or_auto)
 
 DEFAULTS = RunConfig(location=None)
 """Where every flag's default comes from (its location is never read)."""
@@ -133,8 +133,16 @@ GROUPS: dict[str, list[Flag]] = {
                   "from there when it is newer than the newest durable generation; under torchrun each node its "
                   "own, and with several nodes each rank's part is replicated to a partner on the next node "
                   "(default: off)"),
-        Flag("--memory-every-steps", "memory.every_steps", metavar="N", type=positive_int,
-             help="a tier-0 generation every N optimizer steps (the durable cadence stays as it is)"),
+        Flag("--memory-every-steps", "memory.every_steps", metavar="N|auto", type=positive_int_or_auto,
+             help="a tier-0 generation every N optimizer steps (the durable cadence stays as it is); auto: N "
+                  "from tier 0's measured save cost (the seconds a tier-0 save held the loop) and the run's "
+                  "failure rate (Daly, as --recover-every-secs auto), at the attempt's seconds per step, "
+                  "re-derived after every tier-0 save; each change is logged and recorded"),
+        Flag("--memory-auto-min-secs", "memory.auto_min_s", metavar="S", type=positive_float,
+             help="with --memory-every-steps auto: shortest interval in seconds, and the first one until a "
+                  "tier-0 save is measured"),
+        Flag("--memory-auto-max-secs", "memory.auto_max_s", metavar="S", type=positive_float,
+             help="with --memory-every-steps auto: longest interval in seconds"),
         Flag("--memory-keep", "memory.keep", metavar="K", type=positive_int,
              help="newest tier-0 generations kept"),
         Flag("--memory-tier-max-bytes", "memory.max_bytes", metavar="B", type=positive_int,

@@ -64,6 +64,16 @@ def positive_float_or_auto(text: str) -> float | str:
     return AUTO if text.strip().lower() == AUTO else positive_float(text)
 
 
+def positive_int_or_auto(text: str) -> int | str:
+    """A count, or `auto` (derived from measurements)."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or auto, got {text}") from None
+
+
 def unit_interval(text: str) -> float:
     value = _number(text, float)
     if not 0 <= value < 1:

@@ -92,6 +92,8 @@ class StepAgreement:
     """Rank 0's export cadence fired."""
     preempt: bool
     """Some rank received SIGTERM/SIGINT: all ranks save and exit 75 together."""
+    memory: bool = False
+    """Rank 0's tier-0 cadence fired (`--memory-every-steps`; skipped where a durable save fires)."""
 
 
 class Ranks:
@@ -249,20 +251,24 @@ class Ranks:
         raise DecidedOnPrimary(message, UsageError.exit_code)
 
     def agree_after_step(self, loss: torch.Tensor, recover_due: Callable[[], bool],
-                         export_due: Callable[[], bool], preempted: bool) -> StepAgreement:
-        """One all-reduce (a sum) per step. Only rank 0 evaluates the cadence policies and
-        contributes their votes, so the sum is exactly rank 0's decision; the signal flag is
-        summed over all ranks, so a signal to any rank stops every rank at the same step."""
+                         export_due: Callable[[], bool], preempted: bool,
+                         memory_due: Callable[[], bool] = lambda: False) -> StepAgreement:
+        """One all-reduce (a sum) per step. Only rank 0 evaluates the cadence policies (the
+        recovery, export and tier-0 ones) and contributes their votes, so the sum is exactly
+        rank 0's decision; the signal flag is summed over all ranks, so a signal to any rank
+        stops every rank at the same step."""
         local_loss = float(loss.detach().float().item())
         if not self.distributed:
-            return StepAgreement(local_loss, recover_due(), export_due(), preempted)
+            return StepAgreement(local_loss, recover_due(), export_due(), preempted, memory_due())
         recover = self.is_primary and recover_due()
         export = self.is_primary and export_due()
-        votes = torch.tensor([local_loss, recover, export, preempted], dtype=torch.float64, device=self.device)
+        memory = self.is_primary and memory_due()
+        votes = torch.tensor([local_loss, recover, export, preempted, memory], dtype=torch.float64, device=self.device)
         with self._collective("agreeing on the step outcome"):
             dist.all_reduce(votes)
-        loss_sum, recover_votes, export_votes, preempt_votes = votes.tolist()
-        return StepAgreement(loss_sum / self.world_size, recover_votes > 0, export_votes > 0, preempt_votes > 0)
+        loss_sum, recover_votes, export_votes, preempt_votes, memory_votes = votes.tolist()
+        return StepAgreement(loss_sum / self.world_size, recover_votes > 0, export_votes > 0, preempt_votes > 0,
+                             memory_votes > 0)
 
     @contextmanager
     def _collective(self, what: str) -> Iterator[None]:

@@ -321,9 +321,10 @@ class AttemptRecorder:
                 progress["points"] = [p for p in progress["points"] if p[0] % progress["every"] == 0]
             self._flush()  # at most MAX_PROGRESS_POINTS writes per doubling of the steps
 
-    def cadence_changed(self, change: dict) -> None:
-        """The auto cadence re-derived its interval (`change`: CadenceChange.as_record)."""
-        changes = self._record.setdefault("cadence_changes", [])
+    def cadence_changed(self, change: dict, key: str = "cadence_changes") -> None:
+        """An auto cadence re-derived its interval (`change`: CadenceChange.as_record, or
+        StepsChange's under `memory_cadence_changes` for tier 0)."""
+        changes = self._record.setdefault(key, [])
         changes.append(change)
         del changes[:-MAX_CADENCE_CHANGES]
         self._flush()

@@ -206,6 +206,101 @@ class AutoSeconds(SinceLastSave):
                              mtbf.seconds, mtbf.source, mtbf.rate.failures, mtbf.rate.exposure_s, formula)
 
 
+def memory_prior(records: list[dict], own_id: str) -> AutoPrior:
+    """What the earlier attempts say for `--memory-every-steps auto`: the same failure rate as
+    `auto_prior`, and what a tier-0 save blocked on average (their records' `memory` sums)."""
+    earlier = [r for r in attempts_that_trained(records) if r.get("id") != own_id]
+    memory = [r["memory"] for r in earlier if isinstance(r.get("memory"), dict)]
+    saves = sum(int(m.get("saves", 0)) for m in memory)
+    blocked = sum(float(m.get("blocked_s", 0.0)) for m in memory)
+    return AutoPrior(failure_rate(map(lifetime, earlier)), blocked / saves if saves else None)
+
+
+@dataclass(frozen=True)
+class StepsChange:
+    """One re-derivation of tier 0's auto interval in steps: Daly's seconds (`seconds`, for
+    tier 0's C) over the attempt's mean seconds per step."""
+
+    interval_steps: int
+    previous_steps: int | None
+    step_s: float
+    seconds: CadenceChange
+
+    def as_record(self, step: int | None, at_s: float) -> dict:
+        return {**self.seconds.as_record(step, at_s), "interval_steps": self.interval_steps,
+                "previous_steps": self.previous_steps, "step_s": round(self.step_s, 6)}
+
+    def line(self) -> str:
+        was = "" if self.previous_steps is None else f" (was {self.previous_steps})"
+        seconds = self.seconds
+        cost = "C unknown" if seconds.cost_s is None else f"C={seconds.cost_s:.3g} s per save ({seconds.cost_from})"
+        return (f"cadence auto: tier 0 every {self.interval_steps} steps{was}: {seconds.interval_s:.3g} s at "
+                f"{self.step_s:.3g} s a step; {cost}, M={seconds.mtbf_s:.3g} s ({seconds.mtbf_from}, "
+                f"{seconds.failures} failures in {seconds.exposure_s:.0f} s), {seconds.formula}")
+
+
+def steps_for(interval_s: float, step_s: float) -> int:
+    """The whole steps nearest to `interval_s` at `step_s` a step, at least 1."""
+    return max(1, round(interval_s / step_s)) if step_s > 0 else 1
+
+
+@dataclass
+class AutoSteps:
+    """`--memory-every-steps auto`: tier 0 every N steps, N = Daly's interval for tier 0's C
+    (`seconds`, an AutoSeconds fed tier-0 saves' blocked seconds, bounded to its config's
+    seconds) over the attempt's mean seconds per step. N is derived once a step time is known
+    (the second step the policy sees) and re-derived after every tier-0 save; until then nothing
+    is due. Due when N steps passed since the last tier-0 or durable save (a durable one is as
+    new), the restored generation counting as one: the count goes on across a resume, as the
+    step triggers' do. Only *when*: rank 0 decides and the ranks share it."""
+
+    seconds: AutoSeconds
+    clock: Callable[[], float] = time.monotonic
+    interval_steps: int | None = None
+    last_step: int | None = None
+    origin: tuple[int, float] | None = None
+    """(the first step seen, its clock): the attempt's step time is measured from it."""
+
+    def step_s(self, step: int) -> float | None:
+        if self.origin is None or step <= self.origin[0]:
+            return None
+        return (self.clock() - self.origin[1]) / (step - self.origin[0])
+
+    def due(self, step: int) -> tuple[bool, StepsChange | None]:
+        """Whether tier 0 saves at `step`, and the first derivation of N (once a step time is known)."""
+        if self.origin is None:
+            self.origin, self.last_step = (step, self.clock()), step - 1  # the restored generation's step (0: fresh)
+            return False, None
+        change = None
+        if self.interval_steps is None:
+            self.seconds.current = self.seconds.derive(None)  # the exposure so far
+            change = self.rederive(step)
+        return step - self.last_step >= self.interval_steps, change
+
+    def saved(self, step: int) -> None:
+        self.last_step = step
+
+    def measured(self, cost_s: float, step: int) -> StepsChange | None:
+        """A tier-0 save blocked the loop `cost_s` seconds: re-derive; the change of N, if any
+        (its hysteresis is on N: the seconds are re-derived every time)."""
+        seconds = self.seconds
+        seconds.saves += 1
+        seconds.cost_total_s += max(0.0, cost_s)
+        seconds.current = seconds.derive(seconds.interval_s)
+        return self.rederive(step)
+
+    def rederive(self, step: int) -> StepsChange | None:
+        step_s = self.step_s(step)
+        if step_s is None:
+            return None
+        steps = steps_for(self.seconds.interval_s, step_s)
+        previous = self.interval_steps
+        if previous is not None and abs(steps - previous) <= CHANGE_SHARE * previous:
+            return None
+        self.interval_steps = steps
+        return StepsChange(steps, previous, step_s, self.seconds.current)
+
+
 @dataclass
 class AnyOf:
     policies: list

@@ -32,7 +32,10 @@ from trainer.layout import EXPORTS, GENERATIONS, generation_name
 from trainer.parallel.ranks import Ranks, StepAgreement
 from trainer.run.attempts import AttemptRecorder, utc_now
 from trainer.run.records import read_attempts
-from trainer.run.cadence import CadenceChange, StepPoint, auto_prior, auto_trigger, build_policy
+from trainer.config import AutoCadenceConfig
+from trainer.options import AUTO
+from trainer.run.cadence import (AutoPrior, AutoSeconds, AutoSteps, CadenceChange, StepPoint, StepsChange, auto_prior,
+                                 auto_trigger, build_policy, memory_prior)
 from trainer.run.events import TrainingEvents
 from trainer.run.ledger import SampleLedger
 from trainer.run.checksum import safe_state_digests
@@ -65,11 +68,51 @@ class Witnesses:
     events: TrainingEvents
 
 
-def memory_saved(recorder: AttemptRecorder, published_now: list[Published]) -> None:
-    """Tier-0 generations published: recorded (flushed) one by one."""
-    for published in published_now:
-        recorder.memory_saved(published)
-        seams.crash_point("after-memory-save")
+def cadence_changed(ranks: Ranks, recorder: AttemptRecorder, change: CadenceChange | StepsChange, step: int | None,
+                    key: str = "cadence_changes") -> None:
+    """An auto interval changed: one line (rank 0) and an entry of the attempt record's `key`."""
+    if ranks.is_primary:
+        log.info("%s", change.line())
+    recorder.cadence_changed(change.as_record(step, recorder.elapsed_s()), key)
+
+
+class MemoryCadence:
+    """When tier 0 saves: every `--memory-every-steps` N (the tier's own rule), or `auto`
+    (trainer/run/cadence.py `AutoSteps`: Daly's interval for tier 0's measured C, in steps,
+    bounded by `--memory-auto-min-secs`/`--memory-auto-max-secs`). Rank 0 decides, in the
+    step's agreement; each change of N is one line and an entry of `memory_cadence_changes`."""
+
+    def __init__(self, config: RunConfig, memory, ranks: Ranks, recorder: AttemptRecorder,
+                 prior: Callable[[], AutoPrior]):
+        self.memory, self.ranks, self.recorder = memory, ranks, recorder
+        settings, self.auto = config.memory, None
+        if settings.directory is not None and settings.every_steps == AUTO:
+            bounds = AutoCadenceConfig(settings.auto_min_s, settings.auto_max_s,
+                                       config.recover.auto.assume_mtbf_s if config.recover.auto else None)
+            self.auto = AutoSteps(AutoSeconds(bounds, prior() if ranks.is_primary else AutoPrior()))
+
+    def due(self, step: int) -> bool:
+        """Rank 0 only (`agree_after_step`)."""
+        if self.auto is None:
+            return self.memory.due(step)
+        due, change = self.auto.due(step)
+        if change is not None:
+            cadence_changed(self.ranks, self.recorder, change, step, "memory_cadence_changes")
+        return due
+
+    def saved(self, step: int) -> None:
+        """A tier-0 or a durable save was made at `step` (every rank)."""
+        if self.auto is not None:
+            self.auto.saved(step)
+
+    def published(self, published_now: list[Published], step: int | None = None) -> None:
+        """Tier-0 generations published: recorded (flushed) one by one; with auto, each one's
+        blocked seconds re-derive N (`step`: the loop's step now; None: the attempt ends)."""
+        for published in published_now:
+            self.recorder.memory_saved(published)
+            seams.crash_point("after-memory-save")
+            if self.auto is not None and step is not None and (change := self.auto.measured(published.blocked_s, step)):
+                cadence_changed(self.ranks, self.recorder, change, step, "memory_cadence_changes")
 
 
 class CadencedSaves:
@@ -82,8 +125,9 @@ class CadencedSaves:
         self.durability = storage.durability(lineage.protected, self.recorder.folder, ranks.is_primary)
         self.checkpointer: Checkpointer = build_checkpointer(mode, self.durability.commit(), lineage.attempt_id,
                                                              ranks.device, ranks)
-        self.memory = storage.memory.saver(lineage.attempt_id, ranks, mode, ranks.device)
-        """Tier 0's saves, on a cadence of their own and in the same mode (none without --memory-dir)."""
+        self.memory = storage.memory.saver(lineage.attempt_id, ranks, mode, ranks.device)  # tier 0's, same mode
+        self.tier0 = MemoryCadence(config, self.memory, ranks, self.recorder, lambda: memory_prior(
+            read_attempts(storage.local.root), lineage.attempt_id))
         self.ledger = SampleLedger(lineage.epoch_samples, config.workload.batch_size)
         """The samples trained on since the last generation, for the next one's manifest."""
         self.ledger_entries: dict[str, dict] = {}
@@ -94,7 +138,7 @@ class CadencedSaves:
         self.auto = auto_trigger(self.recover_policy)
         """`--recover-every-secs auto`: re-derived after every recovery save (rank 0 decides)."""
         if self.auto is not None:
-            self.cadence_changed(self.auto.current, None)
+            cadence_changed(ranks, self.recorder, self.auto.current, None)
         self.export_policy = build_policy(config.export)
         self.sharded = ranks.distributed and config.workload.data_parallel == "fsdp"
         self.upload_failure: TrainerError | None = None
@@ -113,7 +157,8 @@ class CadencedSaves:
     def agree(self, point: StepPoint, loss, preempted: bool) -> StepAgreement:
         """Every rank learns rank 0's cadence decisions and whether any rank was signalled."""
         return self.ranks.agree_after_step(loss, lambda: self.recover_policy.due(point),
-                                           lambda: self.export_policy.due(point), preempted)
+                                           lambda: self.export_policy.due(point), preempted,
+                                           lambda: self.tier0.due(point.step))
 
     def wait_for_staging(self) -> None:
         """Both staged copies (a durable save's, a tier-0 save's) complete before the state changes."""
@@ -122,10 +167,10 @@ class CadencedSaves:
     def after_step(self, state: TrainingState, model: nn.Module, workload: Workload, agreed: StepAgreement,
                    final: bool) -> None:
         self.record_durable(self.completed())
-        memory_saved(self.recorder, self.memory.completed())
+        self.tier0.published(self.memory.completed(), state.progress.global_step)
         if agreed.recover or final or agreed.preempt:
             self.save_generation(state)
-        elif self.memory.due(state.progress.global_step):
+        elif agreed.memory:
             self.save_to_memory(state)
         if agreed.export or final:
             self.save_export(state, model, workload)
@@ -159,12 +204,15 @@ class CadencedSaves:
         self.ledger_entries[generation_name(facts.step)] = facts.ledger
         self.record_generations(self.checkpointer.save(state_dict, facts), state.progress.global_step)
         self.recover_policy.saved()
+        self.tier0.saved(state.progress.global_step)  # as new as a tier-0 save
 
     def save_to_memory(self, state: TrainingState) -> None:
         """A tier-0 generation: the same facts, its ledger entry taken from a copy (the next
         durable generation still covers every sample since the previous durable one)."""
         state_dict = state.state_dict()
-        memory_saved(self.recorder, self.memory.save(state_dict, self.facts(state, state_dict, copy.copy(self.ledger))))
+        self.tier0.published(self.memory.save(state_dict, self.facts(state, state_dict, copy.copy(self.ledger))),
+                             state.progress.global_step)
+        self.tier0.saved(state.progress.global_step)
 
     def facts(self, state: TrainingState, state_dict: dict, ledger: SampleLedger) -> GenerationFacts:
         """What a generation's manifest says besides its files (`ledger` gives its entry and moves on)."""
@@ -212,14 +260,14 @@ class CadencedSaves:
         self.record_durable(self.held_for_every_rank(self.durability.drain, ()))
         self.agree_on_uploads()
         self.durability.close()
-        memory_saved(self.recorder, self.memory.finalize())
-        # Older than the newest durable generation (the record knows it where no local copy is): never restored
-        self.memory.retire(sorted(self.generations.names()[-1:] + [self.recorder.newest_generation or ""])[-1:])
+        self.tier0.published(self.memory.finalize())
+        newest = self.generations.names()[-1:] + [self.recorder.newest_generation or ""]  # the record's: no local copy
+        self.memory.retire(sorted(name for name in newest if name)[-1:])  # older: never restored (none durable: none)
 
     def close_after_failure(self) -> None:
         """After a failure: finish what is in flight and record it; never raises."""
         self.record_generations(self.checkpointer.close_after_failure(), None, prune=False)
-        memory_saved(self.recorder, self.memory.close_after_failure())  # no tier-0 writer outlives the attempt
+        self.tier0.published(self.memory.close_after_failure())  # no tier-0 writer outlives the attempt
         try:  # what is published may still become durable
             self.record_durable(self.durability.drain())
         except Exception as error:  # noqa: BLE001 - the original failure is what ends the attempt
@@ -230,14 +278,9 @@ class CadencedSaves:
         for published in published_now:
             self.published(GENERATIONS, published, step)
             if self.auto is not None and (change := self.auto.measured(published.blocked_s)):
-                self.cadence_changed(change, published.step)
+                cadence_changed(self.ranks, self.recorder, change, published.step)
             if prune:  # retention is the lock holder's job
                 self.on_primary(lambda: self.apply_retention(GENERATIONS), "applying retention")
-
-    def cadence_changed(self, change: CadenceChange, step: int | None) -> None:
-        if self.ranks.is_primary:
-            log.info("%s", change.line())
-        self.recorder.cadence_changed(change.as_record(step, self.recorder.elapsed_s()))
 
     def published(self, kind: str, published: Published, step: int | None) -> None:
         self.recorder.published(kind, published, step)
