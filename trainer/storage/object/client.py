@@ -348,21 +348,25 @@ class ObjectStore:
             response = await asyncio.wait_for(self.fs._call_s3("get_object", Bucket=self.location.bucket,
                                                                Key=path.split("/", 1)[1]), self.config.timeout_s)
             loop, taking, pieces, held = asyncio.get_running_loop(), None, [], 0
-            async with response["Body"] as body:
-                while True:
-                    # A store that stops sending mid-object must not hang us: a timeout per read.
-                    piece = await asyncio.wait_for(body.read(CHUNK), self.config.timeout_s)
-                    pieces.append(piece)
-                    held += len(piece)
-                    if held < CHUNK and piece:
-                        continue  # reads return what arrived (~0.75 MB): hand over CHUNK at a time
-                    if taking is not None:
-                        await taking  # in order, and at most one batch waiting per stream
-                    batch, pieces, held = pieces, [], 0
-                    taking = loop.run_in_executor(takers(), take_all, take, batch)
-                    if not piece:
-                        break
-                await taking
+            try:
+                async with response["Body"] as body:
+                    while True:
+                        # A store that stops sending mid-object must not hang us: a timeout per read.
+                        piece = await asyncio.wait_for(body.read(CHUNK), self.config.timeout_s)
+                        pieces.append(piece)
+                        held += len(piece)
+                        if held < CHUNK and piece:
+                            continue  # a read returns what arrived (~0.75 MB): hand over CHUNK at a time
+                        if taking is not None:
+                            await taking  # in order, and at most one batch waiting per stream
+                        batch, pieces, held = pieces, [], 0
+                        taking = loop.run_in_executor(takers(), take_all, take, batch)
+                        if not piece:
+                            break
+            finally:
+                if taking is not None:  # no `take` outlives the stream (a failed one: its error)
+                    await asyncio.wait([taking])
+            taking.result()
         sync(self.fs.loop, stream)
 
     # ----------------------------------------------------------------- writes
