@@ -325,17 +325,16 @@ class ObjectStore:
         return self.call(f"reading {self.url_of(key)}", stream)
 
     def _stream(self, key: str, take: Callable[[bytes], None]) -> None:
-        """Hand an object's bytes to `take`, in order. On S3 one GET streams the whole object and
-        `take` runs on fsspec's event-loop thread as the bytes arrive. s3fs's buffered file (what
-        other stores use here) issues a ranged GET per block and copies every byte through its
-        read-ahead cache: fetching a 514 MB generation from loopback SeaweedFS took 3.25 s and
-        1.86 CPU-s that way, 1.87 s and 0.83 CPU-s streamed. (Parallel downloads then hash on
-        that one thread: sha256 runs at ~0.85 GB/s per core on the 2-core VM, above any fetch
-        measured there.) `take` runs on a thread of `takers()`, not on the event loop, and
-        overlaps the next chunk's arrival: sha256 and the write release the GIL, so the loop
-        keeps every other stream moving while one chunk is hashed. On that one thread, hashing
-        and writing every parallel download one after another cost a 256 MB fetch 0.66-0.68 s
-        where the GETs alone took 0.27-0.29 s (bench/store_bench.py, docs/goodput.md)."""
+        """Hand an object's bytes to `take`, in order. On S3 one GET streams the whole object.
+        s3fs's buffered file (what other stores use here) issues a ranged GET per block and
+        copies every byte through its read-ahead cache: fetching a 514 MB generation from
+        loopback SeaweedFS took 3.25 s and 1.86 CPU-s that way, 1.87 s and 0.83 CPU-s streamed.
+        On S3 `take` runs on a thread of `takers()`, CHUNK bytes at a time, while fsspec's
+        event-loop thread reads on: sha256 and the write release the GIL, so the loop keeps
+        every other stream moving. When `take` ran on the loop thread itself, every parallel
+        download was hashed and written there one after another: a 256 MB fetch took
+        0.66-0.68 s where the GETs alone took 0.27-0.29 s (docs/checkpoint-modes.md). Ranged
+        GETs in parallel were measured and not kept: no faster where the CPU is the bound."""
         path = self.location.path(key)
         if self.location.scheme != "s3":
             with self.fs.open(path, "rb", block_size=CHUNK) as source:
