@@ -32,13 +32,15 @@ def store_bench_checks(report: dict) -> None:
     """Structure only (figures are not asserted): every path measured, the server found, and
     the back-pressure runs saved max_pending + 1 generations each."""
     for key in ("local_write_s", "sync_store_s", "tiered_blocked_s", "tiered_durable_s", "commit_s",
-                "boto3_upload_s", "s3fs_put_s", "fetch_s", "boto3_download_s", "store_restore_s", "local_restore_s"):
+                "boto3_upload_s", "s3fs_put_s", "fetch_s", "boto3_download_s", "store_restore_s", "local_restore_s",
+                "local_one_pass_s"):
         assert report[key] > 0, key
     assert report["data_bytes"] > 30 << 20
     assert report["server_cpu_known"]  # it started its own server and found its pid
     assert [(b["max_pending"], len(b["per_save"])) for b in report["bursts"]] == [(1, 2), (2, 3)]
     assert set(report["same_round_ratios"]) >= {"commit vs boto3 upload_file (speed)",
-                                                "store restore / local restore (time)"}
+                                                "store restore / local restore (time)",
+                                                "store restore / one-pass local restore (time)"}
 
 
 def goodput_sim_checks(report: dict) -> None:

@@ -134,6 +134,57 @@ def test_uncommitted_is_never_selected_and_a_damaged_commit_is_refused(s3_server
     assert not (tmp_path / "b" / "checkpoints" / "step-00000016").exists()  # nothing unverified kept
 
 
+def test_a_fetch_refuses_a_flipped_byte_past_the_first_handover_and_a_missing_object(s3_bucket, monkeypatch,
+                                                                                       tmp_path):
+    """`ObjectSection.fetch` hashes every object as it streams, on the threads the chunks are
+    handed to (client.py `_stream`, CHUNK bytes at a time): a 20 MB shard downloads whole and
+    exact, one flipped byte in its second handover is refused with the sha256 line and leaves
+    nothing behind, and a deleted object (one GET, no lookup first) is refused as missing."""
+    import torch
+
+    from trainer.checkpoint.checkpointer import SyncCheckpointer
+    from trainer.checkpoint.commit import RenameCommit
+    from trainer.checkpoint.identity import RunIdentity
+    from trainer.checkpoint.manifest import GenerationFacts
+    from trainer.checkpoint.section import LocalSection
+    from trainer.layout import MANIFEST, RUN_IDENTITY, RunDirectory
+    from trainer.storage.location import parse_store_url
+    from trainer.storage.object.client import CHUNK, ObjectStore
+    from trainer.storage.object.section import ObjectSection
+
+    s3_bucket.use_env(monkeypatch)
+    run = RunDirectory(tmp_path / "tier")
+    run.checkpoints.mkdir(parents=True)
+    (run.root / RUN_IDENTITY).write_bytes(RunIdentity.new().to_bytes())
+    local = LocalSection(run.checkpoints)
+    facts = GenerationFacts(4, 0, 4, {"source": "s"}, (), {}, "2026-12-01T00:00:00Z")
+    SyncCheckpointer(RenameCommit(local), "attempt").save({"w": torch.arange(5 << 20, dtype=torch.float32)}, facts)
+    (name,) = local.committed()
+    shard = max((path for path in local.path(name).iterdir() if path.name != MANIFEST), key=lambda p: p.stat().st_size)
+    assert shard.stat().st_size > 2 * CHUNK
+    objects = ObjectStore(parse_store_url(f"{s3_bucket.url}/run"))
+    objects.write(RUN_IDENTITY, (run.root / RUN_IDENTITY).read_bytes())
+    section = ObjectSection(objects, "checkpoints")
+    section.commit(name, local.path(name), fence=lambda: None)
+
+    fetched, transfer = section.fetch(name, tmp_path / "clean")
+    assert fetched.ok, fetched.problem
+    assert (tmp_path / "clean" / name / shard.name).read_bytes() == shard.read_bytes()
+    assert transfer.bytes >= shard.stat().st_size
+
+    body = bytearray(shard.read_bytes())
+    body[CHUNK + CHUNK // 2] ^= 1  # in the second batch handed over, not the first
+    objects.write(section.key(name, shard.name), bytes(body))
+    damaged, _ = section.fetch(name, tmp_path / "damaged")
+    assert not damaged.ok and f"{shard.name}: sha256 mismatch" in damaged.problem
+    assert not (tmp_path / "damaged" / name).exists() and list((tmp_path / "damaged").iterdir()) == []
+
+    objects.delete([section.key(name, shard.name)])
+    missing, _ = section.fetch(name, tmp_path / "missing")
+    assert not missing.ok and shard.name in missing.problem and "missing" in missing.problem
+    assert not (tmp_path / "missing" / name).exists()
+
+
 # ----------------------------------------------------------------- the store going away
 def stopped(process: subprocess.Popen, timeout: float = 600) -> bool:
     """Whether the process stopped itself (SIGSTOP: state T), waiting up to `timeout` (scaled)."""

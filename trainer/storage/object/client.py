@@ -15,6 +15,7 @@ import hashlib
 import importlib
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Protocol, TypeVar
@@ -34,12 +35,33 @@ under 100 MiB as one PUT, and cost a third more client CPU per byte than 16 MiB 
 generation on loopback SeaweedFS: 1.34 vs 1.01 CPU-s); boto3's upload_file uses 8 MiB."""
 MAX_PARTS = 10_000
 """S3's limit on the parts of one multipart upload."""
+TAKE_THREADS = 8
+"""Threads that hash and write streamed chunks (one per download in flight: PARALLEL_OBJECTS)."""
 BUDGET_BYTES = 64 << 20
 """A call gets one more --store-timeout-secs for every this many bytes it moves."""
 
 CREDENTIAL_ERRORS = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"})
 """botocore's "no usable credentials", found by name (this module imports no client library):
 no retry can help, so they are refused like a 403 at once, not retried into "unreachable"."""
+
+
+_takers: list = []
+_takers_lock = threading.Lock()
+
+
+def takers():
+    """The threads `_stream` hands each arriving chunk to (started at the first download)."""
+    with _takers_lock:
+        if not _takers:
+            from concurrent.futures import ThreadPoolExecutor
+            _takers.append(ThreadPoolExecutor(TAKE_THREADS, thread_name_prefix="store-take"))
+        return _takers[0]
+
+
+def take_all(take: Callable[[bytes], None], pieces: list[bytes]) -> None:
+    for piece in pieces:
+        if piece:
+            take(piece)
 
 
 class StoreUnavailable(StorageFailure):
@@ -271,7 +293,9 @@ class ObjectStore:
         return self.call(f"looking up {self.url_of(key)}", info)
 
     def download(self, key: str, destination: Path) -> dict:
-        """Stream an object into a local file, hashing as it arrives: {"bytes", "sha256"}."""
+        """Stream an object into a local file, hashing as it arrives: {"bytes", "sha256"}.
+        The file is not fsynced: what a download is for is said by its caller
+        (`ObjectSection.fetch`: a cache, verified again before any later use)."""
         def fetch():
             digest, size = hashlib.sha256(), 0
             with open(destination, "wb") as target:
@@ -281,8 +305,6 @@ class ObjectStore:
                     target.write(chunk)
                     size += len(chunk)
                 self._stream(key, take)
-                target.flush()
-                os.fsync(target.fileno())
             return {"bytes": size, "sha256": digest.hexdigest()}
         return self.call(f"downloading {self.url_of(key)}", fetch)
 
@@ -303,13 +325,16 @@ class ObjectStore:
         return self.call(f"reading {self.url_of(key)}", stream)
 
     def _stream(self, key: str, take: Callable[[bytes], None]) -> None:
-        """Hand an object's bytes to `take`, in order. On S3 one GET streams the whole object and
-        `take` runs on fsspec's event-loop thread as the bytes arrive. s3fs's buffered file (what
-        other stores use here) issues a ranged GET per block and copies every byte through its
-        read-ahead cache: fetching a 514 MB generation from loopback SeaweedFS took 3.25 s and
-        1.86 CPU-s that way, 1.87 s and 0.83 CPU-s streamed. (Parallel downloads then hash on
-        that one thread: sha256 runs at ~0.85 GB/s per core on the 2-core VM, above any fetch
-        measured there.)"""
+        """Hand an object's bytes to `take`, in order. On S3 one GET streams the whole object.
+        s3fs's buffered file (what other stores use here) issues a ranged GET per block and
+        copies every byte through its read-ahead cache: fetching a 514 MB generation from
+        loopback SeaweedFS took 3.25 s and 1.86 CPU-s that way, 1.87 s and 0.83 CPU-s streamed.
+        On S3 `take` runs on a thread of `takers()`, CHUNK bytes at a time, while fsspec's
+        event-loop thread reads on: sha256 and the write release the GIL, so the loop keeps
+        every other stream moving. When `take` ran on the loop thread itself, every parallel
+        download was hashed and written there one after another: a 256 MB fetch took
+        0.66-0.68 s where the GETs alone took 0.27-0.29 s (docs/checkpoint-modes.md). Ranged
+        GETs in parallel were measured and not kept: no faster where the CPU is the bound."""
         path = self.location.path(key)
         if self.location.scheme != "s3":
             with self.fs.open(path, "rb", block_size=CHUNK) as source:
@@ -321,10 +346,26 @@ class ObjectStore:
         async def stream():
             response = await asyncio.wait_for(self.fs._call_s3("get_object", Bucket=self.location.bucket,
                                                                Key=path.split("/", 1)[1]), self.config.timeout_s)
-            async with response["Body"] as body:
-                # A store that stops sending mid-object must not hang us: a timeout per chunk.
-                while chunk := await asyncio.wait_for(body.read(CHUNK), self.config.timeout_s):
-                    take(chunk)
+            loop, taking, pieces, held = asyncio.get_running_loop(), None, [], 0
+            try:
+                async with response["Body"] as body:
+                    while True:
+                        # A store that stops sending mid-object must not hang us: a timeout per read.
+                        piece = await asyncio.wait_for(body.read(CHUNK), self.config.timeout_s)
+                        pieces.append(piece)
+                        held += len(piece)
+                        if held < CHUNK and piece:
+                            continue  # a read returns what arrived (~0.75 MB): hand over CHUNK at a time
+                        if taking is not None:
+                            await taking  # in order, and at most one batch waiting per stream
+                        batch, pieces, held = pieces, [], 0
+                        taking = loop.run_in_executor(takers(), take_all, take, batch)
+                        if not piece:
+                            break
+            finally:
+                if taking is not None:  # no `take` outlives the stream (a failed one: its error)
+                    await asyncio.wait([taking])
+            taking.result()
         sync(self.fs.loop, stream)
 
     # ----------------------------------------------------------------- writes
