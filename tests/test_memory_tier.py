@@ -472,6 +472,9 @@ def test_a_generation_is_offered_only_when_every_ranks_part_can_be_had_in_this_r
     # rank 2's part of step 6 is kept by rank 0 (its replica); step 9 lacks ranks 1 and 2.
     assert available_everywhere(holdings, "run-a") == {six: "a1"}
     assert available_everywhere(holdings, "run-b") == {}  # bound to another run: never offered
+    # A part of the same step written by another attempt (another line) is never combined.
+    other_line = [Holding(0, {0: ("run-a", {six: "a1"}), 1: ("run-a", {six: "a0"})}), Holding(1, {})]
+    assert available_everywhere(other_line, "run-a") == {}
     holdings[0] = Holding(0, {0: ("run-a", {six: "a1"})})
     assert available_everywhere(holdings, "run-a") == {}  # rank 2's part is nowhere
 

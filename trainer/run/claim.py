@@ -21,7 +21,7 @@ from trainer.checkpoint.resume import choose_candidate
 from trainer.config import RunConfig
 from trainer.layout import RunDirectory
 from trainer.checkpoint.coordination import Coordinator, raise_if_any_failed
-from trainer.errors import CorruptGeneration, DecidedOnPrimary, TrainerError, UsageError
+from trainer.errors import CorruptGeneration, DecidedOnPrimary, UsageError
 from trainer.run.records import DISK, MEMORY, PEER, STORE, read_attempts
 from trainer.storage.base import NOTHING_MOVED, RunStorage, Transfer
 from trainer.storage.memory import Holding, newer_than
@@ -60,6 +60,8 @@ class Claim:
     memory: str | None = None
     """A tier-0 generation rank 0 chose, until every rank made sure of its part (`settle`):
     then `generation` is this rank's part."""
+    memory_attempt: str = ""
+    """The attempt that wrote every rank's part of `memory` (its line)."""
 
     @property
     def restored_bytes(self) -> int:
@@ -92,12 +94,12 @@ class Claimant:
         newer = newer_than(holdings, durable, read_attempts(storage.local.root),  # tier 0 first: the fastest
                            run_identity(storage.local))
         where = storage.generations_where + (f" and tier 0 ({storage.memory.where})" if newer else "")
-        self.considered = choose_candidate(durable + newer, config.resume, config.from_generation, where)
+        self.considered = choose_candidate(durable + list(newer), config.resume, config.from_generation, where)
         identity = storage.go_ahead(attempt_id, config.adopt_from)  # what the generation must belong to, tier 0 too
         if self.considered in newer:  # every rank verifies its own part next (`settle`)
             storage.remove_stale_temporaries()
             return Claim(storage.local, attempt_id, None, time.monotonic() - started, tier=MEMORY,
-                         identity=identity, memory=self.considered)
+                         identity=identity, memory=self.considered, memory_attempt=newer[self.considered])
         generation, download = None, NOTHING_MOVED
         if self.considered:
             generation, download = storage.restorable(self.considered, durable, self.one_pass)
@@ -141,12 +143,9 @@ def claim_on_every_rank(claimant: Claimant, ranks: Coordinator, attempt_id: str,
     failure = None
     try:
         memory.claim(held)
-    except TrainerError as error:
+    except Exception as error:  # noqa: BLE001 - every rank must hear of it (a wrong --memory-dir on one node)
         failure = error
-    if ranks.distributed:
-        raise_if_any_failed(ranks, failure, "holding tier 0")
-    elif failure is not None:
-        raise failure
+    raise_if_any_failed(ranks, failure, "holding tier 0")
     holdings = ranks.gather(memory.holding(), "listing tier 0")
     if ranks.distributed and len({bool(holding.parts) for holding in holdings}) > 1:
         without = [rank for rank, holding in enumerate(holdings) if not holding.parts]
@@ -162,15 +161,15 @@ def settle(claimant: Claimant, ranks: Coordinator, claim: Claim, holdings: list[
     part is missing (a replaced node) or damaged has a replica on another rank (several nodes),
     they fetch them from those partners; when some part still cannot serve, rank 0 restores the
     newest earlier durable generation instead. Every rank learns the same outcome."""
-    memory, started, name = claimant.storage.memory, time.monotonic(), claim.memory
-    problems = {rank: problem for rank, problem in enumerate(ranks.gather(memory.problem(name),
+    memory, started, name, attempt = claimant.storage.memory, time.monotonic(), claim.memory, claim.memory_attempt
+    problems = {rank: problem for rank, problem in enumerate(ranks.gather(memory.problem(name, attempt),
                                                                             f"verifying tier 0's {name}")) if problem}
-    if problems and ranks.distributed and all(replicated(holdings, rank, name) for rank in problems):
+    if problems and ranks.distributed and all(replicated(holdings, rank, name, attempt) for rank in problems):
         if ranks.is_primary:
             for rank in sorted(problems):
                 log.warning("tier 0 of rank %d cannot serve %s (%s): fetching the replica its partner keeps",
                             rank, name, problems[rank])
-        fetched = ranks.gather(memory.fetch(ranks.background(), name, set(problems)), f"fetching {name} from peers")
+        fetched = ranks.gather(memory.fetch(ranks.background(), name, attempt, set(problems)), f"fetching {name} from peers")
         failed = {rank: f"{problems[rank]}; its replica: {fetched[rank]}" for rank in problems if fetched[rank]}
     else:
         failed = problems
@@ -181,6 +180,7 @@ def settle(claimant: Claimant, ranks: Coordinator, claim: Claim, holdings: list[
                    manifest_sha256=manifest_digest(generation.path), tier=PEER if problems else MEMORY)
 
 
-def replicated(holdings: list[Holding], rank: int, name: str) -> bool:
-    """Another rank keeps a replica of `rank`'s part of `name`."""
-    return any(name in holding.parts.get(rank, (None, {}))[1] for holding in holdings if holding.rank != rank)
+def replicated(holdings: list[Holding], rank: int, name: str, attempt: str) -> bool:
+    """Another rank keeps a replica of `rank`'s part of `name`, written by `attempt`."""
+    return any(holding.parts.get(rank, (None, {}))[1].get(name) == attempt for holding in holdings
+               if holding.rank != rank)

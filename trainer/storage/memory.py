@@ -185,16 +185,18 @@ MISSING = "not in this node's tier 0"
 
 def available_everywhere(holdings: list[Holding], run: str) -> dict[str, str]:
     """The tier-0 generations of run `run` whose part every rank can have: its own, or a
-    replica on another rank; {name: its writing attempt}."""
-    offered: dict[int, dict[str, str]] = {}
+    replica on another rank; {name: its writing attempt}. Every part must have been written by
+    the same attempt: a part of the same step from another line (an attempt that went back, a
+    replica that stopped) is never combined with this one's."""
+    offered: dict[int, set[tuple[str, str]]] = {}
     for holding in holdings:
         for rank, (bound, generations) in holding.parts.items():
             if bound == run:
-                offered[rank] = {**generations, **offered.get(rank, {})}
+                offered.setdefault(rank, set()).update(generations.items())
     if len(holdings) == 0 or any(rank not in offered for rank in range(len(holdings))):
         return {}
-    common = set.intersection(*(set(offered[rank]) for rank in range(len(holdings))))
-    return {name: offered[0][name] for name in sorted(common)}
+    common = set.intersection(*(offered[rank] for rank in range(len(holdings))))
+    return dict(sorted(common))
 
 
 class NoMemoryTier:
@@ -211,13 +213,13 @@ class NoMemoryTier:
     def bind(self, identity: RunIdentity | None) -> None:
         return None
 
-    def problem(self, name: str) -> str | None:
+    def problem(self, name: str, attempt: str) -> str | None:
         raise AssertionError("no tier 0 holds a generation")  # newer_than named none
 
     def restorable(self, name: str) -> Verification:
         raise AssertionError("no tier 0 holds a generation")
 
-    def fetch(self, coordinator: Coordinator, name: str, needing: set[int]) -> str | None:
+    def fetch(self, coordinator: Coordinator, name: str, attempt: str, needing: set[int]) -> str | None:
         raise AssertionError("no tier 0 holds a generation")
 
     def set_aside_later_than(self, step: int) -> list[str]:
@@ -256,18 +258,19 @@ class NoMemorySaves:
         return None
 
 
-def newer_than(holdings: list[Holding], durable: list[str], history: list[dict], run: RunIdentity | None) -> list[str]:
+def newer_than(holdings: list[Holding], durable: list[str], history: list[dict],
+               run: RunIdentity | None) -> dict[str, str]:
     """Tier-0 generations newer than the newest durable one that continue its line: every
     rank's part can be had (`available_everywhere`), bound to this run (`run`, the run
     directory's identity; None: a new run directory), and none was written by an attempt that
     a later attempt went back from (`--from-generation` to an earlier step, perhaps without
-    tier 0, so it could not set them aside)."""
+    tier 0, so it could not set them aside). {name: the attempt that wrote every part}."""
     if run is None:
-        return []  # nobody's yet: `bind` clears what another run left once this attempt goes ahead
+        return {}  # nobody's yet: `bind` clears what another run left once this attempt goes ahead
     newest = generation_step(durable[-1]) if durable else -1
     went_back = [(record.get("id", ""), (record.get("restored") or {}).get("step"))
                  for record in history if record.get("explicit_generation")]
-    newer = []
+    newer = {}
     for name, attempt in available_everywhere(holdings, run.run).items():
         step = generation_step(name)
         if step <= newest:
@@ -275,7 +278,7 @@ def newer_than(holdings: list[Holding], durable: list[str], history: list[dict],
         if any(later > attempt and isinstance(back, int) and back < step for later, back in went_back):
             log.info("tier 0 holds %s of an abandoned line (a later attempt went back): not restored", name)
             continue
-        newer.append(name)
+        newer[name] = attempt
     return newer
 
 
@@ -374,17 +377,21 @@ class MemoryTier(NoMemoryTier):
             for part in self.parts:
                 part.bind(identity)
 
-    def problem(self, name: str) -> str | None:
-        """Why this rank's own part of `name` cannot serve (None: it verifies: hash, run, signature)."""
+    def problem(self, name: str, attempt: str) -> str | None:
+        """Why this rank's own part of `name` cannot serve (None: it verifies: hash, run,
+        signature, and it was written by `attempt`, the line's)."""
         if name not in self.own.section.names():
             return MISSING
-        return self.own.section.verify(name, cached=True).problem
+        verification = self.own.section.verify(name, cached=True)
+        if verification.ok and verification.manifest.attempt != attempt:
+            return f"written by attempt {verification.manifest.attempt}, not {attempt} (another line)"
+        return verification.problem
 
     def restorable(self, name: str) -> Verification:
         """This rank's part of `name`, verified (`problem` hashed it already: cached)."""
         return self.own.section.verify(name, cached=True)
 
-    def fetch(self, coordinator: Coordinator, name: str, needing: set[int]) -> str | None:
+    def fetch(self, coordinator: Coordinator, name: str, attempt: str, needing: set[int]) -> str | None:
         """Every rank, at the same point: the ranks in `needing` receive their part of `name`
         from the rank that keeps its replica, into their own tier 0; returns why this rank's
         part still cannot serve (None: it verifies now)."""
@@ -396,17 +403,18 @@ class MemoryTier(NoMemoryTier):
         try:
             received = exchange(coordinator.group, kept if kept in needing else None, parcel,
                                 place.partner if mine else None)
-        except (RuntimeError, OSError) as error:
-            return f"its replica could not be fetched ({error})" if mine else None
+        except Exception as error:  # noqa: BLE001 - a peer gone, or what it sent unreadable: this rank's problem
+            return f"its replica could not be fetched ({str(error).splitlines()[0] if str(error) else error!r})" \
+                if mine else None
         if not mine:
             return None
-        if received is None:
+        if received is None or received.name != name:
             return f"rank {place.partner} keeps no replica of it"
         try:
             receive_into(self.own.section, received)
-        except CorruptGeneration as error:
+        except (CorruptGeneration, OSError) as error:
             return str(error)
-        return self.problem(name)
+        return self.problem(name, attempt)
 
     def set_aside_later_than(self, step: int) -> list[str]:
         """Going back: later tier-0 generations belong to the abandoned line. Removed rather
@@ -512,8 +520,8 @@ class Replication(NoReplication):
                 kept = [name for name in tier.replica.section.names() if generation_step(name) <= step]
                 tier.replica.remove_where(lambda name: generation_step(name) > step or
                                           name in kept[:max(0, len(kept) - tier.config.keep)])
-        except (RuntimeError, OSError, CorruptGeneration) as error:
-            log.warning("tier 0's replica stopped for this attempt: %s", str(error).splitlines()[0])
+        except Exception as error:  # noqa: BLE001 - a peer gone or what it sent unreadable: never ends the run
+            log.warning("tier 0's replica stopped for this attempt: %s", (str(error) or repr(error)).splitlines()[0])
             self.broken = True
 
     def wait(self) -> None:
@@ -539,6 +547,8 @@ class MemorySaves(NoMemorySaves):
         self.coordinator = coordinator
         """Every rank's: a start refused on one rank is refused on all."""
         self.replicas = replicas
+        self.failures = 0
+        """Tier-0 saves that failed so far (each a warning)."""
         self.generation_bytes = 0
         """The largest tier-0 generation known (estimated, then measured)."""
         self.warned = False
@@ -597,7 +607,9 @@ class MemorySaves(NoMemorySaves):
             return published, False
         for name in doomed:
             section.remove(name)
-        return published + self.settled(lambda: self.checkpointer.save(state_dict, facts), facts.step), True
+        failures = self.failures
+        published += self.settled(lambda: self.checkpointer.save(state_dict, facts), facts.step)
+        return published, self.failures == failures  # a save that failed offers nothing to the replica
 
     def settled(self, call, step: int) -> list[Published]:
         """`call()`'s published tier-0 generations, measured and logged; a storage failure (of
@@ -607,6 +619,7 @@ class MemorySaves(NoMemorySaves):
             published = call()
         except StorageFailure as failure:
             log.warning("tier 0 skipped a save (at step %d): %s", step, failure)
+            self.failures += 1
             self.replicas.gave_up()
             return []
         for generation in published:
