@@ -1,7 +1,7 @@
 """The run directory's layout: every section, file and directory name, defined once.
 
 ```
-OUTPUT/.trainer.storage.lock                   single-writer lock (flock), names its holder
+OUTPUT/.trainer.storage.lock                   single-writer lock (a POSIX record lock), names its holder
 OUTPUT/run.json                        the run's id (every manifest names it) and the runs it adopted
 OUTPUT/checkpoints/step-00000024/      a published recovery generation (manifest.json last)
 OUTPUT/checkpoints/.step-…tmp-TAG-R    a generation being written: never selected, removed later

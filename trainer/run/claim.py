@@ -1,6 +1,6 @@
 """Claiming the run directory (rank 0): hold it, choose the generation to restore, verify it.
 
-The order is the contract: hold (flock or lease, so a second writer is refused with 73 before
+The order is the contract: hold (a lock or a lease, so a second writer is refused with 73 before
 anything is read), choose (66 or 73 before anything is deleted), know the run's identity (what
 a generation must belong to: created with the run directory), let the backend go ahead
 (an object store's uncommitted leftovers go), verify and fetch the choice (65 names the way

@@ -1,4 +1,4 @@
-"""The run directory on this machine's disk: committed by atomic rename, held by a flock.
+"""The run directory on this machine's disk: committed by atomic rename, held by a record lock (storage/lock.py).
 
 Everything published is as durable as this disk when the publish returns, so nothing
 happens after a publish (`LocalDurability`); local retention is the only pruning.

@@ -23,7 +23,7 @@ volume store mounted at its `schema.mountPath`.
   from the store what the trainer removes.
 - **Volume store** (host_path, volume_claim, mounted): the run directory is the local path
   `<mountPath>/training-recovery/<run uuid>`, written and fsynced there directly (a shared
-  filesystem: the flock applies as for any local directory).
+  filesystem: the lock applies as for any local directory).
 - **Nothing exposed** (a polyaxonfile without mountArtifactsStore): the outputs path as before,
   with one warning in a managed run: a generation is then only as durable as the sidecar's
   next sync.
