@@ -26,7 +26,7 @@ LAYERS = [
     {"trainer.run.state", "trainer.run.cadence", "trainer.run.preemption", "trainer.run.events",
      "trainer.run.batching", "trainer.run.fetching", "trainer.run.fingerprint", "trainer.run.attempts",
      "trainer.run.runtime", "trainer.run.progress", "trainer.run.witness", "trainer.run.checksum", "trainer.run.ledger",
-     "trainer.run.streaming", "trainer.parallel.ranks",
+     "trainer.run.streaming", "trainer.parallel.ranks", "trainer.parallel.heartbeat",
      "trainer.parallel.reduction", "trainer.workload",
      "trainer.inspect"},
     # One attempt, bottom up: stepping, saving on cadence and the claim; the record, the

@@ -29,7 +29,7 @@ def test_the_bound_follows_the_slowest_save_with_a_floor_and_an_option():
     auto = BackgroundWaitConfig()
     assert auto.bound_s(None) == auto.first_s < 30 * 60  # before any save: well under torch's 30 minutes
     assert auto.bound_s(1.0) == auto.floor_s
-    assert auto.bound_s(100.0) == 100.0 * auto.save_factor
+    assert auto.bound_s(100.0) == 100.0 * auto.factor
     assert BackgroundWaitConfig(timeout_s=7.0).bound_s(1000.0) == 7.0
     parser = trainer_parser()
     for argv, expected in (([], None), (["--background-timeout-secs", "auto"], None),

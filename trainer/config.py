@@ -145,7 +145,28 @@ class RetentionConfig:
 
 
 @dataclass(frozen=True)
-class BackgroundWaitConfig:
+class WaitBound:
+    """A wait for another rank, bounded by what was measured: `factor` times the slowest
+    measured duration, at least `floor_s`, `first_s` before anything was measured, or a fixed
+    `timeout_s`. The two kinds of collective (the training group's, a background save's) each
+    set their own numbers in a subclass."""
+
+    timeout_s: float | None = None
+    floor_s: float = 0.0
+    factor: float = 1.0
+    first_s: float = 0.0
+
+    def bound_s(self, slowest_s: float | None) -> float:
+        """Seconds a collective may wait, given the slowest duration measured so far."""
+        if self.timeout_s is not None:
+            return self.timeout_s
+        if slowest_s is None:
+            return self.first_s
+        return max(self.floor_s, self.factor * slowest_s)
+
+
+@dataclass(frozen=True)
+class BackgroundWaitConfig(WaitBound):
     """How long a background collective (an async save's DCP planning and final gather, its
     commit's agreement, each on a gloo group of its own) waits for a peer before it fails.
     torch's default is 30 minutes: a rank whose staging or writer thread failed kept the
@@ -155,18 +176,33 @@ class BackgroundWaitConfig:
     """`--background-timeout-secs`: a fixed bound; None (auto) derives it from the saves measured."""
     floor_s: float = 120.0
     """The least an auto bound allows: scheduling noise, a slow store request retried."""
-    save_factor: float = 4.0
+    factor: float = 4.0
     """An auto bound is this many times the slowest save of this attempt (write + commit)."""
     first_s: float = 600.0
     """An auto bound before any save was measured (the first save, which also warms caches)."""
 
-    def bound_s(self, slowest_save_s: float | None) -> float:
-        """Seconds a background collective may wait, given the slowest save measured so far."""
-        if self.timeout_s is not None:
-            return self.timeout_s
-        if slowest_save_s is None:
-            return self.first_s
-        return max(self.floor_s, self.save_factor * slowest_save_s)
+
+@dataclass(frozen=True)
+class PeerWaitConfig(WaitBound):
+    """How long a rank waits for its peers in the training group's collectives (the step's
+    agreement, DDP's gradient reduction, a sync save's barriers, rank 0's decisions) before
+    the attempt ends, resumable (75), naming the rank that did not answer. torch's default is
+    30 minutes: a frozen rank (a hung GPU, a silent NIC, a paused VM) held the job that long.
+    The auto bound follows what this rank measured between two steps' agreements: a step
+    without a save, and a step with one, each bounded by its own kind (parallel/ranks.py).
+    Never fingerprinted."""
+
+    timeout_s: float | None = None
+    """`--peer-timeout-secs`: a fixed bound; None (auto) derives it from the steps measured."""
+    floor_s: float = 30.0
+    """The least an auto bound allows: a garbage collection, a slow progress line, a noisy
+    neighbour; raise it where a step's time varies more than `factor` allows."""
+    factor: float = 10.0
+    """An auto bound is this many times the slowest step (or save step) measured so far."""
+    first_s: float = 1800.0
+    """Before a step of that kind was measured: joining, rank 0's claim and verification, the
+    build, the restore, a compile, the first save. torch's own default, so nothing that worked
+    before times out now."""
 
 
 @dataclass(frozen=True)
@@ -250,6 +286,7 @@ class RunConfig:
     export_dtype: str | None = None
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     background_wait: BackgroundWaitConfig = field(default_factory=BackgroundWaitConfig)
+    peer_wait: PeerWaitConfig = field(default_factory=PeerWaitConfig)
     preempt_grace_s: float = 20.0
     """On SIGTERM/SIGINT, time allowed to save before exiting 75 without publishing."""
     progress: ProgressConfig = field(default_factory=ProgressConfig)

@@ -94,10 +94,18 @@ class TrackingUnavailable(UsageError):
 
 
 class PeerFailure(TrainerError):
-    """Another rank of a multi-process run stopped (crashed, was killed, lost its node) while
-    this one waited for it; that rank's own error, if it printed one, says why."""
+    """Another rank of a multi-process run stopped answering (crashed, was killed, lost its
+    node, froze) while this one waited for it. Resumable: nothing of this rank's is wrong, and
+    the next attempt (torchrun's restart in place, the orchestrator's retry) continues from the
+    newest generation. `state` is LOST (its connection closed) or UNRESPONSIVE (no reply within
+    the bound); `ranks` the ones whose heartbeat stopped (empty when that cannot be known)."""
 
-    exit_code = 1
+    exit_code = 75
+    LOST, UNRESPONSIVE = "lost", "unresponsive"
+
+    def __init__(self, message: str, state: str = LOST, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.state, self.ranks = state, ranks
 
 
 class DecidedOnPrimary(TrainerError):

@@ -18,7 +18,7 @@ from trainer.options import (AUTO, non_negative_float, non_negative_int, path_ar
 
 DEFAULTS = RunConfig(location=None)
 """Where every flag's default comes from (its location is never read)."""
-_WAIT = DEFAULTS.background_wait
+_WAIT, _PEER_WAIT = DEFAULTS.background_wait, DEFAULTS.peer_wait
 
 
 def default_of(path: str):
@@ -98,8 +98,14 @@ GROUPS: dict[str, list[Flag]] = {
         Flag("--background-timeout-secs", "background_wait.timeout_s", metavar="S|auto", type=positive_float_or_auto,
              to_config=lambda value: None if value == AUTO else value, shown_default=AUTO,
              help="how long a background collective of an async save waits for another rank before every rank "
-                  f"fails in one line naming the rank that failed; auto: {_WAIT.save_factor:g} x the slowest save "
+                  f"fails in one line naming the rank that failed; auto: {_WAIT.factor:g} x the slowest save "
                   f"measured, at least {_WAIT.floor_s:g} s ({_WAIT.first_s:g} s before the first save)"),
+        Flag("--peer-timeout-secs", "peer_wait.timeout_s", metavar="S|auto", type=positive_float_or_auto,
+             to_config=lambda value: None if value == AUTO else value, shown_default=AUTO,
+             help="how long a rank waits for the others in a collective of training before every rank that "
+                  "can act exits 75 naming the rank that did not answer (lost or frozen); auto: "
+                  f"{_PEER_WAIT.factor:g} x the slowest step (or step with a save) measured, at least "
+                  f"{_PEER_WAIT.floor_s:g} s ({_PEER_WAIT.first_s:g} s before one was measured)"),
         Flag("--preempt-grace-secs", "preempt_grace_s", metavar="S", type=positive_float,
              help="on SIGTERM/SIGINT, time allowed to save before exiting 75 without publishing (below "
                   "Kubernetes' default 30 s termination grace)"),

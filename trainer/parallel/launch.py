@@ -27,6 +27,14 @@ class LaunchEnvironment:
     local_world_size: int = 1
     """Processes on this node (torchrun's LOCAL_WORLD_SIZE; the operator's pods: 1 each): a
     rank's tier-0 replica goes to the same local rank on the next node."""
+    master_addr: str = ""
+    master_port: int = 0
+    """Where the rendezvous store listens (MASTER_ADDR/MASTER_PORT)."""
+    restart: int = 0
+    """torchrun's TORCHELASTIC_RESTART_COUNT: how many times its agent restarted the workers."""
+    agent_store: bool = False
+    """torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE), and it outlives a
+    restart of the workers: what one round wrote there is still there for the next."""
 
     @property
     def distributed(self) -> bool:
@@ -52,7 +60,10 @@ class LaunchEnvironment:
         if world_size % local_world_size:
             raise UsageError(f"LOCAL_WORLD_SIZE={local_world_size} does not divide WORLD_SIZE={world_size}; start "
                              f"the same number of processes on every node")
-        return cls(rank, world_size, _env_int(env, "LOCAL_RANK", 0, minimum=0), local_world_size)
+        return cls(rank, world_size, _env_int(env, "LOCAL_RANK", 0, minimum=0), local_world_size,
+                   env["MASTER_ADDR"], _env_int(env, "MASTER_PORT", 0, minimum=0),
+                   _env_int(env, "TORCHELASTIC_RESTART_COUNT", 0, minimum=0),
+                   env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
 
 
 def rank_of(env: Mapping[str, str]) -> int:

@@ -15,13 +15,27 @@ With several processes, three kinds of agreement keep the ranks in lockstep:
 - `barrier`: every rank has finished its part (its shards are written) before rank 0 acts.
 
 Every collective is entered by every rank in the same order. A collective that fails because
-another rank died becomes a one-line `PeerFailure` instead of a gloo/NCCL traceback.
+another rank died, or that waited past its bound for one that froze, becomes a one-line
+`PeerFailure` naming that rank (its heartbeat stopped: parallel/heartbeat.py), resumable (75),
+instead of a gloo/NCCL traceback or torch's 30-minute wait.
+
+The bound of the training group's collectives (`--peer-timeout-secs`, auto by default) is the
+group's own timeout, re-derived after every step's agreement from what this rank measured
+between two agreements (`StepPace`): the time a peer may take to reach the next collective is
+one such interval, so a rank waits `factor` times the slowest one of the same kind (a step, or a
+step with a save), never less than the floor, and torch's own 30 minutes before a kind was
+measured (joining, claiming, building, restoring, compiling, the first save) and while the run
+finishes (draining its uploads). A process-group timeout rather than a watchdog thread: gloo
+raises it inside whichever collective waits (the step's agreement, DDP's gradient reduction in
+backward, a save's barrier), so the error takes the same way out as a lost connection.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,13 +49,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer import compat
-from trainer.config import BackgroundWaitConfig
+from trainer.config import BackgroundWaitConfig, PeerWaitConfig
 from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageError, is_peer_loss, root_cause
+from trainer.parallel.heartbeat import Heartbeat, round_prefix
 from trainer.parallel.launch import PRIMARY, LaunchEnvironment
 from trainer.parallel.reduction import PER_PARAMETER, per_parameter_mean
 from trainer.layout import RunDirectory
 
 T = TypeVar("T")
+log = logging.getLogger("trainer")
 
 
 def rank_seed(seed: int, rank: int) -> int:
@@ -96,14 +112,43 @@ class StepAgreement:
     """Rank 0's tier-0 cadence fired (`--memory-every-steps`; skipped where a durable save fires)."""
 
 
+class StepPace:
+    """The bound of the training group's next wait, from the intervals between agreements.
+
+    An interval is from one step's agreement to the next: the next step's compute and data,
+    and whatever the agreement decided to do in between (a save, an export, a tier-0 save),
+    which is why an interval after a save is its own kind. Pure: the clock is passed in."""
+
+    STEP, SAVE = "step", "save"
+
+    def __init__(self, wait: PeerWaitConfig):
+        self.wait = wait
+        self.slowest: dict[str, float] = {}
+        self._last: tuple[float, str] | None = None
+
+    def agreed(self, now: float, saves: bool) -> float:
+        """An agreement at `now` (monotonic seconds) deciding `saves`: the next wait's bound."""
+        if self._last is not None:
+            at, kind = self._last
+            self.slowest[kind] = max(self.slowest.get(kind, 0.0), now - at)
+        kind = self.SAVE if saves else self.STEP
+        self._last = (now, kind)
+        return self.wait.bound_s(self.slowest.get(kind))
+
+
 class Ranks:
     """This process's place in the run and the collectives the loop needs."""
 
     def __init__(self, launch: LaunchEnvironment, device: torch.device, group=None,
-                 wait: BackgroundWaitConfig = BackgroundWaitConfig()):
+                 wait: BackgroundWaitConfig = BackgroundWaitConfig(), peer_wait: PeerWaitConfig = PeerWaitConfig(),
+                 heartbeat: Heartbeat | None = None):
         self.launch = launch
         self.wait = wait
         """How long the background groups' collectives wait for a peer."""
+        self.peer_wait, self.heartbeat = peer_wait, heartbeat
+        """How long the training group's collectives wait; who stopped answering when one fails."""
+        self._pace = StepPace(peer_wait)
+        self._bound_s = peer_wait.bound_s(None)
         self._slowest_save_s: float | None = None
         self.rank = launch.rank
         self.world_size = launch.world_size
@@ -127,7 +172,7 @@ class Ranks:
             return self
         with self._collective("creating the background process group"):
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.wait.bound_s(None)))
-        return Ranks(self.launch, torch.device("cpu"), group, self.wait)
+        return Ranks(self.launch, torch.device("cpu"), group, self.wait, self.peer_wait, self.heartbeat)
 
     def saved_in(self, seconds: float) -> None:
         """A save this group took part in lasted `seconds`: re-derive its collectives' bound."""
@@ -186,7 +231,18 @@ class Ranks:
         if not self.distributed:
             return
         outlive_launcher_stop()
+        self.finishing()
         self.barrier("finishing")
+
+    def finishing(self) -> None:
+        """The run ends: what is left (draining uploads, the last records) was never measured,
+        so the training group waits as long as before the first step again."""
+        self._bound(self.peer_wait.bound_s(None))
+
+    def _bound(self, seconds: float) -> None:
+        if self.distributed and self.group is None and seconds != self._bound_s:
+            compat.set_group_timeout(None, seconds)
+            self._bound_s = seconds
 
     def barrier(self, what: str) -> None:
         if not self.distributed:
@@ -267,8 +323,10 @@ class Ranks:
         with self._collective("agreeing on the step outcome"):
             dist.all_reduce(votes)
         loss_sum, recover_votes, export_votes, preempt_votes, memory_votes = votes.tolist()
-        return StepAgreement(loss_sum / self.world_size, recover_votes > 0, export_votes > 0, preempt_votes > 0,
-                             memory_votes > 0)
+        agreed = StepAgreement(loss_sum / self.world_size, recover_votes > 0, export_votes > 0, preempt_votes > 0,
+                               memory_votes > 0)
+        self._bound(self._pace.agreed(time.monotonic(), agreed.recover or agreed.export or agreed.memory))
+        return agreed
 
     @contextmanager
     def _collective(self, what: str) -> Iterator[None]:
@@ -280,13 +338,41 @@ class Ranks:
             raise
 
     def peer_failure(self, error: BaseException, what: str) -> PeerFailure:
-        return PeerFailure(f"lost contact with another rank while {what} ({_first_line(error)}); "
-                           f"see the first failing rank's error; resume with --resume once all ranks can run")
+        """The one line for a collective that failed on a peer, naming the ranks whose heartbeat
+        stopped (this waits the heartbeat's window, about a second and a half)."""
+        timed_out = "timed out" in str(error).lower() or "timeout" in type(error).__name__.lower()
+        silent = self.heartbeat.silent_ranks() if self.heartbeat is not None else None
+        who = ("rank " if len(silent) == 1 else "ranks ") + ", ".join(map(str, silent)) if silent else None
+        if timed_out:
+            state = PeerFailure.UNRESPONSIVE
+            said = (f"{who} stopped answering: no reply within {self._bound_s:g} s while {what}, and its heartbeat "
+                    f"stopped (frozen: a hung device, a silent network, a paused machine)") if who else \
+                   (f"no reply from another rank within {self._bound_s:g} s while {what}"
+                    + (", though every rank's heartbeat goes on (one is slower than the bound allows: "
+                       "raise --peer-timeout-secs)" if silent == [] else ""))
+        else:
+            state = PeerFailure.LOST
+            said = f"{who} is gone: its connection closed while {what} and its heartbeat stopped (the process " \
+                   f"died or its node went away)" if who else \
+                   f"lost contact with another rank while {what} ({_first_line(error)})"
+        return PeerFailure(f"{said}; resumable: the next attempt continues from the newest generation "
+                           f"(torchrun --max-restarts restarts in place; else --resume auto)", state, tuple(silent or ()))
+
+    def as_peer_failure(self, error: BaseException, what: str = "training") -> BaseException:
+        """`error`, or the PeerFailure it really is: a collective's lost connection or timeout
+        raised inside the workload's code (DDP's reduction in backward) is no workload error."""
+        if not self.distributed or isinstance(error, TrainerError):
+            return error
+        cause = root_cause(error)
+        if is_peer_loss(cause) or is_peer_loss(error):
+            return self.peer_failure(cause, what)
+        return error
 
 
 @contextmanager
 def process_group(launch: LaunchEnvironment, device: torch.device,
-                  wait: BackgroundWaitConfig = BackgroundWaitConfig()) -> Iterator[Ranks]:
+                  wait: BackgroundWaitConfig = BackgroundWaitConfig(),
+                  peer_wait: PeerWaitConfig = PeerWaitConfig()) -> Iterator[Ranks]:
     """Join the run's process group (gloo on CPU, NCCL on CUDA, one device per local rank)
     from the variables torchrun or the training operator set; leave it on the way out.
 
@@ -294,18 +380,14 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
     one DCP wrapped, or one raised inside DDP's backward) is reported as a `PeerFailure`.
     """
     if not launch.distributed:
-        yield Ranks(launch, device, wait=wait)
+        yield Ranks(launch, device, wait=wait, peer_wait=peer_wait)
         return
     if device.type == "cuda":
         device = torch.device("cuda", launch.local_rank)
         torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    try:
-        dist.init_process_group(backend, init_method="env://", rank=launch.rank, world_size=launch.world_size)
-    except (RuntimeError, ValueError) as error:
-        raise PeerFailure(f"could not join the {launch.world_size}-process group as rank {launch.rank} "
-                          f"({_first_line(error)}); check MASTER_ADDR/MASTER_PORT and that every rank started") from None
-    ranks = Ranks(launch, device, wait=wait)
+    join(launch, "nccl" if device.type == "cuda" else "gloo", peer_wait.bound_s(None))
+    heartbeat = Heartbeat(launch).start()
+    ranks = Ranks(launch, device, wait=wait, peer_wait=peer_wait, heartbeat=heartbeat)
     try:
         yield ranks
     except TrainerError:
@@ -316,5 +398,44 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
             raise ranks.peer_failure(cause, "training") from None
         raise
     finally:
+        heartbeat.stop()
         outlive_launcher_stop()
         dist.destroy_process_group()
+
+
+def join(launch: LaunchEnvironment, backend: str, timeout_s: float) -> None:
+    """Join the process group, on a thread of its own so this one stays responsive: a
+    SIGTERM (the agent stopping a round whose peer died while joining) is handled at once
+    instead of after the join's timeout, beyond the agent's grace.
+
+    Under torchrun's agent the store outlives a restart of the workers, and the group's keys
+    in it are the same every round: a restarted worker read the dead round's addresses and
+    failed to connect ("Connection refused"), so the first restart never rejoined. The group
+    gets a prefix per round (`round_prefix`) in that case."""
+    timeout = timedelta(seconds=timeout_s)
+    if launch.agent_store:
+        store = dist.PrefixStore(round_prefix(launch), dist.TCPStore(
+            launch.master_addr, launch.master_port, launch.world_size, is_master=False, timeout=timeout))
+        arguments = {"store": store}
+    else:
+        arguments = {"init_method": "env://"}
+    failure: list[BaseException] = []
+
+    def joining() -> None:
+        try:
+            dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout,
+                                    **arguments)
+        except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+            failure.append(error)
+
+    thread = threading.Thread(target=joining, name="trainer-join", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+    if failure:
+        error = failure[0]
+        if isinstance(error, (RuntimeError, ValueError)):
+            raise PeerFailure(f"could not join the {launch.world_size}-process group as rank {launch.rank} "
+                              f"({_first_line(error)}); check MASTER_ADDR/MASTER_PORT and that every rank "
+                              f"started") from None
+        raise error

@@ -267,6 +267,10 @@ class AttemptRecorder:
             log.warning("could not record the end of attempt %s: %s", self._record["id"], error.strerror)
 
     # ------------------------------------------------------------------ events
+    def peer_failed(self, state: str, ranks: tuple[int, ...]) -> None:
+        """The attempt ends because another rank was lost or stopped answering (`peer`)."""
+        self._record["peer"] = {"state": state, "ranks": list(ranks)}
+
     def restore_checked(self, differing: dict[int, list[str]], not_compared: str | None = None) -> None:
         """The restored state against the digest its save stored: {rank: differing sections},
         or why it was not compared."""

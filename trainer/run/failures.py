@@ -20,8 +20,8 @@ from pathlib import Path
 from types import CodeType
 from typing import NoReturn
 
-from trainer.errors import TrainerError
-from trainer.run.records import FAILED
+from trainer.errors import PeerFailure, TrainerError
+from trainer.run.records import FAILED, INTERRUPTED
 from trainer.run.fetching import KeyedSeeding
 from trainer.run.stepping import OptimizerSteps
 from trainer.workload.loading import first_line
@@ -66,8 +66,12 @@ class Failure:
             f"{self.error.__class__.__name__}: {self.error}"
 
     def record_and_raise(self, recorder) -> NoReturn:
-        """Record the attempt `failed`, then raise."""
-        recorder.ended(FAILED, self.exit_code, self.reason)
+        """Record the attempt `failed` (`interrupted` by a lost peer, with its ranks), then raise."""
+        if isinstance(self.error, PeerFailure):
+            recorder.peer_failed(self.error.state, self.error.ranks)
+            recorder.ended(INTERRUPTED, self.exit_code, self.reason)
+        else:
+            recorder.ended(FAILED, self.exit_code, self.reason)
         if self.error is self.cause:
             raise self.cause
         raise self.error from self.cause

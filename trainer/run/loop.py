@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from trainer.config import RunConfig
 from trainer.errors import (EXIT_INTERRUPTED, EXIT_OK, CorruptGeneration, CrashLoop, FingerprintMismatch,
-                            UntrustedGeneration)
+                            PeerFailure, UntrustedGeneration)
 from trainer.parallel.launch import LaunchEnvironment
 from trainer.parallel.ranks import Ranks, process_group, unshared_output
 from trainer.run.attempts import new_attempt_id
@@ -111,7 +111,8 @@ class TrainingRun:
             raise
         except BaseException as error:
             preemption.decided()  # a stop signal from here on cannot make this failure a 75
-            saves.close_after_failure()
+            error = self.ranks.as_peer_failure(error)  # a lost peer is never the workload's error
+            saves.close_after_failure(peers_lost=isinstance(error, PeerFailure))
             attributed(error).record_and_raise(recorder)  # the workload's own exception: one line naming where
 
     def train(self, claim: Claim, dataset: DataSource, drift: tuple[str, ...], saves: CadencedSaves,
@@ -167,6 +168,7 @@ class TrainingRun:
     def end(self, status: str, reason: str | None, saves: CadencedSaves, state, said: str | None = None) -> Outcome:
         """The one way out of training: drain the save in flight, record, say so."""
         step = state.progress.global_step
+        self.ranks.finishing()  # draining was never measured: the peers wait as at the start
         saves.finalize(step)  # an earlier save may still be in flight, and uploads
         exit_code, summary = EXIT_INTERRUPTED, None
         if status == COMPLETED:
@@ -191,7 +193,7 @@ class TrainingRun:
 def run_training(config: RunConfig, launch: LaunchEnvironment = LaunchEnvironment(),
                  events: TrainingEvents = TrainingEvents()) -> Outcome:
     """Run on every rank; all ranks return the same status."""
-    with process_group(launch, resolve_device(config.device), config.background_wait) as ranks:
+    with process_group(launch, resolve_device(config.device), config.background_wait, config.peer_wait) as ranks:
         outcome = TrainingRun(config, ranks, events).run()
         ignore_late_stop_requests()
         ranks.finish()

@@ -264,12 +264,13 @@ class CadencedSaves:
         newest = self.generations.names()[-1:] + [self.recorder.newest_generation or ""]  # the record's: no local copy
         self.memory.retire(sorted(name for name in newest if name)[-1:])  # older: never restored (none durable: none)
 
-    def close_after_failure(self) -> None:
-        """After a failure: finish what is in flight and record it; never raises."""
-        self.record_generations(self.checkpointer.close_after_failure(), None, prune=False)
+    def close_after_failure(self, peers_lost: bool = False) -> None:
+        """After a failure: finish what is in flight and record it; never raises (with a peer
+        lost it would wait for the peer in vain: left uncommitted, never selected)."""
+        self.record_generations([] if peers_lost else self.checkpointer.close_after_failure(), None, prune=False)
         self.tier0.published(self.memory.close_after_failure())  # no tier-0 writer outlives the attempt
         try:  # what is published may still become durable
-            self.record_durable(self.durability.drain())
+            self.record_durable([] if peers_lost else self.durability.drain())
         except Exception as error:  # noqa: BLE001 - the original failure is what ends the attempt
             log.warning("an upload failed too: %s", error)
         self.durability.close()
