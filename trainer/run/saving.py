@@ -265,8 +265,7 @@ class CadencedSaves:
         self.memory.retire(sorted(name for name in newest if name)[-1:])  # older: never restored (none durable: none)
 
     def close_after_failure(self, peers_lost: bool = False) -> None:
-        """After a failure: finish what is in flight and record it; never raises (with a peer
-        lost it would wait for the peer in vain: left uncommitted, never selected)."""
+        """After a failure: finish what is in flight (unless it waits on a lost peer); never raises."""
         self.record_generations([] if peers_lost else self.checkpointer.close_after_failure(), None, prune=False)
         self.tier0.published(self.memory.close_after_failure())  # no tier-0 writer outlives the attempt
         try:  # what is published may still become durable
