@@ -144,9 +144,13 @@ def peer_process(rank: int, run: PeerRun) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=PEER_TIMEOUT)
     try:
         if rank == PARTNER:
+            peaks = []
             for _ in range(run.repeat):
                 dist.barrier()
+                before = peak_reset()
                 exchange(dist.group.WORLD, REPLACEMENT, Parcel.of(run.held), None)
+                peaks.append(peak_extra(before))
+            run.out.with_suffix(".sender.json").write_text(json.dumps(peaks))
         else:
             state, _ = training_state(run.size_mb, torch.device("cpu"))
             section = LocalSection(run.replacement / "checkpoints")
@@ -156,22 +160,42 @@ def peer_process(rank: int, run: PeerRun) -> None:
         dist.destroy_process_group()
 
 
-def peer_restore(state, section: LocalSection, name: str) -> tuple[float, float, float, float]:
-    """(exchange_s, receive_into_s, verify_s, load_s) of one restore from the peer: the parcel
-    received (`exchange`) and written into this rank's tier 0 (`receive_into`: every file
-    checked against the generation's manifest, renamed into place), then tier 0's restore
-    (`restore`: the verify every restore does, then the load)."""
+def peer_restore(state, section: LocalSection, name: str) -> tuple[float, float, float, float, int]:
+    """(exchange_s, receive_into_s, verify_s, load_s, peak extra bytes) of one restore from the
+    peer: the parcel received (`exchange`) and written into this rank's tier 0 (`receive_into`:
+    every file checked against the generation's manifest, renamed into place), then tier 0's
+    restore (`restore`: the verify every restore does, then the load). The peak extra bytes:
+    how far the fetch raised this process's resident set above what it held before it."""
     for old in section.names():
         section.remove(old)
     dist.barrier()
+    before = peak_reset()
     started = time.perf_counter()
     parcel = exchange(dist.group.WORLD, None, None, PARTNER)
     exchanged = time.perf_counter()
     receive_into(section, parcel)
     fetched = time.perf_counter()
     del parcel
+    extra = peak_extra(before)
     verify_s, load_s = restore(state, section, name, False, False)
-    return exchanged - started, fetched - exchanged, verify_s, load_s
+    return exchanged - started, fetched - exchanged, verify_s, load_s, extra
+
+
+def status_bytes(field: str) -> int:
+    """A `/proc/self/status` figure (VmRSS: resident now, VmHWM: the peak since the last reset)."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def peak_reset() -> int:
+    """Start measuring a peak: the resident bytes now, and the peak (VmHWM) reset to them."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return status_bytes("VmRSS")
+
+
+def peak_extra(before: int) -> int:
+    """How far the resident set peaked above `before` since `peak_reset`."""
+    return max(0, status_bytes("VmHWM") - before)
 
 
 def peer_restores(held: Path, size_mb: float, repeat: int, scratch: Path) -> dict:
@@ -181,11 +205,15 @@ def peer_restores(held: Path, size_mb: float, repeat: int, scratch: Path) -> dic
     store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=PEER_TIMEOUT, wait_for_workers=False)
     run = PeerRun(store.port, held, scratch, size_mb, repeat, scratch / "rounds.json")
     torch.multiprocessing.spawn(peer_process, args=(run,), nprocs=2, join=True)
-    rounds = sorted(json.loads(run.out.read_text()), key=sum)
+    measured = json.loads(run.out.read_text())
+    rounds = sorted((timings[:4] for timings in measured), key=sum)
     exchange_s, receive_s, verify_s, load_s = rounds[len(rounds) // 2]
+    part = sum(entry.stat().st_size for entry in held.iterdir() if entry.is_file())
     return {"peer_restore_s": exchange_s + receive_s + verify_s + load_s, "peer_fetch_s": exchange_s + receive_s,
             "peer_exchange_s": exchange_s, "peer_receive_into_s": receive_s, "peer_verify_s": verify_s,
-            "peer_load_s": load_s}
+            "peer_load_s": load_s, "part_mb": part / (1 << 20),
+            "peer_receiver_extra_mb": max(timings[4] for timings in measured) / (1 << 20),
+            "peer_sender_extra_mb": max(json.loads(run.out.with_suffix(".sender.json").read_text())) / (1 << 20)}
 
 
 def loop(state, workload, steps: int, every: int | None, section: LocalSection | None) -> float:
@@ -261,6 +289,8 @@ def measure(size_mb: float, repeat: int, steps: int, every: int, disk: Path, mem
         "loop overhead, async tier 0 / sync tier 0": (result["step_with_async_tier0_s"] - result["step_s"])
         / (result["step_with_tier0_s"] - result["step_s"]),
         "peak RSS / state": result["peak_rss_mb"] / result["state_mb"],
+        "peer fetch: receiver's peak extra memory / part": result["peer_receiver_extra_mb"] / result["part_mb"],
+        "peer fetch: sender's peak extra memory / part": result["peer_sender_extra_mb"] / result["part_mb"],
     }
     return result
 
@@ -274,7 +304,7 @@ def markdown(r: dict) -> str:
                 "peer_receive_into_s", "peer_verify_s", "peer_load_s",
                 "tier0_save_s", "disk_save_s",
                 "step_s", "step_with_tier0_s", "step_with_async_tier0_s", "tier0_async_blocked_s",
-                "tier0_async_save_s", "peak_rss_mb"):
+                "tier0_async_save_s", "peak_rss_mb", "part_mb", "peer_receiver_extra_mb", "peer_sender_extra_mb"):
         lines.append(f"| {key} | {r[key]:.4f} |")
     lines += ["", "| ratio | value |", "|---|---|"] + [f"| {name} | {value:.3f} |" for name, value in r["ratios"].items()]
     return "\n".join(lines)
