@@ -44,9 +44,10 @@ measures in the same run (each --repeat times, median):
                         memory, charged to the pod's memory but not to this RSS
 
 Ratios: tier-0 restore / disk restore (cold and warm), peer restore / tier-0 restore and / cold
-disk restore, each end's peak extra memory during a peer fetch / the part, the loop overhead of tier 0 (sync and async saves), what an async tier-0 save
-holds the loop against a sync one, and the async loop overhead against the sync one (on CPU the
-background write shares the cores with the loop, so it is more than the time held).
+disk restore, each end's peak extra memory during a peer fetch / the part, the loop overhead of
+tier 0 (sync and async saves), what an async tier-0 save holds the loop against a sync one, and
+the async loop overhead against the sync one (on CPU the background write shares the cores with
+the loop, so it is more than the time held).
 
 The restart cost R from the object store is measured by bench/store_bench.py (`store_restore_s`,
 and "store restore / local restore (time)": the store's fetch + load against the local tier's
