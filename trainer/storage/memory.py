@@ -247,7 +247,7 @@ def remove_other_world_sizes(directory: Path, world_size: int, run: str) -> None
     """Give back the memory of parts under `directory` of another world size that belong to
     `run` (a resume at another world size, or an earlier one: they are of a line this attempt
     leaves, and never restored at this one) or to no run (no readable `run.json`: nobody can
-    restore them). Each only when its flock is free (no live trainer holds it) and while held;
+    restore them). Each only when its lock is free (no live trainer holds it) and while held;
     another run's is kept (a run we cannot speak for). One line says what was done."""
     removed, kept = [], []
     for path in other_world_sizes(directory, world_size):
@@ -400,7 +400,7 @@ class MemoryCommit(RenameCommit):
 
 class MemoryPart:
     """One rank's tier-0 generations in one directory (`part_directory`): a run directory of
-    its own (`run.json`, `checkpoints/`, a flock), on this node's memory filesystem."""
+    its own (`run.json`, `checkpoints/`, a lock), on this node's memory filesystem."""
 
     def __init__(self, directory: Path, signing: Signing | None):
         self.run = RunDirectory(directory)
@@ -431,7 +431,7 @@ class MemoryPart:
 
     def bind(self, identity: RunIdentity) -> None:
         """It belongs to this run from now on: its `run.json` is the run directory's. What
-        another run left here is removed (memory, not a durable copy: the flock held since
+        another run left here is removed (memory, not a durable copy: the lock held since
         `claim` says no live trainer uses it)."""
         if self.bound_to() != identity.run:
             if left := self.section.names():
