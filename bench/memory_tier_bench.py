@@ -20,12 +20,16 @@ measures in the same run (each --repeat times, median):
   peer_restore_s        our restore from the peer replica (a replaced node): two processes spawned
                         on loopback (gloo on 127.0.0.1, world size 2). The partner holds the
                         generation published into tier 0 above and sends it as `MemoryTier.fetch`
-                        does on the rank that keeps it (`Parcel.of` read at the fetch, `exchange`);
-                        the replacement, a fresh process with an empty tier 0 (a second folder
-                        there) and a live state of the same shape, times in itself: the receive
-                        (_exchange_s, the partner's read included) and `receive_into` (written,
-                        every file checked against the manifest, renamed into place), together
-                        _fetch_s; then the same restore as tier0_restore_s (_verify_s, _load_s)
+                        does on the rank that keeps it (`Outgoing`, `exchange`: file by file in
+                        chunks of storage/peer.py's CHUNK_BYTES); the replacement, a fresh process
+                        with an empty tier 0 (a second folder there) and a live state of the same
+                        shape, times in itself the fetch (`exchange`: each chunk written and
+                        hashed as it arrives, every file checked against the manifest, renamed
+                        into place; the partner's reads included), _fetch_s; then the same
+                        restore as tier0_restore_s (_verify_s, _load_s)
+  peer_receiver_extra_mb, peer_sender_extra_mb  how far the fetch raised each end's resident set
+                        above what it held before (VmHWM, reset through /proc/self/clear_refs just
+                        before; the largest of the rounds), against part_mb, the part's size
   tier0_save_s, disk_save_s  one sync save into each
   step_s, step_with_tier0_s  mean step time of the training loop without saves, and with a
                         tier-0 save every --every steps (the loop's overhead of tier 0, sync saves)
@@ -40,9 +44,10 @@ measures in the same run (each --repeat times, median):
                         memory, charged to the pod's memory but not to this RSS
 
 Ratios: tier-0 restore / disk restore (cold and warm), peer restore / tier-0 restore and / cold
-disk restore, the loop overhead of tier 0 (sync and async saves), what an async tier-0 save
-holds the loop against a sync one, and the async loop overhead against the sync one (on CPU the
-background write shares the cores with the loop, so it is more than the time held).
+disk restore, each end's peak extra memory during a peer fetch / the part, the loop overhead of
+tier 0 (sync and async saves), what an async tier-0 save holds the loop against a sync one, and
+the async loop overhead against the sync one (on CPU the background write shares the cores with
+the loop, so it is more than the time held).
 
 The restart cost R from the object store is measured by bench/store_bench.py (`store_restore_s`,
 and "store restore / local restore (time)": the store's fetch + load against the local tier's
@@ -80,7 +85,7 @@ from trainer.checkpoint.snapshot import load_snapshot, stored_entries  # noqa: E
 from trainer.config import MemoryTierConfig  # noqa: E402
 from trainer.layout import generation_name  # noqa: E402
 from trainer.storage.memory import MemoryTier  # noqa: E402
-from trainer.storage.peer import Parcel, exchange, receive_into  # noqa: E402
+from trainer.storage.peer import CHUNK_BYTES, Outgoing, exchange  # noqa: E402
 
 warnings.filterwarnings("ignore")
 SHM = Path("/dev/shm")
@@ -135,8 +140,8 @@ class PeerRun:
 
 def peer_process(rank: int, run: PeerRun) -> None:
     """One of the two processes on loopback: the partner (rank 0) sends its replica of the
-    generation each round, as `MemoryTier.fetch` does on the rank that keeps it (`Parcel.of`
-    read at the fetch, then `exchange`); the replacement (rank 1), a fresh process with an empty
+    generation each round, as `MemoryTier.fetch` does on the rank that keeps it (`Outgoing`
+    opened at the fetch, then `exchange`); the replacement (rank 1), a fresh process with an empty
     tier 0 and a live state of the same shape, times what its `--resume` does with it."""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -144,9 +149,14 @@ def peer_process(rank: int, run: PeerRun) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=PEER_TIMEOUT)
     try:
         if rank == PARTNER:
+            peaks = []
             for _ in range(run.repeat):
                 dist.barrier()
-                exchange(dist.group.WORLD, REPLACEMENT, Parcel.of(run.held), None)
+                before = peak_reset()
+                with Outgoing(run.held) as outgoing:
+                    exchange(dist.group.WORLD, REPLACEMENT, outgoing, None, None)
+                peaks.append(peak_extra(before))
+            run.out.with_suffix(".sender.json").write_text(json.dumps(peaks))
         else:
             state, _ = training_state(run.size_mb, torch.device("cpu"))
             section = LocalSection(run.replacement / "checkpoints")
@@ -156,36 +166,56 @@ def peer_process(rank: int, run: PeerRun) -> None:
         dist.destroy_process_group()
 
 
-def peer_restore(state, section: LocalSection, name: str) -> tuple[float, float, float, float]:
-    """(exchange_s, receive_into_s, verify_s, load_s) of one restore from the peer: the parcel
-    received (`exchange`) and written into this rank's tier 0 (`receive_into`: every file
-    checked against the generation's manifest, renamed into place), then tier 0's restore
-    (`restore`: the verify every restore does, then the load)."""
+def peer_restore(state, section: LocalSection, name: str) -> tuple[float, float, float, int]:
+    """(fetch_s, verify_s, load_s, peak extra bytes) of one restore from the peer: the part
+    received into this rank's tier 0 (`exchange`: written chunk by chunk, hashed on the way,
+    every file checked against the generation's manifest, renamed into place), then tier 0's
+    restore (`restore`: the verify every restore does, then the load). The peak extra bytes:
+    how far the fetch raised this process's resident set above what it held before it."""
     for old in section.names():
         section.remove(old)
     dist.barrier()
+    before = peak_reset()
     started = time.perf_counter()
-    parcel = exchange(dist.group.WORLD, None, None, PARTNER)
-    exchanged = time.perf_counter()
-    receive_into(section, parcel)
+    exchange(dist.group.WORLD, None, None, PARTNER, section)
     fetched = time.perf_counter()
-    del parcel
+    extra = peak_extra(before)
     verify_s, load_s = restore(state, section, name, False, False)
-    return exchanged - started, fetched - exchanged, verify_s, load_s
+    return fetched - started, verify_s, load_s, extra
+
+
+def status_bytes(field: str) -> int:
+    """A `/proc/self/status` figure (VmRSS: resident now, VmHWM: the peak since the last reset)."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def peak_reset() -> int:
+    """Start measuring a peak: the resident bytes now, and the peak (VmHWM) reset to them."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return status_bytes("VmRSS")
+
+
+def peak_extra(before: int) -> int:
+    """How far the resident set peaked above `before` since `peak_reset`."""
+    return max(0, status_bytes("VmHWM") - before)
 
 
 def peer_restores(held: Path, size_mb: float, repeat: int, scratch: Path) -> dict:
     """The median total of `repeat` restores from the peer (two spawned processes, gloo on
-    127.0.0.1), with the fetch (exchange + receive_into), verify and load parts of that one."""
+    127.0.0.1), with the fetch, verify and load parts of that one, and each end's peak extra memory."""
     scratch.mkdir()
     store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=PEER_TIMEOUT, wait_for_workers=False)
     run = PeerRun(store.port, held, scratch, size_mb, repeat, scratch / "rounds.json")
     torch.multiprocessing.spawn(peer_process, args=(run,), nprocs=2, join=True)
-    rounds = sorted(json.loads(run.out.read_text()), key=sum)
-    exchange_s, receive_s, verify_s, load_s = rounds[len(rounds) // 2]
-    return {"peer_restore_s": exchange_s + receive_s + verify_s + load_s, "peer_fetch_s": exchange_s + receive_s,
-            "peer_exchange_s": exchange_s, "peer_receive_into_s": receive_s, "peer_verify_s": verify_s,
-            "peer_load_s": load_s}
+    measured = json.loads(run.out.read_text())
+    rounds = sorted((timings[:3] for timings in measured), key=sum)
+    fetch_s, verify_s, load_s = rounds[len(rounds) // 2]
+    part = sum(entry.stat().st_size for entry in held.iterdir() if entry.is_file())
+    return {"peer_restore_s": fetch_s + verify_s + load_s, "peer_fetch_s": fetch_s, "peer_verify_s": verify_s,
+            "peer_load_s": load_s, "part_mb": part / (1 << 20), "chunk_mb": CHUNK_BYTES / (1 << 20),
+            "peer_receiver_extra_mb": max(timings[3] for timings in measured) / (1 << 20),
+            "peer_sender_extra_mb": max(json.loads(run.out.with_suffix(".sender.json").read_text())) / (1 << 20)}
 
 
 def loop(state, workload, steps: int, every: int | None, section: LocalSection | None) -> float:
@@ -261,6 +291,8 @@ def measure(size_mb: float, repeat: int, steps: int, every: int, disk: Path, mem
         "loop overhead, async tier 0 / sync tier 0": (result["step_with_async_tier0_s"] - result["step_s"])
         / (result["step_with_tier0_s"] - result["step_s"]),
         "peak RSS / state": result["peak_rss_mb"] / result["state_mb"],
+        "peer fetch: receiver's peak extra memory / part": result["peer_receiver_extra_mb"] / result["part_mb"],
+        "peer fetch: sender's peak extra memory / part": result["peer_sender_extra_mb"] / result["part_mb"],
     }
     return result
 
@@ -270,11 +302,10 @@ def markdown(r: dict) -> str:
              f"{'' if r['memory_is_tmpfs'] else ' (NOT a memory filesystem)'}, disk in {r['disk_dir']}", "",
              "| measure | value |", "|---|---|"]
     for key in ("tier0_restore_s", "tier0_verify_s", "tier0_load_s", "disk_restore_s", "disk_verify_s", "disk_load_s",
-                "disk_warm_restore_s", "peer_restore_s", "peer_fetch_s", "peer_exchange_s",
-                "peer_receive_into_s", "peer_verify_s", "peer_load_s",
+                "disk_warm_restore_s", "peer_restore_s", "peer_fetch_s", "peer_verify_s", "peer_load_s",
                 "tier0_save_s", "disk_save_s",
                 "step_s", "step_with_tier0_s", "step_with_async_tier0_s", "tier0_async_blocked_s",
-                "tier0_async_save_s", "peak_rss_mb"):
+                "tier0_async_save_s", "peak_rss_mb", "part_mb", "peer_receiver_extra_mb", "peer_sender_extra_mb"):
         lines.append(f"| {key} | {r[key]:.4f} |")
     lines += ["", "| ratio | value |", "|---|---|"] + [f"| {name} | {value:.3f} |" for name, value in r["ratios"].items()]
     return "\n".join(lines)

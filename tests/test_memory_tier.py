@@ -479,32 +479,144 @@ def test_a_generation_is_offered_only_when_every_ranks_part_can_be_had_in_this_r
     assert available_everywhere(holdings, "run-a") == {}  # rank 2's part is nowhere
 
 
-def test_a_parcel_is_kept_only_when_its_files_match_its_manifest(tmp_path):
+def test_a_part_streams_in_bounded_chunks_and_is_kept_only_when_its_files_match_its_manifest(tmp_path):
+    """storage/peer.py's two ends in one process, without the wire: a part sent file by file in
+    chunks of at most `chunk_bytes` (here 1000 bytes: a file spans several, the small ones one),
+    read from handles opened before it was pruned, hashed and written as it arrives, renamed into
+    place only when every file matches its manifest; a flipped byte, another generation than the
+    one asked for, and bad names are refused with nothing left behind. <1 s."""
     import torch
 
     from trainer.checkpoint.manifest import GenerationFacts, Manifest
     from trainer.checkpoint.section import LocalSection
     from trainer.checkpoint.snapshot import write_snapshot
     from trainer.errors import CorruptGeneration
-    from trainer.storage.peer import Parcel, receive_into
+    from trainer.storage.peer import Incoming, Outgoing, Parcel
 
     source = LocalSection(tmp_path / "source")
     temporary = source.begin(6, "t")
-    write_snapshot({"w": torch.arange(64, dtype=torch.float32)}, temporary)
-    from trainer.checkpoint.manifest import Manifest
+    write_snapshot({"w": torch.arange(1024, dtype=torch.float32)}, temporary)
     facts = GenerationFacts(6, 0, 6, {}, (), {}, "2026-12-03T00:00:00Z")
     source.publish(temporary, 6, lambda files: Manifest.for_generation(facts, "attempt", {}, files))
-    parcel = Parcel.of(source.path("step-00000006"))
+
+    def stream(section: LocalSection, damage: bool = False, wanted: str | None = None, parcel=None) -> str:
+        with Outgoing(source.path("step-00000006")) as outgoing:
+            incoming = Incoming(section, parcel or outgoing.parcel, wanted)
+            for index, data in outgoing.chunks(1000):
+                assert 0 < len(data) <= 1000
+                if damage and outgoing.parcel.files[index][0].endswith(".distcp"):
+                    data = bytes(data[:-1]) + b"X"
+                incoming.take(index, memoryview(data))
+            return incoming.keep()
+
+    with Outgoing(source.path("step-00000006")) as outgoing:
+        sizes = dict(outgoing.parcel.files)
+        assert sizes["__0_0.distcp"] > 4000 and len(outgoing.parcel.chunks(1000)) > len(sizes)  # several per shard
     kept = LocalSection(tmp_path / "kept")
-    receive_into(kept, parcel)
-    assert kept.names() == ["step-00000006"] and kept.verify("step-00000006").ok
-    damaged = Parcel(parcel.name, tuple((name, data[:-1] + b"X" if name.endswith(".distcp") else data)
-                                        for name, data in parcel.files))
-    with pytest.raises(CorruptGeneration, match="does not verify"):
-        receive_into(LocalSection(tmp_path / "other"), damaged)
-    assert not (tmp_path / "other").exists() or not list((tmp_path / "other").iterdir())
-    for name, files in [("../step-00000006", parcel.files), ("notes", parcel.files),
-                        (parcel.name, parcel.files + (("../escape", b"x"),))]:
+    assert stream(kept, wanted="step-00000006") == "step-00000006"
+    assert kept.names() == ["step-00000006"] and verify_directory_again(kept, "step-00000006")
+    for section, kwargs, problem in [(LocalSection(tmp_path / "damaged"), {"damage": True}, "does not verify"),
+                                     (LocalSection(tmp_path / "other"), {"wanted": "step-00000009"},
+                                      "when step-00000009 was asked for")]:
+        with pytest.raises(CorruptGeneration, match=problem):
+            stream(section, **kwargs)
+        assert not section.root.exists() or not list(section.root.iterdir())
+    with Outgoing(source.path("step-00000006")) as outgoing:
+        files = outgoing.parcel.files
+    for name, listed in [("../step-00000006", files), ("notes", files), ("step-00000006", files + (("../escape", 0),))]:
         with pytest.raises(CorruptGeneration, match="a peer sent"):
-            receive_into(LocalSection(tmp_path / "refused"), Parcel(name, files))
+            stream(LocalSection(tmp_path / "refused"), parcel=Parcel(name, listed))
     assert not (tmp_path / "escape").exists() and not (tmp_path / "refused").exists()
+    with Outgoing(source.path("step-00000006")) as outgoing:  # pruned while it is sent: read whole
+        source.remove("step-00000006")
+        incoming = Incoming(LocalSection(tmp_path / "late"), outgoing.parcel)
+        for index, data in outgoing.chunks(1000):
+            incoming.take(index, data)
+        assert incoming.keep() == "step-00000006"
+
+
+def verify_directory_again(section, name: str) -> bool:
+    """Every file of `name` read and hashed anew (not the receiver's own digests)."""
+    from trainer.checkpoint.manifest import verify_directory
+
+    return verify_directory(section.path(name)).ok
+
+
+def test_tier0_options_and_processes_per_node_that_differ_between_ranks_are_named_in_one_line():
+    """The claim's comparison (storage/memory.py `disagreement`): each of the three settings the
+    tier-0 rounds depend on, named with its values and the ranks (as ranges) that gave them;
+    --memory-dir on some ranks only; nothing said when every rank agrees. <1 s."""
+    from trainer.storage.memory import Agreement, disagreement
+
+    same = [Agreement(10, 2, 2)] * 4
+    assert disagreement(same) is None and disagreement([None, None]) is None
+    assert disagreement([Agreement(10, 2, 2), Agreement(10, 2, 2), Agreement(5, 2, 2), Agreement(5, 2, 2)]) == \
+        "tier 0: --memory-every-steps differs between nodes (10 on ranks 0-1, 5 on ranks 2-3); give the same on every node"
+    assert disagreement([Agreement("auto", 2, 1), Agreement(4, 2, 1), Agreement("auto", 2, 1)]) == \
+        "tier 0: --memory-every-steps differs between nodes (auto on ranks 0, 2, 4 on rank 1); give the same on every node"
+    assert disagreement([Agreement(10, 2, 1), Agreement(10, 3, 1)]) == \
+        "tier 0: --memory-keep differs between nodes (2 on rank 0, 3 on rank 1); give the same on every node"
+    assert disagreement([Agreement(10, 2, 2), Agreement(10, 2, 2), Agreement(10, 2, 1)]) == \
+        ("tier 0: processes per node (torchrun --nproc-per-node, LOCAL_WORLD_SIZE) differs between nodes (2 on "
+         "ranks 0-1, 1 on rank 2); start the same number on every node, or drop --memory-dir")
+    assert disagreement([Agreement(10, 2, 1), None, None]) == \
+        "--memory-dir is given to some ranks but not to rank(s) [1, 2]; give it on every node, or on none"
+
+
+def test_the_default_budget_is_this_ranks_share_of_the_free_memory_of_the_node(tmp_path):
+    """Every local rank writes into the same memory filesystem: by default each counts only
+    1/LOCAL_WORLD_SIZE of what it has free (plus what its own parts hold). A state that fits the
+    whole free space but not a half is refused with two processes on the node, naming the share,
+    and accepted with one. <1 s."""
+    import contextlib
+
+    from trainer.checkpoint.coordination import SingleProcess
+    from trainer.config import MemoryTierConfig
+    from trainer.errors import MemoryTierTooSmall
+    from trainer.storage.memory import MemoryTier, Place, node_share
+
+    assert node_share(1000, 1) == 1000 and node_share(1000, 4) == 250 and node_share(1001, 2) == 500
+    config = MemoryTierConfig(tmp_path / "shm", every_steps=1, keep=1)  # K = 1: the budget is one generation
+    with contextlib.ExitStack() as held:
+        alone, shared = MemoryTier(config, None, Place(0, 1, 1)), MemoryTier(config, None, Place(1, 2, 2, 1))
+        alone.claim(held)
+        shared.claim(held)
+        stats = os.statvfs(tmp_path)
+        free = stats.f_bavail * stats.f_frsize
+        assert alone.limit_bytes() == pytest.approx(free, rel=0.05)
+        assert shared.limit_bytes() == pytest.approx(free / 2, rel=0.05)
+        three_quarters = lambda: int(0.7 * free)  # noqa: E731 - the state's estimate, between a half and the whole
+        alone.saver("a", SingleProcess(), "sync", torch_cpu()).fits(three_quarters)
+        with pytest.raises(MemoryTierTooSmall) as refused:
+            shared.saver("a", SingleProcess(), "sync", torch_cpu()).fits(three_quarters)
+    assert "of rank 1" in str(refused.value) and \
+        "(--memory-tier-max-bytes, or 1/2 of the free memory of its filesystem: 2 processes on this node share it)" \
+        in str(refused.value)
+
+
+def torch_cpu():
+    import torch
+
+    return torch.device("cpu")
+
+
+def test_this_runs_parts_of_another_world_size_are_given_back_and_no_other_runs(crashed):
+    """The killed run's tier-0 part, copied as this run's parts of world size 2 (`rank-R-of-2/`,
+    as a two-process attempt of this run would leave them), beside a part of another run and one
+    held by a live trainer: a one-process resume removes this run's, keeps the other two, and
+    says so in one line. Cost: one trainer of 5 steps (~3 s)."""
+    from trainer.storage.lock import OutputLock
+
+    run, memory = crashed
+    node = memory.parent / "node"
+    for name in ("rank-0-of-2", "rank-1-of-2", "rank-0-of-3", "rank-0-of-4"):
+        shutil.copytree(memory, node / name)
+    identity = json.loads((node / "rank-0-of-3" / "run.json").read_text())
+    (node / "rank-0-of-3" / "run.json").write_text(json.dumps({**identity, "run": "another-run"}))
+    with OutputLock(node / "rank-0-of-4"):  # a live trainer of this run at world size 4 (it cannot be, but held)
+        resumed = train(run, *RUN, "--max-steps", 5, "--memory-dir", node, "--resume")
+    said = [line for line in (resumed.stdout + resumed.stderr).splitlines() if "another world size" in line]
+    assert len(said) == 1 and "removed rank-0-of-2 (this run), rank-1-of-2 (this run)" in said[0], said
+    assert "kept rank-0-of-3 (run another-run's), rank-0-of-4 (held by a live trainer)" in said[0], said
+    assert sorted(path.name for path in node.glob("rank-*")) == ["rank-0-of-3", "rank-0-of-4"]
+    assert names(node / "rank-0-of-3" / "checkpoints") == ["step-00000006"]

@@ -419,13 +419,22 @@ def test_three_nodes_a_lost_node_fetches_from_the_next_node_while_its_own_replic
     assert result.returncode == 0 and "all equal" in result.stdout, result.stdout
 
 
-def test_tier0_on_one_node_but_not_the_other_is_refused_on_both_in_one_line(tmp_path):
-    """--memory-dir on node 0 only: every rank would wait for a peer in the replica's
-    collectives; instead both nodes stop before anything is written, exit 2, one line."""
-    results = two_nodes(str(tmp_path / "run"), tmp_path, env={}, node_args={0: ("--memory-dir", memory_dir(tmp_path, 0))})
+@pytest.mark.parametrize("node_args, memory, line", [
+    ({0: ("--memory-dir", "NODE0")}, False,
+     "--memory-dir is given to some ranks but not to rank(s) [1]; give it on every node, or on none"),
+    ({1: ("--memory-every-steps", 5)}, True,
+     "tier 0: --memory-every-steps differs between nodes (10 on rank 0, 5 on rank 1); give the same on every node"),
+], ids=["memory-dir-on-one-node", "memory-every-steps-differs"])
+def test_tier0_given_differently_on_two_nodes_is_refused_on_both_in_one_line(tmp_path, node_args, memory, line):
+    """--memory-dir on node 0 only, or another --memory-every-steps on node 1: every rank would
+    wait for a peer in the replica's rounds; instead both nodes stop at the claim before anything
+    is written (their tier 0 neither), exit 2, one line. ~8 s each."""
+    node_args = {node: tuple(memory_dir(tmp_path, 0) if arg == "NODE0" else arg for arg in args)
+                 for node, args in node_args.items()}
+    results = two_nodes(str(tmp_path / "run"), tmp_path, env={}, node_args=node_args, memory=memory)
     assert statuses(results) == [2, 2]
     said = [[line for line in result.stderr.splitlines() if line.startswith("trainer:")] for result in results]
-    assert said == [["trainer: error: --memory-dir is given to some ranks but not to rank(s) [1]; give it on "
-                     "every node, or on none"], []], said  # rank 0 alone says it
+    assert said == [[f"trainer: error: {line}"], []], said  # rank 0 alone says it
     assert "trainer/" not in results[0].stderr  # no traceback of ours (torchrun prints its own)
     assert not (tmp_path / "run" / "checkpoints").exists() or not list((tmp_path / "run" / "checkpoints").iterdir())
+    assert not any(memory_dir(tmp_path, node).exists() for node in (0, 1))

@@ -229,10 +229,12 @@ def unlisted_problem(manifest: Manifest, on_disk: list[str]) -> str | None:
     return f"{stray}: not listed in {MANIFEST}" if stray else None
 
 
-def verify_directory(directory: Path, shards: bool = True) -> Verification:
+def verify_directory(directory: Path, shards: bool = True, digests: Mapping[str, dict] | None = None) -> Verification:
     """Verify `directory` against its manifest. With `shards=False` the tensor shards
     (`*.distcp`) are checked for presence and size only: their sha256 is left to the load that
-    reads them (trainer/checkpoint/onepass.py), which must then be the only reader."""
+    reads them (trainer/checkpoint/onepass.py), which must then be the only reader. `digests`:
+    every file's {bytes, sha256} as its writer hashed it while writing (a peer's transfer,
+    trainer/storage/peer.py), taken instead of reading the files again; a file it lacks is missing."""
     try:
         manifest = read_manifest(directory)
     except InvalidManifest as reason:
@@ -247,6 +249,8 @@ def verify_directory(directory: Path, shards: bool = True) -> Verification:
     def problem_of(entry: tuple[str, Mapping]) -> str | None:
         name, expected = entry
         path = directory / name
+        if digests is not None:
+            return file_problem(name, expected, digests.get(name))
         try:
             actual = file_digest(path) if path.is_file() and (shards or not deferred(name)) else \
                 sized(path, expected)

@@ -84,6 +84,12 @@ class LocalSection:
             self._verified[key] = verify_directory(self.path(name), shards=shards)
         return self.trusted(self._verified[key], name)
 
+    def remember_verified(self, name: str, verification: Verification) -> None:
+        """`name` was just renamed into place after its writer hashed every file on the way
+        (a peer's transfer): `verify(name, cached=True)` takes that instead of reading it again."""
+        stat = (self.path(name) / MANIFEST).stat()
+        self._verified[(name, stat.st_ino, stat.st_mtime_ns, True)] = replace(verification, path=self.path(name))
+
     def trusted(self, verification: Verification, name: str) -> Verification:
         return trusted(verification, name, *identity_or_problem(self.identity_bytes()), self.signing)
 

@@ -24,7 +24,7 @@ from trainer.checkpoint.coordination import Coordinator, raise_if_any_failed
 from trainer.errors import CorruptGeneration, DecidedOnPrimary, UsageError
 from trainer.run.records import DISK, MEMORY, PEER, STORE, read_attempts
 from trainer.storage.base import NOTHING_MOVED, RunStorage, Transfer
-from trainer.storage.memory import Holding, newer_than
+from trainer.storage.memory import Holding, disagreement, newer_than
 
 log = logging.getLogger("trainer")
 
@@ -136,10 +136,14 @@ class Claimant:
 
 
 def claim_on_every_rank(claimant: Claimant, ranks: Coordinator, attempt_id: str, held: contextlib.ExitStack) -> Claim:
-    """Every rank holds its own tier 0 and says what it holds; rank 0 claims the run
-    directory and chooses; then, if it chose a tier-0 generation, every rank makes sure of its
-    own part (`settle`)."""
+    """Every rank checks that tier 0 was given alike everywhere, holds its own tier 0 and says
+    what it holds; rank 0 claims the run directory and chooses; then, if it chose a tier-0
+    generation, every rank makes sure of its own part (`settle`)."""
     memory = claimant.storage.memory
+    problem = disagreement(ranks.gather(memory.agreement(), "comparing tier 0's options")) \
+        if ranks.distributed else None
+    if problem:  # before anything is written: the tier-0 rounds would wait on each other
+        raise UsageError(problem) if ranks.is_primary else DecidedOnPrimary(problem, UsageError.exit_code)
     failure = None
     try:
         memory.claim(held)
@@ -147,10 +151,6 @@ def claim_on_every_rank(claimant: Claimant, ranks: Coordinator, attempt_id: str,
         failure = error
     raise_if_any_failed(ranks, failure, "holding tier 0")
     holdings = ranks.gather(memory.holding(), "listing tier 0")
-    if ranks.distributed and len({bool(holding.parts) for holding in holdings}) > 1:
-        without = [rank for rank, holding in enumerate(holdings) if not holding.parts]
-        problem = f"--memory-dir is given to some ranks but not to rank(s) {without}; give it on every node, or on none"
-        raise UsageError(problem) if ranks.is_primary else DecidedOnPrimary(problem, UsageError.exit_code)
     claim = ranks.decide_on_primary(lambda: claimant.claim(attempt_id, held, holdings), "claiming the run directory")
     memory.bind(claim.identity)
     return settle(claimant, ranks, claim, holdings) if claim.memory else claim

@@ -48,6 +48,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import shutil
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,10 +68,10 @@ from trainer.checkpoint.manifest import GenerationFacts, InvalidManifest, Verifi
 from trainer.checkpoint.section import LocalSection, Published
 from trainer.checkpoint.signing import Signing
 from trainer.config import MemoryTierConfig
-from trainer.errors import CorruptGeneration, MemoryTierTooSmall, StorageFailure
+from trainer.errors import CorruptGeneration, MemoryTierTooSmall, OutputLocked, StorageFailure
 from trainer.layout import GENERATIONS, RunDirectory, generation_name, generation_step
 from trainer.storage.lock import OutputLock
-from trainer.storage.peer import Parcel, exchange, keeper_of, partner, receive_into
+from trainer.storage.peer import Outgoing, exchange, keeper_of, partner
 
 log = logging.getLogger("trainer")
 
@@ -153,6 +155,7 @@ class Place:
     rank: int = 0
     world_size: int = 1
     local_world_size: int = 1
+    local_rank: int = 0
 
     @property
     def partner(self) -> int | None:
@@ -168,6 +171,106 @@ def part_directory(directory: Path, rank: int, world_size: int) -> Path:
     in it under torchrun (its own, or the replica it keeps of its keeper's partner). The world
     size is in the name: a part of another world size is never taken for this one's."""
     return directory if world_size == 1 else directory / f"rank-{rank}-of-{world_size}"
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank's tier 0 must be given alike, checked at the claim (`disagreement`):
+    the cadence and the count kept decide the tier-0 save points, and so the replica's rounds
+    every rank runs in step; the processes per node decide who is whose partner. A difference
+    would leave ranks waiting in those rounds until the background bound."""
+
+    every_steps: int | str
+    keep: int
+    local_world_size: int
+
+
+AGREED = (("--memory-every-steps", "every_steps", "give the same on every node"),
+          ("--memory-keep", "keep", "give the same on every node"),
+          ("processes per node (torchrun --nproc-per-node, LOCAL_WORLD_SIZE)", "local_world_size",
+           "start the same number on every node, or drop --memory-dir"))
+
+
+def disagreement(agreements: list[Agreement | None]) -> str | None:
+    """The one line refusing tier-0 settings that differ between ranks (None: they agree).
+    `agreements`: every rank's, in rank order (None: no --memory-dir there)."""
+    without = [rank for rank, agreement in enumerate(agreements) if agreement is None]
+    if len(without) == len(agreements):
+        return None  # no tier 0 anywhere
+    if without:
+        return f"--memory-dir is given to some ranks but not to rank(s) {without}; give it on every node, or on none"
+    for option, field_name, fix in AGREED:
+        values: dict[object, list[int]] = {}
+        for rank, agreement in enumerate(agreements):
+            values.setdefault(getattr(agreement, field_name), []).append(rank)
+        if len(values) > 1:
+            found = ", ".join(f"{value} on {ranks_named(ranks)}" for value, ranks in values.items())
+            return f"tier 0: {option} differs between nodes ({found}); {fix}"
+    return None
+
+
+def ranks_named(ranks: list[int]) -> str:
+    """`rank 3`, `ranks 0-3`, `ranks 0-1, 4-5`: consecutive ranks as ranges (sorted input)."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and spans[-1][1] == rank - 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    named = ", ".join(str(first) if first == last else f"{first}-{last}" for first, last in spans)
+    return f"rank {named}" if len(ranks) == 1 else f"ranks {named}"
+
+
+def node_share(free_bytes: int, processes_on_node: int) -> int:
+    """One rank's share of what the memory filesystem has free: every process on the node
+    writes its parts there, so each may count only its share of it."""
+    return free_bytes // max(1, processes_on_node)
+
+
+PART_NAME = re.compile(r"rank-(\d+)-of-(\d+)")
+
+
+def other_world_sizes(directory: Path, world_size: int) -> list[Path]:
+    """Parts under `directory` of another world size than `world_size`: `rank-R-of-W` folders
+    with another W, and (under torchrun) a one-process part in `directory` itself. Never
+    restored at this world size (`part_directory`)."""
+    found = [entry for entry in sorted(directory.iterdir()) if entry.is_dir() and
+             (match := PART_NAME.fullmatch(entry.name)) and int(match.group(2)) != world_size] \
+        if directory.is_dir() else []
+    root = RunDirectory(directory)
+    if world_size > 1 and (root.section(GENERATIONS).is_dir() or root.identity.is_file()):
+        found.insert(0, directory)
+    return found
+
+
+def remove_other_world_sizes(directory: Path, world_size: int, run: str) -> None:
+    """Give back the memory of parts under `directory` of another world size that belong to
+    `run` (a resume at another world size, or an earlier one: they are of a line this attempt
+    leaves, and never restored at this one) or to no run (no readable `run.json`: nobody can
+    restore them). Each only when its lock is free (no live trainer holds it) and while held;
+    another run's is kept (a run we cannot speak for). One line says what was done."""
+    removed, kept = [], []
+    for path in other_world_sizes(directory, world_size):
+        part = MemoryPart(path, None)
+        name = "." if path == directory else path.name
+        bound = part.bound_to()
+        if bound not in (run, None):
+            kept.append(f"{name} (run {bound}'s)")
+            continue
+        try:
+            with OutputLock(path):
+                if part.bound_to() == bound:  # read again, held: nobody binds it meanwhile
+                    part.remove_everything(whole=path != directory)
+        except OutputLocked:
+            kept.append(f"{name} (held by a live trainer)")
+            continue
+        removed.append(f"{name} ({'this run' if bound else 'no run'})")
+    if removed:
+        log.info("tier 0 (%s) held parts of another world size than %d: removed %s%s", directory, world_size,
+                 ", ".join(removed), f"; kept {', '.join(kept)}" if kept else "")
+    elif kept:
+        log.info("tier 0 (%s) holds parts of another world size than %d: kept %s", directory, world_size,
+                 ", ".join(kept))
 
 
 @dataclass(frozen=True)
@@ -209,6 +312,9 @@ class NoMemoryTier:
 
     def holding(self) -> Holding:
         return Holding(0)
+
+    def agreement(self) -> Agreement | None:
+        return None
 
     def bind(self, identity: RunIdentity | None) -> None:
         return None
@@ -294,7 +400,7 @@ class MemoryCommit(RenameCommit):
 
 class MemoryPart:
     """One rank's tier-0 generations in one directory (`part_directory`): a run directory of
-    its own (`run.json`, `checkpoints/`, a flock), on this node's memory filesystem."""
+    its own (`run.json`, `checkpoints/`, a lock), on this node's memory filesystem."""
 
     def __init__(self, directory: Path, signing: Signing | None):
         self.run = RunDirectory(directory)
@@ -325,7 +431,7 @@ class MemoryPart:
 
     def bind(self, identity: RunIdentity) -> None:
         """It belongs to this run from now on: its `run.json` is the run directory's. What
-        another run left here is removed (memory, not a durable copy: the flock held since
+        another run left here is removed (memory, not a durable copy: the lock held since
         `claim` says no live trainer uses it)."""
         if self.bound_to() != identity.run:
             if left := self.section.names():
@@ -336,6 +442,15 @@ class MemoryPart:
         data = identity.to_bytes()
         if not self.run.identity.is_file() or self.run.identity.read_bytes() != data:
             write_file_durably(self.run.identity, data)
+
+    def remove_everything(self, whole: bool) -> None:
+        """Every generation and temporary, and its `run.json`; with `whole`, its directory too
+        (the caller holds its lock)."""
+        if whole:
+            shutil.rmtree(self.run.root, ignore_errors=True)
+            return
+        shutil.rmtree(self.section.root, ignore_errors=True)
+        self.run.identity.unlink(missing_ok=True)
 
     def remove_where(self, doomed: Callable[[str], bool]) -> list[str]:
         names = [name for name in self.section.names() if doomed(name)]
@@ -372,10 +487,17 @@ class MemoryTier(NoMemoryTier):
             parts[self.place.keeps_replica_of] = self.replica.held()
         return Holding(self.place.rank, parts)
 
+    def agreement(self) -> Agreement:
+        return Agreement(self.config.every_steps, self.config.keep, self.place.local_world_size)
+
     def bind(self, identity: RunIdentity | None) -> None:
+        """Its parts belong to this run from now on; the first rank of the node also gives back
+        this run's parts of another world size (`remove_other_world_sizes`)."""
         if identity is not None:
             for part in self.parts:
                 part.bind(identity)
+            if self.place.local_rank == 0:
+                remove_other_world_sizes(self.config.directory, self.place.world_size, identity.run)
 
     def problem(self, name: str, attempt: str) -> str | None:
         """Why this rank's own part of `name` cannot serve (None: it verifies: hash, run,
@@ -395,25 +517,25 @@ class MemoryTier(NoMemoryTier):
         """Every rank, at the same point: the ranks in `needing` receive their part of `name`
         from the rank that keeps its replica, into their own tier 0; returns why this rank's
         part still cannot serve (None: it verifies now)."""
-        place, parcel = self.place, None
+        place, outgoing = self.place, None
         kept = place.keeps_replica_of
-        if kept in needing and self.replica is not None and name in self.replica.section.names():
-            parcel = Parcel.of(self.replica.section.path(name))
         mine = place.rank in needing
+        if kept in needing and self.replica is not None and name in self.replica.section.names():
+            with contextlib.suppress(OSError):  # gone meanwhile: its partner hears "nothing"
+                outgoing = Outgoing(self.replica.section.path(name))
         try:
-            received = exchange(coordinator.group, kept if kept in needing else None, parcel,
-                                place.partner if mine else None)
+            with outgoing or contextlib.nullcontext():
+                received = exchange(coordinator.group, kept if kept in needing else None, outgoing,
+                                    place.partner if mine else None, self.own.section, wanted=name)
+        except CorruptGeneration as error:  # what the partner sent was refused (the stream drained)
+            return str(error) if mine else None
         except Exception as error:  # noqa: BLE001 - a peer gone, or what it sent unreadable: this rank's problem
             return f"its replica could not be fetched ({str(error).splitlines()[0] if str(error) else error!r})" \
                 if mine else None
         if not mine:
             return None
-        if received is None or received.name != name:
+        if received is None:
             return f"rank {place.partner} keeps no replica of it"
-        try:
-            receive_into(self.own.section, received)
-        except (CorruptGeneration, OSError) as error:
-            return str(error)
         return self.problem(name, attempt)
 
     def set_aside_later_than(self, step: int) -> list[str]:
@@ -433,11 +555,18 @@ class MemoryTier(NoMemoryTier):
         return MemorySaves(self, checkpointer, mode == "async", coordinator, replicas)
 
     def limit_bytes(self) -> int:
-        """`--memory-tier-max-bytes`, else what tier 0 holds plus what its filesystem has free."""
+        """`--memory-tier-max-bytes`, else what this rank's parts hold plus its share of what
+        their filesystem has free (`node_share`: the processes of the node share it)."""
         if self.config.max_bytes is not None:
             return self.config.max_bytes
         stats = os.statvfs(self.own.section.root)
-        return stats.f_bavail * stats.f_frsize + self.used_bytes()
+        return node_share(stats.f_bavail * stats.f_frsize, self.place.local_world_size) + self.used_bytes()
+
+    def share(self) -> str:
+        """Where the default budget comes from, as the refusal says it."""
+        processes = self.place.local_world_size
+        return "the free memory of its filesystem" if processes == 1 else \
+            f"1/{processes} of the free memory of its filesystem: {processes} processes on this node share it"
 
     def used_bytes(self) -> int:
         return sum(part.used_bytes() for part in self.parts)
@@ -509,14 +638,15 @@ class Replication(NoReplication):
             return
         tier, place = self.tier, self.tier.place
         try:
-            parcel = Parcel.of(tier.own.section.path(name)) if name in tier.own.section.names() else None
+            outgoing = Outgoing(tier.own.section.path(name)) if name in tier.own.section.names() else None
         except OSError:
-            parcel = None  # pruned meanwhile: nothing this round
+            outgoing = None  # pruned meanwhile: nothing this round
         try:
-            received = exchange(self.coordinator.group, place.partner, parcel, place.keeps_replica_of)
+            with outgoing or contextlib.nullcontext():
+                received = exchange(self.coordinator.group, place.partner, outgoing, place.keeps_replica_of,
+                                    tier.replica.section)
             if received is not None:
-                receive_into(tier.replica.section, received)
-                step = generation_step(received.name)
+                step = generation_step(received)
                 kept = [name for name in tier.replica.section.names() if generation_step(name) <= step]
                 tier.replica.remove_where(lambda name: generation_step(name) > step or
                                           name in kept[:max(0, len(kept) - tier.config.keep)])
@@ -569,7 +699,7 @@ class MemorySaves(NoMemorySaves):
             rank = f" of rank {self.tier.place.rank}" if self.tier.place.world_size > 1 else ""
             refusal = MemoryTierTooSmall(
                 f"tier 0{rank} ({self.tier.own.where}) needs {budget.line()}, over its budget of {budget.limit_bytes} "
-                f"bytes (--memory-tier-max-bytes, or the free memory of its filesystem); raise it, lower "
+                f"bytes (--memory-tier-max-bytes, or {self.tier.share()}); raise it, lower "
                 f"--memory-keep (now {budget.keep}), or drop --memory-dir")
         if self.coordinator.distributed:
             raise_if_any_failed(self.coordinator, refusal, "checking tier 0's budget")

@@ -18,7 +18,8 @@ def open_storage(config: RunConfig, launch: LaunchEnvironment) -> RunStorage:
     storage = open_backend(config, launch.world_size)
     if config.memory.directory is not None:
         storage.memory = MemoryTier(config.memory, storage.signing,
-                                    Place(launch.rank, launch.world_size, launch.local_world_size))
+                                    Place(launch.rank, launch.world_size, launch.local_world_size,
+                                          launch.local_rank))
     return storage
 
 

@@ -7,18 +7,29 @@ from the same partners. With one node there is no partner, and nothing is sent.
 
 Every transfer is point to point on a gloo group of its own (never the training group, whose
 backend may be NCCL): each side posts its send and its receive at once (`isend`/`irecv`), so a
-ring of sends never waits on itself. A transfer has three messages: the header's length, the
-header (the generation's name and its files' names and sizes, or none), then the files' bytes
-as one buffer. The receiver checks every file against the generation's own manifest before
-renaming the copy into place (`receive_into`); the signature and the run are checked where a
-restore verifies it, as for any generation.
+ring of sends never waits on itself. A transfer is a header (its length, then the generation's
+name and its files' names and sizes, or none), then the files' bytes, file by file in chunks of
+at most `CHUNK_BYTES`: each end holds one chunk buffer per direction, never the part, so a 16 GB
+part moves with 16 MB of host memory at each end (32 MB where a rank sends and receives at once)
+instead of three copies of it (48 GB). The sender reads
+every file through a handle opened before the header goes (`Outgoing`: a part pruned meanwhile
+is still read whole). The receiver writes each chunk into a temporary sibling as it arrives and
+hashes it on the way (`Incoming`); the generation is renamed into place only when every file
+matches its own manifest, and a name that is not a generation's is never written. A problem
+found on the way is reported at the end, once the stream is drained, so the two ends never
+disagree on how many messages are left. The signature and the run are checked where a restore
+verifies it, as for any generation.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 
 import torch
@@ -46,47 +57,210 @@ def keeper_of(rank: int, world_size: int, local_world_size: int) -> int | None:
     return (rank - local_world_size) % world_size
 
 
+CHUNK_BYTES = 16 << 20
+"""The most bytes sent or received as one message: a transfer's host memory at each end is one
+buffer of this size per direction, whatever the part's size. Large enough that gloo's cost per
+message is nothing beside the bytes (32 messages for 512 MB)."""
+
+
 @dataclass(frozen=True)
 class Parcel:
-    """A committed generation's files, as sent: `files` are (name, bytes) in a fixed order."""
+    """What is sent ahead of a generation's bytes: its name and its files (name, bytes), in a
+    fixed order."""
 
     name: str
-    files: tuple[tuple[str, bytes], ...]
-
-    @classmethod
-    def of(cls, directory: Path) -> "Parcel":
-        return cls(directory.name, tuple((entry.name, entry.read_bytes()) for entry in sorted(directory.iterdir())
-                                         if entry.is_file()))
+    files: tuple[tuple[str, int], ...]
 
     @property
     def bytes(self) -> int:
-        return sum(len(data) for _, data in self.files)
+        return sum(size for _, size in self.files)
+
+    def header(self) -> dict:
+        return {"name": self.name, "files": [[name, size] for name, size in self.files]}
+
+    @classmethod
+    def from_header(cls, data) -> "Parcel":
+        """What a peer described; CorruptGeneration when it is not a header at all."""
+        try:
+            files = tuple((str(name), int(size)) for name, size in data["files"])
+            if not isinstance(data["name"], str) or any(size < 0 for _, size in files):
+                raise ValueError("a negative size")
+        except (KeyError, TypeError, ValueError) as error:
+            raise CorruptGeneration(f"a peer sent an unreadable description of a generation ({error})") from None
+        return cls(data["name"], files)
+
+    def chunks(self, chunk_bytes: int) -> list[tuple[int, int]]:
+        """(file index, bytes) of every message after the header, in order: each file in
+        chunks of at most `chunk_bytes` (an empty file: none). Both ends derive it from the
+        header, so they agree on every message."""
+        return [(index, min(chunk_bytes, size - offset)) for index, (_, size) in enumerate(self.files)
+                for offset in range(0, size, chunk_bytes)]
 
 
-def exchange(group, send_to: int | None, parcel: Parcel | None, receive_from: int | None) -> Parcel | None:
-    """Send `parcel` (None: "nothing this time") to `send_to` while receiving from
-    `receive_from`; returns what was received (None when nothing was sent). Both ends must
-    call it at the same point, each naming the other. A peer that died fails it (a reset
-    connection, or the group's timeout)."""
-    header = json.dumps(None if parcel is None else
-                        {"name": parcel.name, "files": [[name, len(data)] for name, data in parcel.files]}).encode()
+class Outgoing:
+    """A committed generation's files, opened for sending. Every file is opened at once, before
+    the header is sent: the loop may prune the generation while it is sent (a tier-0 save prunes
+    on the loop's thread), and an unlinked file stays readable while it is open."""
+
+    def __init__(self, directory: Path):
+        self.handles: list = []
+        try:
+            for entry in sorted(directory.iterdir()):
+                if entry.is_file():
+                    self.handles.append((entry.name, entry.open("rb")))
+        except BaseException:
+            self.close()
+            raise
+        self.parcel = Parcel(directory.name, tuple((name, os.fstat(handle.fileno()).st_size)
+                                                   for name, handle in self.handles))
+
+    def chunks(self, chunk_bytes: int) -> Iterator[tuple[int, memoryview]]:
+        """(file index, its next bytes) in the order of `Parcel.chunks`, each read into one
+        buffer reused from chunk to chunk (valid until the next is read). A file that reads
+        short is padded with zeros: the receiver's sha256 refuses it, and the stream keeps the
+        length the header promised."""
+        plan = self.parcel.chunks(chunk_bytes)
+        buffer = memoryview(bytearray(max((size for _, size in plan), default=0)))
+        for index, size in plan:
+            view = buffer[:size]
+            filled = 0
+            while filled < size and (read := self.handles[index][1].readinto(view[filled:])):
+                filled += read
+            view[filled:] = bytes(size - filled)
+            yield index, view
+
+    def close(self) -> None:
+        for _, handle in self.handles:
+            handle.close()
+
+    def __enter__(self) -> "Outgoing":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Incoming:
+    """A generation received into `section`: written into a temporary sibling file by file as
+    its chunks arrive (`take`), each hashed on the way; `keep` renames it into place once every
+    file matches the generation's own manifest (replacing an older copy of the same name:
+    memory keeps no superseded copies). A problem found on the way (a name that is not a
+    generation's or a file's, another generation than `wanted`, a failed write) writes nothing
+    more and is raised by `keep`, after the caller drained the stream."""
+
+    def __init__(self, section: LocalSection, parcel: Parcel, wanted: str | None = None):
+        self.section, self.parcel = section, parcel
+        self.problem = name_problem(parcel, wanted)
+        self.temporary: Path | None = None
+        self.digests: dict[str, dict] = {}
+        self.current: tuple[int, object, object] | None = None
+        """(file index, open file, its sha256 so far)."""
+        if self.problem is None:
+            try:
+                section.root.mkdir(parents=True, exist_ok=True)
+                self.temporary = temporary_sibling(section.root, parcel.name, "peer")
+            except OSError as error:
+                self.problem = f"{parcel.name} received from a peer could not be written ({error.strerror or error})"
+
+    def take(self, index: int, data: memoryview) -> None:
+        if self.problem is not None:
+            return
+        try:
+            if self.current is None or self.current[0] != index:
+                self.finish_file()
+                self.current = (index, (self.temporary / self.parcel.files[index][0]).open("wb"), hashlib.sha256())
+            self.current[1].write(data)
+            self.current[2].update(data)
+        except OSError as error:
+            self.problem = f"{self.parcel.name} received from a peer could not be written ({error.strerror or error})"
+
+    def finish_file(self) -> None:
+        if self.current is not None:
+            index, handle, digest = self.current
+            handle.close()
+            self.digests[self.parcel.files[index][0]] = {"bytes": self.parcel.files[index][1],
+                                                         "sha256": digest.hexdigest()}
+            self.current = None
+
+    def keep(self) -> str:
+        """The name received, renamed into place; CorruptGeneration when it does not verify or
+        could not be written (nothing is left then)."""
+        try:
+            if self.problem is None:
+                self.finish_file()
+                for name, size in self.parcel.files:
+                    if name not in self.digests and size == 0:  # an empty file sends no chunk
+                        (self.temporary / name).touch()
+                        self.digests[name] = {"bytes": 0, "sha256": hashlib.sha256().hexdigest()}
+                fsync_dir(self.temporary)
+                checked = verify_directory(self.temporary, digests=self.digests)
+                if not checked.ok:
+                    self.problem = f"{self.parcel.name} received from a peer does not verify ({checked.problem})"
+        except OSError as error:
+            self.problem = f"{self.parcel.name} received from a peer could not be written ({error.strerror or error})"
+        if self.problem is not None:
+            self.discard()
+            raise CorruptGeneration(self.problem)
+        name = self.parcel.name
+        if self.section.path(name).is_dir():
+            self.section.remove(name)
+        rename_into_place(self.temporary, self.section.path(name))
+        self.section.remember_verified(name, checked)
+        return name
+
+    def discard(self) -> None:
+        if self.current is not None:
+            self.current[1].close()
+            self.current = None
+        if self.temporary is not None:
+            shutil.rmtree(self.temporary, ignore_errors=True)
+
+
+def name_problem(parcel: Parcel, wanted: str | None) -> str | None:
+    """Why a parcel is refused by its names alone (None: its names may be written)."""
+    if generation_step(parcel.name) is None or "/" in parcel.name:
+        return f"a peer sent a generation named {parcel.name!r}; not kept"
+    if wanted is not None and parcel.name != wanted:
+        return f"a peer sent {parcel.name} when {wanted} was asked for; not kept"
+    names = [name for name, _ in parcel.files]
+    for name in names:
+        if "/" in name or "\0" in name or name in ("", ".", ".."):
+            return f"a peer sent {parcel.name} with a file named {name!r}; not kept"
+    if len(set(names)) != len(names):
+        return f"a peer sent {parcel.name} naming a file twice; not kept"
+    return None
+
+
+def exchange(group, send_to: int | None, outgoing: Outgoing | None, receive_from: int | None,
+             section: LocalSection | None, wanted: str | None = None, chunk_bytes: int = CHUNK_BYTES) -> str | None:
+    """Send `outgoing` (None: "nothing this time") to `send_to` while receiving from
+    `receive_from` into `section` (`Incoming`: verified, then renamed into place); returns the
+    name received (None when the peer sent nothing). Both ends must call it at the same point,
+    each naming the other. CorruptGeneration when what arrived is refused (the stream drained
+    first); a peer that died fails it (a reset connection, or the group's timeout)."""
+    header = json.dumps(None if outgoing is None else outgoing.parcel.header()).encode()
     lengths = _swap(group, send_to, torch.tensor([len(header)], dtype=torch.int64),
                     receive_from, torch.zeros(1, dtype=torch.int64))
     received = _swap(group, send_to, torch.frombuffer(bytearray(header), dtype=torch.uint8),
                      receive_from, torch.empty(int(lengths[0]) if lengths is not None else 0, dtype=torch.uint8))
     described = json.loads(received.numpy().tobytes()) if received is not None else None
-    payload = torch.frombuffer(bytearray(b"".join(data for _, data in parcel.files)), dtype=torch.uint8) \
-        if parcel is not None and parcel.bytes else None
-    incoming = sum(size for _, size in described["files"]) if described else 0
-    body = _swap(group, send_to if payload is not None else None, payload,
-                 receive_from if incoming else None, torch.empty(incoming, dtype=torch.uint8))
-    if not described:
-        return None
-    data, files, offset = body.numpy().tobytes() if body is not None else b"", [], 0
-    for name, size in described["files"]:
-        files.append((name, data[offset:offset + size]))
-        offset += size
-    return Parcel(described["name"], tuple(files))
+    parcel = Parcel.from_header(described) if described is not None else None
+    sending = outgoing.chunks(chunk_bytes) if outgoing is not None and send_to is not None else iter(())
+    plan = parcel.chunks(chunk_bytes) if parcel is not None else []
+    buffer = torch.empty(max((size for _, size in plan), default=0), dtype=torch.uint8)
+    incoming = Incoming(section, parcel, wanted) if parcel is not None else None
+    try:
+        for chunk, (index, size) in zip_longest(sending, plan, fillvalue=(None, 0)):
+            outgoing_chunk = torch.frombuffer(chunk[1], dtype=torch.uint8) if chunk[0] is not None else None
+            arrived = _swap(group, send_to if outgoing_chunk is not None else None, outgoing_chunk,
+                            receive_from if index is not None else None, buffer[:size])
+            if index is not None:
+                incoming.take(index, memoryview(arrived.numpy()))
+    except BaseException:
+        if incoming is not None:
+            incoming.discard()
+        raise
+    return incoming.keep() if incoming is not None else None
 
 
 def _swap(group, send_to: int | None, outgoing, receive_from: int | None, incoming):
@@ -99,27 +273,3 @@ def _swap(group, send_to: int | None, outgoing, receive_from: int | None, incomi
     for work in works:
         work.wait()
     return incoming if receive_from is not None and incoming.numel() else None
-
-
-def receive_into(section: LocalSection, parcel: Parcel) -> None:
-    """Write `parcel` as a committed generation of `section`: into a temporary sibling, every
-    file checked against the parcel's own manifest, then renamed into place (replacing an older
-    copy of the same name: memory keeps no superseded copies). CorruptGeneration if it does not
-    verify (nothing is left then); a name that is not a generation's is never written."""
-    if generation_step(parcel.name) is None or "/" in parcel.name:
-        raise CorruptGeneration(f"a peer sent a generation named {parcel.name!r}; not kept")
-    for name, _ in parcel.files:
-        if "/" in name or "\0" in name or name in ("", ".", ".."):
-            raise CorruptGeneration(f"a peer sent {parcel.name} with a file named {name!r}; not kept")
-    section.root.mkdir(parents=True, exist_ok=True)
-    temporary = temporary_sibling(section.root, parcel.name, "peer")
-    for name, data in parcel.files:
-        (temporary / name).write_bytes(data)
-    fsync_dir(temporary)
-    checked = verify_directory(temporary)
-    if not checked.ok:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise CorruptGeneration(f"{parcel.name} received from a peer does not verify ({checked.problem})")
-    if section.path(parcel.name).is_dir():
-        section.remove(parcel.name)
-    rename_into_place(temporary, section.path(parcel.name))
