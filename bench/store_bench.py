@@ -87,7 +87,7 @@ from trainer.checkpoint.onepass import verified_load  # noqa: E402
 from trainer.checkpoint.snapshot import load_snapshot, stored_entries  # noqa: E402
 from trainer.checkpoint.section import LocalSection  # noqa: E402
 from trainer.checkpoint.writer import WriterConfig  # noqa: E402
-from trainer.storage.location import StoreLocation  # noqa: E402
+from trainer.location import StoreLocation  # noqa: E402
 from trainer.storage.object.client import ObjectStore, open_filesystem  # noqa: E402
 from trainer.layout import MANIFEST, RunDirectory, generation_name  # noqa: E402
 from trainer.layout import GENERATIONS  # noqa: E402

@@ -17,7 +17,7 @@ PACKAGE = REPO / "trainer"
 LAYERS = [
     # Leaves: names, errors, configuration, test seams, private-API wrappers, the launcher's variables.
     {"trainer.errors", "trainer.layout", "trainer.config", "trainer.parallel.launch", "trainer.seams",
-     "trainer.compat", "trainer.options", "trainer.storage.location", "trainer.run.interval", "trainer.run.records"},
+     "trainer.compat", "trainer.options", "trainer.location", "trainer.run.interval", "trainer.run.records"},
     # Generations and exports: manifests, the atomic publish, DCP writes and reads, save and restore.
     {"trainer.checkpoint"},
     # Where a run directory lives: one backend interface, local disk or an object store.
@@ -99,27 +99,82 @@ def test_every_module_lives_in_a_package_by_concern():
     """Top level holds only the leaves and the command line; everything else is in a package."""
     top = {module_name(path) for path in PACKAGE.glob("*.py")}
     assert top == {"trainer", "trainer.__main__", "trainer.cli", "trainer.flags", "trainer.errors", "trainer.layout",
-                   "trainer.config", "trainer.seams", "trainer.compat", "trainer.options"}, top
+                   "trainer.config", "trainer.seams", "trainer.compat", "trainer.options", "trainer.location"}, top
     assert {module_name(path.parent / "__init__.py") for path in PACKAGE.glob("*/__init__.py")} | {"trainer.workload"} \
         >= {p for p in PACKAGES}
 
 
-def test_no_import_cycles_between_modules():
-    graph = {module_name(path): {imported for imported in trainer_imports(path, top_level_only=True)}
-             for path in SOURCES}
+def first_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """An import cycle of `graph` (name → the names it imports) as a trail, or None."""
     state: dict[str, int] = {}
 
-    def visit(module: str, trail: list[str]) -> None:
-        if state.get(module) == 2:
-            return
-        assert state.get(module) != 1, f"import cycle: {' → '.join(trail + [module])}"
-        state[module] = 1
-        for imported in sorted(graph.get(module, ())):
-            visit(imported, trail + [module])
-        state[module] = 2
+    def visit(name: str, trail: list[str]) -> list[str] | None:
+        if state.get(name) == 2:
+            return None
+        if state.get(name) == 1:
+            return trail + [name]
+        state[name] = 1
+        for imported in sorted(graph.get(name, ())):
+            if cycle := visit(imported, trail + [name]):
+                return cycle
+        state[name] = 2
+        return None
 
-    for module in sorted(graph):
-        visit(module, [])
+    return next((cycle for name in sorted(graph) if (cycle := visit(name, []))), None)
+
+
+def package_of(module: str) -> str:
+    """`trainer.run.loop` → `trainer.run`; a top-level module is a package of its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(modules: dict[str, set[str]]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module, imported in modules.items():
+        graph.setdefault(package_of(module), set()).update(
+            package_of(name) for name in imported if package_of(name) != package_of(module))
+    return graph
+
+
+def test_no_import_cycles_between_modules():
+    graph = {module_name(path): trainer_imports(path, top_level_only=True) for path in SOURCES}
+    cycle = first_cycle(graph)
+    assert cycle is None, f"import cycle: {' → '.join(cycle)}"
+
+
+def test_no_import_cycles_between_packages():
+    """Packages (and top-level modules) import each other one way, lazy imports included: a
+    circle of packages (checkpoint → config → storage → checkpoint, when config.py imported a
+    module of storage/) is a layering no one can draw."""
+    cycle = first_cycle(package_graph({module_name(path): trainer_imports(path) for path in SOURCES}))
+    assert cycle is None, f"package circle: {' → '.join(cycle)}"
+
+
+def test_the_cycle_checks_can_fail():
+    modules = {"trainer.checkpoint.section": {"trainer.config"}, "trainer.config": {"trainer.storage.location"},
+               "trainer.storage.base": {"trainer.checkpoint.section"}, "trainer.storage.location": set()}
+    assert first_cycle(modules) is None  # no module circle...
+    assert first_cycle(package_graph(modules)) == ["trainer.checkpoint", "trainer.config", "trainer.storage",
+                                                   "trainer.checkpoint"]  # ...but a package circle
+
+
+CLASS_LINES = 250
+
+
+def long_classes(path: Path, limit: int = CLASS_LINES) -> list[str]:
+    return [f"{path.name}:{node.name} is {node.end_lineno - node.lineno + 1} lines"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > limit]
+
+
+def test_no_class_is_over_250_lines():
+    assert [found for path in SOURCES for found in long_classes(path)] == []
+
+
+def test_the_class_size_check_can_fail(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("class Big:\n" + "    x = 1\n" * CLASS_LINES + "\n\nclass Small:\n    pass\n")
+    assert long_classes(sample) == [f"sample.py:Big is {CLASS_LINES + 1} lines"]
 
 
 def test_checkpoint_imports_nothing_from_the_run_around_it():
@@ -189,7 +244,7 @@ def test_the_layer_check_can_fail():
     assert layer_of("trainer.run.loop") > layer_of("trainer.checkpoint.checkpointer")
     assert layer_of("trainer.checkpoint.section") > layer_of("trainer.layout")
     assert layer_of("trainer.storage.base") > layer_of("trainer.checkpoint.section")
-    assert layer_of("trainer.storage.location") < layer_of("trainer.checkpoint.section")
+    assert layer_of("trainer.location") < layer_of("trainer.checkpoint.section")
 
 
 def test_the_loop_depends_on_the_workload_protocol_not_the_example():
@@ -205,7 +260,7 @@ def test_integrations_import_no_checkpoint_or_storage_internals():
         imported = trainer_imports(path)
         assert not {name for name in imported if name.startswith("trainer.checkpoint")}, (path.name, imported)
         assert {name for name in imported if name.startswith("trainer.storage")} <= \
-            {"trainer.storage.opening", "trainer.storage.location"}, (path.name, imported)
+            {"trainer.storage.opening"}, (path.name, imported)
 
 
 def test_the_run_imports_no_object_store_module():

@@ -25,7 +25,7 @@ from conftest import (JOB_FILE, POLYAXONFILES, PRESETS, REPO, attempts, check_al
                       start, trainer_argv)
 from trainer.cli import train_parser
 from trainer.errors import UsageError
-from trainer.storage.location import InStore, OnDisk, parse_store_url
+from trainer.location import InStore, OnDisk, parse_store_url
 
 PYTORCHJOB = REPO / "polyaxonfiles" / "pytorchjob.yaml"
 PRESET = {p.stem: p for p in PRESETS}

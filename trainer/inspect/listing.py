@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Callable
 
 from trainer.inspect.report import cell
+from trainer.location import is_url
 from trainer.run.records import RUNNING, read_attempts
 from trainer.errors import CorruptGeneration, NothingToResume, StorageFailure
 from trainer.checkpoint.manifest import Manifest, Verification
 from trainer.checkpoint.section import LocalSection
 from trainer.checkpoint.signing import Signing
-from trainer.storage.location import is_url
 from trainer.layout import MANIFEST, PROGRESS_MARKER, SECTIONS, RunDirectory, generation_step, not_a_run
 
 

@@ -15,6 +15,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from trainer.location import StoreLocation
 from trainer.run.records import RUNNING, read_attempts
 from trainer.config import StoreConfig
 from trainer.errors import NothingToResume, UsageError
@@ -24,7 +25,6 @@ from trainer.checkpoint.manifest import InvalidManifest, Manifest, Verification
 from trainer.checkpoint.section import LocalSection
 from trainer.checkpoint.signing import Signing
 from trainer.storage.object.lease import LEASE
-from trainer.storage.location import StoreLocation
 from trainer.storage.object.client import ObjectStore
 from trainer.storage.object.section import ObjectSection, digest_of
 from trainer.layout import ATTEMPTS, GENERATIONS, SECTIONS, RunDirectory, generation_step

@@ -6,11 +6,11 @@ from trainer.checkpoint.signing import load_signing
 from trainer.checkpoint.section import LocalSection
 from trainer.config import RunConfig, StoreConfig
 from trainer.layout import GENERATIONS, SECTIONS, RunDirectory
+from trainer.location import ClaimedByPrimary, OnDisk, InStore
 from trainer.storage.base import RunStorage
 from trainer.storage.local import LocalStorage
 from trainer.parallel.launch import LaunchEnvironment
 from trainer.storage.memory import MemoryTier, Place
-from trainer.storage.location import ClaimedByPrimary, OnDisk, InStore
 
 
 def open_storage(config: RunConfig, launch: LaunchEnvironment) -> RunStorage:

@@ -30,9 +30,9 @@ from trainer.checkpoint.signing import Signing
 from trainer.config import RetentionConfig, StoreConfig
 from trainer.errors import CorruptGeneration
 from trainer.layout import GENERATIONS, MANIFEST, RUN_IDENTITY, SECTIONS, RunDirectory
+from trainer.location import StoreLocation
 from trainer.storage.base import AfterPublish, Durability, Durable, RecordCopy, RunStorage, Transfer
 from trainer.storage.local import LocalDurability
-from trainer.storage.location import StoreLocation
 from trainer.storage.lock import OutputLock
 from trainer.storage.object.client import ObjectStore
 from trainer.storage.object.commit import ObjectCommit
