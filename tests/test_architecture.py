@@ -334,3 +334,103 @@ def test_every_option_of_help_is_in_the_architecture_table_of_options():
 def test_the_doc_checks_can_fail():
     assert documented_modules("| `run/` | `loop.py`, `nowhere.py` | x |\n| | `claim.py` | y |") == \
         {PACKAGE / "run" / "loop.py", PACKAGE / "run" / "nowhere.py", PACKAGE / "run" / "claim.py"}
+
+
+# ----------------------------------------------------------------------------- every page names real things
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+"""The README and every page of docs/: each names files, modules and options a reader will look
+for, and links to sections that must exist."""
+CODE = [*PACKAGE.rglob("*.py"), REPO / "compare.py", *(REPO / "bench").glob("*.py"), *(REPO / "examples").glob("*.py"),
+        *(REPO / "tests").rglob("*.py")]
+FOREIGN_OPTIONS = {
+    "torchrun": {"--standalone", "--nnodes", "--node_rank", "--nproc_per_node", "--master_addr", "--master_port",
+                 "--node-rank", "--nproc-per-node", "--master-addr", "--master-port"},
+    "polyaxon": {"--strict-params", "--recompile", "--kind", "--from-file", "--copy"},
+    "docker": {"--build-arg"},
+    "pytest": {"--dist"},
+    "argparse": {"--help"},
+}
+"""Options of other people's tools that the pages show, by tool."""
+READERS_OWN_FILES = {"my_workload.py"}
+"""Files a page tells the reader to write (docs/workloads.md's walk-through)."""
+REPO_PATH = re.compile(r"(?<![\w./-])((?:trainer|tests|bench|examples|docs|polyaxonfiles|presets|docker)/[\w./*-]*[\w*])")
+OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]")
+
+
+def declared_options() -> set[str]:
+    """Every `--option` our code declares (an argparse option, a `Flag`, a workload's or a
+    benchmark's own): a string literal of that shape passed to a call."""
+    found = set()
+    for path in CODE:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                found |= {arg.value for arg in node.args if isinstance(arg, ast.Constant)
+                          and isinstance(arg.value, str) and OPTION.fullmatch(arg.value)}
+    return found
+
+
+def unknown_options(text: str, declared: set[str]) -> list[str]:
+    known = declared.union(*FOREIGN_OPTIONS.values())
+    return sorted({option for option in OPTION.findall(text) if option not in known})
+
+
+def anchor_of(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _module_file(parts: list[str]) -> Path | None:
+    relative = Path(REPO, *parts)
+    return next((path for path in (relative.with_suffix(".py"), relative / "__init__.py") if path.exists()), None)
+
+
+def missing_names(page: Path, text: str) -> list[str]:
+    """What `text` (on `page`) names that does not exist: a repository path, a module by its file
+    name, a dotted `trainer.…` name (module, then at most one name defined in it), a link or
+    its anchor."""
+    missing = []
+    for path in REPO_PATH.findall(text):
+        if not (list(REPO.glob(path)) if "*" in path else (REPO / path).exists()):
+            missing.append(f"path {path}")
+    file_names = {path.name for path in CODE} | READERS_OWN_FILES
+    missing += [f"module {name}" for name in re.findall(r"`(\w+\.py)\b", text) if name not in file_names]
+    for dotted, factory in set(re.findall(r"(?<![\w./-])(trainer(?:\.\w+)+)(?::(\w+))?", text)):
+        parts = dotted.split(".")
+        depth = next((k for k in range(len(parts), 0, -1) if _module_file(parts[:k])), 0)
+        rest = parts[depth:] + ([factory] if factory else [])
+        defined = depth and len(rest) <= 1 and (not rest or re.search(
+            rf"^\s*(def|class) {rest[0]}\b|^{rest[0]}\b\s*[:=]|^from .* import .*\b{rest[0]}\b",
+            _module_file(parts[:depth]).read_text(), re.M))
+        if not defined:
+            missing.append(f"name {dotted}{':' + factory if factory else ''}")
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        file, _, anchor = target.partition("#")
+        linked = (page.parent / file) if file else page
+        if not linked.exists():
+            missing.append(f"link {target}")
+        elif anchor and anchor not in {anchor_of(h) for h in re.findall(r"^#+ (.*)$", linked.read_text(), re.M)}:
+            missing.append(f"anchor {target}")
+    return missing
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_file_module_and_link_a_page_names_exists(page):
+    assert missing_names(page, page.read_text()) == []
+
+
+def test_every_option_a_page_names_is_declared_by_our_code_or_a_tool_it_shows():
+    declared = declared_options()
+    assert {page.name: found for page in PAGES if (found := unknown_options(page.read_text(), declared))} == {}
+
+
+def test_the_page_checks_can_fail():
+    text = ("See `trainer/run/nowhere.py`, `gone.py`, `trainer.run.loop.no_such_name`, "
+            "`trainer.workload.example:ExampleWorkload`, [here](README.md#no-such-heading) and "
+            "[there](docs/none.md); run with `--resume` or `--no-such-option` under `--nproc_per_node 2`.")
+    assert missing_names(REPO / "README.md", text) == [
+        "path trainer/run/nowhere.py", "path docs/none.md", "module gone.py", "name trainer.run.loop.no_such_name",
+        "anchor README.md#no-such-heading", "link docs/none.md"]
+    assert unknown_options(text, declared_options()) == ["--no-such-option"]
+    assert anchor_of("Recovery report (`report`)") == "recovery-report-report"

@@ -6,7 +6,7 @@ returns, plus the few facts only the filesystem knows (which attempts are alive,
 killed attempt last marked a step), so every number here can be checked by hand from the
 records. `trainer.inspect.listing.report_run` reads the run and prints; `trainer.inspect.timeline` draws.
 
-Definitions (the README repeats them):
+Definitions (docs/report.md repeats them):
 - computed: `last_step - first_step` (0 when it never started a step, e.g. refused).
 - replayed: the first `steps_replayed` of those steps, which an earlier attempt had already
   computed (capped at computed: an attempt killed while replaying redid only that many).
@@ -462,7 +462,7 @@ def advise(report: Report, assume_mtbf_s: float | None = None) -> Advice:
 def format_advice(advice: Advice) -> list[str]:
     a = advice
     secs = lambda value: cell(value, "{:.3g} s")  # noqa: E731
-    lines = ["", "  save interval advice (Daly's model; README \"Recovery report\" says when not to trust it)",
+    lines = ["", "  save interval advice (Daly's model; docs/report.md says when not to trust it)",
              f"    save cost C         {secs(a.cost_s)} blocked per recovery save ({a.saves} saves); "
              f"on average {secs(a.to_durable_s)} from a save's start until it was durable",
              f"    restart cost R      {secs(a.restart_s)} = start-up {secs(a.startup_s)} + verify {secs(a.verify_s)} "
