@@ -86,6 +86,10 @@ def _integer(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _text(value) -> str | None:
+    return value if isinstance(value, str) else None
+
+
 def _mapping(value) -> Mapping:
     return value if isinstance(value, dict) else {}
 
@@ -187,13 +191,13 @@ class AttemptRecord:
         restored, points = _mapping(record.get("restored")), _mapping(record.get("progress")).get("points")
         return cls(
             id=str(record.get("id")), status=str(record.get("status")), exit_code=_integer(record.get("exit_code")),
-            reason=record.get("reason") if isinstance(record.get("reason"), str) else None,
+            reason=_text(record.get("reason")),
             restored=Restored.parse(restored) if isinstance(restored.get("name"), str) else None,
             first_step=_integer(record.get("first_step")), last_step=_integer(record.get("last_step")),
             steps_replayed=_integer(record.get("steps_replayed")), wall_s=_number(record.get("wall_s")),
             startup_s=_number(record.get("startup_s")), first_step_s=_number(record.get("first_step_s")),
             started_unix=_started_unix(record), store=_store_of(record),
-            host=record.get("host") if isinstance(record.get("host"), str) else None,
+            host=_text(record.get("host")),
             pid=_integer(record.get("pid")), costs=Costs.parse(_mapping(record.get("costs"))),
             generations=_entries(record, GENERATIONS), exports=_entries(record, EXPORTS),
             progress=tuple((p[0], float(p[1])) for p in points or () if isinstance(p, list) and len(p) == 2
@@ -228,7 +232,7 @@ def _store_of(record: dict) -> str | None:
     """The record's `store`; in records written before it was kept, the store URL of the
     `--output` in its argv."""
     if "store" in record:
-        return record["store"] if isinstance(record["store"], str) else None
+        return _text(record["store"])
     argv = [str(arg) for arg in record.get("argv") or []]
     for option, value in zip(argv, argv[1:] + [""]):
         named = option.partition("=")[2] if option.startswith("--output=") else value if option == "--output" else ""
