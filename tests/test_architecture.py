@@ -289,6 +289,16 @@ def test_the_storage_roles_stay_small_and_ask_no_role_by_none():
         assert not guards, (path.name, guards)
 
 
+def test_both_sections_answer_every_verb_of_the_section_protocol():
+    """`Section` (checkpoint/section.py) is what a disk's and a store's sections share: a copy
+    or a check that takes either never asks which it holds."""
+    verbs = public_methods(PACKAGE / "checkpoint" / "section.py", "Section")
+    assert len(verbs) >= 8, verbs
+    for path, name in [(PACKAGE / "checkpoint" / "section.py", "LocalSection"),
+                       (PACKAGE / "storage" / "object" / "section.py", "ObjectSection")]:
+        assert set(verbs) - set(public_methods(path, name)) == set(), name
+
+
 # ----------------------------------------------------------------------------- docs/architecture.md stays true
 ARCHITECTURE = REPO / "docs" / "architecture.md"
 
@@ -353,7 +363,8 @@ FOREIGN_OPTIONS = {
 """Options of other people's tools that the pages show, by tool."""
 READERS_OWN_FILES = {"my_workload.py"}
 """Files a page tells the reader to write (docs/workloads.md's walk-through)."""
-REPO_PATH = re.compile(r"(?<![\w./-])((?:trainer|tests|bench|examples|docs|polyaxonfiles|presets|docker)/[\w./*-]*[\w*])")
+REPO_PATH = re.compile(r"(?<![\w./-])((?:trainer|tests|bench|examples|docs|polyaxonfiles|presets|docker)"
+                       r"/[\w./*-]*[\w*])")
 OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]")
 
 

@@ -39,11 +39,11 @@ def sealed_row(name: str, manifest: Manifest | None, size: int, costs: dict[str,
             "attempt": manifest and manifest.attempt, "save_s": costs.get(name, {}).get("save_s")}
 
 
-def local_row(store: LocalSection, name: str, costs: dict[str, dict]) -> dict | None:
+def local_row(section: LocalSection, name: str, costs: dict[str, dict]) -> dict | None:
     """A local directory's row, re-hashed; None if a live trainer's retention removed it meanwhile."""
-    verification = store.verify(name)
+    verification = section.verify(name)
     try:
-        size = directory_bytes(store.path(name))
+        size = directory_bytes(section.path(name))
     except FileNotFoundError:
         return None
     return sealed_row(name, verification.manifest, size, costs, verification.ok, verification.problem)
@@ -65,14 +65,14 @@ def attempt_rows(attempts: list[AttemptRecord]) -> list[dict]:
 def describe_run(output: Path, signing: Signing | None = None) -> dict:
     attempts = read_attempt_records(output)
     described = {"output": str(output), "tier_of": store_named_by(attempts)}
-    for section, folder in SECTIONS.items():
-        store = LocalSection(output / folder, signing)
-        costs = publish_costs(attempts, section)
-        described[section] = [row for name in store.names() if (row := local_row(store, name, costs))]
-        described[f"{section}_uncommitted"] = store.uncommitted()
-        described[f"{section}_temporary"] = [p.name for p in store.temporaries()]
-        described[f"{section}_replaced"] = store.replaced()
-        described[f"{section}_replacing"] = store.interrupted_replacements()
+    for kind, folder in SECTIONS.items():
+        section = LocalSection(output / folder, signing)
+        costs = publish_costs(attempts, kind)
+        described[kind] = [row for name in section.names() if (row := local_row(section, name, costs))]
+        described[f"{kind}_uncommitted"] = section.uncommitted()
+        described[f"{kind}_temporary"] = [p.name for p in section.temporaries()]
+        described[f"{kind}_replaced"] = section.replaced()
+        described[f"{kind}_replacing"] = section.interrupted_replacements()
     described["attempts"] = attempt_rows(attempts)
     return described
 

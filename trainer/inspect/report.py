@@ -40,8 +40,8 @@ from dataclasses import asdict, dataclass, replace
 
 from trainer.run.interval import best_interval, expected_goodput, young_interval
 from trainer.run.ledger import ledger_problems
-from trainer.run.records import (OUTCOMES, RESTORED_FROM, TIER0, AttemptRecord, PublishedEntry, exposure_s, failure_rate,
-                                  lifetime)
+from trainer.run.records import (OUTCOMES, RESTORED_FROM, TIER0, AttemptRecord, PublishedEntry, exposure_s,
+                                  failure_rate, lifetime)
 
 
 @dataclass(frozen=True)
