@@ -136,10 +136,12 @@ class Costs:
     """The record's `costs` (COSTS); 0 for a field an older record did not keep."""
 
     restore_s: float = 0.0
+    """Restoring, verification and download included."""
     verify_s: float = 0.0
     download_s: float = 0.0
     save_s: float = 0.0
     blocked_s: float = 0.0
+    """The loop waiting for saves and exports (all of a sync save)."""
     upload_s: float = 0.0
     saves: int = 0
 
