@@ -133,17 +133,17 @@ class Restored:
 
 @dataclass(frozen=True)
 class Costs:
-    """The record's `costs` (COSTS); 0 for a field an older record did not keep."""
+    """The record's `costs` (COSTS); 0 for a field an older record did not keep (`parse`)."""
 
-    restore_s: float = 0.0
+    restore_s: float
     """Restoring, verification and download included."""
-    verify_s: float = 0.0
-    download_s: float = 0.0
-    save_s: float = 0.0
-    blocked_s: float = 0.0
+    verify_s: float
+    download_s: float
+    save_s: float
+    blocked_s: float
     """The loop waiting for saves and exports (all of a sync save)."""
-    upload_s: float = 0.0
-    saves: int = 0
+    upload_s: float
+    saves: int
 
     @classmethod
     def parse(cls, costs: Mapping) -> Costs:
