@@ -30,7 +30,6 @@ posix_fadvise(DONTNEED) on fsynced files, so "cold" reads are real disk reads.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -45,7 +44,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import evict, facts_for, median, state_bytes, training_state  # noqa: E402
+from common import evict, facts_for, median, print_result, state_bytes, training_state  # noqa: E402
 
 from trainer.checkpoint.checkpointer import AsyncCheckpointer, SyncCheckpointer  # noqa: E402
 from trainer.checkpoint.commit import RenameCommit  # noqa: E402
@@ -291,10 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         result = measure(args.size_mb, args.repeat, args.threads, base)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(markdown(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return print_result(markdown(result), result, args.json)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ medians. Benchmarks print tables of ratios; they are not tests."""
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
@@ -85,3 +86,11 @@ def evict(directory: Path) -> None:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def print_result(table: str, result: dict, json_path: Path | None) -> int:
+    """A benchmark's end: its table on stdout, its result as JSON where `--json` asked; exit 0."""
+    print(table)
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+    return 0

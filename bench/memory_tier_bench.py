@@ -74,7 +74,7 @@ import torch.multiprocessing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import evict, facts_for, median, state_bytes, train_step, training_state  # noqa: E402
+from common import evict, facts_for, median, print_result, state_bytes, train_step, training_state  # noqa: E402
 
 from trainer.checkpoint.checkpointer import SyncCheckpointer  # noqa: E402
 from trainer.checkpoint.commit import RenameCommit  # noqa: E402
@@ -335,10 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(memory, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
     print(f"bench/memory_tier_bench.py --size-mb {args.size_mb:g}" + (" (--quick)" if args.quick else ""))
-    print(markdown(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return print_result(markdown(result), result, args.json)
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ import torch
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from common import evict, facts_for, median, state_bytes, training_state  # noqa: E402
+from common import evict, facts_for, median, print_result, state_bytes, training_state  # noqa: E402
 
 from trainer.config import StoreConfig  # noqa: E402
 from trainer.checkpoint.checkpointer import SyncCheckpointer  # noqa: E402
@@ -87,7 +87,7 @@ from trainer.checkpoint.onepass import verified_load  # noqa: E402
 from trainer.checkpoint.snapshot import load_snapshot, stored_entries  # noqa: E402
 from trainer.checkpoint.section import LocalSection  # noqa: E402
 from trainer.checkpoint.writer import WriterConfig  # noqa: E402
-from trainer.storage.location import StoreLocation  # noqa: E402
+from trainer.location import StoreLocation  # noqa: E402
 from trainer.storage.object.client import ObjectStore, open_filesystem  # noqa: E402
 from trainer.layout import MANIFEST, RunDirectory, generation_name  # noqa: E402
 from trainer.layout import GENERATIONS  # noqa: E402
@@ -511,10 +511,7 @@ def main(argv: list[str] | None = None) -> int:
             server_ready = start_server(stack, base)
         result = measure(args.size_mb, args.repeat, args.burst, base, args.bucket, WriterConfig(threads=args.threads),
                          server_ready)
-    print(markdown(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return print_result(markdown(result), result, args.json)
 
 
 if __name__ == "__main__":

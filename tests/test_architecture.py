@@ -17,7 +17,7 @@ PACKAGE = REPO / "trainer"
 LAYERS = [
     # Leaves: names, errors, configuration, test seams, private-API wrappers, the launcher's variables.
     {"trainer.errors", "trainer.layout", "trainer.config", "trainer.parallel.launch", "trainer.seams",
-     "trainer.compat", "trainer.options", "trainer.storage.location", "trainer.run.interval", "trainer.run.records"},
+     "trainer.compat", "trainer.options", "trainer.location", "trainer.run.interval", "trainer.run.records"},
     # Generations and exports: manifests, the atomic publish, DCP writes and reads, save and restore.
     {"trainer.checkpoint"},
     # Where a run directory lives: one backend interface, local disk or an object store.
@@ -99,27 +99,82 @@ def test_every_module_lives_in_a_package_by_concern():
     """Top level holds only the leaves and the command line; everything else is in a package."""
     top = {module_name(path) for path in PACKAGE.glob("*.py")}
     assert top == {"trainer", "trainer.__main__", "trainer.cli", "trainer.flags", "trainer.errors", "trainer.layout",
-                   "trainer.config", "trainer.seams", "trainer.compat", "trainer.options"}, top
+                   "trainer.config", "trainer.seams", "trainer.compat", "trainer.options", "trainer.location"}, top
     assert {module_name(path.parent / "__init__.py") for path in PACKAGE.glob("*/__init__.py")} | {"trainer.workload"} \
         >= {p for p in PACKAGES}
 
 
-def test_no_import_cycles_between_modules():
-    graph = {module_name(path): {imported for imported in trainer_imports(path, top_level_only=True)}
-             for path in SOURCES}
+def first_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """An import cycle of `graph` (name → the names it imports) as a trail, or None."""
     state: dict[str, int] = {}
 
-    def visit(module: str, trail: list[str]) -> None:
-        if state.get(module) == 2:
-            return
-        assert state.get(module) != 1, f"import cycle: {' → '.join(trail + [module])}"
-        state[module] = 1
-        for imported in sorted(graph.get(module, ())):
-            visit(imported, trail + [module])
-        state[module] = 2
+    def visit(name: str, trail: list[str]) -> list[str] | None:
+        if state.get(name) == 2:
+            return None
+        if state.get(name) == 1:
+            return trail + [name]
+        state[name] = 1
+        for imported in sorted(graph.get(name, ())):
+            if cycle := visit(imported, trail + [name]):
+                return cycle
+        state[name] = 2
+        return None
 
-    for module in sorted(graph):
-        visit(module, [])
+    return next((cycle for name in sorted(graph) if (cycle := visit(name, []))), None)
+
+
+def package_of(module: str) -> str:
+    """`trainer.run.loop` → `trainer.run`; a top-level module is a package of its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(modules: dict[str, set[str]]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module, imported in modules.items():
+        graph.setdefault(package_of(module), set()).update(
+            package_of(name) for name in imported if package_of(name) != package_of(module))
+    return graph
+
+
+def test_no_import_cycles_between_modules():
+    graph = {module_name(path): trainer_imports(path, top_level_only=True) for path in SOURCES}
+    cycle = first_cycle(graph)
+    assert cycle is None, f"import cycle: {' → '.join(cycle)}"
+
+
+def test_no_import_cycles_between_packages():
+    """Packages (and top-level modules) import each other one way, lazy imports included: a
+    circle of packages (checkpoint → config → storage → checkpoint, when config.py imported a
+    module of storage/) is a layering no one can draw."""
+    cycle = first_cycle(package_graph({module_name(path): trainer_imports(path) for path in SOURCES}))
+    assert cycle is None, f"package circle: {' → '.join(cycle)}"
+
+
+def test_the_cycle_checks_can_fail():
+    modules = {"trainer.checkpoint.section": {"trainer.config"}, "trainer.config": {"trainer.storage.location"},
+               "trainer.storage.base": {"trainer.checkpoint.section"}, "trainer.storage.location": set()}
+    assert first_cycle(modules) is None  # no module circle...
+    assert first_cycle(package_graph(modules)) == ["trainer.checkpoint", "trainer.config", "trainer.storage",
+                                                   "trainer.checkpoint"]  # ...but a package circle
+
+
+CLASS_LINES = 250
+
+
+def long_classes(path: Path, limit: int = CLASS_LINES) -> list[str]:
+    return [f"{path.name}:{node.name} is {node.end_lineno - node.lineno + 1} lines"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > limit]
+
+
+def test_no_class_is_over_250_lines():
+    assert [found for path in SOURCES for found in long_classes(path)] == []
+
+
+def test_the_class_size_check_can_fail(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("class Big:\n" + "    x = 1\n" * CLASS_LINES + "\n\nclass Small:\n    pass\n")
+    assert long_classes(sample) == [f"sample.py:Big is {CLASS_LINES + 1} lines"]
 
 
 def test_checkpoint_imports_nothing_from_the_run_around_it():
@@ -189,7 +244,7 @@ def test_the_layer_check_can_fail():
     assert layer_of("trainer.run.loop") > layer_of("trainer.checkpoint.checkpointer")
     assert layer_of("trainer.checkpoint.section") > layer_of("trainer.layout")
     assert layer_of("trainer.storage.base") > layer_of("trainer.checkpoint.section")
-    assert layer_of("trainer.storage.location") < layer_of("trainer.checkpoint.section")
+    assert layer_of("trainer.location") < layer_of("trainer.checkpoint.section")
 
 
 def test_the_loop_depends_on_the_workload_protocol_not_the_example():
@@ -205,7 +260,7 @@ def test_integrations_import_no_checkpoint_or_storage_internals():
         imported = trainer_imports(path)
         assert not {name for name in imported if name.startswith("trainer.checkpoint")}, (path.name, imported)
         assert {name for name in imported if name.startswith("trainer.storage")} <= \
-            {"trainer.storage.opening", "trainer.storage.location"}, (path.name, imported)
+            {"trainer.storage.opening"}, (path.name, imported)
 
 
 def test_the_run_imports_no_object_store_module():
@@ -232,6 +287,16 @@ def test_the_storage_roles_stay_small_and_ask_no_role_by_none():
                   if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops)
                   and ast.unparse(node.left).startswith("self.")]
         assert not guards, (path.name, guards)
+
+
+def test_both_sections_answer_every_verb_of_the_section_protocol():
+    """`Section` (checkpoint/section.py) is what a disk's and a store's sections share: a copy
+    or a check that takes either never asks which it holds."""
+    verbs = public_methods(PACKAGE / "checkpoint" / "section.py", "Section")
+    assert len(verbs) >= 8, verbs
+    for path, name in [(PACKAGE / "checkpoint" / "section.py", "LocalSection"),
+                       (PACKAGE / "storage" / "object" / "section.py", "ObjectSection")]:
+        assert set(verbs) - set(public_methods(path, name)) == set(), name
 
 
 # ----------------------------------------------------------------------------- docs/architecture.md stays true
@@ -279,3 +344,104 @@ def test_every_option_of_help_is_in_the_architecture_table_of_options():
 def test_the_doc_checks_can_fail():
     assert documented_modules("| `run/` | `loop.py`, `nowhere.py` | x |\n| | `claim.py` | y |") == \
         {PACKAGE / "run" / "loop.py", PACKAGE / "run" / "nowhere.py", PACKAGE / "run" / "claim.py"}
+
+
+# ----------------------------------------------------------------------------- every page names real things
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+"""The README and every page of docs/: each names files, modules and options a reader will look
+for, and links to sections that must exist."""
+CODE = [*PACKAGE.rglob("*.py"), REPO / "compare.py", *(REPO / "bench").glob("*.py"), *(REPO / "examples").glob("*.py"),
+        *(REPO / "tests").rglob("*.py")]
+FOREIGN_OPTIONS = {
+    "torchrun": {"--standalone", "--nnodes", "--node_rank", "--nproc_per_node", "--master_addr", "--master_port",
+                 "--node-rank", "--nproc-per-node", "--master-addr", "--master-port"},
+    "polyaxon": {"--strict-params", "--recompile", "--kind", "--from-file", "--copy"},
+    "docker": {"--build-arg"},
+    "pytest": {"--dist"},
+    "argparse": {"--help"},
+}
+"""Options of other people's tools that the pages show, by tool."""
+READERS_OWN_FILES = {"my_workload.py"}
+"""Files a page tells the reader to write (docs/workloads.md's walk-through)."""
+REPO_PATH = re.compile(r"(?<![\w./-])((?:trainer|tests|bench|examples|docs|polyaxonfiles|presets|docker)"
+                       r"/[\w./*-]*[\w*])")
+OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]")
+
+
+def declared_options() -> set[str]:
+    """Every `--option` our code declares (an argparse option, a `Flag`, a workload's or a
+    benchmark's own): a string literal of that shape passed to a call."""
+    found = set()
+    for path in CODE:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                found |= {arg.value for arg in node.args if isinstance(arg, ast.Constant)
+                          and isinstance(arg.value, str) and OPTION.fullmatch(arg.value)}
+    return found
+
+
+def unknown_options(text: str, declared: set[str]) -> list[str]:
+    known = declared.union(*FOREIGN_OPTIONS.values())
+    return sorted({option for option in OPTION.findall(text) if option not in known})
+
+
+def anchor_of(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _module_file(parts: list[str]) -> Path | None:
+    relative = Path(REPO, *parts)
+    return next((path for path in (relative.with_suffix(".py"), relative / "__init__.py") if path.exists()), None)
+
+
+def missing_names(page: Path, text: str) -> list[str]:
+    """What `text` (on `page`) names that does not exist: a repository path, a module by its file
+    name, a dotted `trainer.…` name (module, then at most one name defined in it), a link or
+    its anchor."""
+    missing = []
+    for path in REPO_PATH.findall(text):
+        if not (list(REPO.glob(path)) if "*" in path else (REPO / path).exists()):
+            missing.append(f"path {path}")
+    file_names = {path.name for path in CODE} | READERS_OWN_FILES
+    missing += [f"module {name}" for name in re.findall(r"`(\w+\.py)\b", text) if name not in file_names]
+    for dotted, factory in set(re.findall(r"(?<![\w./-])(trainer(?:\.\w+)+)(?::(\w+))?", text)):
+        parts = dotted.split(".")
+        depth = next((k for k in range(len(parts), 0, -1) if _module_file(parts[:k])), 0)
+        rest = parts[depth:] + ([factory] if factory else [])
+        defined = depth and len(rest) <= 1 and (not rest or re.search(
+            rf"^\s*(def|class) {rest[0]}\b|^{rest[0]}\b\s*[:=]|^from .* import .*\b{rest[0]}\b",
+            _module_file(parts[:depth]).read_text(), re.M))
+        if not defined:
+            missing.append(f"name {dotted}{':' + factory if factory else ''}")
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        file, _, anchor = target.partition("#")
+        linked = (page.parent / file) if file else page
+        if not linked.exists():
+            missing.append(f"link {target}")
+        elif anchor and anchor not in {anchor_of(h) for h in re.findall(r"^#+ (.*)$", linked.read_text(), re.M)}:
+            missing.append(f"anchor {target}")
+    return missing
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_file_module_and_link_a_page_names_exists(page):
+    assert missing_names(page, page.read_text()) == []
+
+
+def test_every_option_a_page_names_is_declared_by_our_code_or_a_tool_it_shows():
+    declared = declared_options()
+    assert {page.name: found for page in PAGES if (found := unknown_options(page.read_text(), declared))} == {}
+
+
+def test_the_page_checks_can_fail():
+    text = ("See `trainer/run/nowhere.py`, `gone.py`, `trainer.run.loop.no_such_name`, "
+            "`trainer.workload.example:ExampleWorkload`, [here](README.md#no-such-heading) and "
+            "[there](docs/none.md); run with `--resume` or `--no-such-option` under `--nproc_per_node 2`.")
+    assert missing_names(REPO / "README.md", text) == [
+        "path trainer/run/nowhere.py", "path docs/none.md", "module gone.py", "name trainer.run.loop.no_such_name",
+        "anchor README.md#no-such-heading", "link docs/none.md"]
+    assert unknown_options(text, declared_options()) == ["--no-such-option"]
+    assert anchor_of("Recovery report (`report`)") == "recovery-report-report"

@@ -122,7 +122,7 @@ def test_the_default_workloads_config_fingerprint_is_what_it_always_was():
 
     from trainer.cli import config_from_args, workload_parser
     from trainer.config import DEFAULT_WORKLOAD
-    from trainer.storage.location import OnDisk
+    from trainer.location import OnDisk
 
     parser, names = workload_parser(DEFAULT_WORKLOAD)
     config = config_from_args(parser.parse_args(["--output", "unused"]), [], OnDisk(Path("unused")), names)

@@ -1,4 +1,4 @@
-"""Every make target the README shows, run as a new user runs it: `make TARGET` in a fresh
+"""Every make target the README and docs/ show, run as a new user runs it: `make TARGET` in a fresh
 `git clone` of this tree (conftest's `fresh_clone`), from the clone's root, with relative paths as
 the Makefile writes them. (`make bench` is run by test_bench.py, which checks each benchmark's
 results there.)
@@ -6,7 +6,7 @@ results there.)
 Cost (measured on 2 cores shared with other work): the clone about 1 s; `make demo` about 20 s
 (three 64-step runs, compare, list, report); `make s3-server` with a 2-epoch run about 15 s, and
 its failing start 1 s; `make polyaxon-demo KEEP=1` about 110 s, on the live Polyaxon tests'
-worker (`xdist_group`), so it never runs beside them. The README checks at the end read files only.
+worker (`xdist_group`), so it never runs beside them. The checks of what the docs tell a new user, at the end, read files only.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def test_make_demo_on_a_fresh_clone(clone):
     assert (clone / "outputs" / "recovery" / "checkpoints" / "step-00000064" / "manifest.json").is_file()
 
 
-def test_make_s3_server_on_a_fresh_clone_serves_the_readmes_run(clone):
-    """README: terminal 1 `make s3-server`, terminal 2 the printed exports and a run into
+def test_make_s3_server_on_a_fresh_clone_serves_the_documented_run(clone):
+    """docs/object-store.md: terminal 1 `make s3-server`, terminal 2 the printed exports and a run into
     s3://my-bucket; Ctrl-C (even to a background job) stops the server and its `weed`
     process. Its secret key is readable by this user only."""
     server = start_make(clone, "s3-server")
@@ -147,11 +147,11 @@ def test_the_readme_activates_the_venv_before_its_first_bare_python():
     assert readme.index("source .venv/bin/activate") < readme.index("python -m trainer --output")
 
 
-def test_the_readmes_store_examples_can_be_followed_in_order():
-    """The first store example makes runs/exp1; the s3-server one, run after it, needs its own
-    prefix (the same one again without --resume is refused, exit 73)."""
-    readme = (REPO / "README.md").read_text()
-    first, second = readme.split("make s3-server                                  # terminal 1")[:2]
+def test_the_store_examples_can_be_followed_in_order():
+    """docs/object-store.md: the first store example makes runs/exp1; the s3-server one, run
+    after it, needs its own prefix (the same one again without --resume is refused, exit 73)."""
+    page = (REPO / "docs" / "object-store.md").read_text()
+    first, second = page.split("make s3-server                                  # terminal 1")[:2]
     made = set(re.findall(r"--output (s3://\S+) --interrupt-at-step", first))
     fresh = set(re.findall(r"--output (s3://\S+) --epochs", second.split("```")[0]))
     assert made and fresh and not made & fresh, (made, fresh)

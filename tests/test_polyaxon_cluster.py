@@ -25,7 +25,7 @@ from conftest import (JOB_FILE, POLYAXONFILES, PRESETS, REPO, attempts, check_al
                       start, trainer_argv)
 from trainer.cli import train_parser
 from trainer.errors import UsageError
-from trainer.storage.location import InStore, OnDisk, parse_store_url
+from trainer.location import InStore, OnDisk, parse_store_url
 
 PYTORCHJOB = REPO / "polyaxonfiles" / "pytorchjob.yaml"
 PRESET = {p.stem: p for p in PRESETS}
@@ -36,7 +36,7 @@ KUBERNETES_DEFAULT_GRACE_S = 30
 never sets it (no such field in V1Environment, no occurrence in the package)."""
 MAIN_CONTAINER = {"polyaxonfile.yaml": "polyaxon-main", "pytorchjob.yaml": "pytorch"}
 UUID = "0123abcd" * 4
-DOCS = [REPO / "README.md", REPO / "docs" / "polyaxon.md"]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 VOLUME_CLAIM_STORE = {"name": "store", "kind": "volume_claim",
                       "schema": {"mountPath": "/store", "volumeClaim": "store-pvc"}}
 S3_STORE = {"name": "plx-s3", "kind": "s3", "schema": {"bucket": "s3://plx-artifacts"},
@@ -415,7 +415,7 @@ def test_presets_are_applied_after_params_and_set_only_what_they_are_about():
 
 # ------------------------------------------------------------------------------- documented commands
 def documented_commands() -> list[list[str]]:
-    """Every `polyaxon ...` line in a shell block of README.md and docs/polyaxon.md."""
+    """Every `polyaxon ...` line in a shell block of README.md and the pages of docs/."""
     commands = []
     for doc in DOCS:
         blocks = re.findall(r"```(?:sh|bash)\n(.*?)```", doc.read_text(), re.DOTALL)

@@ -367,7 +367,7 @@ def test_a_moved_polyaxon_internal_fails_with_one_line_naming_it():
 
 def test_a_client_that_resolved_another_run_is_refused():
     from trainer.errors import UsageError
-    from trainer.integrations.polyaxon.tracking import require_identity
+    from trainer.integrations.polyaxon.tracked_run import require_identity
 
     instance = "default.p.runs." + "a" * 32
     require_identity(instance, SimpleNamespace(owner="default", project="p", run_uuid="a" * 32))

@@ -13,10 +13,20 @@ import pytest
 
 from conftest import attempts, finish, one_error_line, png_size, run_cli, start, train, wait_for_line
 
-from trainer.inspect.listing import attempt_rows
-from trainer.inspect.report import advise, build_report, format_report
+from trainer.inspect import listing, report as reports
+from trainer.inspect.report import advise, format_report
 from trainer.inspect.timeline import DASHBOARD, REPORT, WallAxis, lane_label, render_timeline, timeline_title
 from trainer.run.interval import daly_interval, expected_goodput
+from trainer.run.records import AttemptRecord
+
+
+def build_report(records: list[dict], *args, **kwargs):
+    """The report of hand-built records, each parsed as `read_attempt_records` parses a record."""
+    return reports.build_report([AttemptRecord.parse(r) for r in records], *args, **kwargs)
+
+
+def attempt_rows(records: list[dict]) -> list[dict]:
+    return listing.attempt_rows([AttemptRecord.parse(r) for r in records])
 
 
 def record(id, status, first, last, restored=None, replayed=None, published=(), wall=10.0, exit_code=None,
@@ -329,3 +339,17 @@ def test_a_trainer_that_is_still_running_is_shown_running_then_killed(tmp_path):
         process.wait()
     dead = json.loads(run_cli("report", run, "--json").stdout)["rows"]
     assert [row["outcome"] for row in dead] == ["killed"] and dead[0]["wall_estimated"]
+
+
+def test_a_record_is_parsed_once_tolerating_what_older_records_lack():
+    """`AttemptRecord.parse`: a record from before `store` and `started_unix` were kept reads its
+    store from the `--output` of its argv and its start from `started_utc`; a field of the wrong
+    type reads as absent."""
+    older = {"id": "a1", "status": "completed", "argv": ["python", "-m", "trainer", "--output=s3://b/run"],
+             "started_utc": "2026-01-01T00:00:00+00:00", "costs": {"save_s": "?", "saves": 2},
+             "generations_published": [{"name": "step-00000008", "step": "8", "at_s": 1.5}, {"step": 16}]}
+    parsed = AttemptRecord.parse(older)
+    assert (parsed.store, parsed.started_unix, parsed.restored) == ("s3://b/run", 1767225600.0, None)
+    assert [(e.name, e.step, e.at_s) for e in parsed.generations] == [("step-00000008", None, 1.5)]
+    assert (parsed.costs.save_s, parsed.costs.saves, parsed.exports) == (0.0, 2, ())
+    assert AttemptRecord.parse({**older, "store": None}).store is None  # a newer record's word wins

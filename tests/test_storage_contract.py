@@ -22,7 +22,7 @@ from trainer.errors import CorruptGeneration
 from trainer.layout import GENERATIONS, MANIFEST, RUN_IDENTITY, RunDirectory
 from trainer.storage.local import LocalStorage
 from trainer.integrations.polyaxon.copy_seed import seed
-from trainer.storage.location import InStore, parse_store_url
+from trainer.location import InStore, parse_store_url
 from trainer.storage.object.client import ObjectStore
 from trainer.storage.object.backend import open_object_storage
 from trainer.storage.object.section import ObjectSection

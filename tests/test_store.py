@@ -137,7 +137,7 @@ def test_uncommitted_is_never_selected_and_a_damaged_commit_is_refused(s3_server
 def test_a_fetch_refuses_a_flipped_byte_past_the_first_handover_and_a_missing_object(s3_bucket, monkeypatch,
                                                                                        tmp_path):
     """`ObjectSection.fetch` hashes every object as it streams, on the threads the chunks are
-    handed to (client.py `_stream`, CHUNK bytes at a time): a 20 MB shard downloads whole and
+    handed to (client.py `stream_object`, CHUNK bytes at a time): a 20 MB shard downloads whole and
     exact, one flipped byte in its second handover is refused with the sha256 line and leaves
     nothing behind, and a deleted object (one GET, no lookup first) is refused as missing."""
     import torch
@@ -148,7 +148,7 @@ def test_a_fetch_refuses_a_flipped_byte_past_the_first_handover_and_a_missing_ob
     from trainer.checkpoint.manifest import GenerationFacts
     from trainer.checkpoint.section import LocalSection
     from trainer.layout import MANIFEST, RUN_IDENTITY, RunDirectory
-    from trainer.storage.location import parse_store_url
+    from trainer.location import parse_store_url
     from trainer.storage.object.client import CHUNK, ObjectStore
     from trainer.storage.object.section import ObjectSection
 

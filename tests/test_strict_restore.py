@@ -89,6 +89,13 @@ def test_an_expected_entry_that_was_not_stored_is_refused(tmp_path):
 
 def test_other_ranks_entries_are_left_unread_by_design(tmp_path):
     """A 2-process generation restored by one process (an allowed world-size change): the
-    data positions and the other rank's RNG are intentionally not loaded."""
-    directory = saved(tmp_path, trained(make_state(world_size=2)))
-    load_into("step-00000004", directory, make_state())
+    data positions and the other rank's RNG are intentionally not loaded, and not refused: the
+    entries every rank shares come back exactly."""
+    source = trained(make_state(world_size=2))
+    directory = saved(tmp_path, source)
+    restored = make_state()
+    load_into("step-00000004", directory, restored)
+    for stored, loaded in zip(source.model.parameters(), restored.model.parameters()):
+        assert torch.equal(stored, loaded)
+        assert torch.equal(source.optimizer.state[stored]["exp_avg"], restored.optimizer.state[loaded]["exp_avg"])
+    assert restored.scheduler.last_epoch == source.scheduler.last_epoch == 4

@@ -19,7 +19,8 @@ from conftest import attempts, compare, generation, one_error_line, png_size, ru
 
 from trainer.errors import TrackingUnavailable
 from trainer.inspect.timeline import DASHBOARD
-from trainer.integrations.polyaxon.tracking import PolyaxonEvents, cloning_kind, parse_run_instance
+from trainer.integrations.polyaxon.tracked_run import parse_run_instance
+from trainer.integrations.polyaxon.tracking import PolyaxonEvents, cloning_kind
 
 
 def offline_env(root: Path, run_uuid: str | None = None) -> dict:

@@ -25,10 +25,10 @@ from trainer.checkpoint.signing import KEY_FILE_ENV, load_signing
 from trainer.flags import (STORE_GROUP, ShowDefaults, add_flags, changed_memory_flags, changed_store_flags,
                            config_from_values, given_settings)
 from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_failure
+from trainer.location import ClaimedByPrimary, OnDisk, Location
 from trainer.run.fingerprint import FIELDS
 from trainer.parallel.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
 from trainer.options import AUTO, location_argument, path_argument, positive_float
-from trainer.storage.location import ClaimedByPrimary, OnDisk, Location
 
 EXIT_STATUS_ENV = "TRAINER_EXIT_STATUS_FILE"
 

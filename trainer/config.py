@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trainer.storage.location import Location
+from trainer.location import Location
 
 CHECKPOINT_MODES = ("auto", "sync", "async")
 
@@ -268,7 +268,7 @@ class SigningConfig:
 class RunConfig:
     location: Location
     """Where the run directory lives: on this disk, or in an object store with this machine's
-    local tier (trainer/storage/location.py)."""
+    local tier (trainer/location.py)."""
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     interrupt_at_step: int | None = None
     resume: str | None = None

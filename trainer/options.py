@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from trainer.errors import UsageError
-from trainer.storage.location import OnDisk, InStore, is_url, parse_location
+from trainer.location import OnDisk, InStore, is_url, parse_location
 
 
 def positive_int(text: str) -> int:

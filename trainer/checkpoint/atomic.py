@@ -4,7 +4,7 @@ protocol (the DCP writer fsyncs the shards it writes itself, recovery/writer.py)
 The publish protocol: write into a unique temporary sibling, fsync every file, write and
 fsync the manifest last, fsync the directory, rename it to its final name, fsync the parent.
 A crash at any instant leaves the old set of directories, or the old set plus one complete
-new one (README, "What survives what"). Exports and recovery generations share this one
+new one (docs/generations.md, "What survives what"). Exports and recovery generations share this one
 implementation.
 """
 

@@ -46,7 +46,7 @@ def export_tensors(weights: dict[str, torch.Tensor], dtype: torch.dtype | None) 
     return tensors
 
 
-def write_export(store: LocalSection, weights: dict[str, torch.Tensor], step: int, epoch: int, architecture: dict,
+def write_export(section: LocalSection, weights: dict[str, torch.Tensor], step: int, epoch: int, architecture: dict,
                  dtype_name: str | None, source_digest: str, attempt_id: str) -> Published:
     started = time.monotonic()
     dtype = DTYPES[dtype_name] if dtype_name else None
@@ -56,10 +56,10 @@ def write_export(store: LocalSection, weights: dict[str, torch.Tensor], step: in
     temporary = None
     try:
         seams.crash_point("before-export")
-        temporary = store.begin(step, attempt_id)
+        temporary = section.begin(step, attempt_id)
         save_file(tensors, str(temporary / EXPORT_WEIGHTS), metadata={"step": str(step)})
         write_file_durably(temporary / EXPORT_CONFIG, encode_json(config))
-        digest = store.publish(temporary, step, lambda files: Manifest.for_export(step, epoch, attempt_id, files))
+        digest = section.publish(temporary, step, lambda files: Manifest.for_export(step, epoch, attempt_id, files))
     except BaseException as error:
         if temporary is not None:
             shutil.rmtree(temporary, ignore_errors=True)

@@ -52,18 +52,18 @@ def require_verified(candidate: Verification, earlier: list[str],
     raise CorruptGeneration(f"generation {candidate.name} {verdict}: {candidate.problem}; {advice}")
 
 
-def verify_candidate(store: LocalSection, candidate: str, shards: bool = True) -> Verification:
+def verify_candidate(section: LocalSection, candidate: str, shards: bool = True) -> Verification:
     """The verified candidate, or CorruptGeneration (exit 65) with the way back. `shards`
     False: its shards' sha256 is left to the one-pass load (`shards_pending`), which refuses
     a damaged shard with `refuse_damaged`, the same line."""
-    verification = store.verify(candidate, shards=shards)
-    refuse_damaged(store, verification)
+    verification = section.verify(candidate, shards=shards)
+    refuse_damaged(section, verification)
     return verification
 
 
-def refuse_damaged(store: LocalSection, verification: Verification) -> None:
+def refuse_damaged(section: LocalSection, verification: Verification) -> None:
     """`require_verified` against the generations of `store` older than this one."""
-    require_verified(verification, [name for name in store.names() if name < verification.name], store.verify)
+    require_verified(verification, [name for name in section.names() if name < verification.name], section.verify)
 
 
 def set_aside_later_line(generations: LocalSection, exports: LocalSection, step: int) -> list[str]:
@@ -76,5 +76,5 @@ def set_aside_later_line(generations: LocalSection, exports: LocalSection, step:
     line's newest generation in place, so a plain --resume continues that line as if the
     operator had not gone back, and nothing newer than `step` is left in exports to outrank
     the new line's exports under retention."""
-    return [f"{store.root.name}/{name}" for store in (exports, generations)
-            for name in store.set_aside_later_than(step)]
+    return [f"{section.root.name}/{name}" for section in (exports, generations)
+            for name in section.set_aside_later_than(step)]

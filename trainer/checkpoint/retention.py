@@ -38,13 +38,13 @@ def select_deletions(candidates: list[Candidate], keep_last: int | None, keep_ev
     return [name for name in verified if name not in keep]
 
 
-def apply_retention(store: LocalSection, keep_last: int | None, keep_every: int | None,
+def apply_retention(section: LocalSection, keep_last: int | None, keep_every: int | None,
                     protected: frozenset[str]) -> list[str]:
     """Delete what `select_deletions` picks; call only after a new publish, under the lock."""
-    candidates = [Candidate(name, store.verify(name, cached=True).ok) for name in store.names()]
+    candidates = [Candidate(name, section.verify(name, cached=True).ok) for name in section.names()]
     doomed = select_deletions(candidates, keep_last, keep_every, protected)
     for name in doomed:
         seams.crash_point("before-retention")
-        store.remove(name)
+        section.remove(name)
     return doomed
 

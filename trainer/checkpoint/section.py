@@ -1,6 +1,7 @@
-"""The generation store: published `step-%08d` directories under one root (recovery
+"""A section of a run directory: published `step-%08d` directories under one root (recovery
 generations under `checkpoints/`, exports under `exports/`), their hidden siblings, and
-publishing through the shared atomic protocol."""
+publishing through the shared atomic protocol (`LocalSection`); the verbs every section shares,
+on a disk or in an object store (`Section`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol, Self
 
 from trainer.checkpoint.atomic import (finish_interrupted_replacements, fsync_dir, manifest_digest, rename_aside,
                                      rename_into_place, seal_directory, set_aside, temporary_sibling,
@@ -35,6 +36,38 @@ class Published:
     upload_s: float = 0.0
     """Seconds uploading, when the publish is itself the commit in an object store (several
     processes sharing no disk); 0 otherwise."""
+
+
+class Section(Protocol):
+    """What every section of a run directory answers, wherever it lives: `LocalSection` on a
+    disk, `ObjectSection` (storage/object/section.py) in an object store. Each commits in its
+    own way (a rename, the manifest last); these verbs read, check and copy what is committed."""
+
+    def committed(self) -> list[str]:
+        """Names of the committed directories, oldest first."""
+
+    def verify(self, name: str) -> Verification:
+        """Every file against the manifest, then name, run and signature (`trusted`)."""
+
+    def trusted(self, verification: Verification, name: str) -> Verification:
+        """The check of name, run and signature (identity.py) on a verification."""
+
+    def owned(self, manifest: Manifest) -> Manifest:
+        """`manifest`, naming the run this section belongs to (as it is committed here)."""
+
+    def identity_bytes(self) -> bytes | None:
+        """The run's `run.json`, None without one."""
+
+    def adopt(self, run: str, attempt: str, how: str) -> None:
+        """Record in the run's `run.json` that it continues from `run`'s generations."""
+
+    def copy_committed(self, name: str, source: Self,
+                       before_commit: Callable[[Manifest], None] = lambda manifest: None) -> str:
+        """Copy `source`'s committed `name` (another run's section of the same kind) here, by this
+        section's own commit; returns the manifest's sha256."""
+
+    def remove(self, name: str) -> None:
+        """Delete a committed directory so that no reader ever sees it half deleted."""
 
 
 class LocalSection:

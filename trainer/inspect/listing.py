@@ -11,12 +11,11 @@ from pathlib import Path
 from typing import Callable
 
 from trainer.inspect.report import cell
-from trainer.run.records import RUNNING, read_attempts
+from trainer.run.records import RUNNING, AttemptRecord, read_attempt_records
 from trainer.errors import CorruptGeneration, NothingToResume, StorageFailure
 from trainer.checkpoint.manifest import Manifest, Verification
 from trainer.checkpoint.section import LocalSection
 from trainer.checkpoint.signing import Signing
-from trainer.storage.location import is_url
 from trainer.layout import MANIFEST, PROGRESS_MARKER, SECTIONS, RunDirectory, generation_step, not_a_run
 
 
@@ -24,13 +23,10 @@ def directory_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
-def publish_costs(attempts: list[dict], kind: str) -> dict[str, dict]:
+def publish_costs(attempts: list[AttemptRecord], kind: str) -> dict[str, dict]:
     """name -> {attempt, save_s} for every publish an attempt record mentions (newest wins)."""
-    costs = {}
-    for attempt in attempts:
-        for entry in attempt.get(f"{kind}_published", []):
-            costs[entry["name"]] = {"attempt": attempt["id"], "save_s": entry.get("save_s")}
-    return costs
+    return {entry.name: {"attempt": attempt.id, "save_s": entry.save_s}
+            for attempt in attempts for entry in attempt.published(kind)}
 
 
 def sealed_row(name: str, manifest: Manifest | None, size: int, costs: dict[str, dict],
@@ -43,56 +39,48 @@ def sealed_row(name: str, manifest: Manifest | None, size: int, costs: dict[str,
             "attempt": manifest and manifest.attempt, "save_s": costs.get(name, {}).get("save_s")}
 
 
-def local_row(store: LocalSection, name: str, costs: dict[str, dict]) -> dict | None:
+def local_row(section: LocalSection, name: str, costs: dict[str, dict]) -> dict | None:
     """A local directory's row, re-hashed; None if a live trainer's retention removed it meanwhile."""
-    verification = store.verify(name)
+    verification = section.verify(name)
     try:
-        size = directory_bytes(store.path(name))
+        size = directory_bytes(section.path(name))
     except FileNotFoundError:
         return None
     return sealed_row(name, verification.manifest, size, costs, verification.ok, verification.problem)
 
 
-def attempt_rows(attempts: list[dict]) -> list[dict]:
+def attempt_rows(attempts: list[AttemptRecord]) -> list[dict]:
     """Replayed and abandoned steps as `report` counts them (trainer.inspect.report), so the
     two commands agree: replayed is capped at what the attempt computed."""
     from trainer.inspect.report import build_report
 
     counted = build_report(attempts).rows
     return [{
-        "id": a.get("id"), "status": a.get("status"), "exit_code": a.get("exit_code"),
-        "restored": (a.get("restored") or {}).get("name"),
-        "steps_replayed": None if a.get("steps_replayed") is None else row.replayed, "abandoned": row.abandoned,
-        "last_step": a.get("last_step"), "wall_s": a.get("wall_s"), "reason": a.get("reason"),
+        "id": a.id, "status": a.status, "exit_code": a.exit_code, "restored": a.restored and a.restored.name,
+        "steps_replayed": None if a.steps_replayed is None else row.replayed, "abandoned": row.abandoned,
+        "last_step": a.last_step, "wall_s": a.wall_s, "reason": a.reason,
     } for a, row in zip(attempts, counted)]
 
 
 def describe_run(output: Path, signing: Signing | None = None) -> dict:
-    attempts = read_attempts(output)
+    attempts = read_attempt_records(output)
     described = {"output": str(output), "tier_of": store_named_by(attempts)}
-    for section, folder in SECTIONS.items():
-        store = LocalSection(output / folder, signing)
-        costs = publish_costs(attempts, section)
-        described[section] = [row for name in store.names() if (row := local_row(store, name, costs))]
-        described[f"{section}_uncommitted"] = store.uncommitted()
-        described[f"{section}_temporary"] = [p.name for p in store.temporaries()]
-        described[f"{section}_replaced"] = store.replaced()
-        described[f"{section}_replacing"] = store.interrupted_replacements()
+    for kind, folder in SECTIONS.items():
+        section = LocalSection(output / folder, signing)
+        costs = publish_costs(attempts, kind)
+        described[kind] = [row for name in section.names() if (row := local_row(section, name, costs))]
+        described[f"{kind}_uncommitted"] = section.uncommitted()
+        described[f"{kind}_temporary"] = [p.name for p in section.temporaries()]
+        described[f"{kind}_replaced"] = section.replaced()
+        described[f"{kind}_replacing"] = section.interrupted_replacements()
     described["attempts"] = attempt_rows(attempts)
     return described
 
 
-def store_named_by(attempts: list[dict]) -> str | None:
+def store_named_by(attempts: list[AttemptRecord]) -> str | None:
     """The store URL the newest attempt trained into (`--output s3://…`), when this directory
     is its local tier: `list` then says how to see what is durable."""
-    for record in reversed(attempts):
-        argv = [str(arg) for arg in record.get("argv") or []]
-        for option, value in zip(argv, argv[1:] + [""]):
-            named = option.partition("=")[2] if option.startswith("--output=") else \
-                value if option == "--output" else ""
-            if is_url(named):
-                return named
-    return None
+    return next((record.store for record in reversed(attempts) if record.store), None)
 
 
 UNCOMMITTED = {False: "uncommitted copy without a manifest (never selected, kept)",
@@ -201,7 +189,7 @@ def print_run(described: dict, as_json: bool) -> int:
     return 0
 
 
-def live_attempts(output: Path, records: list[dict]) -> frozenset[str]:
+def live_attempts(output: Path, records: list[AttemptRecord]) -> frozenset[str]:
     """Ids of `running` records whose process is alive: it holds the output lock (the lock
     file names it) and runs on this host. A trainer on another host cannot be seen from here,
     so its record reads as killed."""
@@ -213,24 +201,23 @@ def live_attempts(output: Path, records: list[dict]) -> frozenset[str]:
         return frozenset()
     live = set()
     for record in records:
-        if record.get("status") != RUNNING or (record.get("host"), record.get("pid")) != \
-                (holder["host"], holder.get("pid")):
+        if record.status != RUNNING or (record.host, record.pid) != (holder["host"], holder.get("pid")):
             continue
         try:
-            os.kill(record["pid"], 0)
+            os.kill(record.pid, 0)
         except (OSError, TypeError, OverflowError):
             continue
-        live.add(record["id"])
+        live.add(record.id)
     return frozenset(live)
 
 
-def marker_times(output: Path, records: list[dict]) -> dict[str, float]:
+def marker_times(output: Path, records: list[AttemptRecord]) -> dict[str, float]:
     """id -> when a record still `running` last marked a step (its marker file's mtime)."""
     times = {}
     for record in records:
-        if record.get("status") == RUNNING:
+        if record.status == RUNNING:
             try:
-                times[record["id"]] = (RunDirectory(output).attempt_folder(record["id"]) / PROGRESS_MARKER).stat().st_mtime
+                times[record.id] = (RunDirectory(output).attempt_folder(record.id) / PROGRESS_MARKER).stat().st_mtime
             except (OSError, ValueError):
                 pass
     return times
@@ -241,7 +228,7 @@ def run_report(output: Path):
     from trainer.inspect.report import build_report
 
     require_run_directory(output)
-    records = read_attempts(output)
+    records = read_attempt_records(output)
     if not records:
         raise NothingToResume(f"no attempt records under {RunDirectory(output).attempts}; pass the --output of "
                               f"a run that has trained")

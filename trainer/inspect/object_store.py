@@ -15,7 +15,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from trainer.run.records import RUNNING, read_attempts
+from trainer.location import StoreLocation
+from trainer.run.records import RUNNING, AttemptRecord, read_attempt_records
 from trainer.config import StoreConfig
 from trainer.errors import NothingToResume, UsageError
 from trainer.inspect.listing import attempt_rows, local_row, publish_costs, sealed_row
@@ -24,7 +25,6 @@ from trainer.checkpoint.manifest import InvalidManifest, Manifest, Verification
 from trainer.checkpoint.section import LocalSection
 from trainer.checkpoint.signing import Signing
 from trainer.storage.object.lease import LEASE
-from trainer.storage.location import StoreLocation
 from trainer.storage.object.client import ObjectStore
 from trainer.storage.object.section import ObjectSection, digest_of
 from trainer.layout import ATTEMPTS, GENERATIONS, SECTIONS, RunDirectory, generation_step
@@ -51,11 +51,11 @@ def sealed_target(location: StoreLocation) -> tuple[StoreLocation, str, str] | N
     return StoreLocation(location.scheme, location.bucket, "/".join(parts[:-2])), parts[-2], parts[-1]
 
 
-def store_attempts(objects: ObjectStore) -> list[dict]:
+def store_attempts(objects: ObjectStore) -> list[AttemptRecord]:
     """The attempt records in the store, read by the local code from a temporary copy."""
     with tempfile.TemporaryDirectory(prefix="trainer-attempts-") as folder:
         RemoteRun(objects, RunDirectory(Path(folder))).pull_attempts()
-        return read_attempts(Path(folder))
+        return read_attempt_records(Path(folder))
 
 
 # ----------------------------------------------------------------------------- list
@@ -152,7 +152,7 @@ def store_report(location: StoreLocation):
     if not records:
         raise NothingToResume(f"no attempt records under {objects.url_of(ATTEMPTS)}; pass the --output URL of a "
                               f"run that has trained")
-    running = {record["id"] for record in records if record.get("status") == RUNNING}
+    running = {record.id for record in records if record.status == RUNNING}
     return build_report(records, frozenset(running & {leased_attempt(objects)}))
 
 

@@ -1,12 +1,12 @@
 """The recovery report: what a run's attempts computed, redid, lost and paid, derived from
 attempt records alone.
 
-Pure computation (no I/O, no clock): `build_report` takes the records `read_attempts`
+Pure computation (no I/O, no clock): `build_report` takes the records `read_attempt_records`
 returns, plus the few facts only the filesystem knows (which attempts are alive, when a
 killed attempt last marked a step), so every number here can be checked by hand from the
 records. `trainer.inspect.listing.report_run` reads the run and prints; `trainer.inspect.timeline` draws.
 
-Definitions (the README repeats them):
+Definitions (docs/report.md repeats them):
 - computed: `last_step - first_step` (0 when it never started a step, e.g. refused).
 - replayed: the first `steps_replayed` of those steps, which an earlier attempt had already
   computed (capped at computed: an attempt killed while replaying redid only that many).
@@ -37,12 +37,11 @@ and M as measured, Daly's interval, and the goodput it and the current cadence p
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from datetime import datetime
 
 from trainer.run.interval import best_interval, expected_goodput, young_interval
 from trainer.run.ledger import ledger_problems
-from trainer.run.records import OUTCOMES, TIER0, PUBLISHED, RESTORED_FROM, exposure_s, failure_rate, lifetime
-from trainer.layout import GENERATIONS
+from trainer.run.records import (OUTCOMES, RESTORED_FROM, TIER0, AttemptRecord, PublishedEntry, exposure_s,
+                                  failure_rate, lifetime)
 
 
 @dataclass(frozen=True)
@@ -157,93 +156,71 @@ class Report:
         return asdict(self)
 
 
-def start_time(record: dict) -> float | None:
-    """Unix time the attempt started: `started_unix` (ms), else `started_utc` (whole seconds,
-    in records written before `started_unix` was kept)."""
-    if isinstance(record.get("started_unix"), (int, float)):
-        return float(record["started_unix"])
-    try:
-        return datetime.fromisoformat(record.get("started_utc")).timestamp()
-    except (TypeError, ValueError):
-        return None
-
-
-def durable_entries(record: dict) -> list[dict]:
+def durable_entries(record: AttemptRecord) -> list[PublishedEntry]:
     """The attempt's generations that survive its machine: every publish on a local run, only
     those committed in the store (`durable_s`) on a store run."""
-    entries = [entry for entry in record.get(PUBLISHED[GENERATIONS], []) if isinstance(entry, dict)]
-    return [entry for entry in entries if "durable_s" in entry] if record.get("store") else entries
+    if record.store:
+        return [entry for entry in record.generations if entry.durable_s is not None]
+    return list(record.generations)
 
 
-def durable_at_s(entry: dict) -> float | None:
+def durable_at_s(entry: PublishedEntry) -> float | None:
     """Seconds into the attempt when a generation became durable (publish, or store commit)."""
-    at = entry.get("at_s")
-    if not isinstance(at, (int, float)):
+    if entry.at_s is None:
         return None
-    if isinstance(entry.get("durable_s"), (int, float)):
-        return at - _number(entry.get("save_s")) + entry["durable_s"]
-    return at
+    if entry.durable_s is not None:
+        return entry.at_s - (entry.save_s or 0.0) + entry.durable_s
+    return entry.at_s
 
 
-def durable_step(record: dict) -> int:
-    published = [entry["step"] for entry in durable_entries(record) if isinstance(entry.get("step"), int)]
+def durable_step(record: AttemptRecord) -> int:
+    published = [entry.step for entry in durable_entries(record) if entry.step is not None]
     if published:
         return max(published)
-    restored = (record.get("restored") or {}).get("step")
-    return restored if isinstance(restored, int) else (record.get("first_step") or 0)
+    restored = record.restored.step if record.restored else None
+    return restored if restored is not None else (record.first_step or 0)
 
 
-def _number(value, default: float = 0.0) -> float:
-    return float(value) if isinstance(value, (int, float)) else default
-
-
-def attempt_row(record: dict, live: frozenset[str], marker_unix: float | None, origin: float | None) -> AttemptRow:
-    start = start_time(record)
+def attempt_row(record: AttemptRecord, live: frozenset[str], marker_unix: float | None,
+                origin: float | None) -> AttemptRow:
+    start = record.started_unix
     lived = lifetime(record, live, marker_unix - start if marker_unix is not None and start is not None else None)
-    outcome = lived.outcome
-    costs = record.get("costs") if isinstance(record.get("costs"), dict) else {}
-    first, last = record.get("first_step"), record.get("last_step")
-    started = isinstance(first, int) and isinstance(last, int) and outcome != "refused"
+    outcome, costs, restored = lived.outcome, record.costs, record.restored
+    restored_step = restored.step if restored else None
+    first, last = record.first_step, record.last_step
+    started = first is not None and isinstance(last, int) and outcome != "refused"
     if not started:  # refused, or killed before its first step: nothing computed
-        restored_step = (record.get("restored") or {}).get("step")
-        first = first if isinstance(first, int) else restored_step if isinstance(restored_step, int) else 0
+        first = first if first is not None else restored_step if restored_step is not None else 0
         last = first
     computed = max(0, last - first)
     durable = durable_step(record) if started else first
     lost = 0 if outcome in ("completed", "running") else max(0, last - durable)
-    generations = tuple(Publish(e["name"], e.get("step"), e.get("at_s"), _optional(e.get("blocked_s")),
-                                _optional(e.get("durable_s", e.get("save_s"))))
-                        for e in record.get(PUBLISHED[GENERATIONS], []))
+    generations = tuple(Publish(e.name, e.step, e.at_s, e.blocked_s, e.durable_s if e.durable_s is not None
+                                else e.save_s) for e in record.generations)
     first_publish = next((at for entry in durable_entries(record) if (at := durable_at_s(entry)) is not None), None)
     return AttemptRow(
-        id=str(record.get("id")), outcome=outcome, exit_code=record.get("exit_code"),
-        restored=(record.get("restored") or {}).get("name"), restored_step=(record.get("restored") or {}).get("step"),
+        id=record.id, outcome=outcome, exit_code=record.exit_code,
+        restored=restored.name if restored else None, restored_step=restored_step,
         first_step=first, last_step=last, computed=computed,
-        replayed=min(computed, record.get("steps_replayed") or 0), lost=lost, durable_step=durable, abandoned=0,
-        restore_s=_number(costs.get("restore_s")), verify_s=_number(costs.get("verify_s")),
-        save_s=_number(costs.get("save_s")), blocked_s=_number(costs.get("blocked_s")),
-        saves=int(_number(costs.get("saves"))), wall_s=lived.wall_s, wall_estimated=lived.wall_estimated, time_to_durable_s=first_publish,
+        replayed=min(computed, record.steps_replayed or 0), lost=lost, durable_step=durable, abandoned=0,
+        restore_s=costs.restore_s, verify_s=costs.verify_s, save_s=costs.save_s, blocked_s=costs.blocked_s,
+        saves=costs.saves, wall_s=lived.wall_s, wall_estimated=lived.wall_estimated, time_to_durable_s=first_publish,
         start_s=None if start is None or origin is None else start - origin,
-        generations=generations, reason=record.get("reason"), startup_s=lived.startup_s,
-        download_s=_number(costs.get("download_s")), progress=progress_points(record),
-        first_step_s=_optional(record.get("first_step_s")) if started else None,
+        generations=generations, reason=record.reason, startup_s=lived.startup_s,
+        download_s=costs.download_s, progress=record.progress,
+        first_step_s=record.first_step_s if started else None,
         witness=witness_verdict(record), mismatch=witness_mismatch(record),
-        exact_by_configuration=(_mapping(record, "exactness")).get("exact") is not False,
-        restored_from=_mapping(record, "restored").get("tier"), restored_bytes=_mapping(record, "restored").get("bytes"),
-        refused=tuple(str(line) for line in _mapping(record, "restored").get("refused") or ()))
+        exact_by_configuration=record.exactness.get("exact") is not False,
+        restored_from=restored.tier if restored else None, restored_bytes=restored.bytes if restored else None,
+        refused=restored.refused if restored else ())
 
 
-def _mapping(record: dict, key: str) -> dict:
-    return record[key] if isinstance(record.get(key), dict) else {}
-
-
-def witness_verdict(record: dict) -> str | None:
+def witness_verdict(record: AttemptRecord) -> str | None:
     """One phrase per check the exactness witness made (trainer/run/witness.py)."""
     parts = []
-    exactness = _mapping(record, "exactness")
-    if exactness.get("exact") is False:
-        parts.append(f"not exact by configuration: {exactness.get('reason')}")
-    check = record.get("restore_check") if isinstance(record.get("restore_check"), dict) else None
+    if record.exactness.get("exact") is False:
+        parts.append(f"not exact by configuration: {record.exactness.get('reason')}")
+    check = record.restore_check
     if check is not None and check.get("compared") is False:
         parts.append(f"restore not compared: {check.get('reason')}")
     elif check is not None:
@@ -252,7 +229,7 @@ def witness_verdict(record: dict) -> str | None:
                      "restore DIFFERS from the saved state (" +
                      "; ".join(f"rank {rank}: {', '.join(map(str, sections))}" for rank, sections in differing.items())
                      + ")")
-    replay = record.get("replay") if isinstance(record.get("replay"), dict) else None
+    replay = record.replay
     if replay is not None:
         if replay.get("compared") is False:
             parts.append(f"replay not compared: {replay.get('reason')}")
@@ -264,19 +241,9 @@ def witness_verdict(record: dict) -> str | None:
     return "; ".join(parts) or None
 
 
-def witness_mismatch(record: dict) -> bool:
-    return _mapping(record, "restore_check").get("matched") is False or \
-        _mapping(record, "replay").get("first_mismatch") is not None
-
-
-def _optional(value) -> float | None:
-    return float(value) if isinstance(value, (int, float)) else None
-
-
-def progress_points(record: dict) -> tuple[tuple[int, float], ...]:
-    points = (record.get("progress") or {}).get("points") if isinstance(record.get("progress"), dict) else None
-    return tuple((p[0], float(p[1])) for p in points or () if isinstance(p, list) and len(p) == 2
-                 and isinstance(p[0], int) and isinstance(p[1], (int, float)))
+def witness_mismatch(record: AttemptRecord) -> bool:
+    return (record.restore_check or {}).get("matched") is False or \
+        (record.replay or {}).get("first_mismatch") is not None
 
 
 def with_abandoned(rows: tuple[AttemptRow, ...], useful: int) -> tuple[AttemptRow, ...]:
@@ -342,14 +309,14 @@ def time_goodput(rows: tuple[AttemptRow, ...], useful: int) -> float | None:
     return useful * per_step / spent if per_step is not None and spent else None
 
 
-def build_report(records: list[dict], live: frozenset[str] = frozenset(),
+def build_report(records: list[AttemptRecord], live: frozenset[str] = frozenset(),
                  markers: dict[str, float] | None = None) -> Report:
     """`records` oldest first; `live`: ids of attempts whose process is alive; `markers`:
     id -> unix time of the attempt's last per-step marker (only used for killed ones)."""
     markers = markers or {}
-    starts = [s for s in map(start_time, records) if s is not None]
+    starts = [record.started_unix for record in records if record.started_unix is not None]
     origin = min(starts) if starts else None
-    rows = with_tier0_restores(tuple(attempt_row(r, live, markers.get(r.get("id")), origin) for r in records))
+    rows = with_tier0_restores(tuple(attempt_row(r, live, markers.get(r.id), origin) for r in records))
     trained = [row for row in rows if row.outcome != "refused"]
     useful = trained[-1].durable_step if trained else 0
     rows = with_abandoned(rows, useful)
@@ -372,13 +339,13 @@ def build_report(records: list[dict], live: frozenset[str] = frozenset(),
     return Report(rows, totals, check_ledgers(records))
 
 
-def check_ledgers(records: list[dict]) -> LedgerCheck:
+def check_ledgers(records: list[AttemptRecord]) -> LedgerCheck:
     """Every generation's ledger, the newest attempt's where two wrote the same step (going
     back with --from-generation), checked for samples repeated or skipped."""
     entries, sources = {}, {}
     for record in records:
-        for entry in record.get("ledger") or []:
-            entries[entry["step"]], sources[entry["step"]] = entry, record.get("id")
+        for entry in record.ledger:
+            entries[entry["step"]], sources[entry["step"]] = entry, record.id
     return LedgerCheck(len(entries), len(set(sources.values())), sum(entry["samples"] for entry in entries.values()),
                        tuple(ledger_problems(entries)))
 
@@ -462,7 +429,7 @@ def advise(report: Report, assume_mtbf_s: float | None = None) -> Advice:
 def format_advice(advice: Advice) -> list[str]:
     a = advice
     secs = lambda value: cell(value, "{:.3g} s")  # noqa: E731
-    lines = ["", "  save interval advice (Daly's model; README \"Recovery report\" says when not to trust it)",
+    lines = ["", "  save interval advice (Daly's model; docs/report.md says when not to trust it)",
              f"    save cost C         {secs(a.cost_s)} blocked per recovery save ({a.saves} saves); "
              f"on average {secs(a.to_durable_s)} from a save's start until it was durable",
              f"    restart cost R      {secs(a.restart_s)} = start-up {secs(a.startup_s)} + verify {secs(a.verify_s)} "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.signing import Signing
-from trainer.storage.location import InStore, OnDisk
+from trainer.location import InStore, OnDisk
 
 
 class RunSource(ABC):

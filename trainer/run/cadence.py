@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from trainer.config import AutoCadenceConfig, CadenceConfig
-from trainer.layout import GENERATIONS
 from trainer.run.interval import FailureRate, best_interval, clamp
-from trainer.run.records import PUBLISHED, attempts_that_trained, failure_rate, lifetime
+from trainer.run.records import AttemptRecord, attempts_that_trained, failure_rate, lifetime
 
 
 @dataclass(frozen=True)
@@ -122,10 +121,15 @@ def auto_prior(records: list[dict], own_id: str) -> AutoPrior:
     many seconds (the report's M, trainer/run/records.py), and what a recovery save blocked on
     average. `own_id`'s record (this attempt, `running`) is left out; every other `running`
     record is a killed attempt."""
-    earlier = [r for r in attempts_that_trained(records) if r.get("id") != own_id]
-    blocked = [e["blocked_s"] for r in earlier for e in r.get(PUBLISHED[GENERATIONS], [])
-               if isinstance(e.get("blocked_s"), (int, float))]
+    earlier = earlier_attempts(records, own_id)
+    blocked = [entry.blocked_s for record in earlier for entry in record.generations if entry.blocked_s is not None]
     return AutoPrior(failure_rate(map(lifetime, earlier)), sum(blocked) / len(blocked) if blocked else None)
+
+
+def earlier_attempts(records: list[dict], own_id: str) -> list[AttemptRecord]:
+    """The attempts before `own_id` that trained, each parsed once (saving.py still hands the
+    raw records of `read_attempts`)."""
+    return [AttemptRecord.parse(record) for record in attempts_that_trained(records) if record.get("id") != own_id]
 
 
 @dataclass(frozen=True)
@@ -209,10 +213,9 @@ class AutoSeconds(SinceLastSave):
 def memory_prior(records: list[dict], own_id: str) -> AutoPrior:
     """What the earlier attempts say for `--memory-every-steps auto`: the same failure rate as
     `auto_prior`, and what a tier-0 save blocked on average (their records' `memory` sums)."""
-    earlier = [r for r in attempts_that_trained(records) if r.get("id") != own_id]
-    memory = [r["memory"] for r in earlier if isinstance(r.get("memory"), dict)]
-    saves = sum(int(m.get("saves", 0)) for m in memory)
-    blocked = sum(float(m.get("blocked_s", 0.0)) for m in memory)
+    earlier = earlier_attempts(records, own_id)
+    saves = sum(int(record.memory.get("saves", 0)) for record in earlier)
+    blocked = sum(float(record.memory.get("blocked_s", 0.0)) for record in earlier)
     return AutoPrior(failure_rate(map(lifetime, earlier)), blocked / saves if saves else None)
 
 

@@ -7,7 +7,9 @@ lives here: the statuses a record ends with and the outcomes a reader sees, the 
 to be read at all, and how long an attempt ran (`Lifetime`), from which the failure rate M
 of the report's advice and of the auto cadence is computed once (`failure_rate`).
 
-Pure but for `read_attempts`, and torch-free: `list` and `report` import it.
+`AttemptRecord` is a record parsed once (`read_attempt_records`): `list`, `report` and the
+auto cadence compute with its typed fields. Pure but for the two readers, and torch-free:
+`list` and `report` import it.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Iterable, Mapping, Protocol
 
 from trainer.layout import ATTEMPT_RECORD, EXPORTS, GENERATIONS, PROGRESS_MARKER, RunDirectory
+from trainer.location import is_url
 from trainer.run.interval import FailureRate
 
 log = logging.getLogger("trainer")
@@ -73,6 +77,172 @@ def is_well_formed(record) -> bool:
     return all(isinstance(entry, dict) and isinstance(entry.get("name"), str) for entry in published)
 
 
+# ----------------------------------------------------------------------------- the typed record
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _integer(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _text(value) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _mapping(value) -> Mapping:
+    return value if isinstance(value, dict) else {}
+
+
+@dataclass(frozen=True)
+class PublishedEntry:
+    """One entry of `generations_published` / `exports_published`."""
+
+    name: str
+    step: int | None
+    at_s: float | None
+    """Seconds after the attempt started when it was published."""
+    save_s: float | None
+    blocked_s: float | None
+    durable_s: float | None
+    """Save start → committed in the store; None until a store committed it (or without one)."""
+
+    @classmethod
+    def parse(cls, entry: dict) -> PublishedEntry:
+        return cls(entry["name"], _integer(entry.get("step")), _number(entry.get("at_s")),
+                   _number(entry.get("save_s")), _number(entry.get("blocked_s")), _number(entry.get("durable_s")))
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The record's `restored`: the generation the attempt started from."""
+
+    name: str
+    step: int | None
+    tier: str | None
+    """Where it came from (RESTORED_FROM); None in records written before tiers were kept."""
+    bytes: int | None
+    refused: tuple[str, ...]
+    """Faster sources refused on the way (a damaged tier-0 generation)."""
+
+    @classmethod
+    def parse(cls, restored: dict) -> Restored:
+        return cls(restored["name"], _integer(restored.get("step")), restored.get("tier"),
+                   _integer(restored.get("bytes")), tuple(str(line) for line in restored.get("refused") or ()))
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The record's `costs` (COSTS); 0 for a field an older record did not keep (`parse`)."""
+
+    restore_s: float
+    """Restoring, verification and download included."""
+    verify_s: float
+    download_s: float
+    save_s: float
+    blocked_s: float
+    """The loop waiting for saves and exports (all of a sync save)."""
+    upload_s: float
+    saves: int
+
+    @classmethod
+    def parse(cls, costs: Mapping) -> Costs:
+        seconds = {name: _number(costs.get(name)) or 0.0 for name in COSTS if name != "saves"}
+        return cls(**seconds, saves=int(_number(costs.get("saves")) or 0))
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One `attempt.json`, parsed once: typed where readers compute with it, tolerant of older
+    records (a field they did not keep is None, 0 or empty). The witness's and the ledger's own
+    shapes stay mappings: their readers (`report`) know them."""
+
+    id: str
+    status: str
+    exit_code: int | None
+    reason: str | None
+    restored: Restored | None
+    first_step: int | None
+    last_step: int | None
+    steps_replayed: int | None
+    wall_s: float | None
+    startup_s: float | None
+    first_step_s: float | None
+    started_unix: float | None
+    """The start with millisecond precision; from `started_utc` (whole seconds) in older records."""
+    store: str | None
+    """The object store the attempt trained into (`--output s3://…`), else None."""
+    host: str | None
+    pid: int | None
+    costs: Costs
+    generations: tuple[PublishedEntry, ...]
+    exports: tuple[PublishedEntry, ...]
+    progress: tuple[tuple[int, float], ...]
+    """Coarse (step, seconds after the start) points."""
+    exactness: Mapping
+    restore_check: Mapping | None
+    replay: Mapping | None
+    ledger: tuple[Mapping, ...]
+    memory: Mapping
+    """Tier 0's sums (`saves`, `blocked_s`), empty without `--memory-dir`."""
+
+    @classmethod
+    def parse(cls, record: dict) -> AttemptRecord:
+        """Any record (`read_attempts` passes only those `is_well_formed` accepts): a field of
+        the wrong type reads as absent."""
+        restored, points = _mapping(record.get("restored")), _mapping(record.get("progress")).get("points")
+        return cls(
+            id=str(record.get("id")), status=str(record.get("status")), exit_code=_integer(record.get("exit_code")),
+            reason=_text(record.get("reason")),
+            restored=Restored.parse(restored) if isinstance(restored.get("name"), str) else None,
+            first_step=_integer(record.get("first_step")), last_step=_integer(record.get("last_step")),
+            steps_replayed=_integer(record.get("steps_replayed")), wall_s=_number(record.get("wall_s")),
+            startup_s=_number(record.get("startup_s")), first_step_s=_number(record.get("first_step_s")),
+            started_unix=_started_unix(record), store=_store_of(record),
+            host=_text(record.get("host")),
+            pid=_integer(record.get("pid")), costs=Costs.parse(_mapping(record.get("costs"))),
+            generations=_entries(record, GENERATIONS), exports=_entries(record, EXPORTS),
+            progress=tuple((p[0], float(p[1])) for p in points or () if isinstance(p, list) and len(p) == 2
+                           and isinstance(p[0], int) and isinstance(p[1], (int, float))),
+            exactness=_mapping(record.get("exactness")),
+            restore_check=record["restore_check"] if isinstance(record.get("restore_check"), dict) else None,
+            replay=record["replay"] if isinstance(record.get("replay"), dict) else None,
+            ledger=tuple(entry for entry in record.get("ledger") or () if isinstance(entry, dict)),
+            memory=_mapping(record.get("memory")))
+
+    def published(self, kind: str) -> tuple[PublishedEntry, ...]:
+        """What it published of one kind (GENERATIONS or EXPORTS)."""
+        return self.generations if kind == GENERATIONS else self.exports
+
+
+def _entries(record: dict, kind: str) -> tuple[PublishedEntry, ...]:
+    entries = record.get(PUBLISHED[kind])
+    return tuple(PublishedEntry.parse(entry) for entry in entries if isinstance(entry, dict)
+                 and isinstance(entry.get("name"), str)) if isinstance(entries, list) else ()
+
+
+def _started_unix(record: dict) -> float | None:
+    if (started := _number(record.get("started_unix"))) is not None:
+        return started
+    try:
+        return datetime.fromisoformat(record.get("started_utc")).timestamp()
+    except (TypeError, ValueError):
+        return None
+
+
+def _store_of(record: dict) -> str | None:
+    """The record's `store`; in records written before it was kept, the store URL of the
+    `--output` in its argv."""
+    if "store" in record:
+        return _text(record["store"])
+    argv = [str(arg) for arg in record.get("argv") or []]
+    for option, value in zip(argv, argv[1:] + [""]):
+        named = option.partition("=")[2] if option.startswith("--output=") else value if option == "--output" else ""
+        if is_url(named):
+            return named
+    return None
+
+
 # ----------------------------------------------------------------------------- reading
 def read_attempts(run_root: Path) -> list[dict]:
     """All readable attempt records of the run directory at `run_root`, oldest first (ids start
@@ -96,6 +266,11 @@ def read_attempts(run_root: Path) -> list[dict]:
     return records
 
 
+def read_attempt_records(run_root: Path) -> list[AttemptRecord]:
+    """`read_attempts`, each record parsed once into an `AttemptRecord`."""
+    return [AttemptRecord.parse(record) for record in read_attempts(run_root)]
+
+
 def read_progress_marker(folder: Path) -> int | None:
     try:
         return int((folder / PROGRESS_MARKER).read_text().strip() or "x")
@@ -109,13 +284,12 @@ def attempts_that_trained(records: list[dict]) -> list[dict]:
     return [record for record in records if record.get("status") != REFUSED]
 
 
-def outcome_of(record: dict, live: frozenset[str] = frozenset()) -> str:
+def outcome_of(record: AttemptRecord, live: frozenset[str] = frozenset()) -> str:
     """A `running` record is `killed` unless its process is known to be alive (`live` ids):
     offline, a record alone cannot tell a live attempt from one that died without a word."""
-    status = record.get("status")
-    if status == RUNNING:
-        return RUNNING if record.get("id") in live else KILLED
-    return status if status in OUTCOMES else FAILED
+    if record.status == RUNNING:
+        return RUNNING if record.id in live else KILLED
+    return record.status if record.status in OUTCOMES else FAILED
 
 
 # ----------------------------------------------------------------------------- how long it ran
@@ -131,22 +305,18 @@ class Lifetime:
     """Process start-up before the record started (interpreter, imports), when measured."""
 
 
-def lifetime(record: dict, live: frozenset[str] = frozenset(), marker_at_s: float | None = None) -> Lifetime:
+def lifetime(record: AttemptRecord, live: frozenset[str] = frozenset(), marker_at_s: float | None = None) -> Lifetime:
     """An attempt's `Lifetime`. One that never ended ran up to the latest of its per-step marker
     (`marker_at_s`: seconds after its start, when the caller knows), its progress points and its
     publishes."""
     outcome = outcome_of(record, live)
-    wall, estimated = record.get("wall_s"), False
-    if not isinstance(wall, (int, float)) and outcome in (KILLED, RUNNING):
+    wall, estimated = record.wall_s, False
+    if wall is None and outcome in (KILLED, RUNNING):
         ends = [marker_at_s] if marker_at_s is not None else []
-        progress = record.get("progress") if isinstance(record.get("progress"), dict) else {}
-        ends += [p[1] for p in progress.get("points") or () if isinstance(p, list) and len(p) == 2]
-        ends += [e.get("at_s") for e in record.get(PUBLISHED[GENERATIONS]) or () if isinstance(e, dict)]
-        ends = [end for end in ends if isinstance(end, (int, float))]
+        ends += [at_s for _, at_s in record.progress]
+        ends += [entry.at_s for entry in record.generations if entry.at_s is not None]
         wall, estimated = (max(0.0, max(ends)), True) if ends else (None, False)
-    startup = record.get("startup_s")
-    return Lifetime(outcome, None if wall is None else float(wall), estimated,
-                    float(startup) if isinstance(startup, (int, float)) else None)
+    return Lifetime(outcome, wall, estimated, record.startup_s)
 
 
 class Lived(Protocol):

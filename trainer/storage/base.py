@@ -17,11 +17,12 @@ We have the same pair of commit strategies as Orbax:
 
 * `LocalStorage` (storage/local.py): the run directory is on this machine's disk. A
   generation is committed by an atomic rename; a flock keeps a second writer out.
-* `TieredObjectStorage` and `DirectObjectStorage` (storage/object/backend.py): the run
-  directory is in an object store, where a generation is committed by writing its manifest
-  last, and a lease keeps a second writer out. Tiered: published on this machine's local
-  tier, then made durable by a background uploader. Direct (several processes that share no
-  disk): every rank uploads its own shards and rank 0 commits inside the save.
+* `ObjectStorage` (storage/object/backend.py): the run directory is in an object store,
+  where a generation is committed by writing its manifest last, and a lease keeps a second
+  writer out. Its durability is one of two strategies: `Tiered` (one process: published on
+  this machine's local tier, then made durable by a background uploader) or `Direct`
+  (several processes that share no disk: every rank uploads its own shards and rank 0
+  commits, sync or async).
 
 The claim's verbs, in the order an attempt calls them: `claim` (rank 0: hold the run
 directory, bring its history here), `committed` and `restorable` (what can be restored, and a

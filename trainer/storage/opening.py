@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from trainer.checkpoint.signing import load_signing
-from trainer.checkpoint.section import LocalSection
+from trainer.checkpoint.section import LocalSection, Section
 from trainer.config import RunConfig, StoreConfig
 from trainer.layout import GENERATIONS, SECTIONS, RunDirectory
+from trainer.location import ClaimedByPrimary, OnDisk, InStore
 from trainer.storage.base import RunStorage
 from trainer.storage.local import LocalStorage
 from trainer.parallel.launch import LaunchEnvironment
 from trainer.storage.memory import MemoryTier, Place
-from trainer.storage.location import ClaimedByPrimary, OnDisk, InStore
 
 
 def open_storage(config: RunConfig, launch: LaunchEnvironment) -> RunStorage:
@@ -39,7 +39,7 @@ def open_backend(config: RunConfig, processes: int) -> RunStorage:
                                        processes, signing)
 
 
-def generations_of(location: OnDisk | InStore, settings: StoreConfig = StoreConfig()):
+def generations_of(location: OnDisk | InStore, settings: StoreConfig = StoreConfig()) -> Section:
     """The committed generations of a run directory, wherever it lives: a `LocalSection` or an
     `ObjectSection`, both able to `copy_committed` a generation from a section like them and to
     `adopt` another run's generations (`ops restart --copy`'s seeding)."""

@@ -115,7 +115,7 @@ class BoundWorkload:
             if not self.has_train_step:
                 raise UsageError(f"--workload {self.spec}: the optimizer {called} needs a closure, which the "
                                  f"trainer's own step cannot give: define train_step(model, optimizers, batches, "
-                                 f"step) and call step.step(optimizer, closure) (see the README's protocol table)")
+                                 f"step) and call step.step(optimizer, closure) (see docs/workloads.md, 'The protocol')")
             if scaling:
                 raise UsageError(f"--workload {self.spec}: the optimizer {called} needs a closure, which "
                                  f"GradScaler (--amp on CUDA) cannot step: run without --amp")

@@ -34,7 +34,7 @@ from trainer.config import StoreConfig
 from trainer.errors import CorruptGeneration, UsageError
 from trainer.integrations.polyaxon.placement import RUN_DIRECTORIES, RunPlacement
 from trainer.layout import GENERATIONS, SECTIONS
-from trainer.storage.location import InStore, OnDisk, StoreLocation
+from trainer.location import InStore, OnDisk, StoreLocation
 from trainer.storage.opening import generations_of
 
 log = logging.getLogger("trainer")

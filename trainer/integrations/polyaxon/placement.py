@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Mapping
 
 from trainer.errors import UsageError
-from trainer.storage.location import LOCAL_TIER_ENV, OnDisk, Location, StoreLocation, InStore, parse_store_url
+from trainer.location import LOCAL_TIER_ENV, OnDisk, Location, StoreLocation, InStore, parse_store_url
 
 CATALOG_ENV = "POLYAXON_CONNECTIONS_CATALOG"
 STORE_NAME_ENV = "POLYAXON_ARTIFACTS_STORE_NAME"

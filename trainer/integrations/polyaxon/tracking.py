@@ -3,18 +3,8 @@
 Only imported with `--tracked`: `polyaxon.tracking` costs about a second and 150 MB, which
 an untracked run never pays.
 
-Where it runs:
-- *Managed* (a Polyaxon job; the agent sets POLYAXON_RUN_INSTANCE and POLYAXON_IS_MANAGED):
-  the run is the job's run, POLYAXON_RUN_INSTANCE and nothing else (the client would otherwise
-  prefer the project and run of a CLI cache in ~/.polyaxon; if it still resolves another run
-  the trainer stops with exit 2). `ops resume` and retries reuse it (and its run directory in
-  the store, or the outputs `autoResume` restores); `ops restart --copy` is a new run, seeded
-  from the original's newest committed generation (copy_seed.py).
-- *Offline* (POLYAXON_IS_OFFLINE=true, anywhere): the run lives under POLYAXON_OFFLINE_ROOT
-  (default /tmp/plx/offline) in `runs/<uuid>/`. Setting POLYAXON_RUN_INSTANCE to
-  `owner.project.runs.<uuid>` reopens that run, the local analogue of `ops resume`; without it
-  every process is a new run.
-Anything else is refused (exit 2) rather than tracked halfway.
+Where it runs (managed or offline) and how the run is opened: tracked_run.py. References in the
+run's lineage: lineage.py.
 
 What is recorded:
 - The trainer's run directory is the run's outputs in the artifacts store when the container
@@ -64,48 +54,25 @@ What is recorded:
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 from pathlib import Path
 from typing import Callable
 
-from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, NothingToResume, TrackingUnavailable, TrainerError, UsageError
-from trainer.integrations.polyaxon.internals import PROCESS_SIDECAR_ENV, answered_before_the_next, flush_only_at_exit
+from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, NothingToResume, TrainerError
+from trainer.integrations.polyaxon.lineage import reference, reference_seed, remove_reference
 from trainer.integrations.polyaxon.retries import call, one_line
+from trainer.integrations.polyaxon.tracked_run import open_tracked_run
 from trainer.layout import GENERATIONS, SECTIONS
+from trainer.location import OnDisk, InStore
 from trainer.run.events import TrainingEvents
-from trainer.storage.location import OnDisk, InStore
 
 log = logging.getLogger("trainer")
 
-RUN_INSTANCE_ENV = "POLYAXON_RUN_INSTANCE"
-OFFLINE_ENV = "POLYAXON_IS_OFFLINE"
-METRICS = ("loss", "lr")
 TIMELINE = "recovery-timeline"
-DONE_STATUSES = frozenset({"succeeded", "failed", "stopped", "skipped", "upstream_failed"})
 RESUME_PRESET = "presets/resume.yaml"
 PLAIN_RESTART_HINT = ("on Polyaxon, a plain `ops restart` starts with empty outputs: continue the original run "
                       "with `ops resume -uid UUID -f presets/resume.yaml`, or continue it in a new run with "
                       "`ops restart -uid UUID --copy`")
-
-
-def parse_run_instance(value: str) -> tuple[str, str, str]:
-    """`owner.project.runs.uuid` (Polyaxon's own format) → (owner, project, uuid)."""
-    parts = value.split(".")
-    if len(parts) != 4 or parts[2] != "runs" or not all(parts):
-        raise TrackingUnavailable(f"{RUN_INSTANCE_ENV}={value!r} is not owner.project.runs.UUID; "
-                                  f"fix it, or unset it to start a new offline run")
-    return parts[0], parts[1], parts[3]
-
-
-def require_identity(instance: str, run) -> None:
-    """A managed run is POLYAXON_RUN_INSTANCE: a client that resolved another run (a CLI cache in
-    ~/.polyaxon naming one) would track one run while writing another's run directory."""
-    owner, project, run_uuid = parse_run_instance(instance)
-    resolved = (run.owner, run.project, run.run_uuid)
-    if resolved != (owner, project, run_uuid):
-        raise UsageError(f"the Polyaxon client resolved run {'.'.join(map(str, resolved))}, but this job is "
-                         f"{RUN_INSTANCE_ENV}={instance}; remove the CLI cache (~/.polyaxon) from the job's HOME")
 
 
 def cloning_kind(original_kind: str | None, run_uuid: str, previous_attempt: dict | None) -> str | None:
@@ -116,19 +83,6 @@ def cloning_kind(original_kind: str | None, run_uuid: str, previous_attempt: dic
         return original_kind
     previous_run = ((previous_attempt or {}).get("polyaxon") or {}).get("run_uuid")
     return "resume" if previous_run == run_uuid else None
-
-
-def last_logged_step(artifacts_path: str, metric: str) -> int | None:
-    """The highest step of `metric` already in the run's event history (restored with the run
-    on resume, or left by an earlier offline process), read with Polyaxon's own reader."""
-    from traceml.events import V1Events, get_event_path
-
-    path = Path(get_event_path(artifacts_path, kind="metric", name=metric))
-    if not path.is_file():
-        return None
-
-    frame = V1Events.read(kind="metric", name=metric, data=str(path)).df
-    return None if frame.empty else int(frame["step"].max())
 
 
 class PolyaxonEvents(TrainingEvents):
@@ -208,13 +162,7 @@ class PolyaxonEvents(TrainingEvents):
         seed = self.copied_from
         relative = f"{SECTIONS[GENERATIONS]}/{seed.generation}"
         location = f"{self.store_url}/{relative}" if self.store_url else str(self.run_directory / relative)
-        summary = {"hash": seed.manifest_sha256, "hash_of": "manifest.json (sha256)", "copied_from": seed.run}
-        try:
-            self.run.log_artifact_ref(location, kind="dir", name=lineage_name("generation", seed.generation),
-                                      hash=seed.manifest_sha256, summary=summary, skip_hash_calculation=True)
-        except Exception as error:  # noqa: BLE001 - the seed stands; the lineage only shows it
-            log.warning("tracking: could not reference the seeded %s of run %s: %s", seed.generation,
-                        self.run_uuid, one_line(error))
+        reference_seed(self.run, location, seed)
         self.newest_generation = seed.generation
         self.log_outputs(newest_generation=seed.generation, copied_from=f"run {seed.run} {seed.generation}")
 
@@ -227,61 +175,12 @@ class PolyaxonEvents(TrainingEvents):
     # ------------------------------------------------------------------ lifecycle
     @classmethod
     def start(cls) -> "PolyaxonEvents":
-        """Open the run, or raise TrackingUnavailable with one line saying why and how to fix it."""
-        try:
-            from polyaxon import settings
-            from polyaxon.tracking import Run
-        except ImportError as error:
-            raise TrackingUnavailable(f"--tracked needs the polyaxon package ({error}); "
-                                      f"pip install -r requirements.txt") from None
-        for name in ("polyaxon", "traceml"):  # their INFO lines would interleave with progress lines
-            logging.getLogger(name).setLevel(logging.WARNING)
-        config = settings.CLIENT_CONFIG
-        if config.no_op:
-            raise TrackingUnavailable("--tracked, but Polyaxon tracking is switched off (POLYAXON_NO_OP); "
-                                      "unset it, or run without --tracked and with --output DIR")
-        instance = os.environ.get(RUN_INSTANCE_ENV)
-        if config.is_managed:
-            if not instance:
-                raise UsageError(f"a managed Polyaxon run needs {RUN_INSTANCE_ENV} (owner.project.runs.UUID), "
-                                 f"which the agent sets in every container; run the job through Polyaxon")
-            owner, project, run_uuid = parse_run_instance(instance)
-            mode, identity = "managed", {"owner": owner, "project": project, "run_uuid": run_uuid}
-        elif config.is_offline:
-            mode = "offline"
-            identity = {}
-            if instance:
-                owner, project, run_uuid = parse_run_instance(instance)
-                identity = {"owner": owner, "project": project, "run_uuid": run_uuid}
-        else:
-            raise TrackingUnavailable(f"--tracked outside a Polyaxon job needs offline mode: set "
-                                      f"{OFFLINE_ENV}=true (or run without --tracked and with --output DIR)")
-        process_sidecar = mode == "managed" and os.environ.get(PROCESS_SIDECAR_ENV, "").lower() == "true"
-        try:
-            run = Run(**identity, track_code=False, track_logs=False)
-            if mode == "managed":
-                require_identity(instance, run)
-                answered_before_the_next(run)
-            if process_sidecar:
-                flush_only_at_exit(run)
-            outputs = run.get_outputs_path()
-            if not outputs or not run.run_uuid:
-                raise RuntimeError("no outputs path was assigned")
-            if mode == "offline" and run.status in DONE_STATUSES:
-                # An offline run reopened after it ended (stopped at exit 75): Polyaxon would
-                # otherwise ignore this attempt's final status. Managed runs are moved by the agent.
-                run.log_status("resuming", reason="TrainerResume", message="a new attempt continues this run")
-                run.start()
-            logged_through = max((s for s in (last_logged_step(run.get_artifacts_path(), m) for m in METRICS)
-                                  if s is not None), default=None)
-        except TrainerError:
-            raise
-        except Exception as error:  # noqa: BLE001 - any failure of a third-party client means "cannot track"
-            raise TrackingUnavailable(f"Polyaxon tracking could not start ({mode}): "
-                                      f"{error.__class__.__name__}: {error}") from None
-        events = cls(run, mode, logged_through)
-        events.posts_status = mode == "offline" or process_sidecar
-        log.info("tracking: polyaxon %s run %s, outputs %s", mode, run.run_uuid, events.outputs_path)
+        """Open the run (tracked_run.py), or raise TrackingUnavailable with one line saying why
+        and how to fix it."""
+        opened = open_tracked_run()
+        events = cls(opened.run, opened.mode, opened.logged_through)
+        events.posts_status = opened.posts_status
+        log.info("tracking: polyaxon %s run %s, outputs %s", opened.mode, opened.run.run_uuid, events.outputs_path)
         return events
 
     def track(self, train: Callable[[Path], int]) -> int:
@@ -413,18 +312,7 @@ class PolyaxonEvents(TrainingEvents):
         """The lineage reference (at `location`) and the pipeline output of a published
         generation or export; `relative` is its path in the run directory, which is also its
         path under the run's outputs in the artifacts store."""
-        summary = {"hash": published.manifest_sha256, "hash_of": "manifest.json (sha256)", "step": published.step}
-        try:  # each post answered before the next, retried on the sandbox's 405 (internals.py)
-            if kind == "export":
-                self.run.log_model_ref(location, name=lineage_name(kind, published.name), framework="safetensors",
-                                       summary=summary, skip_hash_calculation=True)
-            else:
-                self.run.log_artifact_ref(location, kind="dir", name=lineage_name(kind, published.name),
-                                          hash=published.manifest_sha256, summary=summary,
-                                          skip_hash_calculation=True)
-        except Exception as error:  # noqa: BLE001 - the generation stands; the lineage only shows it
-            log.warning("tracking: could not add %s %s to the lineage of run %s: %s", kind, published.name,
-                        self.run_uuid, one_line(error))
+        reference(self.run, kind, location, published)
         if kind == "export":
             self.log_outputs(export_path=relative)
         else:
@@ -432,23 +320,9 @@ class PolyaxonEvents(TrainingEvents):
             self.log_outputs(newest_generation=published.name)
 
     def removed(self, kind: str, name: str) -> None:
-        """Drop the lineage reference of a generation or export retention deleted. Offline the
-        client keeps the references in `artifacts_lineage` (written to lineages.plx.json when
-        the run ends); managed, the API deletes the row. A failure is logged, never fatal."""
-        reference = lineage_name(kind, name)
-        if self.awaiting_durable.pop((kind, name), None) is not None:
-            return  # removed before it reached the store: never referenced
-        try:
-            if self.mode == "offline":
-                self.run.artifacts_lineage.pop(reference, None)
-            else:
-                call(self.run.client.runs_v1.delete_run_artifact_lineage,
-                     self.run.owner, self.run.project, self.run.run_uuid, reference)
-        except Exception as error:  # noqa: BLE001 - the deletion stands; say what the lineage still shows
-            log.warning("tracking: %s was deleted, but its lineage reference %s stays: %s", name, reference,
-                        one_line(error))
-            return
-        log.info("tracking: lineage reference %s removed", reference)
+        """Drop the lineage reference of a generation or export retention deleted (lineage.py)."""
+        if self.awaiting_durable.pop((kind, name), None) is None:  # else removed before it reached the store
+            remove_reference(self.run, self.mode, kind, name)
 
 
 def percent(share: float | None) -> float | None:
@@ -467,8 +341,3 @@ def run_name(cloning: str | None, original_uuid: str | None, attempts: int | Non
     kind = {"copy": f"copy-of-{original_uuid}", "restart": f"restart-of-{original_uuid}",
             "resume": "resumed"}.get(cloning or "", "original")
     return f"{kind}-{attempts}-attempt{'' if attempts == 1 else 's'}" if attempts else kind
-
-
-def lineage_name(kind: str, name: str) -> str:
-    """The lineage reference of a published generation or export."""
-    return f"{'export' if kind == 'export' else 'generation'}-{name}"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -30,9 +31,9 @@ from trainer.checkpoint.signing import Signing
 from trainer.config import RetentionConfig, StoreConfig
 from trainer.errors import CorruptGeneration
 from trainer.layout import GENERATIONS, MANIFEST, RUN_IDENTITY, SECTIONS, RunDirectory
+from trainer.location import StoreLocation
 from trainer.storage.base import AfterPublish, Durability, Durable, RecordCopy, RunStorage, Transfer
 from trainer.storage.local import LocalDurability
-from trainer.storage.location import StoreLocation
 from trainer.storage.lock import OutputLock
 from trainer.storage.object.client import ObjectStore
 from trainer.storage.object.commit import ObjectCommit
@@ -41,6 +42,25 @@ from trainer.storage.object.section import ObjectSection
 from trainer.storage.object.tiering import RemoteRun, StoreRetention, Uploader, apply_store_retention
 
 log = logging.getLogger("trainer")
+
+
+@dataclass(frozen=True)
+class ClaimedStore:
+    """What rank 0 holds once it claimed a run directory in an object store."""
+
+    lease: StoreLease
+    """The single-writer lease, checked before every write."""
+    remote: RemoteRun
+    """The object store and this machine's local tier."""
+
+
+class NotClaimed:
+    """The claimed state before `claim()`, and on the ranks that never claim: reaching for it is
+    a bug in the caller, said as one (not an AttributeError about a missing attribute)."""
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"the run directory in the object store is not claimed: its {name} is rank 0's, "
+                           f"after claim()")
 
 
 class ObjectStorage(RunStorage):
@@ -52,6 +72,8 @@ class ObjectStorage(RunStorage):
                  retention: RetentionConfig, signing: Signing | None, strategy: Strategy):
         super().__init__(local_tier, location.url, f"{location.url}/{SECTIONS[GENERATIONS]}", signing)
         self.location, self.settings, self.retention, self.strategy = location, settings, retention, strategy
+        self.claimed: ClaimedStore | NotClaimed = NotClaimed()
+        """Rank 0's lease and remote run once it claimed (`claim`); every other rank never does."""
 
     # ----------------------------------------------------------------- claiming (rank 0)
     def claim(self, attempt_id: str, held: contextlib.ExitStack, must_exist: bool) -> None:
@@ -60,37 +82,36 @@ class ObjectStorage(RunStorage):
         held.enter_context(OutputLock(self.local.root))
         objects = ObjectStore(self.location, self.settings)
         objects.check_reachable()
-        self.lease = held.enter_context(StoreLease(objects, attempt_id, self.settings.lease_ttl_s,
-                                                   self.settings.lease_wait_s))
-        """Rank 0, once claimed: the single-writer lease, checked before every write."""
-        self.remote = RemoteRun(objects, self.local, self.signing)
-        """Rank 0, once claimed: the object store and this machine's local tier."""
-        self.remote.adopt_local_tier()
-        self.remote.pull_attempts()
-        self.remote.pull_identity()
-        self.records = StoreRecords(self.remote, self.where)
+        self.claimed = ClaimedStore(held.enter_context(StoreLease(objects, attempt_id, self.settings.lease_ttl_s,
+                                                                  self.settings.lease_wait_s)),
+                                    RemoteRun(objects, self.local, self.signing))
+        self.claimed.remote.adopt_local_tier()
+        self.claimed.remote.pull_attempts()
+        self.claimed.remote.pull_identity()
+        self.records = StoreRecords(self.claimed.remote, self.where)
         self._tidy_local_sections(warn_uncommitted=False)  # reconcile removes them, once the attempt goes ahead
 
     def committed(self) -> list[str]:
-        return self.remote.generations.committed()
+        return self.claimed.remote.generations.committed()
 
     def go_ahead(self, attempt_id: str, adopt_from: tuple[str, ...]):
         identity = super().go_ahead(attempt_id, adopt_from)
-        self.remote.reconcile()
+        self.claimed.remote.reconcile()
         return identity
 
     def restorable(self, name: str, committed: list[str], one_pass: bool = False,
                    damaged: str | None = None) -> tuple[Verification, Transfer]:
-        return self.remote.restorable(name, committed, shards=not one_pass, damaged=damaged)
+        return self.claimed.remote.restorable(name, committed, shards=not one_pass, damaged=damaged)
 
     def _keep_identity(self, data: bytes) -> None:
         """In the object store (the truth, under the lease), then on the local tier."""
-        self.lease.fence()
-        self.remote.objects.write(RUN_IDENTITY, data)
+        self.claimed.lease.fence()
+        self.claimed.remote.objects.write(RUN_IDENTITY, data)
         super()._keep_identity(data)
 
     def set_aside_later_than(self, step: int) -> list[str]:
-        return super().set_aside_later_than(step) + self.remote.set_aside_later_than(step, self.lease.fence)
+        claimed = self.claimed
+        return super().set_aside_later_than(step) + claimed.remote.set_aside_later_than(step, claimed.lease.fence)
 
     # ----------------------------------------------------------------- every rank
     def join(self, claimed: RunDirectory) -> None:
@@ -123,7 +144,8 @@ class ObjectStorage(RunStorage):
     def uploads(self, protected: frozenset[str], attempt_folder: Path) -> Tiered:
         """Rank 0: publishes on the local tier made durable by the background uploader."""
         retention = self.retention
-        uploader = Uploader(self.remote, max(1, self.settings.max_pending_uploads), self.lease.fence,
+        claimed = self.claimed
+        uploader = Uploader(claimed.remote, max(1, self.settings.max_pending_uploads), claimed.lease.fence,
                             StoreRetention(retention.keep_last, retention.keep_every, retention.keep_exports),
                             protected, attempt_folder)
         return Tiered(self.section(GENERATIONS), uploader, self.settings.max_pending_uploads == 0)
@@ -234,12 +256,13 @@ def direct(storage: ObjectStorage, protected: frozenset[str], attempt_folder: Pa
     if not primary:
         commit = ObjectCommit(storage.own_section(), local, lambda: None, pending)
         return Direct(commit, LocalDurability(local), lambda name: [], storage.records)
-    uploads, retention, fence = storage.uploads(protected, attempt_folder), storage.retention, storage.lease.fence
+    uploads, retention, claimed = storage.uploads(protected, attempt_folder), storage.retention, storage.claimed
+    generations, fence = claimed.remote.generations, claimed.lease.fence
 
     def prune(name: str) -> list[str]:
-        return apply_store_retention(storage.remote.generations, retention.keep_last, retention.keep_every,
+        return apply_store_retention(generations, retention.keep_last, retention.keep_every,
                                      uploads.uploader.protected | {name}, fence)
-    return Direct(ObjectCommit(storage.remote.generations, local, fence, pending), uploads, prune, storage.records)
+    return Direct(ObjectCommit(generations, local, fence, pending), uploads, prune, storage.records)
 
 
 def open_object_storage(location: StoreLocation, local_tier: RunDirectory, settings: StoreConfig,

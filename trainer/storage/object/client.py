@@ -22,7 +22,7 @@ from typing import Callable, Protocol, TypeVar
 
 from trainer.config import StoreConfig
 from trainer.errors import NothingToResume, StorageFailure, UsageError
-from trainer.storage.location import SCHEMES, StoreLocation
+from trainer.location import SCHEMES, StoreLocation
 
 log = logging.getLogger("trainer")
 T = TypeVar("T")
@@ -50,7 +50,7 @@ _takers_lock = threading.Lock()
 
 
 def takers():
-    """The threads `_stream` hands each arriving chunk to (started at the first download)."""
+    """The threads `stream_object` hands each arriving chunk to (started at the first download)."""
     with _takers_lock:
         if not _takers:
             from concurrent.futures import ThreadPoolExecutor
@@ -140,6 +140,63 @@ def is_precondition_failure(error: BaseException) -> bool:
 def describe(error: BaseException) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return f"{error.__class__.__name__}: {text}" if text else error.__class__.__name__
+
+
+def stream_object(fs, location: StoreLocation, timeout_s: float, key: str,
+                  take: Callable[[bytes], None]) -> None:
+    """Hand an object's bytes to `take`, in order (`ObjectStore.download` and `digest`). On S3
+    one GET streams the whole object.
+    s3fs's buffered file (what other stores use here) issues a ranged GET per block and
+    copies every byte through its read-ahead cache: fetching a 514 MB generation from
+    loopback SeaweedFS took 3.25 s and 1.86 CPU-s that way, 1.87 s and 0.83 CPU-s streamed.
+    On S3 `take` runs on a thread of `takers()`, CHUNK bytes at a time, while fsspec's
+    event-loop thread reads on: sha256 and the write release the GIL, so the loop keeps
+    every other stream moving. When `take` ran on the loop thread itself, every parallel
+    download was hashed and written there one after another: a 256 MB fetch took
+    0.66-0.68 s where the GETs alone took 0.27-0.29 s (docs/checkpoint-modes.md). Ranged
+    GETs in parallel were measured and not kept: no faster where the CPU is the bound."""
+    path = location.path(key)
+    if location.scheme != "s3":
+        with fs.open(path, "rb", block_size=CHUNK) as source:
+            while chunk := source.read(CHUNK):
+                take(chunk)
+        return
+    from fsspec.asyn import sync
+
+    async def stream():
+        response = await asyncio.wait_for(fs._call_s3("get_object", Bucket=location.bucket,
+                                                      Key=path.split("/", 1)[1]), timeout_s)
+        loop, taking, pieces, held = asyncio.get_running_loop(), None, [], 0
+        try:
+            async with response["Body"] as body:
+                while True:
+                    # A store that stops sending mid-object must not hang us: a timeout per read.
+                    piece = await asyncio.wait_for(body.read(CHUNK), timeout_s)
+                    pieces.append(piece)
+                    held += len(piece)
+                    if held < CHUNK and piece:
+                        continue  # a read returns what arrived (~0.75 MB): hand over CHUNK at a time
+                    if taking is not None:
+                        await taking  # in order, and at most one batch waiting per stream
+                    batch, pieces, held = pieces, [], 0
+                    taking = loop.run_in_executor(takers(), take_all, take, batch)
+                    if not piece:
+                        break
+        finally:
+            if taking is not None:  # no `take` outlives the stream (a failed one: its error)
+                await asyncio.wait([taking])
+        taking.result()
+    sync(fs.loop, stream)
+
+
+def read_body(fs, response) -> bytes:
+    """The whole body of an S3 response, read on fsspec's event loop."""
+    from fsspec.asyn import sync
+
+    async def read():
+        async with response["Body"] as body:
+            return await body.read()
+    return sync(fs.loop, read)
 
 
 class ObjectClient(Protocol):
@@ -304,7 +361,7 @@ class ObjectStore:
                     digest.update(chunk)
                     target.write(chunk)
                     size += len(chunk)
-                self._stream(key, take)
+                stream_object(self.fs, self.location, self.config.timeout_s, key, take)
             return {"bytes": size, "sha256": digest.hexdigest()}
         return self.call(f"downloading {self.url_of(key)}", fetch)
 
@@ -318,55 +375,11 @@ class ObjectStore:
                 digest.update(chunk)
                 size += len(chunk)
             try:
-                self._stream(key, take)
+                stream_object(self.fs, self.location, self.config.timeout_s, key, take)
             except FileNotFoundError:
                 return None
             return {"bytes": size, "sha256": digest.hexdigest()}
         return self.call(f"reading {self.url_of(key)}", stream)
-
-    def _stream(self, key: str, take: Callable[[bytes], None]) -> None:
-        """Hand an object's bytes to `take`, in order. On S3 one GET streams the whole object.
-        s3fs's buffered file (what other stores use here) issues a ranged GET per block and
-        copies every byte through its read-ahead cache: fetching a 514 MB generation from
-        loopback SeaweedFS took 3.25 s and 1.86 CPU-s that way, 1.87 s and 0.83 CPU-s streamed.
-        On S3 `take` runs on a thread of `takers()`, CHUNK bytes at a time, while fsspec's
-        event-loop thread reads on: sha256 and the write release the GIL, so the loop keeps
-        every other stream moving. When `take` ran on the loop thread itself, every parallel
-        download was hashed and written there one after another: a 256 MB fetch took
-        0.66-0.68 s where the GETs alone took 0.27-0.29 s (docs/checkpoint-modes.md). Ranged
-        GETs in parallel were measured and not kept: no faster where the CPU is the bound."""
-        path = self.location.path(key)
-        if self.location.scheme != "s3":
-            with self.fs.open(path, "rb", block_size=CHUNK) as source:
-                while chunk := source.read(CHUNK):
-                    take(chunk)
-            return
-        from fsspec.asyn import sync
-
-        async def stream():
-            response = await asyncio.wait_for(self.fs._call_s3("get_object", Bucket=self.location.bucket,
-                                                               Key=path.split("/", 1)[1]), self.config.timeout_s)
-            loop, taking, pieces, held = asyncio.get_running_loop(), None, [], 0
-            try:
-                async with response["Body"] as body:
-                    while True:
-                        # A store that stops sending mid-object must not hang us: a timeout per read.
-                        piece = await asyncio.wait_for(body.read(CHUNK), self.config.timeout_s)
-                        pieces.append(piece)
-                        held += len(piece)
-                        if held < CHUNK and piece:
-                            continue  # a read returns what arrived (~0.75 MB): hand over CHUNK at a time
-                        if taking is not None:
-                            await taking  # in order, and at most one batch waiting per stream
-                        batch, pieces, held = pieces, [], 0
-                        taking = loop.run_in_executor(takers(), take_all, take, batch)
-                        if not piece:
-                            break
-            finally:
-                if taking is not None:  # no `take` outlives the stream (a failed one: its error)
-                    await asyncio.wait([taking])
-            taking.result()
-        sync(self.fs.loop, stream)
 
     # ----------------------------------------------------------------- writes
     def upload(self, source: Path, key: str) -> None:
@@ -409,7 +422,7 @@ class ObjectStore:
                 response = self._s3("get_object", Key=self.location.path(key).split("/", 1)[1])
             except FileNotFoundError:
                 return None
-            return self._read_body(response), response["ETag"]
+            return read_body(self.fs, response), response["ETag"]
         return self.call(f"reading {self.url_of(key)}", get)
 
     def write_conditionally(self, key: str, data: bytes, if_match: str | None) -> str:
@@ -446,11 +459,3 @@ class ObjectStore:
         from fsspec.asyn import sync
         return sync(self.fs.loop, self.fs._call_s3, method, Bucket=self.location.bucket,
                     timeout=self._budget(len(kwargs.get("Body") or b"")), **kwargs)
-
-    def _read_body(self, response) -> bytes:
-        from fsspec.asyn import sync
-
-        async def read():
-            async with response["Body"] as body:
-                return await body.read()
-        return sync(self.fs.loop, read)

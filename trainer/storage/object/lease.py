@@ -12,7 +12,7 @@ Fencing: every commit first checks (`fence()`) that the lease is still ours, rea
 object itself, so a zombie writer (a paused or partitioned pod of an earlier attempt) whose
 lease was taken over cannot commit over the newer attempt's line: its next commit is refused
 (73) and it exits. What remains is the window of one request between that check and the
-write; the README says so.
+write; docs/object-store.md says so.
 
 Releasing does not delete the object: it is overwritten with a released record (a
 tombstone), which a new trainer takes at once. Were it deleted, a zombie that wakes after its
@@ -117,7 +117,7 @@ class StoreLease:
     def acquire(self) -> "StoreLease":
         if not self.objects.conditional:
             log.warning("%s has no conditional writes: the single-writer lease is advisory (two trainers "
-                        "started at the same instant could both write); see the README", self.objects.url)
+                        "started at the same instant could both write); see docs/object-store.md", self.objects.url)
         seen: tuple[str, float] | None = None  # (ETag, when first seen unchanged)
         started = time.monotonic()
         while True:
