@@ -87,7 +87,7 @@ def test_two_processes_survive_an_interrupt_and_a_rank_killed_mid_save(tmp_path,
     records = attempts(run)  # one record per attempt, written by rank 0 only
     assert [(r["status"], r["exit_code"], r["world_size"]) for r in (records[0], records[-1])] == \
         [("interrupted", 75, 2), ("completed", 0, 2)]
-    assert all(r["status"] in ("failed", "running") for r in records[1:4])  # "running" if rank 0 was stopped first
+    assert all(r["status"] in ("interrupted", "running") for r in records[1:4])  # a lost peer; "running" if rank 0 was stopped first
     assert records[1]["steps_replayed"] == 3
     assert records[-1]["checkpoint_mode"] == "async"
 
