@@ -148,6 +148,28 @@ def test_a_ragged_last_batch_is_padded_weighted_or_dropped():
     assert EpochShape(36, 16, "drop").dropped == 4 and EpochShape(36, 16).trained == 36
 
 
+def test_weighted_shares_average_to_the_mean_over_the_batch_each_sample_once():
+    """Cost: < 1 s. What DDP computes from `pad`'s shares: the mean over ranks of each rank's
+    weighted mean loss's gradient. 5 samples on 4 ranks (2, 1, 1, 1) and 2 on 4 (1, 1, and two
+    padded ranks repeating sample 0 at weight 0) give the gradient of the plain mean over the
+    batch's samples, as one process computes it; unweighted, they would not."""
+    torch.manual_seed(0)
+    model, inputs, targets = torch.nn.Linear(3, 1), torch.randn(5, 3), torch.randn(5, 1)
+
+    def gradient(rows, weight=1.0):
+        model.zero_grad()
+        (torch.nn.functional.mse_loss(model(inputs[rows]), targets[rows]) * weight).backward()
+        return model.weight.grad.clone()
+
+    for samples in (5, 2):
+        shape = EpochShape(8 + samples, 8)
+        shares = [(list(shape.share(1, rank, 4)) or [0], shape.weight(1, rank, 4)) for rank in range(4)]
+        averaged = sum(gradient(rows, weight) for rows, weight in shares) / 4
+        assert torch.allclose(averaged, gradient(list(range(samples))), atol=1e-6), samples
+        unweighted = sum(gradient(rows) for rows, _ in shares) / 4
+        assert not torch.allclose(unweighted, gradient(list(range(samples))), atol=1e-3)
+
+
 def test_the_layout_is_a_pure_function_of_seed_epoch_buffer_shape_and_lanes():
     """Cost: < 1 s."""
     shape = EpochShape(36, 6)
@@ -261,6 +283,20 @@ def test_the_example_runs_on_4_then_3_processes_and_the_ledger_proves_the_order(
     report = run_cli("report", run)
     assert "4 generations from 2 attempts, 85 samples: none repeated or skipped" in report.stdout, report.stdout
     assert "padded (--last-batch pad): 2 repeated at loss weight 0" in report.stdout, report.stdout
+
+
+def test_dropped_last_batches_are_counted_per_epoch_not_called_skipped(tmp_path):
+    """Map-style data (the default example, 19 samples in batches of 8) under --last-batch
+    drop, interrupted after step 3 (inside epoch 1) and resumed: 2 batches an epoch, 3 samples
+    dropped at each epoch's end; `report` counts them per epoch and finds nothing repeated or
+    skipped. Cost: ~7 s (two attempts)."""
+    args = ("--samples", "19", "--batch-size", "8", "--epochs", "2", "--last-batch", "drop",
+            "--recover-every-steps", "1")
+    train(tmp_path / "run", *args, "--interrupt-at-step", "3", expect=75)
+    train(tmp_path / "run", *args, "--resume")
+    report = run_cli("report", tmp_path / "run")
+    assert "4 generations from 2 attempts, 32 samples: none repeated or skipped" in report.stdout, report.stdout
+    assert "dropped (--last-batch drop): epoch 0: 3, epoch 1: 3" in report.stdout, report.stdout
 
 
 def test_an_iterable_dataset_that_is_not_a_stream_is_refused_in_one_line(tmp_path):
