@@ -1,4 +1,5 @@
-"""What does the trainer's streaming reader cost against a plain DataLoader over the same shards?
+"""What does the trainer's streaming reader cost against a plain DataLoader over the same shards,
+and how much does it read?
 
     python bench/stream_bench.py                       # 8 shards x 4096 windows of 128 tokens
     python bench/stream_bench.py --quick
@@ -8,14 +9,20 @@ round by round: the trainer's stream (`trainer.run.streaming.StreamSource`: shar
 epoch, the block shuffle buffer, sample ids for the ledger) and a plain map-style DataLoader with
 `shuffle=True` over the same windows. Each is timed reading batches alone (the reader's own
 cost) and under a small language model's training step (what a run feels), for each worker
-count. The ratios are stream / plain: 1.00 is free. With workers, each stream worker reads every
-block it draws samples from (trainer/run/streaming.py): the volume read grows with the workers.
+count. The ratios are stream / plain: 1.00 is free.
+
+Read amplification: one epoch read by every rank's loader (ranks x DataLoader workers: 1x0,
+2x2, 4x2; the ranks one after another in this process, each with its own worker processes),
+counting every record the stream's `read()` yields in any process; records read / records in
+the dataset, 1.00 is each record once (trainer/run/streaming.py: one lane per rank, one chunk of
+blocks per worker). Before lanes, each reader read every block: ranks x workers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import shutil
 import statistics
 import sys
@@ -31,10 +38,13 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from trainer.run.batching import EpochShape  # noqa: E402
 from trainer.run.streaming import StreamSource  # noqa: E402
 
 warnings.filterwarnings("ignore")
 VOCABULARY = 256
+READERS = ((1, 0), (2, 2), (4, 2))
+"""(ranks, DataLoader workers per rank) whose read amplification is measured."""
 
 
 def write_shards(folder: Path, shards: int, records: int, context: int) -> list[Path]:
@@ -68,6 +78,37 @@ class TokenStream:
             yield window(tokens, record, self.context)
 
 
+class CountedTokenStream(TokenStream):
+    """The same stream, adding the records each `read()` yielded to a counter shared with the
+    DataLoader's (forked) workers."""
+
+    def __init__(self, paths: list[Path], records: int, context: int, counter):
+        super().__init__(paths, records, context)
+        self.counter = counter
+
+    def read(self, shard, offset: int):
+        yielded = 0
+        try:
+            for record in super().read(shard, offset):
+                yielded += 1
+                yield record
+        finally:
+            with self.counter.get_lock():
+                self.counter.value += yielded
+
+
+def read_amplification(args, paths, ranks: int, workers: int) -> float:
+    """Records read in one epoch by every rank's loader / records in the dataset."""
+    counter = multiprocessing.get_context("fork").Value("q", 0)
+    source = StreamSource(CountedTokenStream(paths, args.records, args.context, counter), seed=1,
+                          buffer=args.buffer, spec="bench")
+    shape = EpochShape(len(source), args.batch)
+    for rank in range(ranks):
+        for _ in source.loader(shape, 0, 0, rank, ranks, workers):
+            pass
+    return counter.value / len(source)
+
+
 class TokenWindows(Dataset):
     """The same windows, map-style, for a plain DataLoader."""
 
@@ -87,7 +128,7 @@ class TokenWindows(Dataset):
 
 def stream_batches(paths, records, context, batch, workers, buffer):
     source = StreamSource(TokenStream(paths, records, context), seed=1, buffer=buffer, spec="bench")
-    return (batch_of for _, batch_of in source.loader(0, batch, 0, 0, 1, workers))
+    return (fetched.batch for fetched in source.loader(EpochShape(len(source), batch), 0, 0, 0, 1, workers))
 
 
 def plain_batches(paths, records, context, batch, workers, buffer):
@@ -131,8 +172,12 @@ def measure(args, paths) -> dict:
             stream, plain = statistics.median(seconds["stream"]), statistics.median(seconds["plain"])
             rows.append({"workers": workers, "what": "training step" if training else "reading only",
                          "stream_s": stream, "plain_s": plain, "ratio": stream / plain})
+    amplification = [{"ranks": ranks, "workers": workers, "read_per_record": read_amplification(args, paths, ranks,
+                                                                                                 workers)}
+                     for ranks, workers in READERS]
     return {"shards": args.shards, "records": args.records, "context": args.context, "batch": args.batch,
-            "buffer": args.buffer, "steps": args.steps, "rounds": args.rounds, "rows": rows}
+            "buffer": args.buffer, "steps": args.steps, "rounds": args.rounds, "rows": rows,
+            "read_amplification": amplification}
 
 
 def main() -> int:
@@ -164,6 +209,9 @@ def main() -> int:
     for row in report["rows"]:
         print(f"| {row['workers']} | {row['what']} | {row['stream_s']:.5f} | {row['plain_s']:.5f} | "
               f"{row['ratio']:.2f} |")
+    print("\n| ranks x workers | records read / records in the dataset (one epoch) |\n|---|---|")
+    for row in report["read_amplification"]:
+        print(f"| {row['ranks']} x {row['workers']} | {row['read_per_record']:.2f} |")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

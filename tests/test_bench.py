@@ -89,6 +89,8 @@ def stream_bench_checks(report: dict) -> None:
     assert [(row["workers"], row["what"]) for row in report["rows"]] == [
         (0, "reading only"), (0, "training step"), (2, "reading only"), (2, "training step")]
     assert all(row["stream_s"] > 0 and row["plain_s"] > 0 and row["ratio"] > 0 for row in report["rows"])
+    amplification = {(row["ranks"], row["workers"]): row["read_per_record"] for row in report["read_amplification"]}
+    assert amplification == {(1, 0): 1.0, (2, 2): 1.0, (4, 2): 1.0}, "each record read once per epoch"
 
 
 def memory_tier_bench_checks(report: dict) -> None:
