@@ -150,6 +150,11 @@ class StreamLayout:
         at, offset = self.locate(stream_position)
         return int(self.first_id[self.shard_order[at]]) + offset
 
+    def sample_ids(self, stream_positions: np.ndarray) -> list[int]:
+        """`sample_id` of many positions at once."""
+        at = np.searchsorted(self.stream_start, stream_positions, side="right") - 1
+        return (self.first_id[self.shard_order[at]] + stream_positions - self.stream_start[at]).tolist()
+
     def ids(self, batch: int, slots: Sequence[int]) -> list[int]:
         """The sample ids at slots of a global batch."""
         return [self.sample_id(self.stream_position(*self.slot(batch, slot))) for slot in slots]
@@ -184,16 +189,28 @@ class StreamEpoch(IterableDataset):
             samples, ids = [], []
             for slot in slots:
                 lane, record = layout.slot(batch, slot)
-                position = layout.stream_position(lane, record)
-                if weight and lane not in blocks:
-                    blocks[lane] = self.read(*layout.block_span(lane, chunk), chunk, layout.lanes, lane)
-                held = blocks.get(lane)
-                samples.append(held[position - layout.block_span(lane, chunk)[0]] if held is not None
-                               else self.read(position, 1, position, ONE_RECORD)[0])
-                ids.append(layout.sample_id(position))
+                if not weight:  # a padded share: the batch's first record, alone
+                    position = layout.stream_position(lane, record)
+                    samples.append(self.read(position, 1, position, ONE_RECORD)[0])
+                    ids.append(layout.sample_id(position))
+                    continue
+                if lane not in blocks:
+                    blocks[lane] = self.read_block(lane, chunk)
+                held, order, held_ids = blocks[lane]
+                inside = record - chunk * layout.block
+                samples.append(held[order[inside]])
+                ids.append(held_ids[inside])
             fetched.append(Fetched(torch.tensor(ids, dtype=torch.int64),
                                    self.collated(samples, batch * shape.batch_size + slots[0]), weight))
         return fetched
+
+    def read_block(self, lane: int, chunk: int) -> tuple[list, list[int], list[int]]:
+        """A lane's block of a chunk: its records in stream order, its permutation, and the
+        sample id at each of its shuffled places."""
+        layout = self.layout
+        start, size = layout.block_span(lane, chunk)
+        order = layout.block_permutation(lane, chunk)
+        return self.read(start, size, chunk, layout.lanes, lane), order.tolist(), layout.sample_ids(start + order)
 
     def read(self, start: int, wanted: int, index: int, *purpose: int) -> list:
         """`wanted` records of the epoch's stream from `start`, through the workload's
