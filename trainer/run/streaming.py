@@ -39,6 +39,7 @@ Sample ids, for the ledger, number the records in the declared shard order.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -166,6 +167,7 @@ class StreamEpoch(IterableDataset):
 
     def __init__(self, source: StreamSource, layout: StreamLayout, start_batch: int, rank: int, world_size: int):
         self.stream, self.shards, self.collate, self.layout = source.stream, source.shards, source.collate, layout
+        self.reads_to_stop = source.reads_to_stop
         self.start_batch, self.rank, self.world_size = start_batch, rank, world_size
 
     def chunks(self) -> range:
@@ -223,7 +225,8 @@ class StreamEpoch(IterableDataset):
             while len(records) < wanted:
                 shard = self.shards[layout.shard_order[at]]
                 take = min(wanted - len(records), shard.records - offset)
-                got = list(islice(self.stream.read(shard.handle, offset), take))
+                stop = (offset + take,) if self.reads_to_stop else ()
+                got = list(islice(self.stream.read(shard.handle, offset, *stop), take))
                 if len(got) != take:
                     raise ValueError(f"shard {shard.name!r} gave {offset + len(got)} records, but shards() "
                                      f"declared {shard.records}")
@@ -238,6 +241,16 @@ class StreamEpoch(IterableDataset):
             return self.collate(samples)
 
 
+def takes_stop(read) -> bool:
+    """Whether a stream's `read(shard, offset[, stop])` accepts a third argument."""
+    try:
+        parameters = inspect.signature(read).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in positional)
+
+
 class StreamSource:
     """A stream bound to the trainer: its shards, checked once, and its epochs' loaders."""
 
@@ -247,6 +260,9 @@ class StreamSource:
         """A DataLoader's `collate_fn` (adopted), else the stream's own `collate`, else None."""
         self.shards = shards_of(stream, spec)
         self.records = tuple(shard.records for shard in self.shards)
+        self.reads_to_stop = takes_stop(stream.read)
+        """Whether `read` takes `stop` (the record it may stop before): a reader that fetches
+        ahead (ranged GETs) then asks for no more than the trainer uses."""
         self.carried: dict[int, int] = {}
         """{epoch: lanes} of an epoch a restored generation started under another world size
         (`StreamCursor.check`): it finishes in that layout."""
