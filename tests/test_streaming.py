@@ -171,6 +171,49 @@ def test_weighted_shares_average_to_the_mean_over_the_batch_each_sample_once():
         assert not torch.allclose(unweighted, gradient(list(range(samples))), atol=1e-3)
 
 
+def test_a_cursor_from_before_lanes_mid_epoch_and_uneven_shares_for_a_train_step_are_refused():
+    """Cost: < 1 s. A stored cursor without `lanes` (the split by sample index) cannot say
+    which samples its epoch read: refused mid-epoch (65), accepted at an epoch's start. A
+    workload with its own train_step cannot weigh its losses by share (exit 2)."""
+    from trainer.errors import CorruptGeneration, UsageError
+    from trainer.run.batching import require_even_split
+    from trainer.run.state import Progress
+    from trainer.run.streaming import StreamCursor
+    from trainer.config import WorkloadConfig
+
+    cursor = StreamCursor(numbers(), EpochShape(36, 6), 1)
+    old = {"epoch": 0, "consumed": 12, "shard": "part-1", "offset": 3, "buffer": 10}
+    with pytest.raises(CorruptGeneration, match="not into lanes"):
+        cursor.check(old, Progress(2, 0, 2))
+    cursor.check({**old, "consumed": 0}, Progress(6, 1, 0))
+    require_even_split(36, WorkloadConfig(batch_size=16), 8)
+    with pytest.raises(UsageError, match="own train_step cannot weigh"):
+        require_even_split(36, WorkloadConfig(batch_size=16), 8, own_step=True)
+    require_even_split(36, WorkloadConfig(batch_size=16, last_batch="drop"), 8, own_step=True)
+
+
+def test_object_files_read_ranges_and_fingerprint_sizes_and_etags(s3_bucket, monkeypatch):
+    """Cost: ~2 s once the suite's SeaweedFS runs (s3fs imported in-process). Listed once, read by ranged GETs (only the
+    bytes asked for), a rewritten object changes the fingerprint, an empty prefix is refused
+    in one line (exit 2)."""
+    from trainer.errors import UsageError
+    from trainer.workload.objects import ObjectFiles
+
+    s3_bucket.use_env(monkeypatch)
+    client = s3_bucket.client()
+    client.put_object(Bucket=s3_bucket.name, Key="data/a.bin", Body=bytes(range(100)))
+    client.put_object(Bucket=s3_bucket.name, Key="data/notes.txt", Body=b"not a shard")
+    files = ObjectFiles(f"{s3_bucket.url}/data", suffix=".bin")
+    assert files.names() == ["a.bin"] and files.size("a.bin") == 100
+    assert files.read("a.bin", 10, 14) == bytes([10, 11, 12, 13]) and files.fetched == 4
+    before = files.fingerprint()
+    assert before == ObjectFiles(f"{s3_bucket.url}/data", suffix=".bin").fingerprint()
+    client.put_object(Bucket=s3_bucket.name, Key="data/a.bin", Body=bytes(range(1, 101)))
+    assert ObjectFiles(f"{s3_bucket.url}/data", suffix=".bin").fingerprint() != before, "same size, new ETag"
+    with pytest.raises(UsageError, match="no objects ending in '.bin'"):
+        ObjectFiles(f"{s3_bucket.url}/nothing", suffix=".bin")
+
+
 def test_the_layout_is_a_pure_function_of_seed_epoch_buffer_shape_and_lanes():
     """Cost: < 1 s."""
     shape = EpochShape(36, 6)

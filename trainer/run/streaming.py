@@ -383,5 +383,5 @@ def source_of(dataset, config: WorkloadConfig, spec: str, collate=None) -> DataS
         raise UsageError(f"--workload {spec}: build_dataset returned a {type(dataset).__name__}, which is neither "
                          f"map-style (__len__ and __getitem__) nor a stream: for an iterable dataset give "
                          f"shards() -> [(name, records)] and read(shard, offset) -> records from that offset, "
-                         f"and the trainer owns the order, the shuffle buffer and the cursor (README: Streaming data)")
+                         f"and the trainer owns the order, the shuffle buffer and the cursor (docs/streaming.md)")
     return KeyedSeeding(dataset, config.seed, collate)
