@@ -18,9 +18,10 @@ the dataset, 1.00 is each record once (trainer/run/streaming.py: one lane per ra
 blocks per worker). Before lanes, each reader read every block: ranks x workers.
 
 From an object store: the same shards uploaded to a fresh bucket on AWS_ENDPOINT_URL's server,
-else on a SeaweedFS this bench starts (tests/s3server.py; `--no-store` skips the part), read through `trainer.workload.objects.ObjectFiles`
-(ranged GETs of exactly the records a block needs), one epoch at 1x0 and 2x2: bytes fetched /
-bytes of the shards (every byte trained on once per epoch), 1.00 is no byte fetched twice.
+else on a SeaweedFS this bench starts (tests/s3server.py; `--no-store` skips the part), read
+through `trainer.workload.objects.ObjectFiles` (ranged GETs of exactly the records a block
+needs), one epoch at 1x0 and 2x2: bytes fetched / bytes of the shards (every byte trained on
+once per epoch), 1.00 is no byte fetched twice.
 """
 
 from __future__ import annotations

@@ -1,13 +1,16 @@
-"""Streaming data with a cursor the trainer owns (trainer/run/streaming.py), and the sample ledger
-(trainer/run/ledger.py).
+"""Streaming data with a cursor the trainer owns (trainer/run/streaming.py), an epoch's ragged
+last batch (trainer/run/batching.py), the sample ledger (trainer/run/ledger.py), and streams
+from an object store (trainer/workload/objects.py); docs/streaming.md.
 
-The order's properties are pure and tested directly (no process): the same global sample order
-for every worker count and world size, a resume mid-block equal to the rest of the order, every
-record once per epoch. End to end through the real CLI on examples/stream_lm.py (token shards
-on disk, a shuffle buffer smaller than an epoch and not a multiple of the batch): kill -9
-mid-epoch and resume with other --num-workers, bit-exact against the uninterrupted run, with
-the ledgers equal and `report` finding nothing repeated or skipped; and a 2 → 3 world-size
-change under --allow-drift world_size that continues the same global sample order.
+The layout's properties are pure and tested directly (no process): the same order for every
+worker count, every record read once per epoch whatever the ranks and workers (counted), a
+resume mid-block equal to the rest of the order, an epoch started under 4 ranks finished under
+3 in its order, `--last-batch` pad/drop and the weights that make padding count each sample
+once. End to end through the real CLI on examples/stream_lm.py (a shuffle buffer smaller than an
+epoch and not a multiple of the batch): kill -9 mid-epoch and resume with other --num-workers,
+bit-exact against the uninterrupted run, from shards on disk and from SeaweedFS; a 4 -> 3
+world-size change whose ledger chain equals the order computed from the layout; dropped last
+batches counted per epoch by `report`.
 """
 
 from __future__ import annotations
@@ -193,9 +196,9 @@ def test_a_cursor_from_before_lanes_mid_epoch_and_uneven_shares_for_a_train_step
 
 
 def test_object_files_read_ranges_and_fingerprint_sizes_and_etags(s3_bucket, monkeypatch):
-    """Cost: ~2 s once the suite's SeaweedFS runs (s3fs imported in-process). Listed once, read by ranged GETs (only the
-    bytes asked for), a rewritten object changes the fingerprint, an empty prefix is refused
-    in one line (exit 2)."""
+    """Cost: ~2 s once the suite's SeaweedFS runs (s3fs imported in-process). Listed once,
+    read by ranged GETs (only the bytes asked for), a rewritten object changes the
+    fingerprint, an empty prefix is refused in one line (exit 2)."""
     from trainer.errors import UsageError
     from trainer.workload.objects import ObjectFiles
 
@@ -309,7 +312,8 @@ def test_the_example_runs_on_4_then_3_processes_and_the_ledger_proves_the_order(
     (step 3), resumed on 3 under --allow-drift world_size, through the epoch end: the rest of
     epoch 0 keeps its 4-lane order, epoch 1 is laid out for 3, and the ledger's chain equals
     that order computed from the layout alone; `report` finds none repeated or skipped (61 +
-    24 samples) and counts the padding (epoch 0's last batch ran on 3: 2 ranks padded). Cost: ~25 s (two torchrun launches, 4 and 3 processes)."""
+    24 samples) and counts the padding (epoch 0's last batch ran on 3: 2 ranks padded).
+    Cost: ~18 s (two torchrun launches, 4 and 3 processes)."""
     shards = tmp_path / "shards"
     args = ("--workload", WORKLOAD, "--shard-dir", shards, "--batch-size", "12", "--shuffle-buffer", "8",
             "--max-steps", "8", "--recover-every-steps", "2", "--recover-every-epochs", "0", "--width", "8")

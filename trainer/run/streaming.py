@@ -217,7 +217,8 @@ class StreamEpoch(IterableDataset):
     def read(self, start: int, wanted: int, index: int, *purpose: int) -> list:
         """`wanted` records of the epoch's stream from `start`, through the workload's
         `read(shard, offset)` (with the global RNGs keyed by `index` and `purpose`: a block's
-        chunk, lanes and lane, or a lone record's position; should the reader draw any), crossing into the next shards of the epoch's order as needed."""
+        chunk, lanes and lane, or a lone record's position; should the reader draw any),
+        crossing into the next shards of the epoch's order as needed."""
         layout = self.layout
         records: list = []
         at, offset = layout.locate(start)
