@@ -89,6 +89,10 @@ def stream_bench_checks(report: dict) -> None:
     assert [(row["workers"], row["what"]) for row in report["rows"]] == [
         (0, "reading only"), (0, "training step"), (2, "reading only"), (2, "training step")]
     assert all(row["stream_s"] > 0 and row["plain_s"] > 0 and row["ratio"] > 0 for row in report["rows"])
+    amplification = {(row["ranks"], row["workers"]): row["read_per_record"] for row in report["read_amplification"]}
+    assert amplification == {(1, 0): 1.0, (2, 2): 1.0, (4, 2): 1.0}, "each record read once per epoch"
+    assert [(row["ranks"], row["workers"]) for row in report["store"]] == [(1, 0), (2, 2)]
+    assert all(1.0 <= row["fetched_per_trained"] < 1.01 for row in report["store"]), "no byte fetched twice"
 
 
 def memory_tier_bench_checks(report: dict) -> None:
@@ -141,9 +145,12 @@ def test_make_bench_on_a_fresh_clone_runs_each_quick_benchmark(tmp_path):
 
 
 @pytest.mark.parametrize("script", [path for path in BENCHMARKS if path.name not in MAKE_BENCH], ids=lambda path: path.name)
-def test_benchmark_runs_at_its_quick_size(script, tmp_path):
-    # No AWS_* from the developer's shell: a benchmark that needs a store starts its own SeaweedFS.
+def test_benchmark_runs_at_its_quick_size(script, tmp_path, request):
+    # No AWS_* from the developer's shell: a benchmark that needs a store starts its own SeaweedFS,
+    # but stream_bench.py's few reads go to the suite's (started once per worker).
     env = {name: value for name, value in os.environ.items() if not name.startswith("AWS_")}
+    if script.name == "stream_bench.py":
+        env.update(request.getfixturevalue("s3_server").env())
     result = subprocess.run([sys.executable, str(script), "--quick", "--dir", str(tmp_path),
                              "--json", str(tmp_path / "result.json")], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=scaled(600))

@@ -325,16 +325,18 @@ def test_launch_environment_reads_the_launcher_variables():
 
 
 def test_rank_slices_together_are_exactly_the_global_batch():
-    from trainer.run.batching import EpochBatchOrder, uneven_split
+    from trainer.run.batching import EpochBatchOrder, EpochShape, uneven_split
 
-    whole = list(EpochBatchOrder(128, 16, 1234, epoch=3, start_batch=5))
-    slices = [list(EpochBatchOrder(128, 16, 1234, 3, 5, rank, 2)) for rank in (0, 1)]
+    whole = list(EpochBatchOrder(EpochShape(128, 16), 1234, epoch=3, start_batch=5))
+    slices = [list(EpochBatchOrder(EpochShape(128, 16), 1234, 3, 5, rank, 2)) for rank in (0, 1)]
     assert len(whole) == len(slices[0]) == len(slices[1]) == 3
     for batch, first, second in zip(whole, *slices):
         assert len(first) == len(second) == 8 and sorted(first + second) == sorted(batch)
-    assert uneven_split(128, 16, 2) is None
-    assert "does not divide evenly across 3 processes" in uneven_split(128, 16, 3)
-    assert "last batch of an epoch: 4" in uneven_split(100, 16, 8)
+    assert uneven_split(EpochShape(128, 16), 2) is None
+    assert "does not divide evenly across 3 processes" in uneven_split(EpochShape(128, 16), 3)
+    assert uneven_split(EpochShape(100, 16), 8) is None, "--last-batch pad weighs the last batch's shares"
+    assert "last batch of an epoch: 4" in uneven_split(EpochShape(100, 16, "refuse"), 8)
+    assert "larger than the 10 samples" in uneven_split(EpochShape(10, 16, "drop"), 1)
 
 
 def test_each_rank_finds_its_own_rng_entry_in_any_layout():

@@ -36,10 +36,10 @@ and M as measured, Daly's interval, and the goodput it and the current cadence p
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from trainer.run.interval import best_interval, expected_goodput, young_interval
-from trainer.run.ledger import ledger_problems
+from trainer.run.ledger import dropped_by_epoch, ledger_problems
 from trainer.run.records import (OUTCOMES, RESTORED_FROM, TIER0, AttemptRecord, PublishedEntry, exposure_s,
                                   failure_rate, lifetime)
 
@@ -194,6 +194,10 @@ class LedgerCheck:
     """Samples the ledgers account for (each once, however often its step was replayed)."""
     problems: tuple[str, ...] = ()
     """Samples repeated or skipped between or inside generations: empty when none."""
+    dropped: dict[int, int] = field(default_factory=dict)
+    """{epoch: samples its ragged last batch left untrained} (`--last-batch drop`)."""
+    padded: int = 0
+    """Repeated samples trained at loss weight 0 (`--last-batch pad`, a rank with no share)."""
 
 
 @dataclass(frozen=True)
@@ -398,7 +402,8 @@ def check_ledgers(records: list[AttemptRecord]) -> LedgerCheck:
         for entry in record.ledger:
             entries[entry["step"]], sources[entry["step"]] = entry, record.id
     return LedgerCheck(len(entries), len(set(sources.values())), sum(entry["samples"] for entry in entries.values()),
-                       tuple(ledger_problems(entries)))
+                       tuple(ledger_problems(entries)), dropped_by_epoch(entries),
+                       sum(entry.get("padded", 0) for entry in entries.values()))
 
 
 @dataclass(frozen=True)
@@ -550,10 +555,14 @@ def format_ledger(check: LedgerCheck) -> list[str]:
         return []
     head = (f"  sample ledger      {plural(check.generations, 'generation')} from {plural(check.attempts, 'attempt')}, "
             f"{check.samples} samples: ")
+    per_epoch = ", ".join(f"epoch {epoch}: {count}" for epoch, count in sorted(check.dropped.items()))
+    last_batch = [f"    dropped (--last-batch drop): {per_epoch}"] if check.dropped else []
+    if check.padded:
+        last_batch.append(f"    padded (--last-batch pad): {check.padded} repeated at loss weight 0, not counted")
     if not check.problems:
-        return ["", head + "none repeated or skipped (replayed steps' samples reach a generation once)"]
+        return ["", head + "none repeated or skipped (replayed steps' samples reach a generation once)", *last_batch]
     return ["", head + f"REPEATED OR SKIPPED in {plural(len(check.problems), 'place')}"] + [
-        f"    {problem}" for problem in check.problems]
+        f"    {problem}" for problem in check.problems] + last_batch
 
 
 def format_report(report: Report, output: str, advice: Advice | None = None) -> str:

@@ -13,7 +13,7 @@ from trainer.checkpoint.checkpointer import effective_mode
 from trainer.run.attempts import (AttemptRecorder, AttemptStart, RefusedStart, previous_attempt, refuse_crash_loop,
                                   steps_replayed, world_size_change)
 from trainer.run.records import read_attempts
-from trainer.run.batching import require_even_split, training_steps
+from trainer.run.batching import EpochShape, epoch_shape, require_even_split, training_steps
 from trainer.run.fingerprint import check_fingerprint, current_fingerprint
 from trainer.run.claim import Claim, Claimant
 from trainer.run.events import TrainingEvents
@@ -35,13 +35,16 @@ class Checked:
     mode: str
     """The checkpoint mode this attempt writes with ("sync" or "async")."""
     exactness: Exactness
+    shape: EpochShape
+    """An epoch's batches (`--last-batch`): the sample ledger counts its trained and dropped samples."""
 
 
 def check_attempt(config: RunConfig, workload: BoundWorkload, claim: Claim, dataset, ranks: Ranks) -> Checked:
     """Before the record starts: the batch split, the fingerprint, the crash-loop guard, the
     save mode. Rank 0 decides each; every rank learns the outcome (or the refusal)."""
     generation = claim.generation
-    ranks.decide_on_primary(lambda: require_even_split(len(dataset), config.workload, ranks.world_size),
+    ranks.decide_on_primary(lambda: require_even_split(len(dataset), config.workload, ranks.world_size,
+                                                       workload.has_train_step),
                             "checking the batch split")
     planned = workload.plan(training_steps(len(dataset), config.workload))
     fingerprint = current_fingerprint({**config.workload.training_relevant(), **planned}, dataset.fingerprint(),
@@ -58,7 +61,8 @@ def check_attempt(config: RunConfig, workload: BoundWorkload, claim: Claim, data
                       ranks.device.type)
     if exact.reason and ranks.is_primary:
         log.warning("%s: %s", "exact" if exact.exact else "not exact", exact.reason)
-    return Checked(fingerprint, tuple(drift), history, effective_mode(config.checkpoint_mode, ranks.device), exact)
+    return Checked(fingerprint, tuple(drift), history, effective_mode(config.checkpoint_mode, ranks.device), exact,
+                   epoch_shape(len(dataset), config.workload))
 
 
 def start_record(config: RunConfig, claim: Claim, checked: Checked, ranks: Ranks,
