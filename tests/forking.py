@@ -10,8 +10,8 @@ signals reach it as they would reach `python -m trainer`); it runs the trainer's
 `__main__` through `runpy`, then ends the way an interpreter does (non-daemon threads joined,
 atexit handlers run, the exit status of an uncaught exception or signal).
 
-What a fork cannot reproduce, the real interpreter runs instead (`conftest.run_cli` and
-`conftest.start` decide, through `forkable`): a `preexec_fn`, another command (torchrun), or an
+What a fork cannot reproduce, the real interpreter runs instead (`support.cli.run_cli` and
+`support.cli.start` decide, through `forkable`): a `preexec_fn`, another command (torchrun), or an
 environment that differs in what is read while torch is imported (OMP_*, TORCH_*, ...). Tests
 of start-up itself (a signal while torch is still being imported) ask for the real interpreter
 with `start(..., fresh=True)`, and `TEST_FORK=0` runs every process as a real interpreter.
@@ -53,7 +53,7 @@ class Zygote:
         folder = folder if len(folder) < 64 else "/tmp"  # a Unix socket's path is at most 107 bytes
         self.address = str(Path(folder) / f"trainer-zygote-{os.getpid()}.sock")
         self.cpu_seconds = 0.0
-        """CPU its children used, reported as each one ends (conftest's TEST_CPU_LOG counts it)."""
+        """CPU its children used, reported as each one ends (support/cpu.py's TEST_CPU_LOG counts it)."""
         self.process = subprocess.Popen([python, __file__, self.address], cwd=cwd, env=self.env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         if self.process.stdout.readline() != b"ready\n":

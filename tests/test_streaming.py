@@ -18,8 +18,9 @@ import shutil
 import pytest
 import torch
 
-from conftest import (REPO, attempts, compare, finish, generation, made_once, run_cli, start, torchrun, train,
-                      wait_for_line)
+from support.cli import REPO, compare, finish, run_cli, start, train, wait_for_line
+from support.runs import attempts, generation, made_once
+from support.torchrun import torchrun
 from trainer.run.ledger import GENESIS, SampleLedger, ledger_problems
 from trainer.run.streaming import StreamOrder, StreamSource, rank_positions
 
