@@ -83,6 +83,7 @@ def test_a_signal_ends_a_forked_child_as_it_ends_a_fresh_one(tmp_path, sig):
         process = start(["wait"], tmp_path, trainer_env())
         wait_for_line(process, "ready")
         process.send_signal(sig)
-        endings.append(ended(process))
+        status, out, err = ended(process)
+        endings.append((status, out, err.splitlines()[-1:]))  # where SIGINT lands in the code varies
     assert endings[1] == endings[0]
     assert endings[0][0] == -sig
