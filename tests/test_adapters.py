@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, compare, generation, made_once, one_error_line, run_cli, torchrun, train
+from support.cli import REPO, compare, one_error_line, run_cli, train
+from support.runs import generation, made_once
+from support.torchrun import torchrun
 
 WORKLOAD = f"{REPO}/tests/workloads/hf_stream.py:HFRegression"
 ARGS = ("--workload", WORKLOAD, "--batch-size", "6", "--shuffle-buffer", "5", "--max-steps", "10",

@@ -15,7 +15,9 @@ import sys
 
 import pytest
 
-from conftest import REPO, fresh_clone, make, scaled
+from support.cli import REPO
+from support.clones import fresh_clone, make
+from support.limits import scaled
 
 BENCHMARKS = sorted(path for path in (REPO / "bench").glob("*.py") if "--quick" in path.read_text())
 MAKE_BENCH = re.findall(r"bench/(\w+\.py) --quick", (REPO / "Makefile").read_text())

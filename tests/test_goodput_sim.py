@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from support.cli import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
 

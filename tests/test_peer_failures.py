@@ -26,8 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TORCHRUN, attempts, clean_environment, compare, generation, run_cli, scaled, start, \
-    wait_for_line
+from support.cli import REPO, compare, run_cli, start, wait_for_line
+from support.limits import scaled
+from support.runs import attempts, generation
+from support.torchrun import TORCHRUN, clean_environment
 from test_scale_out import EPOCHS, FINAL_2P, baseline_2p  # noqa: F401 - the fixture, shared with its tests
 from trainer.config import PeerWaitConfig
 from trainer.parallel.ranks import StepPace

@@ -13,16 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPO, TORCHRUN, TORCHRUN_CHILD_FAILED, attempts, clean_environment, compare, finish, free_port,
-                      generation, made_once, one_error_line, run_cli, scaled, train, wait_until)
-from conftest import torchrun as run_torchrun
+from support.cli import REPO, compare, finish, one_error_line, run_cli, train
+from support.limits import scaled, wait_until
+from support.runs import attempts, generation, made_once
+from support.torchrun import TORCHRUN, TORCHRUN_CHILD_FAILED, clean_environment, free_port, torchrun as run_torchrun
 
 EPOCHS = 2  # 16 steps: enough for mid-run generations, short enough for CI
 FINAL_2P = "step-00000016"
 
 
 def torchrun(output: Path, *args, expect: int = 0, env: dict | None = None, tmp: Path) -> subprocess.CompletedProcess:
-    """Two processes, `EPOCHS` epochs (conftest's `torchrun`)."""
+    """Two processes, `EPOCHS` epochs (support.torchrun's `torchrun`)."""
     return run_torchrun(output, "--epochs", EPOCHS, *args, nproc=2, expect=expect, env=env, tmp=tmp)
 
 

@@ -24,8 +24,9 @@ from array import array
 import pytest
 import torch
 
-from conftest import (REPO, attempts, compare, finish, generation, made_once, run_cli, start, torchrun, train,
-                      wait_for_line)
+from support.cli import REPO, compare, finish, run_cli, start, train, wait_for_line
+from support.runs import attempts, generation, made_once
+from support.torchrun import torchrun
 from trainer.run.ledger import GENESIS, SampleLedger, id_bytes, ledger_problems
 from trainer.run.batching import EpochBatchOrder, EpochShape
 from trainer.run.streaming import StreamEpoch, StreamLayout, StreamSource
