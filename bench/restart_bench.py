@@ -2,7 +2,8 @@
 first step of the restarted attempt, split into its parts.
 
     python bench/restart_bench.py                    # kill -9 and a frozen rank, auto bound
-    python bench/restart_bench.py --quick            # kill -9 only, well under a minute
+    python bench/restart_bench.py --quick            # kill -9 once, well under a minute
+    python bench/restart_bench.py --kinds kill       # kill -9 only (a checkout that never ends a frozen rank)
     python bench/restart_bench.py --repo /tmp/old    # the same against another checkout (before/after)
 
 Two processes under `torchrun --standalone --max-restarts 3` train the example workload with
@@ -137,32 +138,33 @@ def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="kill -9 once, with a 3 s peer bound (for CI)")
+    parser.add_argument("--quick", action="store_true", help="kill -9 once (for CI)")
+    parser.add_argument("--kinds", nargs="+", choices=("kill", "freeze"), default=["kill", "freeze"])
     parser.add_argument("--repeat", type=int, default=3, help="failures of each kind (default 3)")
     parser.add_argument("--repo", type=Path, default=REPO, help="the checkout whose trainer runs (default: this one)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--dir", type=Path, help="where the runs go (default: a temporary folder, removed)")
     args = parser.parse_args()
-    kinds = ["kill"] if args.quick else ["kill", "freeze"]
+    kinds = ["kill"] if args.quick else args.kinds
     repeat = 1 if args.quick else args.repeat
     results = []
-    with tempfile.TemporaryDirectory(prefix="restart-bench-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="restart-bench-", dir=args.dir) as scratch:
         for number in range(repeat):
             for how in kinds:
                 folder = Path(scratch) / f"{how}-{number}"
-                results.append(one_failure(args.repo, how, ["--peer-timeout-secs", "3"] if args.quick else [],
-                                           folder, 120 if args.quick else 300))
+                results.append(one_failure(args.repo, how, [], folder, 120 if args.quick else 300))
     summary = {"repo": str(args.repo), "failures": results}
     for how in kinds:
         rs = sorted(r["r_s"] for r in results if r["how"] == how and r["r_s"] is not None)
         summary[f"{how}_r_median_s"] = rs[len(rs) // 2] if rs else None
-    rows = [f"{'failure':<8} {'R s':>6} {'detect':>7} {'teardown':>8} {'imports':>7} {'join':>6} {'claim':>6} "
-            f"{'restore':>7} {'1st step':>8}  from"]
+    rows = ["| failure | R s | detection | teardown | imports | join | claim | restore | first step | from |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     cell = lambda value: "-" if value is None else f"{value:.2f}"  # noqa: E731
     for r in results:
-        rows.append(f"{r['how']:<8} {cell(r['r_s']):>6} {cell(r['detection_s']):>7} {cell(r.get('teardown_s')):>8} "
-                    f"{cell(r.get('imports_s')):>7} {cell(r.get('join_s')):>6} {cell(r.get('claim_s')):>6} "
-                    f"{cell(r.get('restore_s')):>7} {cell(r.get('first_step_s')):>8}  {r['restored_from'] or '-'}"
-                    + ("".join(f"\n    {line}" for line in r.get("lines", []))))
+        rows.append(f"| {r['how']} | {cell(r['r_s'])} | {cell(r['detection_s'])} | {cell(r.get('teardown_s'))} | "
+                    f"{cell(r.get('imports_s'))} | {cell(r.get('join_s'))} | {cell(r.get('claim_s'))} | "
+                    f"{cell(r.get('restore_s'))} | {cell(r.get('first_step_s'))} | {r['restored_from'] or '-'} |"
+                    + "".join(f"\n    {line}" for line in r.get("lines", [])))
     return print_result("\n".join(rows), summary, args.json)
 
 

@@ -27,7 +27,7 @@ MAKE_BENCH = re.findall(r"bench/(\w+\.py) --quick", (REPO / "Makefile").read_tex
 def test_every_benchmark_script_is_covered():
     assert {path.name for path in BENCHMARKS} >= {"checkpoint_bench.py", "loop_overhead.py", "store_bench.py",
                                                   "goodput_sim.py", "goodput_validation.py", "reduction_bench.py",
-                                                  "stream_bench.py", "memory_tier_bench.py"}
+                                                  "stream_bench.py", "memory_tier_bench.py", "restart_bench.py"}
 
 
 def store_bench_checks(report: dict) -> None:
@@ -117,7 +117,17 @@ def memory_tier_bench_checks(report: dict) -> None:
             "peer restore / cold disk restore (time)", "peak RSS / state"} <= set(report["ratios"])
 
 
-CHECKS = {"memory_tier_bench.py": memory_tier_bench_checks, "stream_bench.py": stream_bench_checks, "store_bench.py": store_bench_checks, "scale_out_bench.py": scale_out_bench_checks,
+def restart_bench_checks(report: dict) -> None:
+    """A kill -9 of rank 1 under torchrun --max-restarts: the survivor named it, the workers were
+    restarted in place and reached a step restored from tier 0, every part of R accounted for."""
+    (failure,) = report["failures"]
+    assert failure["how"] == "kill" and failure["restored_from"] == "memory", failure
+    assert failure["r_s"] > 0 and failure["detection_s"] is not None and failure["attempts"] == 2, failure
+    for part in ("teardown_s", "imports_s", "join_s", "claim_s", "restore_s", "first_step_s"):
+        assert failure[part] is not None, part
+
+
+CHECKS = {"memory_tier_bench.py": memory_tier_bench_checks, "restart_bench.py": restart_bench_checks, "stream_bench.py": stream_bench_checks, "store_bench.py": store_bench_checks, "scale_out_bench.py": scale_out_bench_checks,
           "goodput_sim.py": goodput_sim_checks, "goodput_validation.py": goodput_validation_checks,
           "reduction_bench.py": reduction_bench_checks, "loop_overhead.py": loop_overhead_checks}
 
