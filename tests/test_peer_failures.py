@@ -5,7 +5,8 @@ End to end under real torchrun (gloo on loopback) with real signals:
 - a frozen rank (SIGSTOP): the other rank ends within the bound (`--peer-timeout-secs`), exit 75,
   one line naming rank 1 as unresponsive, recorded as `interrupted` with the peer; sync and async
   (the async save's background groups must not hold it either). About 10 s each.
-- kill -9 of rank 1 under `torchrun --max-restarts 1`: the surviving rank names rank 1 as gone
+- kill -9 of rank 1 under `torchrun --max-restarts 1` (the static rendezvous; the c10d one in
+  test_bench.py's restart_bench run): the surviving rank names rank 1 as gone
   (not the model's error), the agent restarts both workers in place, they rejoin the first time,
   restore the newest generation from tier 0 and end bit-identical to the uninterrupted run;
   `report` shows R from the last step to the next first step. About 15 s.
@@ -29,7 +30,7 @@ import pytest
 from support.cli import REPO, compare, run_cli, start, wait_for_line
 from support.limits import scaled
 from support.runs import attempts, generation
-from support.torchrun import TORCHRUN, clean_environment
+from support.torchrun import TORCHRUN, clean_environment, free_port
 from test_scale_out import EPOCHS, FINAL_2P, baseline_2p  # noqa: F401 - the fixture, shared with its tests
 from trainer.config import PeerWaitConfig
 from trainer.parallel.ranks import StepPace
@@ -59,9 +60,13 @@ def rank_pid(launcher_pid: int, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank} under {launcher_pid}")
 
 
-def launch(tmp_path: Path, run: Path, *args, restarts: int = 0) -> tuple[subprocess.Popen, Path]:
+def launch(tmp_path: Path, run: Path, *args, restarts: int = 0, static: bool = False) -> tuple[subprocess.Popen, Path]:
+    """torchrun with 2 processes: `--standalone` (the c10d rendezvous), or `static` (a fixed
+    master address and port, as the PyTorchJob launches it)."""
     status = tmp_path / "status"
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--max-restarts", str(restarts),
+    rendezvous = ["--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())] if static \
+        else ["--standalone"]
+    command = [str(TORCHRUN), *rendezvous, "--nproc_per_node", "2", "--max-restarts", str(restarts),
                "-m", "trainer", "--output", str(run), "--threads", "1", "--epochs", str(EPOCHS),
                "--log-every-steps", "1", *map(str, args)]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -100,9 +105,11 @@ def test_a_frozen_rank_ends_the_other_within_the_bound_naming_it_resumable(mode,
 
 
 def test_a_rank_killed_under_max_restarts_restarts_in_place_from_tier0_and_ends_exact(tmp_path, baseline_2p):
+    """The static rendezvous, as pytorchjob.yaml launches it (bench/restart_bench.py, which the
+    suite runs at --quick with its checks, does the same under --standalone's c10d)."""
     run, memory = tmp_path / "run", tmp_path / "memory"
     process, status = launch(tmp_path, run, "--resume", "auto", "--recover-every-steps", 4, "--memory-dir", memory,
-                             "--memory-every-steps", 1, restarts=1)
+                             "--memory-every-steps", 1, restarts=1, static=True)
     try:
         wait_for_line(process, "step=10 ")
         os.kill(rank_pid(process.pid, 1), signal.SIGKILL)
