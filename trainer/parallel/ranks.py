@@ -32,7 +32,6 @@ backward, a save's barrier), so the error takes the same way out as a lost conne
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
 import time
@@ -57,7 +56,6 @@ from trainer.parallel.reduction import PER_PARAMETER, per_parameter_mean
 from trainer.layout import RunDirectory
 
 T = TypeVar("T")
-log = logging.getLogger("trainer")
 
 
 def rank_seed(seed: int, rank: int) -> int:
@@ -342,7 +340,7 @@ class Ranks:
 
     def peer_failure(self, error: BaseException, what: str) -> PeerFailure:
         """The one line for a collective that failed on a peer, naming the ranks whose heartbeat
-        stopped (this waits the heartbeat's window, about a second and a half)."""
+        stopped (this waits the heartbeat's window, under a second)."""
         timed_out = "timed out" in str(error).lower() or "timeout" in type(error).__name__.lower()
         silent = self.heartbeat.silent_ranks() if self.heartbeat is not None else None
         who = ("rank " if len(silent) == 1 else "ranks ") + ", ".join(map(str, silent)) if silent else None
