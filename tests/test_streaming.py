@@ -24,8 +24,8 @@ from trainer.run.ledger import GENESIS, SampleLedger, ledger_problems
 from trainer.run.streaming import StreamOrder, StreamSource, rank_positions
 
 WORKLOAD = f"{REPO}/examples/stream_lm.py:StreamLM"
-STREAM = ("--workload", WORKLOAD, "--shards", "4", "--context", "30", "--batch-size", "6", "--shuffle-buffer", "20",
-          "--max-steps", "14", "--recover-every-steps", "4", "--recover-every-epochs", "0")
+STREAM = ("--workload", WORKLOAD, "--lm-shards", "4", "--lm-context", "30", "--batch-size", "6",
+          "--shuffle-buffer", "20", "--max-steps", "14", "--recover-every-steps", "4", "--recover-every-epochs", "0")
 """4 shards of a 30-token context: 66 records, 11 global batches of 6 (2 and 3 ranks split them
 evenly). 14 steps cross the epoch end; generations at 4, 8, 12, 14: 8 is mid-epoch and
 mid-block (48 samples done, block 2 spans 40..59)."""
@@ -127,7 +127,7 @@ def test_the_ledger_of_two_ranks_equals_the_ledger_of_one():
 def stream_baseline(tmp_path_factory):
     """The uninterrupted streaming run, one process, no workers. Cost: ~6 s."""
     return made_once(tmp_path_factory, "stream-baseline",
-                     lambda root: train(root / "run", *STREAM, "--shard-dir", root / "shards"))
+                     lambda root: train(root / "run", *STREAM, "--lm-shard-dir", root / "shards"))
 
 
 def test_kill_9_mid_epoch_then_other_workers_resumes_exactly(stream_baseline, tmp_path):
@@ -137,12 +137,12 @@ def test_kill_9_mid_epoch_then_other_workers_resumes_exactly(stream_baseline, tm
     sample repeated or skipped. Cost: ~15 s (two attempts with worker processes)."""
     shards = stream_baseline / "shards"
     run = tmp_path / "run"
-    process = start(run, *STREAM, "--shard-dir", shards, "--num-workers", "2")
+    process = start(run, *STREAM, "--lm-shard-dir", shards, "--num-workers", "2")
     wait_for_line(process, "step=10 ")
     process.send_signal(signal.SIGKILL)
     finish(process)
     assert process.returncode == -signal.SIGKILL
-    resumed = train(run, *STREAM, "--shard-dir", shards, "--resume", "--num-workers", "3")
+    resumed = train(run, *STREAM, "--lm-shard-dir", shards, "--resume", "--num-workers", "3")
     assert "restored step-00000008" in resumed.stdout
     compared = compare(generation(stream_baseline / "run", FINAL), generation(run, FINAL))
     assert compared.returncode == 0, compared.stdout[-3000:]
@@ -162,7 +162,7 @@ def test_a_world_size_change_keeps_the_global_sample_order(tmp_path):
     uninterrupted 2-process run's; the weights do not, and that is said (3 ranks sum gradients
     in another order: docs/architecture.md). Cost: ~25 s (three torchrun launches)."""
     shards = tmp_path / "shards"
-    args = (*STREAM, "--shard-dir", shards)
+    args = (*STREAM, "--lm-shard-dir", shards)
     baseline, run = tmp_path / "baseline", tmp_path / "run"
     torchrun(baseline, *args, nproc=2, tmp=tmp_path)
     torchrun(run, *args, "--interrupt-at-step", "10", nproc=2, expect=75, tmp=tmp_path)
@@ -192,7 +192,7 @@ def test_a_changed_shard_refuses_the_resume(stream_baseline, tmp_path):
     shards = tmp_path / "shards"
     shutil.copytree(stream_baseline / "shards", shards)
     run = tmp_path / "run"
-    train(run, *STREAM, "--shard-dir", shards, "--interrupt-at-step", "5", expect=75)
+    train(run, *STREAM, "--lm-shard-dir", shards, "--interrupt-at-step", "5", expect=75)
     sorted(shards.glob("*.sha256"))[0].write_text("0" * 64 + "\n")
-    refused = run_cli("--output", run, *STREAM, "--shard-dir", shards, "--resume")
+    refused = run_cli("--output", run, *STREAM, "--lm-shard-dir", shards, "--resume")
     assert refused.returncode == 65 and "dataset" in refused.stderr, refused.stderr

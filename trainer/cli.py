@@ -64,8 +64,7 @@ def workload_parser(workload: str) -> tuple[OneLineParser, tuple[str, ...]]:
     if workload != DEFAULT_WORKLOAD:
         parser.help_command = f"{parser.prog} --workload {workload} --help"
     if clashes := sorted(set(declared) & trainer_names):
-        raise UsageError(f"--workload {workload} declares {', '.join(clashes)}, which the trainer already has; "
-                         f"rename them in its add_options")
+        raise found.clash(clashes)
     return parser, tuple(declared)
 
 
