@@ -338,7 +338,9 @@ def listed_location(args: argparse.Namespace, require_run_directory) -> Location
 
 def run_verify(argv: list[str]) -> int:
     parser = OneLineParser(prog="python -m trainer verify",
-                           description="Re-hash every file of generations and exports against their manifests.")
+                           description="Apply every check --resume applies to generations and exports: each file "
+                                       "re-hashed against its manifest, name, run, signature, and every stored "
+                                       "value loaded without running code (docs/security.md).")
     parser.add_argument("path", type=location_argument, metavar="DIR|GEN|URL",
                         help="a run directory or one generation/export directory, or the store URL of either")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
