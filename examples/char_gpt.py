@@ -7,7 +7,7 @@ living outside the trainer package.
 What it exercises: random block sampling with the global torch RNG inside the dataset (made
 exact by the trainer's per-sample seeding), tied input/output embeddings, AdamW with two
 weight-decay groups, linear warmup then cosine decay over a fixed number of optimizer steps
-(`--decay-steps`, an option, so it is fingerprinted and --epochs may grow), gradient clipping
+(`--gpt-decay-steps`, an option, so it is fingerprinted and --epochs may grow), gradient clipping
 in `after_backward`, and bf16 autocast with --amp on CPU.
 """
 
@@ -85,39 +85,39 @@ class TinyGPT(nn.Module):
 class CharGPT:
     @staticmethod
     def add_options(group) -> None:
-        group.add_argument("--block-size", type=positive_int, default=32)
-        group.add_argument("--blocks-per-epoch", type=positive_int, default=32)
-        group.add_argument("--width", type=positive_int, default=32)
-        group.add_argument("--layers", type=positive_int, default=2)
-        group.add_argument("--heads", type=positive_int, default=2)
-        group.add_argument("--dropout", type=unit_interval, default=0.1)
-        group.add_argument("--lr", type=positive_float, default=3e-3)
-        group.add_argument("--weight-decay", type=float, default=0.1)
-        group.add_argument("--warmup-steps", type=int, default=2)
-        group.add_argument("--decay-steps", type=positive_int, default=100,
+        group.add_argument("--gpt-block-size", type=positive_int, default=32)
+        group.add_argument("--gpt-blocks-per-epoch", type=positive_int, default=32)
+        group.add_argument("--gpt-width", type=positive_int, default=32)
+        group.add_argument("--gpt-layers", type=positive_int, default=2)
+        group.add_argument("--gpt-heads", type=positive_int, default=2)
+        group.add_argument("--gpt-dropout", type=unit_interval, default=0.1)
+        group.add_argument("--gpt-lr", type=positive_float, default=3e-3)
+        group.add_argument("--gpt-weight-decay", type=float, default=0.1)
+        group.add_argument("--gpt-warmup-steps", type=int, default=2)
+        group.add_argument("--gpt-decay-steps", type=positive_int, default=100,
                            help="optimizer steps of the cosine decay (the LR stays at its floor after)")
-        group.add_argument("--clip", type=positive_float, default=1.0, help="gradient-norm clipping")
+        group.add_argument("--gpt-clip", type=positive_float, default=1.0, help="gradient-norm clipping")
 
     def __init__(self, options):
         self.options = options
         self.text = CORPUS.read_text()
 
     def build_dataset(self) -> RandomBlocks:
-        return RandomBlocks(self.text, self.options.block_size, self.options.blocks_per_epoch)
+        return RandomBlocks(self.text, self.options.gpt_block_size, self.options.gpt_blocks_per_epoch)
 
     def build_model(self) -> nn.Module:
         o = self.options
-        return TinyGPT(len(set(self.text)), o.block_size, o.width, o.layers, o.heads, o.dropout)
+        return TinyGPT(len(set(self.text)), o.gpt_block_size, o.gpt_width, o.gpt_layers, o.gpt_heads, o.gpt_dropout)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": self.options.weight_decay},
-                                  {"params": no_decay, "weight_decay": 0.0}], lr=self.options.lr,
+        return torch.optim.AdamW([{"params": decay, "weight_decay": self.options.gpt_weight_decay},
+                                  {"params": no_decay, "weight_decay": 0.0}], lr=self.options.gpt_lr,
                                  betas=(0.9, 0.95))
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer):
-        warmup, decay = self.options.warmup_steps, self.options.decay_steps
+        warmup, decay = self.options.gpt_warmup_steps, self.options.gpt_decay_steps
 
         def factor(step: int) -> float:
             if step < warmup:
@@ -132,9 +132,10 @@ class CharGPT:
         return nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten())
 
     def after_backward(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), self.options.clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), self.options.gpt_clip)
 
     def architecture(self) -> dict:
         o = self.options
-        return {"architecture": "TinyGPT", "vocabulary": "".join(sorted(set(self.text))), "block_size": o.block_size,
-                "width": o.width, "layers": o.layers, "heads": o.heads, "tied": ["head.weight", "tokens.weight"]}
+        return {"architecture": "TinyGPT", "vocabulary": "".join(sorted(set(self.text))),
+                "block_size": o.gpt_block_size, "width": o.gpt_width, "layers": o.gpt_layers, "heads": o.gpt_heads,
+                "tied": ["head.weight", "tokens.weight"]}

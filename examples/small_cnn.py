@@ -7,7 +7,7 @@ the trainer package.
 What it exercises: the torchvision habit of augmenting inside the Dataset with the global
 RNGs (pad-and-crop offsets from `torch.randint`, a flip from `random.random()`) while
 DataLoader workers fetch (made exact by the trainer's per-sample seeding), BatchNorm (running
-statistics are buffers: saved with the model), OneCycleLR over `--total-steps` optimizer
+statistics are buffers: saved with the model), OneCycleLR over `--cnn-total-steps` optimizer
 steps, and label smoothing. The images are drawn once from a seeded generator: no download.
 """
 
@@ -75,42 +75,42 @@ class Network(nn.Module):
 class SmallCNN:
     @staticmethod
     def add_options(group) -> None:
-        group.add_argument("--images", type=positive_int, default=64)
-        group.add_argument("--classes", type=positive_int, default=4)
-        group.add_argument("--channels", type=positive_int, default=8)
-        group.add_argument("--max-lr", type=positive_float, default=0.05)
-        group.add_argument("--total-steps", type=positive_int, default=64,
+        group.add_argument("--cnn-images", type=positive_int, default=64)
+        group.add_argument("--cnn-classes", type=positive_int, default=4)
+        group.add_argument("--cnn-channels", type=positive_int, default=8)
+        group.add_argument("--cnn-max-lr", type=positive_float, default=0.05)
+        group.add_argument("--cnn-total-steps", type=positive_int, default=64,
                            help="optimizer steps of the one-cycle schedule (a run may not exceed it)")
-        group.add_argument("--label-smoothing", type=unit_interval, default=0.1)
+        group.add_argument("--cnn-label-smoothing", type=unit_interval, default=0.1)
 
     def __init__(self, options):
         self.options = options
         # OneCycleLR cannot step past its end: refuse a run longer than the schedule up front
         # (epochs are not fingerprinted, so a run may be extended; the schedule length is).
-        steps = options.epochs * -(-(-(-options.images // options.batch_size)) // options.grad_accum)
-        if steps > options.total_steps:
+        steps = options.epochs * -(-(-(-options.cnn_images // options.batch_size)) // options.grad_accum)
+        if steps > options.cnn_total_steps:
             raise UsageError(f"--epochs {options.epochs} needs {steps} optimizer steps, but the one-cycle "
-                             f"schedule has --total-steps {options.total_steps}; lower --epochs, or raise "
-                             f"--total-steps in a new run (it changes training)")
+                             f"schedule has --cnn-total-steps {options.cnn_total_steps}; lower --epochs, or raise "
+                             f"--cnn-total-steps in a new run (it changes training)")
 
     def build_dataset(self) -> Stripes:
-        return Stripes(self.options.images, self.options.classes, self.options.seed)
+        return Stripes(self.options.cnn_images, self.options.cnn_classes, self.options.seed)
 
     def build_model(self) -> nn.Module:
-        return Network(self.options.channels, self.options.classes)
+        return Network(self.options.cnn_channels, self.options.cnn_classes)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.SGD(model.parameters(), lr=self.options.max_lr, momentum=0.9, nesterov=True,
+        return torch.optim.SGD(model.parameters(), lr=self.options.cnn_max_lr, momentum=0.9, nesterov=True,
                                weight_decay=5e-4)
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer):
-        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.options.max_lr,
-                                                   total_steps=self.options.total_steps)
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.options.cnn_max_lr,
+                                                   total_steps=self.options.cnn_total_steps)
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         images, labels = batch
-        return nn.functional.cross_entropy(model(images), labels, label_smoothing=self.options.label_smoothing)
+        return nn.functional.cross_entropy(model(images), labels, label_smoothing=self.options.cnn_label_smoothing)
 
     def architecture(self) -> dict:
         o = self.options
-        return {"architecture": "SmallCNN", "channels": o.channels, "classes": o.classes, "image_size": 16}
+        return {"architecture": "SmallCNN", "channels": o.cnn_channels, "classes": o.cnn_classes, "image_size": 16}

@@ -2,28 +2,28 @@
 --workload, living outside the trainer package.
 
     python -m trainer --output outputs/stream --workload examples/stream_lm.py:StreamLM \
-        --shard-dir outputs/stream-shards --max-steps 40 --shuffle-buffer 256 --num-workers 2
+        --lm-shard-dir outputs/stream-shards --max-steps 40 --shuffle-buffer 256 --num-workers 2
 
 The data is a stream, not a map-style dataset: `shards()` names token files on disk with their
-record counts (a record is a window of `--context + 1` tokens), and `read(shard, offset)`
+record counts (a record is a window of `--lm-context + 1` tokens), and `read(shard, offset)`
 yields records from an offset by memory-mapping the file. The trainer owns the rest: the shard
 order per epoch, the deterministic shuffle buffer, the split across ranks and DataLoader
 workers, and the cursor in every generation, so a kill -9 mid-epoch resumes exactly, with any
 --num-workers. The run is counted in optimizer steps (--max-steps); the warmup and cosine
 schedule is built from the plan the trainer hands over (`plan(steps)`), not from --epochs.
 
-The shards are written from examples/data/corpus.txt into --shard-dir when absent (a stand-in
+The shards are written from examples/data/corpus.txt into --lm-shard-dir when absent (a stand-in
 for a tokenizer's output: uint16 token files), each with the `.sha256` beside it that a data
 pipeline would write, so the fingerprint reads it instead of hashing the shard
 (trainer/workload/files.py).
 
-With --shard-url s3://BUCKET/PREFIX the same shards are read from an object store instead
+With --lm-shard-url s3://BUCKET/PREFIX the same shards are read from an object store instead
 (upload the `tokens-*.bin` files there): ranged GETs of exactly the records each block needs,
 no full download per reader, the fingerprint from the objects' sizes and ETags, credentials and
 retries as the run directory's (trainer/workload/objects.py):
 
     python -m trainer --output outputs/stream-s3 --workload examples/stream_lm.py:StreamLM \
-        --shard-url s3://datasets/corpus-tokens --max-steps 40 --num-workers 2
+        --lm-shard-url s3://datasets/corpus-tokens --max-steps 40 --num-workers 2
 """
 
 from __future__ import annotations
@@ -135,16 +135,16 @@ class TinyLM(nn.Module):
 class StreamLM:
     @staticmethod
     def add_options(group) -> None:
-        group.add_argument("--shard-dir", default="outputs/stream-shards",
+        group.add_argument("--lm-shard-dir", default="outputs/stream-shards",
                            help="where the token shards are (written from the corpus when absent)")
-        group.add_argument("--shard-url", default=None, metavar="s3://BUCKET/PREFIX",
-                           help="read the token shards (tokens-*.bin) from an object store instead of --shard-dir")
-        group.add_argument("--shards", type=positive_int, default=5)
-        group.add_argument("--context", type=positive_int, default=32)
-        group.add_argument("--width", type=positive_int, default=32)
-        group.add_argument("--dropout", type=float, default=0.1)
-        group.add_argument("--lr", type=positive_float, default=3e-3)
-        group.add_argument("--warmup-steps", type=positive_int, default=4)
+        group.add_argument("--lm-shard-url", default=None, metavar="s3://BUCKET/PREFIX",
+                           help="read the token shards (tokens-*.bin) from an object store instead of --lm-shard-dir")
+        group.add_argument("--lm-shards", type=positive_int, default=5)
+        group.add_argument("--lm-context", type=positive_int, default=32)
+        group.add_argument("--lm-width", type=positive_int, default=32)
+        group.add_argument("--lm-dropout", type=float, default=0.1)
+        group.add_argument("--lm-lr", type=positive_float, default=3e-3)
+        group.add_argument("--lm-warmup-steps", type=positive_int, default=4)
 
     def __init__(self, options):
         self.options = options
@@ -152,22 +152,22 @@ class StreamLM:
         self.total_steps = 1
 
     def build_dataset(self) -> TokenShards:
-        if self.options.shard_url:
-            return TokenShards(StoredFiles(self.options.shard_url, suffix=".bin"), self.options.context)
-        paths = write_shards(Path(self.options.shard_dir), self.options.shards, self.vocabulary)
-        return TokenShards(LocalFiles(paths), self.options.context)
+        if self.options.lm_shard_url:
+            return TokenShards(StoredFiles(self.options.lm_shard_url, suffix=".bin"), self.options.lm_context)
+        paths = write_shards(Path(self.options.lm_shard_dir), self.options.lm_shards, self.vocabulary)
+        return TokenShards(LocalFiles(paths), self.options.lm_context)
 
     def plan(self, steps) -> None:
         self.total_steps = steps.total
 
     def build_model(self) -> nn.Module:
-        return TinyLM(len(self.vocabulary), self.options.context, self.options.width, self.options.dropout)
+        return TinyLM(len(self.vocabulary), self.options.lm_context, self.options.lm_width, self.options.lm_dropout)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(model.parameters(), lr=self.options.lr, weight_decay=0.01)
+        return torch.optim.AdamW(model.parameters(), lr=self.options.lm_lr, weight_decay=0.01)
 
     def build_scheduler(self, optimizer):
-        warmup, total = self.options.warmup_steps, self.total_steps
+        warmup, total = self.options.lm_warmup_steps, self.total_steps
 
         def factor(step: int) -> float:
             if step < warmup:
@@ -183,5 +183,5 @@ class StreamLM:
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
 
     def architecture(self) -> dict:
-        return {"kind": "TinyLM", "vocabulary": len(self.vocabulary), "context": self.options.context,
-                "width": self.options.width}
+        return {"kind": "TinyLM", "vocabulary": len(self.vocabulary), "context": self.options.lm_context,
+                "width": self.options.lm_width}

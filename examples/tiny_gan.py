@@ -13,7 +13,7 @@ What it exercises:
   generator's, over the window of micro-batches (`--grad-accum`), through `step.autocast()`,
   `step.backward()` and `step.step()`, which keep the trainer's mixed precision, accumulation
   and `after_backward` clipping.
-- `--discriminator-optimizer stateful`: the discriminator's Adam kept in `stateful()` instead
+- `--gan-discriminator-optimizer stateful`: the discriminator's Adam kept in `stateful()` instead
   (the trainer materialises an optimizer it finds there too).
 - An EMA of the generator's weights created at the first step as a dict of tensors: stored
   entries a fresh process lacks are allocated from the generation and handed to its
@@ -79,10 +79,10 @@ def mlp(inputs: int, outputs: int, width: int) -> nn.Sequential:
 class TinyGAN:
     @staticmethod
     def add_options(group) -> None:
-        group.add_argument("--width", type=positive_int, default=16, help="hidden units of both networks")
+        group.add_argument("--gan-width", type=positive_int, default=16, help="hidden units of both networks")
         group.add_argument("--gan-lr", type=positive_float, default=2e-3)
         group.add_argument("--gan-samples", type=positive_int, default=64)
-        group.add_argument("--discriminator-optimizer", choices=("named", "stateful"), default="named",
+        group.add_argument("--gan-discriminator-optimizer", choices=("named", "stateful"), default="named",
                            help="the discriminator's Adam returned by build_optimizer, or kept in stateful()")
 
     def __init__(self, options):
@@ -94,13 +94,13 @@ class TinyGAN:
         return Ring(self.options.gan_samples, self.options.seed)
 
     def build_model(self) -> nn.Module:
-        width = self.options.width
+        width = self.options.gan_width
         return nn.ModuleDict({"generator": mlp(NOISE, 2, width), "discriminator": mlp(2, 1, width)})
 
     def build_optimizer(self, model):
         adam = lambda module: torch.optim.Adam(module.parameters(), lr=self.options.gan_lr, betas=(0.5, 0.9))
         generator, discriminator = adam(model["generator"]), adam(model["discriminator"])
-        if self.options.discriminator_optimizer == "stateful":
+        if self.options.gan_discriminator_optimizer == "stateful":
             self.kept_discriminator = discriminator
             return {"generator": generator}
         return {"generator": generator, "discriminator": discriminator}
@@ -149,4 +149,4 @@ class TinyGAN:
         return extras
 
     def architecture(self) -> dict:
-        return {"architecture": "tiny-gan", "noise": NOISE, "width": self.options.width}
+        return {"architecture": "tiny-gan", "noise": NOISE, "width": self.options.gan_width}

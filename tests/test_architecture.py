@@ -354,7 +354,9 @@ CODE = [*PACKAGE.rglob("*.py"), REPO / "compare.py", *(REPO / "bench").glob("*.p
         *(REPO / "tests").rglob("*.py")]
 FOREIGN_OPTIONS = {
     "torchrun": {"--standalone", "--nnodes", "--node_rank", "--nproc_per_node", "--master_addr", "--master_port",
-                 "--node-rank", "--nproc-per-node", "--master-addr", "--master-port"},
+                 "--node-rank", "--nproc-per-node", "--master-addr", "--master-port", "--max-restarts"},
+    "the reader's own workload": {"--mine-width", "--total-steps", "--data-root", "--lr-warmup",
+                                  "--reader-shuffle-buffer"},
     "polyaxon": {"--strict-params", "--recompile", "--kind", "--from-file", "--copy"},
     "docker": {"--build-arg"},
     "pytest": {"--dist"},

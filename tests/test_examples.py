@@ -14,7 +14,7 @@ from support.cli import compare, train
 from support.runs import generation
 
 GPT = ("--workload", "examples/char_gpt.py:CharGPT", "--batch-size", 8, "--grad-accum", 2, "--amp",
-       "--epochs", 3, "--blocks-per-epoch", 24)  # 3 micro-batches per epoch: windows of 2 and 1
+       "--epochs", 3, "--gpt-blocks-per-epoch", 24)  # 3 micro-batches per epoch: windows of 2 and 1
 CNN = ("--workload", "examples/small_cnn.py:SmallCNN", "--batch-size", 16, "--grad-accum", 2,
        "--epochs", 3)  # 64 images: 4 micro-batches per epoch, windows of 2 and 2
 FINAL = "step-00000006"
@@ -58,7 +58,7 @@ def test_the_transformers_example_exports_what_from_pretrained_loads(tmp_path):
     from transformers import GPT2LMHeadModel
 
     run = tmp_path / "run"
-    train(run, "--workload", "examples/hf_gpt2.py:HFGPT2", "--shard-dir", tmp_path / "shards", "--max-steps", 4,
+    train(run, "--workload", "examples/hf_gpt2.py:HFGPT2", "--lm-shard-dir", tmp_path / "shards", "--max-steps", 4,
           "--batch-size", 8)
     export = run / "exports" / "step-00000004"
     model, info = GPT2LMHeadModel.from_pretrained(export, output_loading_info=True)

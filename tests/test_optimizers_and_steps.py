@@ -46,7 +46,7 @@ def test_a_gan_with_two_optimizers_and_its_own_step_resumes_exactly(tmp_path, di
     to fail: a traceback, or exit 65 '18 stored entries ... would not read'). The EMA, a dict
     that grows at the first step, restores from the stored metadata. Accumulation over 2
     micro-batches and --amp (bf16 autocast on CPU) go through the step tools. ~8 s."""
-    equal = interrupted_and_resumed(tmp_path, (*GAN, "--amp", "--discriminator-optimizer", discriminator),
+    equal = interrupted_and_resumed(tmp_path, (*GAN, "--amp", "--gan-discriminator-optimizer", discriminator),
                                     GAN_FINAL, interrupt=3)
     assert all(equal.values())
     adam = [name for name in equal if name.endswith("exp_avg_sq")]

@@ -247,14 +247,14 @@ def test_a_plug_in_workload_and_its_own_options_reach_the_trainer_from_the_polya
     accepts, and the example workload's options (null) are not handed to another workload."""
     from trainer.cli import chosen_workload, workload_parser
 
-    compiled = render([JOB_FILE], {"workload": "examples/char_gpt.py:CharGPT", "workload_args": "--block-size 32",
+    compiled = render([JOB_FILE], {"workload": "examples/char_gpt.py:CharGPT", "workload_args": "--gpt-block-size 32",
                                    "grad_accum": 2})
     argv = [arg for arg in trainer_argv(container_scripts(compiled)[0]) if arg != "--tracked"]
-    assert {"--workload=examples/char_gpt.py:CharGPT", "--grad-accum=2", "--block-size", "32"} <= set(argv)
+    assert {"--workload=examples/char_gpt.py:CharGPT", "--grad-accum=2", "--gpt-block-size", "32"} <= set(argv)
     assert not any(arg.startswith(("--samples", "--hidden-size", "--lr=")) for arg in argv)
     parser, _ = workload_parser(chosen_workload(argv))
     parsed = parser.parse_args(argv + ["--output", "unused"])
-    assert (parsed.block_size, parsed.grad_accum) == (32, 2)
+    assert (parsed.gpt_block_size, parsed.grad_accum) == (32, 2)
 
 
 def test_the_signing_key_is_off_by_default_and_mounted_from_a_secret_when_named():

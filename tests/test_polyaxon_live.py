@@ -261,7 +261,7 @@ def readable_as_stopped(sandbox: Sandbox, project: str, u: str) -> None:
     message = conditions(sandbox, project, u)[-1]["message"]
     assert "resumable from newest generation step-00000024" in message, message
     assert f"polyaxon ops resume -uid {u} -f presets/resume.yaml" in message, message
-    assert timeline_images(sandbox, u) == ["assets/image/recovery-timeline_27.png"]
+    assert timeline_images(sandbox, u) == [f"assets/image/recovery-timeline_{step}.png" for step in (0, 27)]
 
 
 def readable_as_copy(sandbox: Sandbox, project: str, c: str, u: str, seed: str, digest: str) -> None:
@@ -271,9 +271,9 @@ def readable_as_copy(sandbox: Sandbox, project: str, c: str, u: str, seed: str, 
     reference = sandbox.lineage(project, c)[f"generation-{seed}"]
     assert reference["summary"]["hash"] == digest and reference["summary"]["copied_from"] == u
     # the original's picture, copied with its events, is not overwritten by the copy's own
-    assert timeline_images(sandbox, c) == ["assets/image/recovery-timeline_27.png"]
+    assert timeline_images(sandbox, c) == [f"assets/image/recovery-timeline_{step}.png" for step in (0, 27)]
     assert timeline_images(sandbox, c, "recovery-timeline-of-this-copy") == \
-        ["assets/image/recovery-timeline-of-this-copy_27.png"]
+        [f"assets/image/recovery-timeline-of-this-copy_{step}.png" for step in (0, 27)]
 
 
 def readable_as_resumed(sandbox: Sandbox, project: str, u: str) -> None:
@@ -281,9 +281,14 @@ def readable_as_resumed(sandbox: Sandbox, project: str, u: str) -> None:
     assert run["name"] == "resumed-2-attempts" and conditions(sandbox, project, u)[-1]["type"] == "succeeded"
     assert "interrupt_at_step=27" in run["outputs"]["first_params"], run["outputs"]  # after `ops resume` too
     assert run["outputs"]["goodput_steps_pct"] == round(100 * 64 / 67, 1)
-    assert timeline_images(sandbox, u) == ["assets/image/recovery-timeline_27.png",
-                                           "assets/image/recovery-timeline_64.png"]
+    images = timeline_images(sandbox, u)
+    assert images == [f"assets/image/recovery-timeline_{step}.png" for step in (0, 27, 0, 64)]
     lineage = sandbox.lineage(project, u)
+    # The run's page opens its image widget on the lowest step the lineage summarises (issue #43:
+    # it showed attempt 1's picture): step 0, which holds the whole run's timeline.
+    assert lineage["recovery-timeline"]["summary"]["step"]["min"] == 0, lineage["recovery-timeline"]
+    shown, whole, first = ((sandbox.artifacts / u / image).read_bytes() for image in (images[0], images[3], images[1]))
+    assert shown == whole != first
     kept = {f"generation-{g.name}" for g in (sandbox.artifacts / RUNS / u / "checkpoints").glob("step-*")}
     # every creation and every deletion went through (retried on the spurious 405): one reference
     # per kept generation, none to a deleted one.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,6 +92,26 @@ def test_two_processes_survive_an_interrupt_and_a_rank_killed_mid_save(tmp_path,
     assert all(r["status"] in ("interrupted", "running") for r in records[1:4])  # a lost peer; "running" if rank 0 was stopped first
     assert records[1]["steps_replayed"] == 3
     assert records[-1]["checkpoint_mode"] == "async"
+
+
+def test_verify_refuses_a_value_planted_in_a_ranks_shard_with_the_line_every_rank_resumes_with(tmp_path,
+                                                                                               baseline_2p):
+    """A pickle payload appended to rank 1's own shard as the optimizer's `dampening` (written
+    by that rank), the manifest fixed up: `verify` and the 2-process `--resume` refuse it with
+    the same line, exit 65, and nothing runs it."""
+    from test_untrusted import plant_value, refusal
+
+    run, marker = tmp_path / "run", tmp_path / "MARKER"
+    shutil.copytree(baseline_2p, run)
+    key = "optim.param_groups.0.dampening"
+    shard = plant_value(generation(run, FINAL_2P), key, marker, in_place=True)
+    assert shard.startswith("__1_"), f"{key} is in {shard}: not a shard of rank 1"
+    line = refusal(FINAL_2P, shard, f"the value of {key}")
+    verified = run_cli("verify", run)
+    assert verified.returncode == 65 and one_error_line(verified).endswith(line), verified.stdout + verified.stderr
+    resumed = torchrun(run, "--resume", expect=65, tmp=tmp_path)
+    assert trainer_error_lines(resumed) and all(error.endswith(line) for error in trainer_error_lines(resumed))
+    assert not marker.exists()
 
 
 def test_async_staging_with_several_ranks_holds_the_values_of_the_moment_it_was_staged(tmp_path):

@@ -32,8 +32,8 @@ from trainer.run.batching import EpochBatchOrder, EpochShape
 from trainer.run.streaming import StreamEpoch, StreamLayout, StreamSource
 
 WORKLOAD = f"{REPO}/examples/stream_lm.py:StreamLM"
-STREAM = ("--workload", WORKLOAD, "--shards", "4", "--context", "30", "--batch-size", "6", "--shuffle-buffer", "20",
-          "--max-steps", "14", "--recover-every-steps", "4", "--recover-every-epochs", "0")
+STREAM = ("--workload", WORKLOAD, "--lm-shards", "4", "--lm-context", "30", "--batch-size", "6",
+          "--shuffle-buffer", "20", "--max-steps", "14", "--recover-every-steps", "4", "--recover-every-epochs", "0")
 """4 shards of a 30-token context: 66 records, 11 global batches of 6 (2 and 3 ranks split them
 evenly). 14 steps cross the epoch end; generations at 4, 8, 12, 14: 8 is mid-epoch and
 mid-block (48 samples done, block 2 spans 40..59)."""
@@ -264,7 +264,7 @@ def test_the_ledger_of_two_ranks_equals_the_ledger_of_one():
 def stream_baseline(tmp_path_factory):
     """The uninterrupted streaming run, one process, no workers. Cost: ~6 s."""
     return made_once(tmp_path_factory, "stream-baseline",
-                     lambda root: train(root / "run", *STREAM, "--shard-dir", root / "shards"))
+                     lambda root: train(root / "run", *STREAM, "--lm-shard-dir", root / "shards"))
 
 
 def test_kill_9_mid_epoch_then_other_workers_resumes_exactly(stream_baseline, tmp_path):
@@ -274,12 +274,12 @@ def test_kill_9_mid_epoch_then_other_workers_resumes_exactly(stream_baseline, tm
     sample repeated or skipped. Cost: ~15 s (two attempts with worker processes)."""
     shards = stream_baseline / "shards"
     run = tmp_path / "run"
-    process = start(run, *STREAM, "--shard-dir", shards, "--num-workers", "2")
+    process = start(run, *STREAM, "--lm-shard-dir", shards, "--num-workers", "2")
     wait_for_line(process, "step=10 ")
     process.send_signal(signal.SIGKILL)
     finish(process)
     assert process.returncode == -signal.SIGKILL
-    resumed = train(run, *STREAM, "--shard-dir", shards, "--resume", "--num-workers", "3")
+    resumed = train(run, *STREAM, "--lm-shard-dir", shards, "--resume", "--num-workers", "3")
     assert "restored step-00000008" in resumed.stdout
     compared = compare(generation(stream_baseline / "run", FINAL), generation(run, FINAL))
     assert compared.returncode == 0, compared.stdout[-3000:]
@@ -316,8 +316,8 @@ def test_the_example_runs_on_4_then_3_processes_and_the_ledger_proves_the_order(
     24 samples) and counts the padding (epoch 0's last batch ran on 3: 2 ranks padded).
     Cost: ~18 s (two torchrun launches, 4 and 3 processes)."""
     shards = tmp_path / "shards"
-    args = ("--workload", WORKLOAD, "--shard-dir", shards, "--batch-size", "12", "--shuffle-buffer", "8",
-            "--max-steps", "8", "--recover-every-steps", "2", "--recover-every-epochs", "0", "--width", "8")
+    args = ("--workload", WORKLOAD, "--lm-shard-dir", shards, "--batch-size", "12", "--shuffle-buffer", "8",
+            "--max-steps", "8", "--recover-every-steps", "2", "--recover-every-epochs", "0", "--lm-width", "8")
     run = tmp_path / "run"
     torchrun(run, *args, "--interrupt-at-step", "3", nproc=4, expect=75, tmp=tmp_path)
     torchrun(run, *args, "--resume", "--allow-drift", "world_size", nproc=3, tmp=tmp_path)
@@ -335,7 +335,7 @@ def test_the_example_runs_on_4_then_3_processes_and_the_ledger_proves_the_order(
 
 
 def test_shards_in_the_object_store_resume_exactly_after_kill_9(stream_baseline, s3_bucket, tmp_path):
-    """The example's shards uploaded to SeaweedFS and read with --shard-url (ranged GETs,
+    """The example's shards uploaded to SeaweedFS and read with --lm-shard-url (ranged GETs,
     trainer/workload/objects.py), 2 workers, kill -9 after step 10; resumed with 1: the final
     generation equals the uninterrupted run over the same shards on disk, bit for bit (same
     bytes, same order), `report` finds none repeated or skipped, and the dataset's fingerprint
@@ -343,7 +343,7 @@ def test_shards_in_the_object_store_resume_exactly_after_kill_9(stream_baseline,
     client = s3_bucket.client()
     for path in sorted((stream_baseline / "shards").glob("tokens-*.bin")):
         client.upload_file(str(path), s3_bucket.name, f"tokens/{path.name}")
-    run, args = tmp_path / "run", (*STREAM, "--shard-url", f"{s3_bucket.url}/tokens")
+    run, args = tmp_path / "run", (*STREAM, "--lm-shard-url", f"{s3_bucket.url}/tokens")
     process = start(run, *args, "--num-workers", "2", env=s3_bucket.env())
     wait_for_line(process, "step=10 ")
     process.send_signal(signal.SIGKILL)
@@ -390,7 +390,7 @@ def test_a_changed_shard_refuses_the_resume(stream_baseline, tmp_path):
     shards = tmp_path / "shards"
     shutil.copytree(stream_baseline / "shards", shards)
     run = tmp_path / "run"
-    train(run, *STREAM, "--shard-dir", shards, "--interrupt-at-step", "5", expect=75)
+    train(run, *STREAM, "--lm-shard-dir", shards, "--interrupt-at-step", "5", expect=75)
     sorted(shards.glob("*.sha256"))[0].write_text("0" * 64 + "\n")
-    refused = run_cli("--output", run, *STREAM, "--shard-dir", shards, "--resume")
+    refused = run_cli("--output", run, *STREAM, "--lm-shard-dir", shards, "--resume")
     assert refused.returncode == 65 and "dataset" in refused.stderr, refused.stderr

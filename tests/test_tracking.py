@@ -105,12 +105,15 @@ def test_offline_tracked_run_interrupted_and_resumed_in_the_same_run_matches_bas
     assert record["outputs"]["export_path"] == "exports/step-00000064"
     assert record["outputs"]["final_loss"] == baseline_history["loss"][-1]
 
-    # The recovery report at the end of each attempt: the timeline as an image (one per
-    # attempt, at the attempt's last step) and the run's totals as outputs, goodput in percent.
+    # The recovery report at the end of each attempt: the timeline as an image (at step 0, the
+    # whole run so far, replaced by each attempt: Polyaxon's image widget opens on the lowest
+    # step; and at the attempt's last step, its own) and the run's totals as outputs.
     images = [json.loads(line.split("|", 2)[2])["path"]
               for line in (folder / "events" / "image" / "recovery-timeline.plx").read_text().splitlines()[1:]]
-    assert images == ["assets/image/recovery-timeline_27.png", "assets/image/recovery-timeline_64.png"]
+    assert images == [f"assets/image/recovery-timeline_{step}.png" for step in (0, 27, 0, 64)]
     assert all(png_size(folder / image) == (DASHBOARD.width, DASHBOARD.height) for image in images)
+    assert (folder / images[0]).read_bytes() == (folder / images[-1]).read_bytes() != (folder / images[1]).read_bytes()
+    assert lineage["recovery-timeline"]["summary"]["step"]["min"] == 0  # the step the widget opens on
     outputs = record["outputs"]
     assert (outputs["attempts"], outputs["useful_steps"], outputs["computed_steps"]) == (2, 64, 27 + 64 - 24)
     assert (outputs["replayed_steps"], outputs["lost_steps"]) == (3, 3)

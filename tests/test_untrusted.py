@@ -65,27 +65,46 @@ def plant_in_metadata(directory: Path, marker: Path) -> None:
     fix_manifest(directory)
 
 
-def plant_value(directory: Path, key: str, marker: Path) -> None:
+def plant_value(directory: Path, key: str, marker: Path, legacy: bool = False, in_place: bool = False) -> str:
     """The stored value of `key` (a BYTE_IO item or a tensor record) becomes a torch.save'd
-    payload in a shard of its own, and `.metadata` points at it."""
+    payload (zip format, or torch's `legacy` one) in a shard of its own, or appended to the
+    shard that holds it (`in_place`: a rank's own shard), and `.metadata` points at it.
+    Returns the shard's name."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     metadata = pickle.loads((directory / ".metadata").read_bytes())
     index = next(i for i in metadata.storage_data if i.fqn == key)
     blob = io.BytesIO()
-    torch.save({"lr": Payload(marker)}, blob)
-    (directory / "__9_0.distcp").write_bytes(blob.getvalue())
-    metadata.storage_data[index] = _StorageInfo("__9_0.distcp", 0, len(blob.getvalue()))
+    torch.save({"lr": Payload(marker)}, blob, _use_new_zipfile_serialization=not legacy)
+    shard = metadata.storage_data[index].relative_path if in_place else "__9_0.distcp"
+    before = (directory / shard).read_bytes() if in_place else b""
+    (directory / shard).write_bytes(before + blob.getvalue())
+    metadata.storage_data[index] = _StorageInfo(shard, len(before), len(blob.getvalue()))
     (directory / ".metadata").write_bytes(pickle.dumps(metadata))
     fix_manifest(directory)
+    return shard
+
+
+def refusal(name: str, shard: str, what: str) -> str:
+    """The one line `--resume` and `verify` both give for a planted value (`what`: "the value
+    of KEY" for a non-tensor value, "a tensor record")."""
+    return (f"{name}/{shard}: {what} needs posix.system, which is never unpickled (it could run "
+            f"code); it was damaged or tampered with; restore an earlier generation with --from-generation, or "
+            f"start a new --output")
 
 
 PLANTS = {
     "metadata": lambda d, m: plant_in_metadata(d, m),
     "byte-io": lambda d, m: plant_value(d, "optim.param_groups.0.lr", m),
+    "byte-io-legacy": lambda d, m: plant_value(d, "optim.param_groups.0.lr", m, legacy=True),
     "workload-extra": lambda d, m: plant_value(d, "workload.counter.steps", m),
     "tensor-record": lambda d, m: plant_value(d, "model.0.weight", m),
 }
+
+
+LR = "the value of optim.param_groups.0.lr"
+REFUSED = {"byte-io": LR, "byte-io-legacy": LR, "workload-extra": "a tensor record", "tensor-record": "a tensor record"}
+"""What the refusal of each planted value names (PLANTS; the toy's counter is a tensor)."""
 
 
 @pytest.fixture(scope="session")
@@ -154,27 +173,31 @@ def test_resume_refuses_a_planted_payload(trained, tmp_path, kind):
         assert f"{FINAL} is damaged: .metadata: names posix.system" in line
         assert f"--from-generation {EARLIER}" in line
     else:
-        assert f"{FINAL}/__9_0.distcp" in line and "needs posix.system" in line and "never unpickled" in line
+        assert line.endswith(refusal(FINAL, "__9_0.distcp", REFUSED[kind])), line
     assert attempts(run)[-1]["status"] == "refused" and attempts(run)[-1]["exit_code"] == 65
 
 
-@pytest.mark.parametrize("kind", ["metadata", "byte-io", "workload-extra"])
+@pytest.mark.parametrize("kind", ["metadata", "byte-io", "byte-io-legacy", "workload-extra"])
 def test_compare_verify_list_report_run_no_planted_payload(trained, tmp_path, kind):
-    """compare.py refuses (65); verify refuses a planted `.metadata` (65) and re-hashes the
-    rest without loading values; list and report read only JSON. ~4 s each."""
+    """compare.py refuses (65); verify refuses (65) with the line --resume gives
+    (test_resume_refuses_a_planted_payload), every value loaded through the safe loader; list
+    marks the generation NO; report reads only JSON. ~5 s each."""
     run, marker = tampered_copy(trained, tmp_path, kind)
     compared = compare(generation(trained), generation(run))
     assert compared.returncode == 65 and "posix.system" in one_error_line(compared)
     verified = run_cli("verify", run)
-    listed = run_cli("list", run)
+    listed = run_cli("list", run, "--json")
     reported = run_cli("report", run)
     assert not marker.exists()
+    assert verified.returncode == 65, verified.stdout + verified.stderr
     if kind == "metadata":
-        assert verified.returncode == 65 and "names posix.system" in verified.stdout
+        assert "names posix.system" in verified.stdout
         assert f"{FINAL}: .metadata: names posix.system" in one_error_line(verified)
-        assert listed.returncode == 0 and f"{FINAL}" in listed.stdout and " NO " in listed.stdout
     else:
-        assert verified.returncode == 0, verified.stderr
+        assert f"{FINAL}: {refusal(FINAL, '__9_0.distcp', REFUSED[kind])}" in one_error_line(verified)
+    assert listed.returncode == 0, listed.stderr
+    verdicts = {row["name"]: row["verified"] for row in json.loads(listed.stdout)["generations"]}
+    assert verdicts == {"step-00000004": True, EARLIER: True, FINAL: False}
     assert reported.returncode == 0, reported.stderr
 
 
@@ -318,7 +341,7 @@ def test_store_read_paths_run_no_planted_payload(s3_bucket, keys, tmp_path):
     """In the bucket: the newest generation gets a BYTE_IO payload, the one before a `.metadata`
     payload, manifests fixed up. Restore on a fresh machine (download, then load), going back
     to the earlier one, verify, compare, list and report by URL: none runs a payload; the
-    refusals are 65. With a key, the unsigned generation is refused before it is downloaded.
+    refusals are 65, verify's with resume's line. With a key, the unsigned generation is refused before it is downloaded.
     One store run shared by every assertion. ~35 s."""
     url, env, marker = f"{s3_bucket.url}/run", s3_bucket.env(), tmp_path / "MARKER"
     train(url, *TOY, "--local-tier", tmp_path / "tier-a", env=env)
@@ -334,12 +357,13 @@ def test_store_read_paths_run_no_planted_payload(s3_bucket, keys, tmp_path):
     stored = s3_bucket.keys("run/checkpoints/")
 
     newest = train(url, *TOY, *LONGER, "--resume", "--local-tier", tmp_path / "tier-b", env=env, expect=65)
-    assert f"{FINAL}/__9_0.distcp: the value of optim.param_groups.0.lr needs posix.system" in one_error_line(newest)
+    assert one_error_line(newest).endswith(refusal(FINAL, "__9_0.distcp", REFUSED["byte-io"]))
     earlier = train(url, *TOY, "--from-generation", EARLIER, "--local-tier", tmp_path / "tier-c", env=env,
                     expect=65)
     assert ".metadata names posix.system" in one_error_line(earlier)
     verified = run_cli("verify", url, env=env)
     assert verified.returncode == 65 and f"{EARLIER}: .metadata: names posix.system" in verified.stdout
+    assert f"{FINAL}: {refusal(FINAL, '__9_0.distcp', REFUSED['byte-io'])}" in verified.stdout  # same as resume
     for name in (FINAL, EARLIER):
         compared = run_cli(REPO / "compare.py", generation(tmp_path / "tier-a", name), f"{url}/checkpoints/{name}",
                            env=env)

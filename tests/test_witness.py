@@ -38,7 +38,7 @@ def test_an_exact_resume_is_witnessed_exact(interrupted, tmp_path):
     assert record["replay"] == {"matched": 3, "of": 3, "first_mismatch": None, "against": [attempts(run)[0]["id"]]}
     assert len(read_step_digests(run / "attempts" / record["id"])) == 8  # steps 9..16
     report = run_cli("report", run)
-    assert "exactness witness  every check passed" in report.stdout
+    assert "exactness witness  every check passed: 1 restore and 1 replay matched" in report.stdout
     assert "restore matched the saved state; replayed steps matched: 3 of 3" in report.stdout
 
 
@@ -60,7 +60,7 @@ def test_a_broken_restore_is_reported_by_both_checks(interrupted, tmp_path):
 def test_going_back_compares_only_with_attempts_that_trained_the_same_way(interrupted, tmp_path):
     """A (this fixture) lost steps 9-11; B resumed with another --lr (allowed drift) and computed
     steps 9-14 differently on purpose; C goes back to step 8 with A's options: its replay is held
-    against A, never against B."""
+    against A, never against B. `report`'s headline counts B's replay as not compared."""
     run = tmp_path / "run"
     shutil.copytree(interrupted, run)
     train(run, *ARGS, "--resume", "--lr", 0.2, "--allow-drift", "config", "--interrupt-at-step", 14, expect=75)
@@ -70,6 +70,9 @@ def test_going_back_compares_only_with_attempts_that_trained_the_same_way(interr
     assert "exactness witness" not in went_back.stdout + went_back.stderr
     first, _, last = attempts(run)
     assert last["replay"] == {"matched": 3, "of": 3, "first_mismatch": None, "against": [first["id"]]}
+    report = run_cli("report", run).stdout  # issue #43: never "every check passed" when a check did not run
+    assert "exactness witness  2 restores and 1 replay matched; not compared: 1 replay (see below)" in report
+    assert "restore matched the saved state; replay not compared: allowed drift (config.lr: 0.05 → 0.2)" in report
 
 
 def test_the_parameter_checksum_sees_one_flipped_bit_in_any_dtype():

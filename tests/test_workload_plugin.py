@@ -163,7 +163,7 @@ def test_an_accepted_config_drift_without_adopt_config_is_said(tmp_path):
 
 def test_the_cnn_example_refuses_a_run_longer_than_its_schedule(tmp_path):
     result = run_cli("--output", tmp_path / "run", "--workload", "examples/small_cnn.py:SmallCNN", "--epochs", "30")
-    assert result.returncode == 2 and "--total-steps 64" in one_error_line(result)
+    assert result.returncode == 2 and "--cnn-total-steps 64" in one_error_line(result)
     assert not (tmp_path / "run").exists()
 
 
@@ -187,6 +187,60 @@ def test_workload_mistakes_before_training_are_one_line_and_exit_2(tmp_path):
     misspelt = run_cli("--output", tmp_path / "typo", *EDGE, "--widht", 3)
     assert misspelt.returncode == 2 and "--workload tests/workloads/edge_cases.py:EdgeCase --help" in \
         one_error_line(misspelt)
+
+
+CLASHING = """
+class ReaderWorkload:
+    @staticmethod
+    def add_options(group):
+        group.add_argument("--shuffle-buffer", type=int, default=8)  # declared before the trainer had it
+
+
+class Twice:
+    @staticmethod
+    def add_options(group):
+        group.add_argument("--twice-width", type=int, default=8)
+        group.add_argument("--twice-width", type=int, default=9)
+"""
+
+
+def test_a_workload_option_the_trainer_also_defines_says_so_and_how_to_rename_it(tmp_path):
+    """Issue #43: a workload that declared `--shuffle-buffer` before the trainer had one: one
+    line naming the clash and the rename (the naming rule's page), exit 2; an option the
+    workload itself declares twice is said to be that. ~1 s."""
+    (tmp_path / "clashing.py").write_text(CLASHING)
+    clash = run_cli("--output", tmp_path / "run", "--workload", f"{tmp_path / 'clashing.py'}:ReaderWorkload")
+    assert clash.returncode == 2 and one_error_line(clash).endswith(
+        "declares --shuffle-buffer, which the trainer itself defines (python -m trainer --help); rename the "
+        "workload's option: give each of its options a prefix of its own, e.g. --reader-shuffle-buffer "
+        "(docs/workload-options.md)"), clash.stderr
+    twice = run_cli("--output", tmp_path / "run", "--workload", f"{tmp_path / 'clashing.py'}:Twice")
+    assert twice.returncode == 2 and one_error_line(twice).endswith("declares --twice-width twice in its add_options")
+    assert not (tmp_path / "run").exists()
+
+
+def reserved_words() -> set[str]:
+    """The words the trainer keeps its options under, as docs/workload-options.md lists them."""
+    page = (REPO / "docs" / "workload-options.md").read_text()
+    return set(page.split("<!-- trainer-words:", 1)[1].split("`")[1].split())
+
+
+def test_trainer_options_keep_to_their_words_and_example_options_to_a_prefix_of_their_own():
+    """docs/workload-options.md's rule, both sides: every trainer option starts with a reserved
+    word (a new word is a contract change: add it to the page), and each example's options
+    share one prefix that is none of them, so no future trainer option can meet them. In
+    process, ~0.1 s."""
+    from trainer.cli import trainer_parser
+
+    words = reserved_words()
+    unreserved = sorted(option for action in trainer_parser()._actions for option in action.option_strings
+                        if option.startswith("--") and option[2:].split("-")[0] not in words)
+    assert not unreserved, f"trainer options under a word docs/workload-options.md does not reserve: {unreserved}"
+    for example in sorted((REPO / "examples").glob("*.py")):
+        declared = re.findall(r"add_argument\(\s*\"--([a-z0-9-]+)\"", example.read_text())
+        prefixes = {name.split("-")[0] for name in declared}
+        assert len(prefixes) <= 1 and not prefixes & words and all("-" in name for name in declared), \
+            f"{example.name}: {declared}"
 
 
 def test_a_parameter_the_optimizer_does_not_cover_trains_and_resumes_exactly(tmp_path):

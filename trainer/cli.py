@@ -64,8 +64,7 @@ def workload_parser(workload: str) -> tuple[OneLineParser, tuple[str, ...]]:
     if workload != DEFAULT_WORKLOAD:
         parser.help_command = f"{parser.prog} --workload {workload} --help"
     if clashes := sorted(set(declared) & trainer_names):
-        raise UsageError(f"--workload {workload} declares {', '.join(clashes)}, which the trainer already has; "
-                         f"rename them in its add_options")
+        raise found.clash(clashes)
     return parser, tuple(declared)
 
 
@@ -339,7 +338,9 @@ def listed_location(args: argparse.Namespace, require_run_directory) -> Location
 
 def run_verify(argv: list[str]) -> int:
     parser = OneLineParser(prog="python -m trainer verify",
-                           description="Re-hash every file of generations and exports against their manifests.")
+                           description="Apply every check --resume applies to generations and exports: each file "
+                                       "re-hashed against its manifest, name, run, signature, and every stored "
+                                       "value loaded without running code (docs/security.md).")
     parser.add_argument("path", type=location_argument, metavar="DIR|GEN|URL",
                         help="a run directory or one generation/export directory, or the store URL of either")
     parser.add_argument("--json", action="store_true", help="machine-readable output")

@@ -7,10 +7,10 @@ refuses everything else before anything is called: its `find_class` is the only 
 pickle reaches a global. Checked against torch `CHECKED_TORCH` (tests/test_compat.py
 resolves every name and compares the dtype names with the installed torch).
 
-This module does not import torch: `verify` and `list` check a `.metadata` with
-`metadata_problem`, which unpickles it against stand-ins of the same allowlist (0.2 s for
-the whole command instead of 2.5 s with torch); the loader (trainer/checkpoint/safe_load.py)
-resolves the same names to the real classes.
+This module does not import torch: every verification of a generation checks its `.metadata`
+with `metadata_problem`, which unpickles it against stand-ins of the same allowlist, before
+anything imports torch to load it; the loader (trainer/checkpoint/safe_load.py) resolves the
+same names to the real classes.
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from trainer.checkpoint.atomic import file_digest
-from trainer.checkpoint.manifest import Verification, deferred, file_problem, verify_directory
+from trainer.checkpoint.manifest import RECOVERY, Verification, deferred, file_problem, verify_directory
 from trainer.checkpoint.restore import Restorable, Restored, restored_by
-from trainer.checkpoint.snapshot import load_snapshot, stored_entries
+from trainer.checkpoint.snapshot import flat_template, load_snapshot, stored_entries
 from trainer.errors import CorruptGeneration, UntrustedGeneration
 
 class DamagedShard(CorruptGeneration):
@@ -84,6 +84,33 @@ def load_verified(template: dict, directory: Path, files: Mapping[str, Mapping])
                            problem)
     if failed is not None:
         raise failed
+
+
+def judged_by_loading(generation: Verification, directory: Path | None = None) -> Verification:
+    """`generation`, whose structure, name, run and signature verified (its shards hashed, or
+    `shards_pending`), judged as a restore judges it: every stored value (tensor records and
+    non-tensor values alike, including entries a restore leaves unread, such as another rank's
+    RNG) loaded through the safe loader into a template of the stored shapes, then dropped; the
+    shards hashed while they load when still pending. The problem is the restore's own line
+    (a planted pickle: "step-…/__0_0.distcp: the value of KEY needs posix.system, …").
+    `directory`: where the files are, when not at `generation.path` (a store's download)."""
+    if not generation.ok or generation.manifest.kind != RECOVERY:
+        return generation
+    directory = Path(directory or generation.path)
+    try:
+        template = flat_template(stored_entries(directory))
+        if generation.shards_pending:
+            load_verified(template, directory, generation.manifest.files)
+        else:
+            load_snapshot(template, directory)
+    except DamagedShard as damaged:
+        return replace(generation, problem=damaged.problem, shards_pending=False)
+    except (CorruptGeneration, UntrustedGeneration) as refusal:
+        return replace(generation, problem=str(refusal), untrusted=isinstance(refusal, UntrustedGeneration),
+                       shards_pending=False)
+    except OSError as error:
+        return replace(generation, problem=f"{directory.name}: unreadable ({error.strerror})", shards_pending=False)
+    return replace(generation, shards_pending=False)
 
 
 def restore_verified(generation: Verification, state: Restorable) -> Restored:

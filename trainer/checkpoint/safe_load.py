@@ -111,6 +111,13 @@ def unsafe_globals(data: bytes) -> list[str]:
         return [f"(unreadable: {error.__class__.__name__})"]
 
 
+def refused_global(error: BaseException) -> list[str]:
+    """The global `torch.load(weights_only=True)` refused, as its error names it: the one way
+    to name it for a blob in torch's legacy (non-zip) format, which torch's scanner cannot read."""
+    named = re.search(r"GLOBAL ([\w.]+)", str(error))
+    return [named.group(1)] if named else []
+
+
 class UnsafeValue(Exception):
     """A stored value that does not load weights-only (internal: the reader adds the file)."""
 
@@ -125,7 +132,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(io.BytesIO(data), weights_only=True)
         except Exception as error:
-            names = [name for name in unsafe_globals(data) if not name.startswith("(")]
+            names = [name for name in unsafe_globals(data) if not name.startswith("(")] or refused_global(error)
             what = f"needs {', '.join(names)}" if names else f"does not load ({error.__class__.__name__})"
             raise UnsafeValue(f"the value of {key} {what}") from None
         if self.flatten_state_dict:
@@ -156,7 +163,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             raise UntrustedGeneration(f"{where}: {reason}, which is never unpickled (it could run code); "
                                       f"{RESTORE_ADVICE}") from None
         except pickle.UnpicklingError as error:  # DCP loads tensor records weights-only itself
-            named = re.search(r"GLOBAL ([\w.]+)", str(error))
-            what = f"needs {named.group(1)}" if named else f"does not load weights-only ({unreadable(error)})"
+            named = refused_global(error)
+            what = f"needs {named[0]}" if named else f"does not load weights-only ({unreadable(error)})"
             raise UntrustedGeneration(f"{where}: a tensor record {what}, which is never unpickled (it could run "
                                       f"code); {RESTORE_ADVICE}") from None

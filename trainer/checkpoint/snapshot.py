@@ -122,13 +122,15 @@ def _raised_by_rank(error: BaseException) -> BaseException:
     return error
 
 
+def flat_template(entries: dict) -> dict:
+    """A template for every stored entry by its flattened key: tensors of the stored shapes,
+    None for the other values (the load replaces them)."""
+    return {key: torch.empty(entry.size, dtype=entry.properties.dtype)
+            if isinstance(entry, TensorStorageMetadata) else None for key, entry in entries.items()}
+
+
 def load_flat(directory: Path) -> dict:
     """Every stored entry by its flattened key, without knowing the model (for compare)."""
-    flat = {}
-    for key, entry in stored_entries(directory).items():
-        if isinstance(entry, TensorStorageMetadata):
-            flat[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-        else:
-            flat[key] = None
+    flat = flat_template(stored_entries(directory))
     load_snapshot(flat, directory)
     return flat

@@ -39,9 +39,22 @@ def sealed_row(name: str, manifest: Manifest | None, size: int, costs: dict[str,
             "attempt": manifest and manifest.attempt, "save_s": costs.get(name, {}).get("save_s")}
 
 
+def judged(section: LocalSection, name: str) -> Verification:
+    """Every check `--resume` applies to a local directory: its files re-hashed, name, run and
+    signature (`LocalSection.verify`), and every stored value loaded through the safe loader
+    (`judged_by_loading`, which imports torch only when a generation gets that far)."""
+    verification = section.verify(name, shards=False)
+    if not verification.shards_pending:
+        return verification
+    from trainer.checkpoint.onepass import judged_by_loading
+
+    return judged_by_loading(verification)
+
+
 def local_row(section: LocalSection, name: str, costs: dict[str, dict]) -> dict | None:
-    """A local directory's row, re-hashed; None if a live trainer's retention removed it meanwhile."""
-    verification = section.verify(name)
+    """A local directory's row, judged as `verify` judges it; None if a live trainer's retention
+    removed it meanwhile."""
+    verification = judged(section, name)
     try:
         size = directory_bytes(section.path(name))
     except FileNotFoundError:
@@ -281,8 +294,7 @@ def local_verifications(path: Path, signing: Signing | None = None) -> list[tupl
     found = targets(path)
     if not found:
         raise NothingToResume(f"no generations or exports under {path}")
-    # The section's own verify: every check --resume applies (structure, name, run, signature).
-    return [(str(p), LocalSection(p.parent, signing).verify(p.name)) for p in found]
+    return [(str(p), judged(LocalSection(p.parent, signing), p.name)) for p in found]
 
 
 def print_verifications(results: list[tuple[str, Verification]], as_json: bool) -> int:

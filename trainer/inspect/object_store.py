@@ -4,7 +4,8 @@ objects. Read-only: nothing here takes the lease or writes an object.
 
 `list` trusts the commit protocol (a generation is committed iff its manifest object exists)
 and reads one manifest per generation, so it costs a listing plus one small read each;
-`verify` streams every object through sha256, keeping nothing.
+`verify` downloads each generation into a temporary folder, hashing every object as it
+arrives, loads every stored value from there through the safe loader, and deletes the copy.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from trainer.config import StoreConfig
 from trainer.errors import NothingToResume, UsageError
 from trainer.inspect.listing import attempt_rows, local_row, publish_costs, sealed_row
 from trainer.checkpoint.atomic import manifest_digest
-from trainer.checkpoint.manifest import InvalidManifest, Manifest, Verification
+from trainer.checkpoint.manifest import RECOVERY, InvalidManifest, Manifest, Verification
 from trainer.checkpoint.section import LocalSection
 from trainer.checkpoint.signing import Signing
 from trainer.storage.object.lease import LEASE
@@ -122,8 +123,8 @@ def local_copy(local: LocalSection, name: str, committed_digest: str) -> str:
 
 # ----------------------------------------------------------------------------- verify
 def store_verifications(location: StoreLocation, signing: Signing | None = None) -> list[tuple[str, Verification]]:
-    """Stream every object of every committed generation and export (or the one the URL
-    names) through sha256: the local verify's lines and exit codes (65 on damage)."""
+    """Judge every committed generation and export (or the one the URL names) as `--resume`
+    would (`judged_in_store`): the local verify's lines and exit codes (65 on damage)."""
     target = sealed_target(location)
     objects = open_store(target[0] if target else location)
     if target:
@@ -137,7 +138,22 @@ def store_verifications(location: StoreLocation, signing: Signing | None = None)
         found = [(section, name) for section in sections for name in section.committed()]
     if not found:
         raise NothingToResume(f"no committed generations or exports under {objects.url}")
-    return [(section.url(name), section.verify(name)) for section, name in found]
+    return [(section.url(name), judged_in_store(section, name)) for section, name in found]
+
+
+def judged_in_store(section: ObjectSection, name: str) -> Verification:
+    """Every check `--resume` applies: the objects' sha256 as they download into a temporary
+    folder, name, run and signature, then every stored value loaded from there through the
+    safe loader (`judged_by_loading`); the copy is deleted."""
+    with tempfile.TemporaryDirectory(prefix="trainer-verify-") as scratch:
+        copy = Path(scratch) / name
+        copy.mkdir()
+        verification = section.verify(name, into=copy)
+        if not verification.ok or verification.manifest.kind != RECOVERY:
+            return verification
+        from trainer.checkpoint.onepass import judged_by_loading
+
+        return judged_by_loading(verification, copy)
 
 
 # ----------------------------------------------------------------------------- report

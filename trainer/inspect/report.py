@@ -99,6 +99,8 @@ class AttemptRow:
     """What the exactness witness found (`witness_verdict`); None: nothing to check."""
     mismatch: bool = False
     """The witness saw a replayed step or a restored section differ."""
+    checks: tuple[tuple[str, bool], ...] = ()
+    """(check, whether it ran) per check the witness had to make: "restore", "replay"."""
     exact_by_configuration: bool = True
     """False when the attempt's configuration said at start that it cannot be exact."""
     restored_from: str | None = None
@@ -263,7 +265,7 @@ def attempt_row(record: AttemptRecord, live: frozenset[str], marker_unix: float 
         generations=generations, reason=record.reason, startup_s=lived.startup_s,
         download_s=costs.download_s, progress=record.progress,
         first_step_s=record.first_step_s if started else None,
-        witness=witness_verdict(record), mismatch=witness_mismatch(record),
+        witness=witness_verdict(record), mismatch=witness_mismatch(record), checks=witness_checks(record),
         exact_by_configuration=record.exactness.get("exact") is not False,
         restored_from=restored.tier if restored else None, restored_bytes=restored.bytes if restored else None,
         refused=restored.refused if restored else ())
@@ -293,6 +295,13 @@ def witness_verdict(record: AttemptRecord) -> str | None:
             parts.append(f"replay DIFFERS from step {replay.get('first_mismatch')} "
                          f"({replay.get('matched')} of {replay.get('of')} matched)")
     return "; ".join(parts) or None
+
+
+def witness_checks(record: AttemptRecord) -> tuple[tuple[str, bool], ...]:
+    """(check, whether it ran) for the restore check and the replay check the record holds; a
+    check that did not run says why in `witness_verdict` (an allowed drift, a world-size change)."""
+    return tuple((check, found.get("compared") is not False)
+                 for check, found in (("restore", record.restore_check), ("replay", record.replay)) if found is not None)
 
 
 def witness_mismatch(record: AttemptRecord) -> bool:
@@ -540,14 +549,32 @@ def format_witness(rows: tuple[AttemptRow, ...]) -> list[str]:
     checked = [(number, row) for number, row in enumerate(rows, 1) if row.witness]
     if not checked:
         return []
+    return ["", f"  exactness witness  {witness_headline(rows)}"] + [f"    {number:>3} {row.id:<24} {row.witness}"
+                                                                    for number, row in checked]
+
+
+def witness_headline(rows: tuple[AttemptRow, ...]) -> str:
+    """What the witness's checks of every attempt add up to: "every check passed" only when every
+    check it had to make ran and matched; the checks that did not run are counted by name."""
     if any(row.mismatch for row in rows):
-        verdict = "NOT EXACT (see the attempts below)"
-    elif not all(row.exact_by_configuration for row in rows):
-        verdict = "no mismatch seen, but a configuration that cannot be exact ran (see below)"
-    else:
-        verdict = "every check passed"
-    return ["", f"  exactness witness  {verdict}"] + [f"    {number:>3} {row.id:<24} {row.witness}"
-                                                       for number, row in checked]
+        return "NOT EXACT (see the attempts below)"
+    if not all(row.exact_by_configuration for row in rows):
+        return "no mismatch seen, but a configuration that cannot be exact ran (see below)"
+    ran = [check for row in rows for check, compared in row.checks if compared]
+    skipped = [check for row in rows for check, compared in row.checks if not compared]
+    if not skipped:
+        return f"every check passed: {counted(ran)} matched"
+    return f"{counted(ran) + ' matched; ' if ran else ''}not compared: {counted(skipped)} (see below)"
+
+
+def counted(checks: list[str]) -> str:
+    """"2 restores and 1 replay"."""
+    return " and ".join(f"{checks.count(check)} {check}{'s' if checks.count(check) > 1 else ''}"
+                        for check in CHECKS if check in checks)
+
+
+CHECKS = ("restore", "replay")
+"""The witness's checks, in the order the headline counts them (trainer/run/witness.py)."""
 
 
 def format_ledger(check: LedgerCheck) -> list[str]:

@@ -33,13 +33,21 @@ class WorkloadFactory:
         """Let the workload declare its options on `group` (`FACTORY.add_options(group)`,
         optional); returns every declared name with its default."""
         declare = getattr(self.factory, "add_options", None)
-        recording = RecordingGroup(group)
+        recording = RecordingGroup(group, self)
         if declare is not None:
             try:
                 declare(recording)
             except (argparse.ArgumentError, TypeError, ValueError) as error:
                 raise UsageError(f"--workload {self.spec}: its add_options failed: {first_line(error)}") from None
         return recording.declared
+
+    def clash(self, names: list[str]) -> UsageError:
+        """The workload declared `names`, which the trainer itself defines (a trainer newer than
+        the workload may define an option the workload had first)."""
+        mine = self.factory.__name__.lower().removesuffix("workload") or "mine"
+        return UsageError(f"--workload {self.spec} declares {', '.join(names)}, which the trainer itself defines "
+                          f"(python -m trainer --help); rename the workload's option: give each of its options "
+                          f"a prefix of its own, e.g. --{mine}-{names[0].lstrip('-')} ({OPTION_NAMING})")
 
     def defaults(self) -> dict[str, object]:
         """The declared options at their defaults (a workload built without the CLI)."""
@@ -82,16 +90,33 @@ INSTALLED = ("site-packages", "dist-packages")
 """Folders of installed packages: their versions are in the attempt's requirements, not `source`."""
 
 
+OPTION_NAMING = "docs/workload-options.md"
+"""Where the rule for naming a workload's options is written."""
+CONFLICT = "conflicting option string"
+"""The start of argparse's message when an option is declared twice on one parser."""
+
+
 class RecordingGroup:
     """An argparse argument group that remembers what the workload declared on it: the names
     become the workload's options (fingerprinted, handed to its factory)."""
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, group, workload: WorkloadFactory):
+        self.group, self.workload = group, workload
         self.declared: dict[str, object] = {}
+        self.option_strings: set[str] = set()
 
     def add_argument(self, *args, **kwargs):
-        action = self.group.add_argument(*args, **kwargs)
+        try:
+            action = self.group.add_argument(*args, **kwargs)
+        except argparse.ArgumentError as error:
+            if not error.message.startswith(CONFLICT):
+                raise
+            taken = error.message.partition(": ")[2].split(", ")
+            if set(taken) <= self.option_strings:
+                raise UsageError(f"--workload {self.workload.spec} declares {', '.join(taken)} twice in its "
+                                 f"add_options") from None
+            raise self.workload.clash(taken) from None
+        self.option_strings.update(action.option_strings)
         if action.help is None:  # argparse shows the default only beside a help text
             action.help = "(default: %(default)s)"
         self.declared[action.dest] = action.default

@@ -30,7 +30,8 @@ What is recorded:
 - At the end of every attempt, the run's recovery report: its totals as outputs (goodput in
   percent of steps and of time, steps computed, replayed and lost, time lost to restarts,
   checkpoint overhead) and the timeline of all attempts so far as an image
-  (`recovery-timeline`, at the attempt's last step; a copy's as
+  (`recovery-timeline`, at step 0, the one the dashboard's image widget opens on, replaced by
+  every attempt, and at the attempt's last step, kept; a copy's as
   `recovery-timeline-of-this-copy`, beside the original's copied one). Best effort: a failure
   is a warning and never changes the exit status.
 - What the runs list shows: the run's name (`original`, `resumed`, `copy-of-<uuid>`, with its
@@ -69,6 +70,8 @@ from trainer.run.events import TrainingEvents
 log = logging.getLogger("trainer")
 
 TIMELINE = "recovery-timeline"
+WHOLE_RUN_STEP = 0
+"""The step of the timeline picture the run's page opens on: the whole run so far."""
 RESUME_PRESET = "presets/resume.yaml"
 PLAIN_RESTART_HINT = ("on Polyaxon, a plain `ops restart` starts with empty outputs: continue the original run "
                       "with `ops resume -uid UUID -f presets/resume.yaml`, or continue it in a new run with "
@@ -247,9 +250,12 @@ class PolyaxonEvents(TrainingEvents):
             with tempfile.TemporaryDirectory() as folder:
                 image = Path(folder) / f"{name}.png"
                 write_timeline(report, image, for_dashboard=True)
-                # At the attempt's last step, so each attempt's picture is its own (a copy's under
-                # its own name: the original's, copied with its events, keeps its steps).
-                self.run.log_image(data=str(image), name=name, step=report.rows[-1].last_step)
+                # Polyaxon's image widget opens on the lowest step the events hold: step 0 is
+                # always the whole run so far (each attempt overwrites its asset), and the
+                # attempt's last step keeps its own picture (a copy's under its own name: the
+                # original's, copied with its events, keeps its steps).
+                for step in (WHOLE_RUN_STEP, report.rows[-1].last_step):
+                    self.run.log_image(data=str(image), name=name, step=step)
             t = report.totals
             self.name_run(t.attempts)
             self.log_outputs(attempts=t.attempts, useful_steps=t.useful, computed_steps=t.computed,

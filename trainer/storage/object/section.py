@@ -216,8 +216,9 @@ class ObjectSection:
         except FileNotFoundError:
             return None
 
-    def verify(self, name: str) -> Verification:
-        """Stream every listed object through sha256, keeping nothing (`verify`, fallbacks)."""
+    def verify(self, name: str, into: Path | None = None) -> Verification:
+        """Stream every listed object through sha256, keeping nothing (fallbacks), or keeping
+        a copy in the folder `into` (`verify`, which then loads every value from it)."""
         where = Path(self.url(name))
         data = self.manifest_bytes(name)
         if data is None:
@@ -230,7 +231,8 @@ class ObjectSection:
         for file in sorted(manifest.files):
             if problem:
                 break
-            problem = file_problem(file, manifest.files[file], self.objects.digest(self.key(name, file)))
+            observed = self._download_or_none(name, file, into) if into else self.objects.digest(self.key(name, file))
+            problem = file_problem(file, manifest.files[file], observed)
         if not problem and manifest.kind == RECOVERY:
             return index_verification(where, manifest, lambda: self.objects.read(self.key(name, SNAPSHOT_INDEX)) or b"")
         return Verification(where, manifest, problem)
