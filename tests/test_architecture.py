@@ -32,7 +32,8 @@ LAYERS = [
     # One attempt, bottom up: stepping, saving on cadence and the claim; the record, the
     # restore and the training steps; the loop that runs them.
     {"trainer.run.saving", "trainer.run.stepping", "trainer.run.claim"},
-    {"trainer.run.recording", "trainer.run.restoring", "trainer.run.training", "trainer.run.failures"},
+    {"trainer.run.recording", "trainer.run.restoring", "trainer.run.training", "trainer.run.failures",
+     "trainer.run.session"},
     {"trainer.run.loop"},
     # The edges: Polyaxon, then the command line.
     {"trainer.integrations"},
@@ -84,7 +85,7 @@ def _is_module(name: str) -> bool:
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 RUN = sorted((PACKAGE / "run").glob("*.py"))
 ONE_ATTEMPT = [PACKAGE / "run" / f"{name}.py" for name in ("loop", "claim", "recording", "restoring", "training",
-                                                             "saving")]
+                                                             "saving", "session")]
 """The modules the loop is made of (the parts below them are used elsewhere too)."""
 
 
