@@ -35,12 +35,14 @@ LAYERS = [
     {"trainer.run.recording", "trainer.run.restoring", "trainer.run.training", "trainer.run.failures",
      "trainer.run.session"},
     {"trainer.run.loop"},
+    # Recovery inside a user's own loop: the same pieces as the loop, and the framework adapters.
+    {"trainer.recovery"},
     # The edges: Polyaxon, then the command line.
     {"trainer.integrations"},
     {"trainer.flags", "trainer.cli", "trainer.__main__"},
 ]
 PACKAGES = ["trainer.run", "trainer.parallel", "trainer.checkpoint", "trainer.storage", "trainer.inspect",
-            "trainer.integrations", "trainer.workload"]
+            "trainer.integrations", "trainer.workload", "trainer.recovery"]
 
 
 def module_name(path: Path) -> str:

@@ -8,11 +8,16 @@ from __future__ import annotations
 import signal
 import subprocess
 
+import pytest
+
 from conftest import REPO, attempts, compare, generation, run_cli, scaled, trainer_env, zygote
 
-OWN_LOOP = REPO / "examples" / "own_loop.py"
-EPOCHS = ("--epochs", "3")  # 12 batches an epoch, a generation every 10 steps: each one mid-epoch
-FINAL = "step-00000036"
+EXAMPLES = {
+    # name: (script, its options, the step after which kill -9 lands, the generation it leaves
+    # (mid-epoch), the step after which SIGTERM lands, the final generation)
+    "own-loop": ("own_loop.py", ("--epochs", "3"), 13, "step-00000010", 24, "step-00000036"),  # 12 batches an epoch
+    "hf-trainer": ("hf_trainer.py", (), 7, "step-00000005", 11, "step-00000018"),  # 6 steps an epoch
+}
 
 
 def run_until(script, output, step: int, stop: int, *args) -> tuple[subprocess.Popen, str]:
@@ -26,26 +31,29 @@ def run_until(script, output, step: int, stop: int, *args) -> tuple[subprocess.P
     return process, err
 
 
-def test_own_loop_killed_and_preempted_mid_epoch_resumes_equal_to_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_killed_and_preempted_mid_epoch_resumes_equal_to_an_uninterrupted_run(tmp_path, name):
+    script, options, kill_at, left, stop_at, final = EXAMPLES[name]
+    script = REPO / "examples" / script
     baseline, run = tmp_path / "baseline", tmp_path / "run"
-    assert run_cli(OWN_LOOP, baseline, *EPOCHS).returncode == 0
+    assert run_cli(script, baseline, *options).returncode == 0
 
-    killed, _ = run_until(OWN_LOOP, run, 13, signal.SIGKILL, *EPOCHS)
+    killed, _ = run_until(script, run, kill_at, signal.SIGKILL, *options)
     assert killed.returncode == -signal.SIGKILL
-    assert generation(run, "step-00000010").is_dir()  # epoch 0, batch 10 of 12
+    assert generation(run, left).is_dir()
 
-    preempted, err = run_until(OWN_LOOP, run, 24, signal.SIGTERM, *EPOCHS)
+    preempted, err = run_until(script, run, stop_at, signal.SIGTERM, *options)
     assert preempted.returncode == 75, err
     assert "stopped, resumable (exit 75)" in err
     stopped_at = attempts(run)[-1]["last_step"]
     assert generation(run, f"step-{stopped_at:08d}").is_dir()  # saved at the step reached
 
-    finished = run_cli(OWN_LOOP, run, *EPOCHS)
+    finished = run_cli(script, run, *options)
     assert finished.returncode == 0, finished.stderr
-    assert compare(generation(baseline, FINAL), generation(run, FINAL)).returncode == 0
+    assert compare(generation(baseline, final), generation(run, final)).returncode == 0
     records = attempts(run)
     assert [record["status"] for record in records] == ["running", "preempted", "completed"]
     resumed = records[1]
-    assert resumed["restored"]["name"] == "step-00000010"
+    assert resumed["restored"]["name"] == left
     assert resumed["replay"]["matched"] == resumed["replay"]["of"] > 0  # the steps the kill lost, recomputed equal
     assert all(record["restore_check"]["matched"] for record in records[1:])

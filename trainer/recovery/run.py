@@ -32,7 +32,7 @@ import torch
 from trainer.config import RunConfig
 from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError
 from trainer.parallel.launch import LaunchEnvironment
-from trainer.parallel.ranks import process_group
+from trainer.parallel.ranks import StepAgreement, process_group
 from trainer.run.cadence import StepPoint
 from trainer.run.checksum import parameter_checksum
 from trainer.run.events import TrainingEvents
@@ -143,6 +143,12 @@ class RecoveryRun:
         return self.state.progress
 
     @property
+    def restoring_step(self) -> int | None:
+        """The step of the generation `restore()` will restore (None: a fresh start)."""
+        generation = self.claim.generation
+        return generation.manifest.step if generation is not None else None
+
+    @property
     def progress(self) -> Progress:
         return self.state.progress
 
@@ -163,16 +169,22 @@ class RecoveryRun:
             yield batch
 
     # -- step ---------------------------------------------------------------------------------
-    def step(self, loss) -> None:
+    def step(self, loss) -> bool:
         """After each optimizer step (and scheduler step): the witness's digest, a save when a
-        cadence fires, and on a stop signal a save of this step and `Stopped` (exit 75)."""
+        cadence fires, and on a stop signal a save of this step and `Stopped` (exit 75).
+        Returns whether a generation of this step was saved."""
+        return self.saved_on_cadence(self.stepped(loss))
+
+    def stepped(self, loss) -> StepAgreement:
+        """The first half of `step`: the step counted and witnessed, and what its cadences and
+        the stop signals call for (an adapter saves where its framework's save point is)."""
         if self.state is None:
             raise UsageError("step() before restore(): hand over the model and optimizer with restore() first")
-        state, saves = self.state, self.saves
+        state = self.state
         completed = state.progress.advance(1, self.data.batches_per_epoch if self.data else sys.maxsize)
         step = state.progress.global_step
-        agreed = saves.agree(StepPoint(step, state.progress.epoch, completed), torch.as_tensor(loss),
-                             self.preemption.requested)
+        agreed = self.saves.agree(StepPoint(step, state.progress.epoch, completed), torch.as_tensor(loss),
+                                  self.preemption.requested)
         lr = float(state.optimizers()[0].param_groups[0]["lr"])
         state.history.loss.append(agreed.loss)
         state.history.lr.append(lr)
@@ -180,12 +192,18 @@ class RecoveryRun:
         self.events.step_completed(step, {"loss": agreed.loss, "lr": lr})
         if step == self.config.interrupt_at_step:
             raise self.stopped(INTERRUPTED, f"interrupt_at_step {step}: stopped without saving")
-        saves.after_step(state, state.model, self.workload, agreed, final=False)
-        saves.wait_for_staging()  # the loop changes the parameters next: the staged copy must be complete
+        return agreed
+
+    def saved_on_cadence(self, agreed: StepAgreement) -> bool:
+        """The second half of `step`: the saves `agreed` calls for; `Stopped` after a stop signal's."""
+        state, step = self.state, self.progress.global_step
+        self.saves.after_step(state, state.model, self.workload, agreed, final=False)
+        self.saves.wait_for_staging()  # the loop changes the parameters next: the staged copy must be complete
         if agreed.recover or agreed.preempt:
             self.saved_step = step
         if agreed.preempt:
             raise self.stopped(PREEMPTED, f"{self.preemption.signal_name} after step {step}; generation saved")
+        return self.saved_step == step
 
     # -- save ---------------------------------------------------------------------------------
     def save(self) -> None:
