@@ -58,3 +58,40 @@ def test_killed_and_preempted_mid_epoch_resumes_equal_to_an_uninterrupted_run(tm
     assert resumed["restored"]["name"] == left
     assert resumed["replay"]["matched"] == resumed["replay"]["of"] > 0  # the steps the kill lost, recomputed equal
     assert all(record["restore_check"]["matched"] for record in records[1:])
+
+
+OWN_SHUFFLE = """
+import itertools, sys
+import torch
+from torch import nn
+from trainer import recovery
+
+recovery.seed_everything(0)
+inputs = torch.randn(96, 4)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, inputs.sum(1, keepdim=True)),
+                                     batch_size=8, shuffle=True)  # its own order: a new shuffle on resume
+model = nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+interrupt = int(sys.argv[2]) if len(sys.argv) > 2 else None
+with recovery.open_run(sys.argv[1], resume="auto", interrupt_at_step=interrupt,
+                       recover=recovery.CadenceConfig(every_steps=5)) as run:
+    done = run.restore(model, optimizer).global_step
+    for epoch in range(done // len(loader), 2):
+        for x, y in itertools.islice(loader, done % len(loader) if epoch == done // len(loader) else 0, None):
+            loss = nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            run.step(loss)
+"""
+
+
+def test_a_loop_with_its_own_shuffle_is_reported_not_exact(tmp_path):
+    """Without KeyedData the resumed epoch is drawn anew: the witness names the first replayed
+    step that differs, and `report` says so."""
+    script, run = tmp_path / "own_shuffle.py", tmp_path / "run"
+    script.write_text(OWN_SHUFFLE)
+    assert run_cli(script, run, 7).returncode == 75  # a lost worker after step 7; the newest generation is step 5
+    assert run_cli(script, run).returncode == 0
+    assert attempts(run)[1]["replay"]["first_mismatch"] == 6
+    assert "replay DIFFERS from step 6" in run_cli("report", run).stdout
