@@ -15,7 +15,8 @@ from trainer import recovery
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("output", help="the run directory (a path, or s3://bucket/run)")
+    parser.add_argument("output", nargs="?", help="the run directory (a path, or s3://bucket/run; run by the "
+                        "Polyaxon bundle: its run directory)")
     parser.add_argument("--epochs", type=int, default=10)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -35,11 +35,12 @@ LAYERS = [
     {"trainer.run.recording", "trainer.run.restoring", "trainer.run.training", "trainer.run.failures",
      "trainer.run.session"},
     {"trainer.run.loop"},
-    # Recovery inside a user's own loop: the same pieces as the loop, and the framework adapters.
-    {"trainer.recovery"},
     # The edges: Polyaxon, then the command line.
     {"trainer.integrations"},
     {"trainer.flags", "trainer.cli", "trainer.__main__"},
+    # Recovery inside a user's own loop (the same pieces as the loop, the adapters, the bundle's
+    # launcher): an entry point like the command line, whose parsing it reuses.
+    {"trainer.recovery"},
 ]
 PACKAGES = ["trainer.run", "trainer.parallel", "trainer.checkpoint", "trainer.storage", "trainer.inspect",
             "trainer.integrations", "trainer.workload", "trainer.recovery"]

@@ -25,12 +25,12 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from trainer.config import RunConfig
-from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError
+from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, TrainerError, UsageError
 from trainer.parallel.launch import LaunchEnvironment
 from trainer.parallel.ranks import StepAgreement, process_group
 from trainer.run.cadence import StepPoint
@@ -45,6 +45,7 @@ from trainer.run.state import Progress, TrainingState
 from trainer.run.witness import step_digest
 from trainer.storage.location import parse_location
 from trainer.workload import BoundWorkload
+from trainer.recovery.bundle import bundle_options, bundled
 from trainer.recovery.data import KeyedData, UnkeyedData
 
 log = logging.getLogger("trainer")
@@ -74,17 +75,29 @@ class OwnLoop:
 def open_run(output: str | os.PathLike | None = None, config: RunConfig | None = None, **fields) -> RecoveryRun:
     """A run directory (a path or a store URL such as s3://bucket/run) to hold with `with`.
     `fields` are RunConfig's (`resume="auto"`, `recover=CadenceConfig(every_steps=50)`, ...),
-    with the same defaults as the command line; `config` gives all of them at once."""
-    if config is None:
-        if output is None:
+    with the same defaults as the command line; `config` gives all of them at once. Run by the
+    bundle (`python -m trainer.recovery`), the bundle's run directory and options win."""
+    try:
+        if config is None:
+            config = RunConfig(location=parse_location(os.fspath(output)) if output is not None else None)
+        config = replace(config, argv=config.argv or tuple(sys.argv), **fields)
+        if (options := bundle_options()) is not None:
+            config, events = bundled(config, options)
+            if events is not None:
+                return RecoveryRun(config, events, closing=events.close)
+        if config.location is None:
             raise UsageError("open_run needs a run directory (a path or a store URL) or a RunConfig")
-        config = RunConfig(location=parse_location(os.fspath(output)))
-    return RecoveryRun(replace(config, argv=config.argv or tuple(sys.argv), **fields))
+    except TrainerError as error:
+        log.error("trainer: error: %s", error)
+        raise SystemExit(error.exit_code) from error
+    return RecoveryRun(config)
 
 
 class RecoveryRun:
-    def __init__(self, config: RunConfig, events: TrainingEvents = TrainingEvents()):
-        self.config, self.events = config, events
+    def __init__(self, config: RunConfig, events: TrainingEvents = TrainingEvents(),
+                 closing: Callable[[int, str | None], None] | None = None):
+        """`closing(exit status, message)`: told how the attempt ended (a tracker's final status)."""
+        self.config, self.events, self.closing = config, events, closing
         self.session: AttemptSession | None = None
         self.held = contextlib.ExitStack()
         self.state: TrainingState | None = None
@@ -253,11 +266,24 @@ class RecoveryRun:
             self.held.__exit__(type(error) if error else None, error, error.__traceback__ if error else None)
         except BaseException as raised:
             error = raised
+        if self.closing is not None:
+            self.closing(*exit_status(error))
         if isinstance(error, TrainerError):
             log.error("trainer: error: %s", error)
             raise SystemExit(error.exit_code) from error
         if error is not None:
             raise error
+
+
+def exit_status(error: BaseException | None) -> tuple[int, str | None]:
+    """The process's exit status after `error` (None: completed), and what to say of it."""
+    if error is None:
+        return EXIT_OK, None
+    if isinstance(error, Stopped):
+        return error.outcome.status, error.outcome.reason
+    if isinstance(error, TrainerError):
+        return error.exit_code, str(error)
+    return 1, f"{error.__class__.__name__}: {error}"
 
 
 def script_files() -> tuple[Path, ...]:
