@@ -46,7 +46,7 @@ def bundled(script: RunConfig, argv: list[str]):
         events.place(placement)
         location = placement.location or OnDisk(events.outputs_path)
     given = config_from_args(args, argv, location, ())
-    config = replace(script, location=given.location, argv=tuple(argv), signing=given.signing)
+    config = replace(script, location=given.location, argv=script.argv + tuple(argv), signing=given.signing)
     for flag in ALL_FLAGS:
         if any(arg == flag.flag or arg.startswith(flag.flag + "=") for arg in argv):
             config = with_field(config, flag.path, field_value(given, flag.path))
