@@ -17,6 +17,7 @@ EXAMPLES = {
     # (mid-epoch), the step after which SIGTERM lands, the final generation)
     "own-loop": ("own_loop.py", ("--epochs", "3"), 13, "step-00000010", 24, "step-00000036"),  # 12 batches an epoch
     "accelerate": ("accelerate_loop.py", ("--epochs", "3"), 13, "step-00000010", 24, "step-00000036"),
+    "lightning": ("lightning_loop.py", ("--epochs", "3"), 13, "step-00000010", 24, "step-00000036"),
     "hf-trainer": ("hf_trainer.py", (), 7, "step-00000005", 11, "step-00000018"),  # 6 steps an epoch
 }
 

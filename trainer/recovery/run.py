@@ -178,8 +178,12 @@ class RecoveryRun:
         if self.data is None:
             raise UsageError("batches() needs the data: restore(..., data=recovery.KeyedData(dataset, batch_size))")
         for ids, batch in self.data.epoch_batches(self.progress.epoch, self.progress.position):
-            self.saves.ledger.consumed(ids)
+            self.consumed(ids)
             yield batch
+
+    def consumed(self, ids) -> None:
+        """The sample ids of the batch the next `step` trains on (`batches()` says so itself)."""
+        self.saves.ledger.consumed(ids)
 
     # -- step ---------------------------------------------------------------------------------
     def step(self, loss) -> bool:
