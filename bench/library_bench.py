@@ -5,6 +5,8 @@ same model? One save and one restore each, side by side (docs/library.md "Measur
   model's, optimizer's and scheduler's state dicts / `torch.load` + `load_state_dict`;
 - Accelerate: the same through `recovery.accelerated` against `accelerator.save_state` /
   `load_state`;
+- Lightning: the same state through `run.restore` (what `recovery.lightning` hands over)
+  against `Trainer.save_checkpoint` / loading its checkpoint into the module and optimizer;
 - Hugging Face `Trainer`: a generation of HF's live state (model, optimizer, scheduler,
   TrainerState, RNGs) against HF's own checkpoint (`_save_checkpoint`: model.safetensors,
   optimizer.pt, scheduler.pt, rng_state.pth, trainer_state.json) and HF's resume loads.
@@ -164,6 +166,42 @@ def hugging_face(size_mb: float, base: Path, repeat: int) -> dict:
     return {"framework": "Trainer._save_checkpoint", "theirs": theirs, "ours": ours(base / "hf-run", hand_over, repeat)}
 
 
+def lightning_fit(size_mb: float, base: Path, repeat: int) -> dict:
+    import lightning.pytorch as pl
+
+    from trainer.recovery import lightning
+
+    model, optimizer, scheduler = mlp(size_mb)
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return [optimizer], [scheduler]
+
+    width = model[0].in_features
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, width)), batch_size=4)
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu")
+    module = Module()
+    trainer.fit(module, train_dataloaders=loader)
+    path = base / "lightning.ckpt"
+
+    def lightning_load():
+        stored = torch.load(path, weights_only=False)  # Lightning's checkpoint pickles hyper-parameters
+        module.load_state_dict(stored["state_dict"])
+        optimizer.load_state_dict(stored["optimizer_states"][0])
+        scheduler.load_state_dict(stored["lr_schedulers"][0])
+    theirs = medians(lambda: trainer.save_checkpoint(path), lightning_load, repeat)
+    return {"framework": "Trainer.save_checkpoint", "theirs": theirs,
+            "ours": ours(base / "lightning-run", lambda run: run.restore(module, optimizer, scheduler), repeat)}
+
+
 def state_mb(folder: Path) -> float:
     """The newest generation's shards, in MB."""
     newest = sorted((folder / "checkpoints").glob("step-*"))[-1]
@@ -184,7 +222,7 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="library-bench-", dir=args.dir))
     try:
         rows = {name: measure(size_mb, base, repeat) for name, measure in
-                (("plain", plain), ("accelerate", accelerate), ("hf", hugging_face))}
+                (("plain", plain), ("accelerate", accelerate), ("hf", hugging_face), ("lightning", lightning_fit))}
         for name, row in rows.items():
             row["mb"] = round(state_mb(base / f"{name}-run"), 1)
     finally:

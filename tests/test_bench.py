@@ -110,7 +110,7 @@ def memory_tier_bench_checks(report: dict) -> None:
 
 def library_bench_checks(report: dict) -> None:
     """Every adapter measured against its framework, both ways, on a generation of the state."""
-    assert sorted(report["rows"]) == ["accelerate", "hf", "plain"]
+    assert sorted(report["rows"]) == ["accelerate", "hf", "lightning", "plain"]
     for row in report["rows"].values():
         assert row["mb"] > 0 and all(row[key] > 0 for key in ("save_ratio", "restore_ratio")), row
 
