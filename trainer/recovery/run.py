@@ -265,11 +265,11 @@ class RecoveryRun:
     def leave(self, error: BaseException | None) -> None:
         """Let go of the run directory, the signals and the process group; `error` (if any)
         goes on, a typed trainer error as the command line ends it: one line and its status."""
-        ignore_late_stop_requests()
         try:
             self.held.__exit__(type(error) if error else None, error, error.__traceback__ if error else None)
         except BaseException as raised:
             error = raised
+        ignore_late_stop_requests()  # the outcome is recorded: a late SIGTERM cannot change it (as run_training)
         if self.closing is not None:
             self.closing(*exit_status(error))
         if isinstance(error, TrainerError):
