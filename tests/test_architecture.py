@@ -32,14 +32,18 @@ LAYERS = [
     # One attempt, bottom up: stepping, saving on cadence and the claim; the record, the
     # restore and the training steps; the loop that runs them.
     {"trainer.run.saving", "trainer.run.stepping", "trainer.run.claim"},
-    {"trainer.run.recording", "trainer.run.restoring", "trainer.run.training", "trainer.run.failures"},
+    {"trainer.run.recording", "trainer.run.restoring", "trainer.run.training", "trainer.run.failures",
+     "trainer.run.session"},
     {"trainer.run.loop"},
     # The edges: Polyaxon, then the command line.
     {"trainer.integrations"},
     {"trainer.flags", "trainer.cli", "trainer.__main__"},
+    # Recovery inside a user's own loop (the same pieces as the loop, the adapters, the bundle's
+    # launcher): an entry point like the command line, whose parsing it reuses.
+    {"trainer.recovery"},
 ]
 PACKAGES = ["trainer.run", "trainer.parallel", "trainer.checkpoint", "trainer.storage", "trainer.inspect",
-            "trainer.integrations", "trainer.workload"]
+            "trainer.integrations", "trainer.workload", "trainer.recovery"]
 
 
 def module_name(path: Path) -> str:
@@ -84,7 +88,7 @@ def _is_module(name: str) -> bool:
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 RUN = sorted((PACKAGE / "run").glob("*.py"))
 ONE_ATTEMPT = [PACKAGE / "run" / f"{name}.py" for name in ("loop", "claim", "recording", "restoring", "training",
-                                                             "saving")]
+                                                             "saving", "session")]
 """The modules the loop is made of (the parts below them are used elsewhere too)."""
 
 
@@ -363,8 +367,12 @@ FOREIGN_OPTIONS = {
     "argparse": {"--help"},
 }
 """Options of other people's tools that the pages show, by tool."""
-READERS_OWN_FILES = {"my_workload.py"}
-"""Files a page tells the reader to write (docs/workloads.md's walk-through)."""
+READERS_OWN_FILES = {"my_workload.py", "trainer.py", "train.py", "my_trainer.py"}
+"""Files a page tells the reader to write (docs/workloads.md's walk-through), or names as the
+reader's own (docs/library.md: a `trainer.py` of yours shadows the package)."""
+READERS_OWN_NAMES = {"trainer.train", "trainer.fit", "trainer.py"}
+"""`trainer.…` names that are the reader's objects, not our package (a Hugging Face or
+Lightning `trainer` in docs/library.md)."""
 REPO_PATH = re.compile(r"(?<![\w./-])((?:trainer|tests|bench|examples|docs|polyaxonfiles|presets|docker)"
                        r"/[\w./*-]*[\w*])")
 OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]")
@@ -414,7 +422,7 @@ def missing_names(page: Path, text: str) -> list[str]:
         defined = depth and len(rest) <= 1 and (not rest or re.search(
             rf"^\s*(def|class) {rest[0]}\b|^{rest[0]}\b\s*[:=]|^from .* import .*\b{rest[0]}\b",
             _module_file(parts[:depth]).read_text(), re.M))
-        if not defined:
+        if not defined and dotted not in READERS_OWN_NAMES:
             missing.append(f"name {dotted}{':' + factory if factory else ''}")
     for target in re.findall(r"\]\(([^)\s]+)\)", text):
         if target.startswith(("http://", "https://", "mailto:")):

@@ -127,7 +127,16 @@ def restart_bench_checks(report: dict) -> None:
         assert failure[part] is not None, part
 
 
-CHECKS = {"memory_tier_bench.py": memory_tier_bench_checks, "restart_bench.py": restart_bench_checks, "stream_bench.py": stream_bench_checks, "store_bench.py": store_bench_checks, "scale_out_bench.py": scale_out_bench_checks,
+def library_bench_checks(report: dict) -> None:
+    """Every adapter measured against its framework, both ways, on a generation of the state."""
+    assert sorted(report["rows"]) == ["accelerate", "hf", "lightning", "plain"]
+    for row in report["rows"].values():
+        assert row["mb"] > 0 and all(row[key] > 0 for key in ("save_ratio", "restore_ratio")), row
+
+
+CHECKS = {"library_bench.py": library_bench_checks, "memory_tier_bench.py": memory_tier_bench_checks,
+          "restart_bench.py": restart_bench_checks, "stream_bench.py": stream_bench_checks,
+          "store_bench.py": store_bench_checks, "scale_out_bench.py": scale_out_bench_checks,
           "goodput_sim.py": goodput_sim_checks, "goodput_validation.py": goodput_validation_checks,
           "reduction_bench.py": reduction_bench_checks, "loop_overhead.py": loop_overhead_checks}
 

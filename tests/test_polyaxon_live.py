@@ -242,6 +242,42 @@ def test_upload_copy_and_resume_with_a_bucket_artifacts_store(project, bucket_sa
     # (U resumed in place to the baseline: the volume-store test; the store path is the same code.)
 
 
+# ------------------------------------------------------------------------------- your own script
+def test_your_own_script_run_copied_and_resumed_by_the_bundle_matches_its_baseline(project, sandbox, upload, tmp_path):
+    """presets/own-script.yaml: the bundle runs examples/own_loop.py (a plain loop calling
+    trainer.recovery) with the job's run directory and recovery options: `run -u` stops at 13
+    (75 → stopped, the epoch-1 generation kept), `ops restart --copy` seeds the copy from it,
+    `ops resume -f presets/resume.yaml` finishes the original equal to the script run alone.
+    Three trained jobs of 36 tiny steps."""
+    baseline = tmp_path / "baseline"
+    assert run_cli(REPO / "examples" / "own_loop.py", baseline, "--epochs", "3").returncode == 0
+    plx = project()
+    store = sandbox.artifacts / RUNS
+    own = ("-f", "polyaxonfiles/polyaxonfile.yaml", "-f", "presets/own-script.yaml")
+    u = plx.submit("run", "-p", plx.name, *own, "-u", "-P", "interrupt_at_step=13", "-P", "script_args=--epochs 3",
+                   cwd=upload)
+    record = plx.finish(u, "stopped")
+    assert record["exit"] == 75
+    (first,) = attempts_in(store / u)
+    assert first["polyaxon"]["run_uuid"] == u and first["last_step"] == 13
+    assert first["argv"][0].endswith("own_loop.py")  # the script ran, not the trainer's loop
+    assert sorted(p.name for p in (store / u / "checkpoints").iterdir())[-1] == "step-00000012"
+
+    c = next(i for i in [plx.submit("ops", "restart", "-p", plx.name, "-uid", u, "--copy")] if i != u)
+    plx.finish(c, "stopped")  # the copy takes U's first params: interrupt_at_step 13 again
+    (copied,) = attempts_in(store / c)
+    assert copied["restored"]["name"] == "step-00000012" and copied["polyaxon"]["copied_from"]["run"] == u
+
+    runs_before = plx.records_of(u)
+    assert plx.submit("ops", "resume", "-p", plx.name, "-uid", u, "-f", "presets/resume.yaml") == u
+    plx.finish(u, "succeeded", previous_records=runs_before)
+    resumed = attempts_in(store / u)[-1]
+    assert resumed["restored"]["name"] == "step-00000012" and resumed["status"] == "completed"
+    result = run_cli(REPO / "compare.py", baseline / "checkpoints" / "step-00000036",
+                     store / u / "checkpoints" / "step-00000036")
+    assert result.returncode == 0, result.stdout[-3000:]
+
+
 # What a Polyaxon user sees of recovery on the run's page (name, status message, outputs, images,
 # lineage), read from the server's API and the run's events in the artifacts store.
 def timeline_images(sandbox: Sandbox, run_uuid: str, name: str = "recovery-timeline") -> list[str]:

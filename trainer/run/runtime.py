@@ -28,10 +28,16 @@ def resolve_device(requested: str) -> torch.device:
 
 def configure_determinism(config: RunConfig, rank: int = 0) -> None:
     """Same algorithms, same thread count, same seeds: the precondition for bit-equality."""
+    seed_everything(config.workload.seed, config.workload.threads, rank)
+
+
+def seed_everything(seed: int, threads: int, rank: int = 0) -> None:
+    """Deterministic algorithms, `threads` intra-op threads, and Python's, NumPy's and torch's
+    global RNGs seeded from (seed, rank) (`recovery.seed_everything` for a user's own loop)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     compat.use_deterministic_algorithms()
-    torch.set_num_threads(config.workload.threads)
-    seed = rank_seed(config.workload.seed, rank)
+    torch.set_num_threads(threads)
+    seed = rank_seed(seed, rank)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

@@ -1,0 +1,49 @@
+"""An Accelerate training loop with the trainer's recovery (docs/library.md): `save_state` and
+`load_state` go through verified generations, the data through the keyed order, so a kill -9
+or a SIGTERM mid-epoch resumes bit for bit:
+
+    python examples/accelerate_loop.py runs/accelerate
+"""
+
+import argparse
+import logging
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from trainer import recovery
+from trainer.recovery import accelerated
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("output", help="the run directory (a path, or s3://bucket/run)")
+    parser.add_argument("--epochs", type=int, default=3)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    recovery.seed_everything(0)
+    accelerator = Accelerator(cpu=True)
+    inputs = torch.randn(192, 16)
+    dataset = torch.utils.data.TensorDataset(inputs, inputs @ torch.randn(16, 1) + 0.1 * torch.randn(192, 1))
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * 12)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+
+    with recovery.open_run(args.output, resume="auto", recover=recovery.CadenceConfig(every_steps=10)) as run:
+        accelerated.load_state(accelerator, run, data=recovery.KeyedData(dataset, batch_size=16, seed=0))
+        for epoch in run.epochs(args.epochs):
+            for x, y in run.batches():  # the keyed order, not a prepared DataLoader: see docs/library.md
+                loss = nn.functional.mse_loss(model(x.to(accelerator.device)), y.to(accelerator.device))
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+                run.step(loss)  # the witness, saves on cadence; SIGTERM: save, then exit 75
+                print(f"step={run.progress.global_step} epoch={epoch} loss={loss.item():.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

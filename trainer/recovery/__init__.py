@@ -1,0 +1,31 @@
+"""Recovery inside your own training loop (docs/library.md).
+
+    from trainer import recovery
+
+    with recovery.open_run("runs/a", resume="auto") as run:
+        run.restore(model, optimizer, scheduler, data=recovery.KeyedData(dataset, batch_size=32))
+        for epoch in run.epochs(8):
+            for batch in run.batches():
+                ...  # forward, backward, optimizer.step(), scheduler.step()
+                run.step(loss)
+
+The same generations, manifests and attempt records as `python -m trainer`: `list`, `verify`,
+`report` and `compare.py` read them unchanged. Options are RunConfig's fields
+(trainer/config.py), with the command line's defaults.
+"""
+
+from trainer.config import CadenceConfig, RetentionConfig, RunConfig, SigningConfig, StoreConfig
+from trainer.recovery.data import KeyedData
+from trainer.recovery.run import RecoveryRun, Stopped, open_run
+from trainer.run.runtime import seed_everything as _seed_everything
+from trainer.run.state import capture_rng, restore_rng
+
+
+def seed_everything(seed: int, threads: int = 1) -> None:
+    """What the trainer does before building anything: deterministic algorithms, a fixed number
+    of CPU threads, and Python's, NumPy's and torch's RNGs seeded. Call it first: an RNG left
+    unseeded starts from the OS's entropy, so two fresh runs (and a resumed one) differ there."""
+    _seed_everything(seed, threads)
+
+__all__ = ["CadenceConfig", "KeyedData", "RecoveryRun", "RetentionConfig", "RunConfig", "SigningConfig", "Stopped",
+           "StoreConfig", "capture_rng", "open_run", "restore_rng", "seed_everything"]

@@ -1,0 +1,46 @@
+"""Accelerate's `save_state` / `load_state` through the trainer's generations (docs/library.md).
+
+    accelerator = Accelerator()
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    with recovery.open_run("runs/acc", resume="auto") as run:
+        accelerated.load_state(accelerator, run, data=recovery.KeyedData(dataset, batch_size=16))
+        for epoch in run.epochs(8):
+            for batch in run.batches():
+                ...  # accelerator.backward(loss), optimizer.step(), scheduler.step(), optimizer.zero_grad()
+                run.step(loss)
+
+What `accelerator.prepare` and `register_for_checkpointing` hold (the model, optimizer and
+scheduler, the GradScaler of mixed precision, the registered objects) becomes the run's state,
+restored in place from the newest verified generation; `save_state` writes a generation of it.
+Accelerate's own resume is not exact (a skipping DataLoader draws a new shuffle; with a
+seedable sampler creating its iterator takes a draw from the restored RNG): read the data
+through `run.batches()` (the trainer's keyed order) instead of a prepared DataLoader.
+"""
+
+from __future__ import annotations
+
+from accelerate import Accelerator
+
+from trainer.errors import UsageError
+from trainer.recovery.data import KeyedData
+from trainer.recovery.run import RecoveryRun
+from trainer.run.state import Progress
+
+
+def load_state(accelerator: Accelerator, run: RecoveryRun, data: KeyedData | None = None) -> Progress:
+    """`accelerator.load_state()` from the run's newest verified generation (a fresh start: the
+    state as prepared); call it once, after `accelerator.prepare`. Returns where to continue."""
+    models, optimizers, schedulers = accelerator._models, accelerator._optimizers, accelerator._schedulers
+    if len(models) != 1 or len(optimizers) != 1 or len(schedulers) > 1:
+        raise UsageError(f"accelerated.load_state takes one prepared model and optimizer and at most one scheduler "
+                         f"(prepared: {len(models)}, {len(optimizers)}, {len(schedulers)}); prepare them in one "
+                         f"accelerator.prepare(model, optimizer[, scheduler]) call")
+    extras = {f"registered_{index}": kept for index, kept in enumerate(accelerator._custom_objects)}
+    return run.restore(accelerator.unwrap_model(models[0]), optimizers[0].optimizer,
+                       schedulers[0].scheduler if schedulers else None, scaler=accelerator.scaler, data=data,
+                       extras=extras)
+
+
+def save_state(run: RecoveryRun) -> None:
+    """`accelerator.save_state()`: a generation of everything `load_state` handed over."""
+    run.save()

@@ -1,0 +1,70 @@
+"""The data half of an exact resume in a user's own loop: the trainer's keyed order.
+
+A loop that shuffles with its own DataLoader draws the order from the global RNG (a resume
+starts a new shuffle, so a mid-epoch resume trains some samples twice and others never) and
+fetches with RNG streams that depend on which worker fetched what. `KeyedData` hands the
+loop the trainer's own order instead (`trainer/run/batching.py`, `trainer/run/streaming.py`):
+a permutation that is a pure function of (seed, epoch), every sample fetched under RNGs
+keyed by (seed, epoch, index), any number of workers. Its position is the run's progress
+(epoch, batches done in it), which every generation stores, so a resume continues inside the
+epoch at the next batch. A stream (`shards()` and `read(shard, offset)`) gets its cursor
+saved too, as the trainer's does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from trainer.config import WorkloadConfig
+from trainer.run.batching import EpochBatchOrder
+from trainer.run.streaming import DataSource, cursors, source_of
+
+
+@dataclass(frozen=True)
+class KeyedData:
+    """A map-style dataset (`__len__`, `__getitem__`) or a stream, to be read in the trainer's
+    keyed order through `RecoveryRun.batches()`. `batch_size`, `seed` and `shuffle_buffer`
+    shape the order and are fingerprinted; `num_workers` does not change a bit."""
+
+    dataset: object
+    batch_size: int = WorkloadConfig.batch_size
+    seed: int = WorkloadConfig.seed
+    num_workers: int = WorkloadConfig.num_workers
+    collate_fn: Callable | None = None
+    """Run under RNGs keyed by (seed, epoch, the batch's first index), so a random collator
+    (MLM masking) draws the same numbers wherever a resume starts."""
+    shuffle_buffer: int = WorkloadConfig.shuffle_buffer
+    """Streams only: records per shuffle block (see `WorkloadConfig.shuffle_buffer`)."""
+    source: DataSource = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "source", source_of(self.dataset, self.settings(), "KeyedData", self.collate_fn))
+
+    def settings(self) -> WorkloadConfig:
+        """The trainer's options this order is made of (what the fingerprint's `config` holds)."""
+        return WorkloadConfig(batch_size=self.batch_size, seed=self.seed, num_workers=self.num_workers,
+                              shuffle_buffer=self.shuffle_buffer, workload="your own loop")
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(EpochBatchOrder(len(self.source), self.batch_size, self.seed, 0, 0))
+
+    def cursors(self) -> dict:
+        """What a generation stores of the position beyond the progress (a stream's cursor)."""
+        return cursors(self.source, self.batch_size)
+
+    def epoch_batches(self, epoch: int, start_batch: int):
+        """(sample ids, batch) of one process for the rest of `epoch`, from `start_batch`."""
+        return self.source.loader(epoch, self.batch_size, start_batch, 0, 1, self.num_workers)
+
+
+class UnkeyedData:
+    """What a run knows of a loop that reads its own data: nothing (no samples, no order, not
+    fingerprinted). Its resume is exact only where the loop restores its own position."""
+
+    def __len__(self) -> int:
+        return 0
+
+    def fingerprint(self) -> str:
+        return "your own loop's data (not fingerprinted: read it through recovery.KeyedData)"

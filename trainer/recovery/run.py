@@ -1,0 +1,296 @@
+"""`RecoveryRun`: the trainer's recovery inside a loop the user owns.
+
+Five verbs: `open_run` (claim the run directory as `python -m trainer` does: lock or lease,
+`run.json`, the generation chosen and verified, an attempt record), `restore` (the caller's
+objects, in place, from that generation: fingerprint, signature, run identity and the
+witness's restore check; RNGs last), `step` (once per optimizer step: the witness's digest,
+the cadences, preemption), `save`, and `close` (the outcome recorded; leaving the `with`
+block closes). Everything is the trainer's own machinery (`trainer/run/session.py` for the
+claim, the record and the end; `CadencedSaves` for saving; `Restorer` for restoring): the
+generations, manifests and records are the ones `list`, `verify`, `report` and `compare.py`
+read, and there is no second implementation of a save or a restore.
+
+How an attempt ends is a process exit, as for the trainer: a stop signal saves a generation
+at the step reached and raises `Stopped` (a SystemExit with status 75, resumable), and so
+does `interrupt_at_step`; a refusal (65, 66, 73, ...) is one logged line and a SystemExit
+with its status. A completed run exits the `with` block normally, after a final generation
+and export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from trainer.config import RunConfig
+from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, TrainerError, UsageError
+from trainer.parallel.launch import LaunchEnvironment
+from trainer.parallel.ranks import StepAgreement, process_group
+from trainer.run.cadence import StepPoint
+from trainer.run.checksum import parameter_checksum
+from trainer.run.events import TrainingEvents
+from trainer.run.preemption import PreemptionGuard, ignore_late_stop_requests
+from trainer.run.records import COMPLETED, INTERRUPTED, PREEMPTED
+from trainer.run.restoring import Restorer
+from trainer.run.runtime import resolve_device
+from trainer.run.session import AttemptSession, Outcome
+from trainer.run.state import Progress, TrainingState
+from trainer.run.witness import step_digest
+from trainer.storage.location import parse_location
+from trainer.workload import BoundWorkload
+from trainer.recovery.bundle import bundle_options, bundled
+from trainer.recovery.data import KeyedData, UnkeyedData
+
+log = logging.getLogger("trainer")
+
+
+class Stopped(SystemExit):
+    """The attempt stopped resumably (exit 75): preempted after saving, or `interrupt_at_step`."""
+
+    def __init__(self, outcome: Outcome):
+        super().__init__(outcome.status)
+        self.outcome = outcome
+
+
+class OwnLoop:
+    """The user's objects as the trainer's workload protocol sees them (nothing is built here)."""
+
+    def __init__(self, extras: dict, architecture: dict):
+        self.extras, self._architecture = extras, architecture
+
+    def architecture(self) -> dict:
+        return self._architecture
+
+    def stateful(self) -> dict:
+        return self.extras
+
+
+def open_run(output: str | os.PathLike | None = None, config: RunConfig | None = None, **fields) -> RecoveryRun:
+    """A run directory (a path or a store URL such as s3://bucket/run) to hold with `with`.
+    `fields` are RunConfig's (`resume="auto"`, `recover=CadenceConfig(every_steps=50)`, ...),
+    with the same defaults as the command line; `config` gives all of them at once. Run by the
+    bundle (`python -m trainer.recovery`), the bundle's run directory and options win."""
+    try:
+        if config is None:
+            config = RunConfig(location=parse_location(os.fspath(output)) if output is not None else None)
+        config = replace(config, argv=config.argv or tuple(sys.argv), **fields)
+        if (options := bundle_options()) is not None:
+            config, events = bundled(config, options)
+            if events is not None:
+                return RecoveryRun(config, events, closing=events.close)
+        if config.location is None:
+            raise UsageError("open_run needs a run directory (a path or a store URL) or a RunConfig")
+    except TrainerError as error:
+        log.error("trainer: error: %s", error)
+        raise SystemExit(error.exit_code) from error
+    return RecoveryRun(config)
+
+
+class RecoveryRun:
+    def __init__(self, config: RunConfig, events: TrainingEvents = TrainingEvents(),
+                 closing: Callable[[int, str | None], None] | None = None):
+        """`closing(exit status, message)`: told how the attempt ended (a tracker's final status)."""
+        self.config, self.events, self.closing = config, events, closing
+        self.session: AttemptSession | None = None
+        self.held = contextlib.ExitStack()
+        self.state: TrainingState | None = None
+        self.data: KeyedData | None = None
+        self.saved_step: int | None = None
+        """The step of the newest generation this attempt saved (the final save skips it)."""
+
+    # -- open ---------------------------------------------------------------------------------
+    def __enter__(self) -> RecoveryRun:
+        held = self.held.__enter__()
+        try:
+            launch = LaunchEnvironment.from_environ(os.environ)
+            if launch.distributed:
+                raise UsageError("recovery.open_run runs in one process for now; under torchrun use "
+                                 "`python -m trainer --workload MODULE:FACTORY`")
+            self.ranks = held.enter_context(process_group(launch, resolve_device(self.config.device),
+                                                          self.config.background_wait))
+            self.preemption = held.enter_context(PreemptionGuard(self.config.preempt_grace_s))
+            self.session = AttemptSession(self.config, self.ranks, self.events)
+            held.enter_context(self.session.refusals_recorded())
+            self.claim = self.session.claim(held)
+        except BaseException as error:
+            self.leave(error)
+        return self
+
+    # -- restore ------------------------------------------------------------------------------
+    def restore(self, model: torch.nn.Module, optimizer, scheduler=None, *, scaler=None, data: KeyedData | None = None,
+                extras: dict | None = None, architecture: dict | None = None) -> Progress:
+        """Hand over the state and get it back from the newest verified generation, in place
+        (a fresh start leaves it as built). `optimizer`/`scheduler`: one, or several by name;
+        `extras`: any other objects with state_dict/load_state_dict (an EMA, a curriculum);
+        `data`: the keyed order (`KeyedData`), whose position is the progress. Returns where
+        to continue (`global_step`, `epoch`, `position` = batches done in that epoch)."""
+        if self.state is not None:
+            raise UsageError("restore() was called twice on one run; call it once, after building the model")
+        if self.session is None:
+            raise UsageError("restore() outside `with recovery.open_run(...) as run:`; open the run first")
+        self.data = data
+        state = TrainingState(model, optimizer, scheduler if scheduler is not None else {},
+                                   scaler or torch.amp.GradScaler("cpu", enabled=False), extras=dict(extras or {}),
+                                   cursors=data.cursors() if data else {})
+        self.workload = BoundWorkload(OwnLoop(state.extras, dict(architecture or {})), script_files(),
+                                      "your training script")
+        config = replace(self.config, workload=data.settings()) if data else self.config
+        self.saves, checked = self.session.begin(self.claim, self.workload, data.source if data else UnkeyedData(),
+                                                 self.preemption, config)
+        self.parameters, self.state = list(model.parameters()), state  # now the attempt ends by close or failed
+        try:
+            self.events.attempt_started(self.session.recorder.record)
+            if self.claim.generation is not None:
+                Restorer(config, self.session.storage, self.ranks, self.workload).restore(
+                    self.claim, self.state, checked.drift, self.saves, self.session.recorder)
+            self.session.recorder.reached(self.state.progress.global_step, first=True)
+        except BaseException as error:
+            self.failed(error)
+        return self.state.progress
+
+    @property
+    def restoring_step(self) -> int | None:
+        """The step of the generation `restore()` will restore (None: a fresh start)."""
+        generation = self.claim.generation
+        return generation.manifest.step if generation is not None else None
+
+    @property
+    def progress(self) -> Progress:
+        return self.state.progress
+
+    def epochs(self, total: int) -> Iterator[int]:
+        """The epochs left of `total`, each to be read with `batches()`."""
+        while self.progress.epoch < total:
+            epoch = self.progress.epoch
+            yield epoch
+            if self.progress.epoch == epoch:
+                raise UsageError(f"epoch {epoch} did not end: read it with batches() and call step() once per batch")
+
+    def batches(self) -> Iterator:
+        """The rest of the current epoch in the keyed order, one batch per `step()`."""
+        if self.data is None:
+            raise UsageError("batches() needs the data: restore(..., data=recovery.KeyedData(dataset, batch_size))")
+        for ids, batch in self.data.epoch_batches(self.progress.epoch, self.progress.position):
+            self.consumed(ids)
+            yield batch
+
+    def consumed(self, ids) -> None:
+        """The sample ids of the batch the next `step` trains on (`batches()` says so itself)."""
+        self.saves.ledger.consumed(ids)
+
+    # -- step ---------------------------------------------------------------------------------
+    def step(self, loss) -> bool:
+        """After each optimizer step (and scheduler step): the witness's digest, a save when a
+        cadence fires, and on a stop signal a save of this step and `Stopped` (exit 75).
+        Returns whether a generation of this step was saved."""
+        return self.saved_on_cadence(self.stepped(loss))
+
+    def stepped(self, loss) -> StepAgreement:
+        """The first half of `step`: the step counted and witnessed, and what its cadences and
+        the stop signals call for (an adapter saves where its framework's save point is)."""
+        if self.state is None:
+            raise UsageError("step() before restore(): hand over the model and optimizer with restore() first")
+        state = self.state
+        completed = state.progress.advance(1, self.data.batches_per_epoch if self.data else sys.maxsize)
+        step = state.progress.global_step
+        agreed = self.saves.agree(StepPoint(step, state.progress.epoch, completed), torch.as_tensor(loss),
+                                  self.preemption.requested)
+        lr = float(state.optimizers()[0].param_groups[0]["lr"])
+        state.history.loss.append(agreed.loss)
+        state.history.lr.append(lr)
+        self.session.recorder.mark_step(step, step_digest(agreed.loss, parameter_checksum(self.parameters, step)))
+        self.events.step_completed(step, {"loss": agreed.loss, "lr": lr})
+        if step == self.config.interrupt_at_step:
+            raise self.stopped(INTERRUPTED, f"interrupt_at_step {step}: stopped without saving")
+        return agreed
+
+    def saved_on_cadence(self, agreed: StepAgreement) -> bool:
+        """The second half of `step`: the saves `agreed` calls for; `Stopped` after a stop signal's."""
+        state, step = self.state, self.progress.global_step
+        self.saves.after_step(state, state.model, self.workload, agreed, final=False)
+        self.saves.wait_for_staging()  # the loop changes the parameters next: the staged copy must be complete
+        if agreed.recover or agreed.preempt:
+            self.saved_step = step
+        if agreed.preempt:
+            raise self.stopped(PREEMPTED, f"{self.preemption.signal_name} after step {step}; generation saved")
+        return self.saved_step == step
+
+    # -- save ---------------------------------------------------------------------------------
+    def save(self) -> None:
+        """A recovery generation of the state as it is now (between optimizer steps)."""
+        self.saves.save_generation(self.state)
+        self.saves.wait_for_staging()
+        self.saved_step = self.progress.global_step
+
+    # -- close --------------------------------------------------------------------------------
+    def close(self) -> Outcome:
+        """The run completed: a final generation and export, drained and recorded (exit 0)."""
+        if self.saved_step != self.progress.global_step:
+            self.save()
+        self.saves.save_export(self.state, self.state.model, self.workload)
+        outcome = self.session.end(COMPLETED, None, self.saves, self.state)
+        self.state = None
+        return outcome
+
+    def stopped(self, status: str, reason: str) -> Stopped:
+        outcome = self.session.end(status, reason, self.saves, self.state, f"{status}: {reason} (exit 75)")
+        log.warning("trainer: stopped, resumable (exit %d): %s; to continue, run again with resume='auto'",
+                    EXIT_INTERRUPTED, outcome.reason)
+        self.state = None
+        return Stopped(outcome)
+
+    def failed(self, error: BaseException):
+        """Record the failure (a refusal while restoring, or the loop's own exception) and raise it."""
+        self.state = None
+        self.session.fail(error, self.claim, self.saves, self.preemption)
+
+    def __exit__(self, kind, error, trace) -> bool:
+        try:
+            if error is None and self.state is not None:
+                self.close()
+            elif error is not None and not isinstance(error, Stopped) and self.state is not None:
+                self.failed(error)
+        except BaseException as raised:
+            error = raised
+        self.leave(error)
+        return False
+
+    def leave(self, error: BaseException | None) -> None:
+        """Let go of the run directory, the signals and the process group; `error` (if any)
+        goes on, a typed trainer error as the command line ends it: one line and its status."""
+        try:
+            self.held.__exit__(type(error) if error else None, error, error.__traceback__ if error else None)
+        except BaseException as raised:
+            error = raised
+        ignore_late_stop_requests()  # the outcome is recorded: a late SIGTERM cannot change it (as run_training)
+        if self.closing is not None:
+            self.closing(*exit_status(error))
+        if isinstance(error, TrainerError):
+            log.error("trainer: error: %s", error)
+            raise SystemExit(error.exit_code) from error
+        if error is not None:
+            raise error
+
+
+def exit_status(error: BaseException | None) -> tuple[int, str | None]:
+    """The process's exit status after `error` (None: completed), and what to say of it."""
+    if error is None:
+        return EXIT_OK, None
+    if isinstance(error, Stopped):
+        return error.outcome.status, error.outcome.reason
+    if isinstance(error, TrainerError):
+        return error.exit_code, str(error)
+    return 1, f"{error.__class__.__name__}: {error}"
+
+
+def script_files() -> tuple[Path, ...]:
+    """The running script, hashed into the fingerprint's `source` (beside the trainer's own)."""
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    return (Path(main).resolve(),) if main else ()
