@@ -283,10 +283,40 @@ def test_the_storage_roles_stay_small_and_ask_no_role_by_none():
     assert len(public_methods(base, "RunStorage")) <= 10, public_methods(base, "RunStorage")
     assert len(public_methods(base, "Durability")) <= 7, public_methods(base, "Durability")
     for path in [base, PACKAGE / "storage" / "local.py", PACKAGE / "storage" / "object" / "backend.py"]:
-        guards = [ast.unparse(node) for node in ast.walk(ast.parse(path.read_text()))
-                  if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops)
-                  and ast.unparse(node.left).startswith("self.")]
+        guards = role_guards(ast.parse(path.read_text()))
         assert not guards, (path.name, guards)
+
+
+def role_guards(tree: ast.AST) -> list[str]:
+    """`self.x is None` and `self.x is not None` in `tree`: a role asked of an attribute."""
+    return [ast.unparse(node) for node in ast.walk(tree)
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops)
+            and ast.unparse(node.left).startswith("self.")]
+
+
+MEMORY = PACKAGE / "storage" / "memory"
+TIER0_ROLES = [(MEMORY / "tier.py", "MemoryTier", 9, ["NoMemoryTier", "MemoryDirTier"]),
+               (MEMORY / "saves.py", "MemorySaves", 7, ["NoMemorySaves", "MemoryDirSaves"]),
+               (MEMORY / "replication.py", "Replication", 5, ["NoReplication", "PeerReplication"])]
+"""Tier 0's protocols, their caps, and the implementations of each: the "off" one and the real one."""
+
+
+@pytest.mark.parametrize("path, protocol, cap, implementations", TIER0_ROLES, ids=[role[1] for role in TIER0_ROLES])
+def test_tier0_roles_stay_small_and_each_implementation_answers_its_protocol_alone(path, protocol, cap,
+                                                                                    implementations):
+    """Each tier-0 role is a protocol of a handful of verbs, answered by an "off" implementation
+    and a real one side by side, neither inheriting from the other (a real class that subclasses
+    the null object it replaces inherits a role it then overrides), neither asking a role of
+    an attribute by `is None` (one node or several, a replica kept or not)."""
+    verbs = public_methods(path, protocol)
+    assert 0 < len(verbs) <= cap, verbs
+    classes = {node.name: node for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)}
+    for name in implementations:
+        assert set(verbs) <= set(public_methods(path, name)), name
+        assert [ast.unparse(base) for base in classes[name].bases] == [], name
+        assert role_guards(classes[name]) == [], name
+    off = public_methods(path, implementations[0])
+    assert set(off) == set(verbs), implementations[0]
 
 
 def test_both_sections_answer_every_verb_of_the_section_protocol():

@@ -369,7 +369,7 @@ class AttemptRecorder:
         self.reached(step if step is not None else (self._record["last_step"] or 0))
 
     def memory_saved(self, published: "Published") -> None:
-        """A tier-0 generation (trainer/storage/memory.py): not durable, so not among the
+        """A tier-0 generation (trainer/storage/memory/): not durable, so not among the
         published generations, nor in `costs` (C of the advice is the durable saves' cost); the
         loop was held for its `blocked_s` (all of `save_s` when sync, the staging when async).
         Flushed: a kill -9 right after it still leaves it in the record, which the next attempt

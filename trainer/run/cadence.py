@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from trainer.config import AutoCadenceConfig, CadenceConfig
+from trainer.config import AutoCadenceConfig, CadenceConfig, MemoryTierConfig
+from trainer.options import AUTO
 from trainer.run.interval import FailureRate, best_interval, clamp
 from trainer.run.records import AttemptRecord, attempts_that_trained, failure_rate, lifetime
 
@@ -340,6 +341,13 @@ def build_policy(config: CadenceConfig, clock: Callable[[], float] = time.monoto
     if config.auto:
         policies.append(AutoSeconds(config.auto, prior or AutoPrior(), clock))
     return AnyOf(policies)
+
+
+def memory_policy(settings: MemoryTierConfig) -> AnyOf:
+    """Tier 0's fixed cadence: every `--memory-every-steps` N steps; nothing with no
+    `--memory-dir` (`auto` is `AutoSteps`, built with its prior)."""
+    fixed = settings.directory is not None and settings.every_steps != AUTO
+    return AnyOf([EverySteps(settings.every_steps)] if fixed else [])
 
 
 def auto_trigger(policy: AnyOf) -> AutoSeconds | None:

@@ -24,7 +24,7 @@ from trainer.checkpoint.coordination import Coordinator, raise_if_any_failed
 from trainer.errors import CorruptGeneration, DecidedOnPrimary, UsageError
 from trainer.run.records import DISK, MEMORY, PEER, STORE, read_attempts
 from trainer.storage.base import NOTHING_MOVED, RunStorage, Transfer
-from trainer.storage.memory import Holding, disagreement, newer_than
+from trainer.storage.memory.choice import Holding, disagreement, newer_than
 
 log = logging.getLogger("trainer")
 

@@ -35,7 +35,7 @@ from trainer.run.records import read_attempts
 from trainer.config import AutoCadenceConfig
 from trainer.options import AUTO
 from trainer.run.cadence import (AutoPrior, AutoSeconds, AutoSteps, CadenceChange, StepPoint, StepsChange, auto_prior,
-                                 auto_trigger, build_policy, memory_prior)
+                                 auto_trigger, build_policy, memory_policy, memory_prior)
 from trainer.run.events import TrainingEvents
 from trainer.run.ledger import SampleLedger
 from trainer.run.checksum import safe_state_digests
@@ -77,27 +77,27 @@ def cadence_changed(ranks: Ranks, recorder: AttemptRecorder, change: CadenceChan
 
 
 class MemoryCadence:
-    """When tier 0 saves: every `--memory-every-steps` N (the tier's own rule), or `auto`
+    """When tier 0 saves: every `--memory-every-steps` N (`memory_policy`), or `auto`
     (trainer/run/cadence.py `AutoSteps`: Daly's interval for tier 0's measured C, in steps,
     bounded by `--memory-auto-min-secs`/`--memory-auto-max-secs`). Rank 0 decides, in the
     step's agreement; each change of N is one line and an entry of `memory_cadence_changes`."""
 
-    def __init__(self, config: RunConfig, memory, ranks: Ranks, recorder: AttemptRecorder,
-                 prior: Callable[[], AutoPrior]):
-        self.memory, self.ranks, self.recorder = memory, ranks, recorder
+    def __init__(self, config: RunConfig, ranks: Ranks, recorder: AttemptRecorder, prior: Callable[[], AutoPrior]):
+        self.ranks, self.recorder = ranks, recorder
         settings, self.auto = config.memory, None
+        self.fixed = memory_policy(settings)
         if settings.directory is not None and settings.every_steps == AUTO:
             bounds = AutoCadenceConfig(settings.auto_min_s, settings.auto_max_s,
                                        config.recover.auto.assume_mtbf_s if config.recover.auto else None)
             self.auto = AutoSteps(AutoSeconds(bounds, prior() if ranks.is_primary else AutoPrior()))
 
-    def due(self, step: int) -> bool:
+    def due(self, point: StepPoint) -> bool:
         """Rank 0 only (`agree_after_step`)."""
         if self.auto is None:
-            return self.memory.due(step)
-        due, change = self.auto.due(step)
+            return self.fixed.due(point)
+        due, change = self.auto.due(point.step)
         if change is not None:
-            cadence_changed(self.ranks, self.recorder, change, step, "memory_cadence_changes")
+            cadence_changed(self.ranks, self.recorder, change, point.step, "memory_cadence_changes")
         return due
 
     def saved(self, step: int) -> None:
@@ -126,7 +126,7 @@ class CadencedSaves:
         self.checkpointer: Checkpointer = build_checkpointer(mode, self.durability.commit(), lineage.attempt_id,
                                                              ranks.device, ranks)
         self.memory = storage.memory.saver(lineage.attempt_id, ranks, mode, ranks.device)  # tier 0's, same mode
-        self.tier0 = MemoryCadence(config, self.memory, ranks, self.recorder, lambda: memory_prior(
+        self.tier0 = MemoryCadence(config, ranks, self.recorder, lambda: memory_prior(
             read_attempts(storage.local.root), lineage.attempt_id))
         self.ledger = SampleLedger(lineage.epoch_samples, config.workload.batch_size)
         """The samples trained on since the last generation, for the next one's manifest."""
@@ -158,7 +158,7 @@ class CadencedSaves:
         """Every rank learns rank 0's cadence decisions and whether any rank was signalled."""
         return self.ranks.agree_after_step(loss, lambda: self.recover_policy.due(point),
                                            lambda: self.export_policy.due(point), preempted,
-                                           lambda: self.tier0.due(point.step))
+                                           lambda: self.tier0.due(point))
 
     def wait_for_staging(self) -> None:
         """Both staged copies (a durable save's, a tier-0 save's) complete before the state changes."""
