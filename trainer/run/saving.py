@@ -31,7 +31,7 @@ from trainer.errors import TrainerError, reraise_as_storage_failure
 from trainer.layout import EXPORTS, GENERATIONS, generation_name
 from trainer.parallel.ranks import Ranks, StepAgreement
 from trainer.run.attempts import AttemptRecorder, utc_now
-from trainer.run.records import read_attempts
+from trainer.run.records import AttemptRecord
 from trainer.config import AutoCadenceConfig
 from trainer.options import AUTO
 from trainer.run.cadence import (AutoPrior, AutoSeconds, AutoSteps, CadenceChange, StepPoint, StepsChange, auto_prior,
@@ -58,6 +58,8 @@ class Lineage:
     """Generations retention must keep (the one restored)."""
     epoch_samples: int = 0
     """Samples in an epoch: the sample ledger's cursors count them (trainer/run/ledger.py)."""
+    history: tuple[AttemptRecord, ...] = ()
+    """The earlier attempts' records (`Claim.history`): what the auto cadences start from."""
 
 
 @dataclass(frozen=True)
@@ -126,15 +128,15 @@ class CadencedSaves:
         self.checkpointer: Checkpointer = build_checkpointer(mode, self.durability.commit(), lineage.attempt_id,
                                                              ranks.device, ranks)
         self.memory = storage.memory.saver(lineage.attempt_id, ranks, mode, ranks.device)  # tier 0's, same mode
-        self.tier0 = MemoryCadence(config, ranks, self.recorder, lambda: memory_prior(
-            read_attempts(storage.local.root), lineage.attempt_id))
+        self.tier0 = MemoryCadence(config, ranks, self.recorder, lambda: memory_prior(lineage.history,
+                                                                                      lineage.attempt_id))
         self.ledger = SampleLedger(lineage.epoch_samples, config.workload.batch_size)
         """The samples trained on since the last generation, for the next one's manifest."""
         self.ledger_entries: dict[str, dict] = {}
         """Saved generations' ledgers, recorded in the attempt record once published."""
         self.sections = {GENERATIONS: self.checkpointer.local, EXPORTS: storage.section(EXPORTS)}
         self.recover_policy = build_policy(config.recover, prior=auto_prior(
-            read_attempts(storage.local.root), lineage.attempt_id) if config.recover.auto and ranks.is_primary else None)
+            lineage.history, lineage.attempt_id) if config.recover.auto and ranks.is_primary else None)
         self.auto = auto_trigger(self.recover_policy)
         """`--recover-every-secs auto`: re-derived after every recovery save (rank 0 decides)."""
         if self.auto is not None:

@@ -93,24 +93,23 @@ def available_everywhere(holdings: list[Holding], run: str) -> dict[str, str]:
 
 
 
-def newer_than(holdings: list[Holding], durable: list[str], history: list[dict],
+def newer_than(holdings: list[Holding], durable: list[str], went_back: list[tuple[str, int]],
                run: RunIdentity | None) -> dict[str, str]:
     """Tier-0 generations newer than the newest durable one that continue its line: every
     rank's part can be had (`available_everywhere`), bound to this run (`run`, the run
     directory's identity; None: a new run directory), and none was written by an attempt that
     a later attempt went back from (`--from-generation` to an earlier step, perhaps without
-    tier 0, so it could not set them aside). {name: the attempt that wrote every part}."""
+    tier 0, so it could not set them aside; `went_back`: (that attempt, the step it went back to),
+    trainer/run/records.py `went_back`). {name: the attempt that wrote every part}."""
     if run is None:
         return {}  # nobody's yet: `bind` clears what another run left once this attempt goes ahead
     newest = generation_step(durable[-1]) if durable else -1
-    went_back = [(record.get("id", ""), (record.get("restored") or {}).get("step"))
-                 for record in history if record.get("explicit_generation")]
     newer = {}
     for name, attempt in available_everywhere(holdings, run.run).items():
         step = generation_step(name)
         if step <= newest:
             continue
-        if any(later > attempt and isinstance(back, int) and back < step for later, back in went_back):
+        if any(later > attempt and back < step for later, back in went_back):
             log.info("tier 0 holds %s of an abandoned line (a later attempt went back): not restored", name)
             continue
         newer[name] = attempt
