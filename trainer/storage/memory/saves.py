@@ -178,7 +178,7 @@ class MemoryDirSaves:
         return published
 
     def completed(self) -> list[Published]:
-        return self.settled(self.checkpointer.ready, -1)
+        return self.settled(self.checkpointer.completed, -1)
 
     def wait_for_staging(self) -> float:
         try:
