@@ -336,7 +336,7 @@ class PeerReplication:
         elif name is not None:
             committed = self.committing.setdefault(name, threading.Event())
         self.rounds = [done for done in self.rounds if not done.done()] + \
-            [self.thread.submit(self.round, name, committed)]
+            [self.thread.submit(self._round, name, committed)]
 
     def published(self, name: str) -> None:
         if event := self.committing.pop(name, None):
@@ -350,7 +350,7 @@ class PeerReplication:
             event.set()
         self.committing.clear()
 
-    def round(self, name: str | None, committed: threading.Event | None) -> None:
+    def _round(self, name: str | None, committed: threading.Event | None) -> None:
         if committed is not None:
             committed.wait()
         if self.broken:

@@ -104,7 +104,7 @@ class MemoryDirSaves:
         """The largest tier-0 generation known (estimated, then measured)."""
         self.warned = False
 
-    def budget(self, estimate: int) -> Budget:
+    def _budget(self, estimate: int) -> Budget:
         """`estimate`: the bytes a generation of the state stores (its tensors)."""
         self.generation_bytes = max(self.generation_bytes, estimate + OVERHEAD_BYTES + estimate // 50)
         copies = 2 if self.staging else 0  # the durable saves' staging and tier 0's own
@@ -115,7 +115,7 @@ class MemoryDirSaves:
         """Before the first step: refuse a start whose tier 0 cannot hold its K generations.
         `estimate()`: the bytes a generation will store, optimizer state not created yet
         included (`TrainingState.estimated_bytes`); called only here, with tier 0 on."""
-        budget, refusal = self.budget(estimate()), None
+        budget, refusal = self._budget(estimate()), None
         if budget.needed > budget.limit_bytes:
             rank = f" of rank {self.parts.place.rank}" if self.parts.place.world_size > 1 else ""
             refusal = MemoryTierTooSmall(
@@ -131,19 +131,19 @@ class MemoryDirSaves:
         """Wait for the tier-0 save in flight (async), prune to K - 1, then write and publish
         (async: stage, and write in the background) when the new one fits; nothing pruned when
         skipped. Then a replica round (several nodes), skipped or not: every rank runs one here."""
-        published, saving = self.written(state_dict, facts)
+        published, saving = self._written(state_dict, facts)
         self.replicas.offer(generation_name(facts.step) if saving else None)
         return published
 
-    def written(self, state_dict: dict, facts: GenerationFacts) -> tuple[list[Published], bool]:
+    def _written(self, state_dict: dict, facts: GenerationFacts) -> tuple[list[Published], bool]:
         """(what was published meanwhile, whether this save was made)."""
-        published = self.settled(self.checkpointer.drain, facts.step)
+        published = self._settled(self.checkpointer.drain, facts.step)
         section, keep, name = self.parts.own.section, self.config.keep, generation_name(facts.step)
         # Those at this step or later are of a line this one replaces (after a refused tier-0
         # generation): removed, never replaced in place (that would keep a superseded copy in memory).
         earlier = [held for held in section.names() if held < name]
         doomed = [held for held in section.names() if held >= name] + earlier[:max(0, len(earlier) - (keep - 1))]
-        budget = self.budget(state_bytes(state_dict))
+        budget = self._budget(state_bytes(state_dict))
         kept = self.parts.used_bytes() - sum(directory_bytes(section.path(name)) for name in doomed)
         replica = budget.generation_bytes * (len(self.parts.all) - 1)  # the next one received
         if kept + budget.generation_bytes + replica + budget.staging_bytes > budget.limit_bytes:
@@ -156,10 +156,10 @@ class MemoryDirSaves:
         for name in doomed:
             section.remove(name)
         failures = self.failures
-        published += self.settled(lambda: self.checkpointer.save(state_dict, facts), facts.step)
+        published += self._settled(lambda: self.checkpointer.save(state_dict, facts), facts.step)
         return published, self.failures == failures  # a save that failed offers nothing to the replica
 
-    def settled(self, call, step: int) -> list[Published]:
+    def _settled(self, call, step: int) -> list[Published]:
         """`call()`'s published tier-0 generations, measured and logged; a storage failure (of
         this save, or of the one before it in the background) is a warning: tier 0 is a
         speed-up, its failure never ends the run."""
@@ -178,7 +178,7 @@ class MemoryDirSaves:
         return published
 
     def completed(self) -> list[Published]:
-        return self.settled(self.checkpointer.completed, -1)
+        return self._settled(self.checkpointer.completed, -1)
 
     def wait_for_staging(self) -> float:
         try:
@@ -189,7 +189,7 @@ class MemoryDirSaves:
             return 0.0
 
     def finalize(self) -> list[Published]:
-        published = self.settled(self.checkpointer.finalize, -1)
+        published = self._settled(self.checkpointer.finalize, -1)
         self.replicas.wait()
         return published
 
