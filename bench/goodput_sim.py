@@ -51,7 +51,7 @@ import json
 import math
 import random
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -322,12 +322,29 @@ host cores the loop does not need (a GPU node): not measured."""
 @dataclass(frozen=True)
 class Tier0:
     every_steps: int
+    """A tier-0 save every this many steps (0: none, in-place restarts alone)."""
     cost_s: float
     """C0: seconds one tier-0 save blocks the loop."""
     restart_s: float
     """R0: seconds before an attempt restored from tier 0 trains."""
     survives: float = 1.0
     """Share of failures after which tier 0 (or a peer's replica of it) is still readable."""
+    read_s: float = 0.0
+    """R0's read of the state (the rest of R0 is start-up and rescheduling)."""
+    in_place_share: float = 0.0
+    """Share of failures a restart in place recovers (a process died, the node lives): torchrun's
+    agent restarts the workers where they were, tier 0 survives, nothing is rescheduled."""
+    in_place_s: float = 0.0
+    """What such a restart costs before the state is read (measured: bench/restart_bench.py)."""
+
+
+IN_PLACE_SHARE = 0.75
+"""DLRover's Flash Checkpoint (intelligent-machine-learning/dlrover, docs/blogs/flash_checkpoint.md):
+about 75% of the faults of its production jobs were recovered by restarting the process in place
+and reloading from host memory; the rest needed a new node (rescheduled)."""
+IN_PLACE_RESTART_S = 9.4
+"""R from a kill -9 of one rank to the next step under torchrun --max-restarts, tier 0 serving:
+`bench/restart_bench.py --quick` on the shared 2-core machine under load (imports dominate)."""
 
 
 def tier0_of(scenario: Scenario, every_steps: int, save_ratio: float, restore_ratio: float,
@@ -335,7 +352,7 @@ def tier0_of(scenario: Scenario, every_steps: int, save_ratio: float, restore_ra
     """C0 and R0 from the durable C and R: R0 is R with its read of the state scaled."""
     read = scenario.restart_s if scenario.restore_s is None else scenario.restore_s
     return Tier0(every_steps, save_ratio * scenario.cost_s, scenario.restart_s - read + restore_ratio * read,
-                 survives)
+                 survives, restore_ratio * read)
 
 
 def simulate_tiers(scenario: Scenario, interval_s: float, tier0: Tier0 | None, lifetimes: Iterator[float],
@@ -359,9 +376,13 @@ def simulate_tiers(scenario: Scenario, interval_s: float, tier0: Tier0 | None, l
                 break
         clock.now = dies
         result.failures += 1
-        kept = tier0 is not None and draw.random() < tier0.survives
+        in_place = tier0 is not None and draw.random() < tier0.in_place_share
+        kept = in_place or (tier0 is not None and draw.random() < tier0.survives)
         memory = memory if kept else 0
         restart = tier0.restart_s if kept and memory > durable else scenario.restart_s
+        if in_place:  # no rescheduling, no start-up of a new pod: the measured R, then the read
+            read = scenario.restart_s if scenario.restore_s is None else scenario.restore_s
+            restart = tier0.in_place_s + (tier0.read_s if memory > durable else read)
         result.memory_restores += kept and memory > durable
     result.useful, result.wall_s = scenario.steps, clock.now
     return result
@@ -388,7 +409,7 @@ def train_until(scenario: Scenario, interval_s: float, tier0: Tier0 | None, timi
             clock.now, durable = clock.now + scenario.cost_s, step
             result.saves += 1
             cadence.saved()
-        elif tier0 is not None and step % tier0.every_steps == 0:
+        elif tier0 is not None and tier0.every_steps and step % tier0.every_steps == 0:
             if clock.now + tier0.cost_s > dies:
                 return durable, memory, step
             clock.now, memory = clock.now + tier0.cost_s, step
@@ -396,7 +417,8 @@ def train_until(scenario: Scenario, interval_s: float, tier0: Tier0 | None, timi
     return durable, memory, step
 
 
-def compare_tiers(scenario: Scenario, seeds: list[int], every_steps: list[int], survives: float = 1.0) -> dict:
+def compare_tiers(scenario: Scenario, seeds: list[int], every_steps: list[int], survives: float = 1.0,
+                  in_place: tuple[float, float] = (0.0, 0.0)) -> dict:
     """Goodput without tier 0 and with it, at the measured ratios and at two labelled what-ifs,
     the durable cadence at Daly's interval throughout (it keeps its cadence)."""
     interval = daly_interval(scenario.cost_s, scenario.mtbf_s)
@@ -405,7 +427,7 @@ def compare_tiers(scenario: Scenario, seeds: list[int], every_steps: list[int], 
         runs = [simulate_tiers(scenario, interval, tier0, exponential_lifetimes(scenario.mtbf_s, seed), seed)
                 for seed in seeds]
         mean = lambda value: sum(map(value, runs)) / len(runs)  # noqa: E731
-        return {"case": case, "every_steps": tier0 and tier0.every_steps, "c0_s": tier0 and tier0.cost_s,
+        return {"case": case, "every_steps": tier0 and tier0.every_steps or None, "c0_s": tier0 and tier0.cost_s,
                 "r0_s": tier0 and tier0.restart_s, "time_goodput": mean(lambda r: r.time_goodput(scenario)),
                 "step_goodput": mean(Result.step_goodput), "failures": mean(lambda r: r.failures),
                 "memory_restores": mean(lambda r: r.memory_restores)}
@@ -417,6 +439,13 @@ def compare_tiers(scenario: Scenario, seeds: list[int], every_steps: list[int], 
     rows = [row("without tier 0", None)] + [
         row(case, tier0_of(scenario, n, save, restore, survives)) for case, (save, restore) in cases.items()
         for n in every_steps]
+    share, restart_s = in_place
+    if share:  # the same tier 0, and a share of failures restarted in place at the measured R
+        rows += [row(f"tier 0 + in-place restarts ({share:.0%} of failures, R {restart_s:.3g} s)",
+                     replace(tier0_of(scenario, n, TIER0_SAVE_RATIO, TIER0_RESTORE_RATIO, survives),
+                             in_place_share=share, in_place_s=restart_s)) for n in every_steps]
+        rows.append(row(f"in-place restarts alone ({share:.0%}, from the durable tier)",
+                        Tier0(0, 0.0, scenario.restart_s, 0.0, 0.0, share, restart_s)))  # 0: no tier-0 saves
     return {"scenario": asdict(scenario), "seeds": len(seeds), "interval_s": interval, "survives": survives,
             "rows": rows}
 
@@ -482,6 +511,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="--tiers: tier-0 cadences to simulate (steps)")
     parser.add_argument("--memory-survives", type=float, default=1.0,
                         help="--tiers: share of failures after which tier 0 (or a peer replica) is readable")
+    parser.add_argument("--in-place-share", type=float, default=IN_PLACE_SHARE,
+                        help="with --tiers: share of failures restarted in place (torchrun --max-restarts); default: "
+                             "DLRover's report, about 75%% of faults recovered by restarting the process in place")
+    parser.add_argument("--in-place-restart-s", type=float, default=IN_PLACE_RESTART_S,
+                        help="R of a restart in place before the state is read (bench/restart_bench.py, measured here)")
     parser.add_argument("--png", type=Path, help="also draw goodput against the interval into this PNG")
     parser.add_argument("--dir", type=Path, help="unused: nothing is written but --png and --json")
     parser.add_argument("--json", type=Path)
@@ -501,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
                              max_s=args.auto_max_s or 10 * min(scenario.mtbf_s, 1e9))
     seeds = list(range(args.seeds))
     if args.tiers:
-        found = compare_tiers(scenario, seeds, args.memory_every_steps, args.memory_survives)
+        found = compare_tiers(scenario, seeds, args.memory_every_steps, args.memory_survives,
+                              (args.in_place_share, args.in_place_restart_s))
         print_tiers(found)
         if args.json:
             args.json.write_text(json.dumps(found, indent=2))

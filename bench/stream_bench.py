@@ -1,4 +1,5 @@
-"""What does the trainer's streaming reader cost against a plain DataLoader over the same shards?
+"""What does the trainer's streaming reader cost against a plain DataLoader over the same shards,
+and how much does it read?
 
     python bench/stream_bench.py                       # 8 shards x 4096 windows of 128 tokens
     python bench/stream_bench.py --quick
@@ -8,20 +9,35 @@ round by round: the trainer's stream (`trainer.run.streaming.StreamSource`: shar
 epoch, the block shuffle buffer, sample ids for the ledger) and a plain map-style DataLoader with
 `shuffle=True` over the same windows. Each is timed reading batches alone (the reader's own
 cost) and under a small language model's training step (what a run feels), for each worker
-count. The ratios are stream / plain: 1.00 is free. With workers, each stream worker reads every
-block it draws samples from (trainer/run/streaming.py): the volume read grows with the workers.
+count. The ratios are stream / plain: 1.00 is free.
+
+Read amplification: one epoch read by every rank's loader (ranks x DataLoader workers: 1x0,
+2x2, 4x2; the ranks one after another in this process, each with its own worker processes),
+counting every record the stream's `read()` yields in any process; records read / records in
+the dataset, 1.00 is each record once (trainer/run/streaming.py: one lane per rank, one chunk of
+blocks per worker). Before lanes, each reader read every block: ranks x workers.
+
+From an object store: the same shards uploaded to a fresh bucket on AWS_ENDPOINT_URL's server,
+else on a SeaweedFS this bench starts (tests/s3server.py; `--no-store` skips the part), read
+through `trainer.workload.objects.ObjectFiles` (ranged GETs of exactly the records a block
+needs), one epoch at 1x0 and 2x2: bytes fetched / bytes of the shards (every byte trained on
+once per epoch), 1.00 is no byte fetched twice.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+import uuid
 import warnings
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -31,10 +47,14 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from trainer.run.batching import EpochShape  # noqa: E402
 from trainer.run.streaming import StreamSource  # noqa: E402
+from trainer.workload.objects import ObjectFiles  # noqa: E402
 
 warnings.filterwarnings("ignore")
 VOCABULARY = 256
+READERS = ((1, 0), (2, 2), (4, 2))
+"""(ranks, DataLoader workers per rank) whose read amplification is measured."""
 
 
 def write_shards(folder: Path, shards: int, records: int, context: int) -> list[Path]:
@@ -68,6 +88,105 @@ class TokenStream:
             yield window(tokens, record, self.context)
 
 
+class CountedTokenStream(TokenStream):
+    """The same stream, adding the records each `read()` yielded to a counter shared with the
+    DataLoader's (forked) workers."""
+
+    def __init__(self, paths: list[Path], records: int, context: int, counter):
+        super().__init__(paths, records, context)
+        self.counter = counter
+
+    def read(self, shard, offset: int):
+        yielded = 0
+        try:
+            for record in super().read(shard, offset):
+                yielded += 1
+                yield record
+        finally:
+            with self.counter.get_lock():
+                self.counter.value += yielded
+
+
+class StoredTokenStream:
+    """The shards in an object store: `read(shard, offset, stop)` fetches the bytes of records
+    [offset, stop) with ranged GETs, adding them to a counter shared with the workers."""
+
+    def __init__(self, files: ObjectFiles, records: int, context: int, counter):
+        self.files, self.records, self.context, self.counter = files, records, context, counter
+
+    def shards(self):
+        return [(name, self.records) for name in self.files.names()]
+
+    def read(self, shard, offset: int, stop: int | None = None):
+        stop = shard[1] if stop is None else stop
+        data = self.files.read(shard[0], 2 * offset * self.context, 2 * (stop * self.context + 1))
+        with self.counter.get_lock():
+            self.counter.value += len(data)
+        tokens = np.frombuffer(data, dtype=np.uint16)
+        for record in range(stop - offset):
+            yield window(tokens, record, self.context)
+
+
+def one_epoch(stream, args, ranks: int, workers: int) -> int:
+    """Every rank's loader through one epoch (the ranks one after another); returns its samples."""
+    source = StreamSource(stream, seed=1, buffer=args.buffer, spec="bench")
+    shape = EpochShape(len(source), args.batch)
+    for rank in range(ranks):
+        for _ in source.loader(shape, 0, 0, rank, ranks, workers):
+            pass
+    return len(source)
+
+
+def read_amplification(args, paths, ranks: int, workers: int) -> float:
+    """Records read in one epoch by every rank's loader / records in the dataset."""
+    counter = multiprocessing.get_context("fork").Value("q", 0)
+    records = one_epoch(CountedTokenStream(paths, args.records, args.context, counter), args, ranks, workers)
+    return counter.value / records
+
+
+@contextmanager
+def store_bucket():
+    """A fresh bucket: on the server AWS_ENDPOINT_URL names (keys from AWS_* variables), else on
+    a SeaweedFS this bench starts (tests/s3server.py) and kills at the end; emptied and removed."""
+    with ExitStack() as stack:
+        if not os.environ.get("AWS_ENDPOINT_URL"):
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+            from s3server import SeaweedServer
+            root = Path(tempfile.mkdtemp(prefix="stream-bench-s3-"))  # short: its unix sockets live there
+            stack.callback(shutil.rmtree, root, ignore_errors=True)
+            server = SeaweedServer(root)
+            server.start()
+            stack.callback(server.kill)
+            os.environ.update(server.env())
+        import boto3
+        client = boto3.client("s3")
+        bucket = f"stream-bench-{uuid.uuid4().hex[:12]}"
+        client.create_bucket(Bucket=bucket)
+        try:
+            yield client, bucket
+        finally:
+            listed = client.list_objects_v2(Bucket=bucket).get("Contents", [])
+            for item in listed:
+                client.delete_object(Bucket=bucket, Key=item["Key"])
+            client.delete_bucket(Bucket=bucket)
+
+
+def store_amplification(args, paths) -> list[dict]:
+    """Bytes fetched from the object store in one epoch / bytes of the shards, at 1x0 and 2x2."""
+    with store_bucket() as (client, bucket):
+        for path in paths:
+            client.upload_file(str(path), bucket, f"tokens/{path.name}")
+        files = ObjectFiles(f"s3://{bucket}/tokens", suffix=".bin")
+        shard_bytes = sum(path.stat().st_size for path in paths)
+        rows = []
+        for ranks, workers in ((1, 0), (2, 2)):
+            counter = multiprocessing.get_context("fork").Value("q", 0)
+            one_epoch(StoredTokenStream(files, args.records, args.context, counter), args, ranks, workers)
+            rows.append({"ranks": ranks, "workers": workers, "bytes_fetched": counter.value,
+                         "bytes_trained": shard_bytes, "fetched_per_trained": counter.value / shard_bytes})
+        return rows
+
+
 class TokenWindows(Dataset):
     """The same windows, map-style, for a plain DataLoader."""
 
@@ -87,7 +206,7 @@ class TokenWindows(Dataset):
 
 def stream_batches(paths, records, context, batch, workers, buffer):
     source = StreamSource(TokenStream(paths, records, context), seed=1, buffer=buffer, spec="bench")
-    return (batch_of for _, batch_of in source.loader(0, batch, 0, 0, 1, workers))
+    return (fetched.batch for fetched in source.loader(EpochShape(len(source), batch), 0, 0, 0, 1, workers))
 
 
 def plain_batches(paths, records, context, batch, workers, buffer):
@@ -131,8 +250,13 @@ def measure(args, paths) -> dict:
             stream, plain = statistics.median(seconds["stream"]), statistics.median(seconds["plain"])
             rows.append({"workers": workers, "what": "training step" if training else "reading only",
                          "stream_s": stream, "plain_s": plain, "ratio": stream / plain})
+    amplification = [{"ranks": ranks, "workers": workers, "read_per_record": read_amplification(args, paths, ranks,
+                                                                                                 workers)}
+                     for ranks, workers in READERS]
     return {"shards": args.shards, "records": args.records, "context": args.context, "batch": args.batch,
-            "buffer": args.buffer, "steps": args.steps, "rounds": args.rounds, "rows": rows}
+            "buffer": args.buffer, "steps": args.steps, "rounds": args.rounds, "rows": rows,
+            "read_amplification": amplification,
+            "store": [] if args.no_store else store_amplification(args, paths)}
 
 
 def main() -> int:
@@ -147,6 +271,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     parser.add_argument("--quick", action="store_true", help="4 shards x 256 windows of 32 tokens, 20 batches, 1 round")
     parser.add_argument("--dir", type=Path, default=None, help="where the shards are written (removed after)")
+    parser.add_argument("--no-store", action="store_true", help="skip the object-store stream (SeaweedFS)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.quick:
@@ -164,6 +289,15 @@ def main() -> int:
     for row in report["rows"]:
         print(f"| {row['workers']} | {row['what']} | {row['stream_s']:.5f} | {row['plain_s']:.5f} | "
               f"{row['ratio']:.2f} |")
+    print("\n| ranks x workers | records read / records in the dataset (one epoch) |\n|---|---|")
+    for row in report["read_amplification"]:
+        print(f"| {row['ranks']} x {row['workers']} | {row['read_per_record']:.2f} |")
+    if report["store"]:
+        print("\n| object store, ranks x workers | bytes fetched | bytes of the shards | fetched / trained |\n"
+              "|---|---|---|---|")
+        for row in report["store"]:
+            print(f"| {row['ranks']} x {row['workers']} | {row['bytes_fetched']} | {row['bytes_trained']} | "
+                  f"{row['fetched_per_trained']:.3f} |")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

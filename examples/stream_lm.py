@@ -16,6 +16,14 @@ The shards are written from examples/data/corpus.txt into --shard-dir when absen
 for a tokenizer's output: uint16 token files), each with the `.sha256` beside it that a data
 pipeline would write, so the fingerprint reads it instead of hashing the shard
 (trainer/workload/files.py).
+
+With --shard-url s3://BUCKET/PREFIX the same shards are read from an object store instead
+(upload the `tokens-*.bin` files there): ranged GETs of exactly the records each block needs,
+no full download per reader, the fingerprint from the objects' sizes and ETags, credentials and
+retries as the run directory's (trainer/workload/objects.py):
+
+    python -m trainer --output outputs/stream-s3 --workload examples/stream_lm.py:StreamLM \
+        --shard-url s3://datasets/corpus-tokens --max-steps 40 --num-workers 2
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from torch import nn
 
 from trainer.options import positive_float, positive_int
 from trainer.workload.files import file_fingerprint
+from trainer.workload.objects import ObjectFiles
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 
@@ -57,25 +66,54 @@ def write_shards(folder: Path, shards: int, vocabulary: list[str]) -> list[Path]
     return paths
 
 
+class LocalFiles:
+    """Token files in a folder, memory-mapped."""
+
+    def __init__(self, paths: list[Path]):
+        self.paths = {path.name: path for path in paths}
+
+    def names(self) -> list[str]:
+        return sorted(self.paths)
+
+    def size(self, name: str) -> int:
+        return self.paths[name].stat().st_size
+
+    def tokens(self, name: str, start: int, end: int) -> np.ndarray:
+        return np.memmap(self.paths[name], dtype=np.uint16, mode="r")[start:end]
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256("".join(f"{name}={file_fingerprint(self.paths[name])};" for name in self.names())
+                              .encode()).hexdigest()
+
+
+class StoredFiles(ObjectFiles):
+    """Token files in an object store, read by ranged GETs."""
+
+    def tokens(self, name: str, start: int, end: int) -> np.ndarray:
+        return np.frombuffer(self.read(name, 2 * start, 2 * end), dtype=np.uint16)
+
+
 class TokenShards:
     """The stream: token files cut into windows of `context + 1` tokens (inputs and targets)."""
 
-    def __init__(self, paths: list[Path], context: int):
-        self.paths, self.context = paths, context
+    def __init__(self, files: LocalFiles | StoredFiles, context: int):
+        self.files, self.context = files, context
 
     def shards(self) -> list[tuple[str, int]]:
-        return [(path.name, (path.stat().st_size // 2 - 1) // self.context) for path in self.paths]
+        return [(name, (self.files.size(name) // 2 - 1) // self.context) for name in self.files.names()]
 
-    def read(self, shard: tuple[str, int], offset: int):
-        """Records of `shard` from `offset` on, read from the memory-mapped file."""
-        tokens = np.memmap(self.paths[0].with_name(shard[0]), dtype=np.uint16, mode="r")
-        for record in range(offset, shard[1]):
-            window = np.asarray(tokens[record * self.context:(record + 1) * self.context + 1], dtype=np.int64)
+    def read(self, shard: tuple[str, int], offset: int, stop: int | None = None):
+        """Records of `shard` from `offset` to `stop` (its end by default): the tokens they
+        span, fetched at once (from the store: one ranged GET)."""
+        name, records = shard
+        stop, context = records if stop is None else stop, self.context
+        tokens = self.files.tokens(name, offset * context, stop * context + 1)
+        for record in range(stop - offset):
+            window = np.asarray(tokens[record * context:(record + 1) * context + 1], dtype=np.int64)
             yield {"inputs": torch.from_numpy(window[:-1]), "targets": torch.from_numpy(window[1:])}
 
     def fingerprint(self) -> str:
-        return hashlib.sha256("".join(f"{path.name}={file_fingerprint(path)};" for path in self.paths).encode()
-                              ).hexdigest()
+        return self.files.fingerprint()
 
 
 class TinyLM(nn.Module):
@@ -99,6 +137,8 @@ class StreamLM:
     def add_options(group) -> None:
         group.add_argument("--shard-dir", default="outputs/stream-shards",
                            help="where the token shards are (written from the corpus when absent)")
+        group.add_argument("--shard-url", default=None, metavar="s3://BUCKET/PREFIX",
+                           help="read the token shards (tokens-*.bin) from an object store instead of --shard-dir")
         group.add_argument("--shards", type=positive_int, default=5)
         group.add_argument("--context", type=positive_int, default=32)
         group.add_argument("--width", type=positive_int, default=32)
@@ -112,8 +152,10 @@ class StreamLM:
         self.total_steps = 1
 
     def build_dataset(self) -> TokenShards:
+        if self.options.shard_url:
+            return TokenShards(StoredFiles(self.options.shard_url, suffix=".bin"), self.options.context)
         paths = write_shards(Path(self.options.shard_dir), self.options.shards, self.vocabulary)
-        return TokenShards(paths, self.options.context)
+        return TokenShards(LocalFiles(paths), self.options.context)
 
     def plan(self, steps) -> None:
         self.total_steps = steps.total

@@ -10,11 +10,12 @@ signals reach it as they would reach `python -m trainer`); it runs the trainer's
 `__main__` through `runpy`, then ends the way an interpreter does (non-daemon threads joined,
 atexit handlers run, the exit status of an uncaught exception or signal).
 
-What a fork cannot reproduce, the real interpreter runs instead (`conftest.run_cli` and
-`conftest.start` decide, through `forkable`): a `preexec_fn`, another command (torchrun), or an
+What a fork cannot reproduce, the real interpreter runs instead (`support.cli.run_cli` and
+`support.cli.start` decide, through `forkable`): a `preexec_fn`, another command (torchrun), or an
 environment that differs in what is read while torch is imported (OMP_*, TORCH_*, ...). Tests
 of start-up itself (a signal while torch is still being imported) ask for the real interpreter
 with `start(..., fresh=True)`, and `TEST_FORK=0` runs every process as a real interpreter.
+tests/test_forking.py runs one probe (tests/forking_probe.py) both ways and holds them equal.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ import sys
 import threading
 from pathlib import Path
 
-READ_AT_IMPORT = ("OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "TORCH", "PYTORCH_", "CUDA", "LD_", "PYTHON", "MALLOC_")
-"""Environment variables a library reads while it is imported or loaded: a child whose
-environment differs from the zygote's in one of them needs the real interpreter."""
+READ_AT_IMPORT = ("OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "TORCH", "PYTORCH_", "CUDA", "LD_", "PYTHON", "MALLOC_",
+                  "LC_", "LANG")
+"""Environment variables a library or the interpreter reads while it is imported or starts (the
+locale picks the standard streams' encoding): a child whose environment differs from the
+zygote's in one of them needs the real interpreter."""
 PRELOADED = ("numpy", "torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
              "torch.utils.data", "safetensors.torch")
 
@@ -53,7 +56,7 @@ class Zygote:
         folder = folder if len(folder) < 64 else "/tmp"  # a Unix socket's path is at most 107 bytes
         self.address = str(Path(folder) / f"trainer-zygote-{os.getpid()}.sock")
         self.cpu_seconds = 0.0
-        """CPU its children used, reported as each one ends (conftest's TEST_CPU_LOG counts it)."""
+        """CPU its children used, reported as each one ends (support/cpu.py's TEST_CPU_LOG counts it)."""
         self.process = subprocess.Popen([python, __file__, self.address], cwd=cwd, env=self.env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         if self.process.stdout.readline() != b"ready\n":
@@ -215,7 +218,6 @@ def fork_child(connection: socket.socket, listener: socket.socket, waiting: dict
 
 def run_child(request: dict, stdout_fd: int, stderr_fd: int) -> int:
     """In the forked child: become `python ARGV` in the request's directory and environment."""
-    import io
     import random
     import runpy
 
@@ -229,10 +231,11 @@ def run_child(request: dict, stdout_fd: int, stderr_fd: int) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     random.seed()  # a fresh interpreter seeds from the OS; forked children would share one sequence
-    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
-    sys.stdout = sys.__stdout__ = text_stream(1, unbuffered, "strict")
-    sys.stderr = sys.__stderr__ = text_stream(2, unbuffered, "backslashreplace", line_buffering=True)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()  # so does numpy's global generator, on import
+    sys.stdin = sys.__stdin__ = standard_stream(0, like=sys.__stdin__)
+    sys.stdout = sys.__stdout__ = standard_stream(1, like=sys.__stdout__)
+    sys.stderr = sys.__stderr__ = standard_stream(2, like=sys.__stderr__)
     argv = request["argv"]
     try:
         if argv[0] == "-m":
@@ -247,17 +250,24 @@ def run_child(request: dict, stdout_fd: int, stderr_fd: int) -> int:
     except SystemExit as stop:
         code = exit_code(stop.code)
     except KeyboardInterrupt:
-        import traceback
-
-        traceback.print_exc()
+        print_uncaught()
         finish_interpreter()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)  # as Python does: the status of a SIGINT
         code = 1
     except BaseException:  # noqa: BLE001 - an uncaught exception: its traceback and status 1
-        sys.excepthook(*sys.exc_info())
+        print_uncaught()
         code = 1
     return finish_interpreter(code)
+
+
+def print_uncaught() -> None:
+    """The uncaught exception's traceback, from the program's first frame as a fresh interpreter
+    prints it: without the frames of this module and of runpy above it."""
+    kind, error, frames = sys.exc_info()
+    while frames is not None and frames.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
+        frames = frames.tb_next
+    sys.excepthook(kind, error.with_traceback(frames), frames)
 
 
 def exit_code(code) -> int:
@@ -286,13 +296,21 @@ def finish_interpreter(code: int = 0) -> int:
     return code
 
 
-def text_stream(fd: int, unbuffered: bool, errors: str, line_buffering: bool = False):
+def standard_stream(fd: int, like):
+    """A text stream on `fd` made as the interpreter makes its standard stream `like` (CPython's
+    create_stdio): the zygote's encoding and error handler (the child's locale and PYTHON*
+    variables are the zygote's, see READ_AT_IMPORT); with -u/PYTHONUNBUFFERED a raw writer and
+    write-through; else line buffering on a terminal, and always on stderr."""
     import io
 
-    raw = io.FileIO(fd, "w", closefd=False)
-    binary = raw if unbuffered else io.BufferedWriter(raw)
-    return io.TextIOWrapper(binary, encoding="utf-8", errors=errors, write_through=unbuffered,
-                            line_buffering=line_buffering or (not unbuffered and os.isatty(fd)))
+    unbuffered = like.write_through  # as the interpreter set it for the zygote: PYTHONUNBUFFERED
+    if fd == 0:
+        binary = io.BufferedReader(io.FileIO(fd, "r", closefd=False))
+    else:
+        raw = io.FileIO(fd, "w", closefd=False)
+        binary = raw if unbuffered else io.BufferedWriter(raw)
+    return io.TextIOWrapper(binary, encoding=like.encoding, errors=like.errors, write_through=unbuffered,
+                            line_buffering=not unbuffered and (os.isatty(fd) or fd == 2))
 
 
 if __name__ == "__main__":

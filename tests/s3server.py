@@ -137,7 +137,7 @@ class SeaweedServer:
         not exist so that a developer's ~/.aws cannot change the outcome. An AWS_PROFILE or
         AWS_SESSION_TOKEN inherited from the caller's environment is NOT removed here (a dict
         merged over os.environ cannot unset, and AWS_PROFILE="" is still ProfileNotFound); the
-        fixtures in conftest.py remove those from os.environ. Bench scripts must drop them too.
+        fixtures in support/s3.py remove those from os.environ. Bench scripts must drop them too.
         """
         missing = str(self.root / "no-such-aws-file")
         return {

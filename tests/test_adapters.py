@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, compare, generation, made_once, one_error_line, run_cli, torchrun, train
+from support.cli import REPO, compare, one_error_line, run_cli, train
+from support.runs import generation, made_once
+from support.torchrun import torchrun
 
 WORKLOAD = f"{REPO}/tests/workloads/hf_stream.py:HFRegression"
 ARGS = ("--workload", WORKLOAD, "--batch-size", "6", "--shuffle-buffer", "5", "--max-steps", "10",
@@ -91,7 +93,7 @@ def test_a_stateful_dataloader_is_adopted_and_resumes_exactly_with_other_workers
     ("sequential", "with shuffle=False: the trainer reads map-style data in a permutation drawn from (--seed, epoch)"),
     ("sampler", "with sampler=WeightedRandomSampler: the trainer's seeded order"),
     ("batch-sampler", "with a batch_sampler (or batch_size=None)"),
-    ("drop-last", "with drop_last=True: the trainer keeps an epoch's last, smaller batch"),
+    ("drop-last", "with drop_last=True: the trainer decides an epoch's last, smaller batch (--last-batch"),
     ("generator", "with a generator: the trainer draws the order"),
     ("worker-init", "with a worker_init_fn"),
     ("iterable", "over a Unresumable, an IterableDataset no resume can make exact"),
@@ -167,8 +169,8 @@ def test_a_loader_batch_size_the_processes_cannot_share_is_refused_as_the_flag_i
     plain = torchrun(tmp_path / "plain", "--workload", f"{REPO}/tests/workloads/toy.py:ToyWorkload",
                      "--batch-size", "5", "--max-steps", "2", expect=2, tmp=tmp_path)
     adopted = torchrun(tmp_path / "loader", *LOADER_ARGS, "--loader-batch-size", "5", expect=2, tmp=tmp_path)
-    said = "(last batch of an epoch: 4 of 24 samples) does not divide evenly across 2 processes; choose sizes " \
-           "that are multiples of 2"
+    said = "does not divide evenly across 2 processes (each takes an equal share of every batch); choose a " \
+           "multiple of 2"
     assert f"trainer: error: --batch-size 5 {said}" in plain.stderr, plain.stderr[-3000:]
     assert f"trainer: error: the loader's batch_size=5 {said}" in adopted.stderr, adopted.stderr[-3000:]
     assert not list((tmp_path / "loader").glob("checkpoints/step-*"))

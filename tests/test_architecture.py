@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from support.cli import REPO
 
 PACKAGE = REPO / "trainer"
 

@@ -13,7 +13,9 @@ import threading
 import pytest
 import torch
 
-from conftest import attempts, compare, generation, one_error_line, run_cli, scaled, train
+from support.cli import compare, one_error_line, run_cli, train
+from support.limits import scaled
+from support.runs import attempts, generation
 from trainer.config import WorkloadConfig
 from trainer.errors import StorageFailure, root_cause
 from trainer.checkpoint.atomic import file_digest

@@ -7,7 +7,8 @@ Cost: three trainer processes (~3 s each on a quiet machine) and two usage check
 
 from __future__ import annotations
 
-from conftest import attempts, compare, generation, one_error_line, run_cli, start, train, wait_for_line
+from support.cli import compare, one_error_line, run_cli, start, train, wait_for_line
+from support.runs import attempts, generation
 
 AUTO = ("--recover-every-epochs", 0, "--recover-every-secs", "auto", "--recover-auto-min-secs", 0.02)
 

@@ -17,7 +17,9 @@ import time
 
 import pytest
 
-from conftest import REPO, TORCHRUN, clean_environment, scaled
+from support.cli import REPO
+from support.limits import scaled
+from support.torchrun import TORCHRUN, clean_environment
 from trainer.config import BackgroundWaitConfig
 from trainer.cli import trainer_parser
 from trainer.flags import DEFAULTS, config_from_values

@@ -15,7 +15,9 @@ import sys
 
 import pytest
 
-from conftest import REPO, fresh_clone, make, scaled
+from support.cli import REPO
+from support.clones import fresh_clone, make
+from support.limits import scaled
 
 BENCHMARKS = sorted(path for path in (REPO / "bench").glob("*.py") if "--quick" in path.read_text())
 MAKE_BENCH = re.findall(r"bench/(\w+\.py) --quick", (REPO / "Makefile").read_text())
@@ -25,7 +27,7 @@ MAKE_BENCH = re.findall(r"bench/(\w+\.py) --quick", (REPO / "Makefile").read_tex
 def test_every_benchmark_script_is_covered():
     assert {path.name for path in BENCHMARKS} >= {"checkpoint_bench.py", "loop_overhead.py", "store_bench.py",
                                                   "goodput_sim.py", "goodput_validation.py", "reduction_bench.py",
-                                                  "stream_bench.py", "memory_tier_bench.py"}
+                                                  "stream_bench.py", "memory_tier_bench.py", "restart_bench.py"}
 
 
 def store_bench_checks(report: dict) -> None:
@@ -89,6 +91,10 @@ def stream_bench_checks(report: dict) -> None:
     assert [(row["workers"], row["what"]) for row in report["rows"]] == [
         (0, "reading only"), (0, "training step"), (2, "reading only"), (2, "training step")]
     assert all(row["stream_s"] > 0 and row["plain_s"] > 0 and row["ratio"] > 0 for row in report["rows"])
+    amplification = {(row["ranks"], row["workers"]): row["read_per_record"] for row in report["read_amplification"]}
+    assert amplification == {(1, 0): 1.0, (2, 2): 1.0, (4, 2): 1.0}, "each record read once per epoch"
+    assert [(row["ranks"], row["workers"]) for row in report["store"]] == [(1, 0), (2, 2)]
+    assert all(1.0 <= row["fetched_per_trained"] < 1.01 for row in report["store"]), "no byte fetched twice"
 
 
 def memory_tier_bench_checks(report: dict) -> None:
@@ -111,7 +117,17 @@ def memory_tier_bench_checks(report: dict) -> None:
             "peer restore / cold disk restore (time)", "peak RSS / state"} <= set(report["ratios"])
 
 
-CHECKS = {"memory_tier_bench.py": memory_tier_bench_checks, "stream_bench.py": stream_bench_checks, "store_bench.py": store_bench_checks, "scale_out_bench.py": scale_out_bench_checks,
+def restart_bench_checks(report: dict) -> None:
+    """A kill -9 of rank 1 under torchrun --max-restarts: the survivor named it, the workers were
+    restarted in place and reached a step restored from tier 0, every part of R accounted for."""
+    (failure,) = report["failures"]
+    assert failure["how"] == "kill" and failure["restored_from"] == "memory", failure
+    assert failure["r_s"] > 0 and failure["detection_s"] is not None and failure["attempts"] == 2, failure
+    for part in ("teardown_s", "imports_s", "join_s", "claim_s", "restore_s", "first_step_s"):
+        assert failure[part] is not None, part
+
+
+CHECKS = {"memory_tier_bench.py": memory_tier_bench_checks, "restart_bench.py": restart_bench_checks, "stream_bench.py": stream_bench_checks, "store_bench.py": store_bench_checks, "scale_out_bench.py": scale_out_bench_checks,
           "goodput_sim.py": goodput_sim_checks, "goodput_validation.py": goodput_validation_checks,
           "reduction_bench.py": reduction_bench_checks, "loop_overhead.py": loop_overhead_checks}
 
@@ -141,9 +157,12 @@ def test_make_bench_on_a_fresh_clone_runs_each_quick_benchmark(tmp_path):
 
 
 @pytest.mark.parametrize("script", [path for path in BENCHMARKS if path.name not in MAKE_BENCH], ids=lambda path: path.name)
-def test_benchmark_runs_at_its_quick_size(script, tmp_path):
-    # No AWS_* from the developer's shell: a benchmark that needs a store starts its own SeaweedFS.
+def test_benchmark_runs_at_its_quick_size(script, tmp_path, request):
+    # No AWS_* from the developer's shell: a benchmark that needs a store starts its own SeaweedFS,
+    # but stream_bench.py's few reads go to the suite's (started once per worker).
     env = {name: value for name, value in os.environ.items() if not name.startswith("AWS_")}
+    if script.name == "stream_bench.py":
+        env.update(request.getfixturevalue("s3_server").env())
     result = subprocess.run([sys.executable, str(script), "--quick", "--dir", str(tmp_path),
                              "--json", str(tmp_path / "result.json")], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=scaled(600))

@@ -19,7 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TORCHRUN, clean_environment, committed, finish, keys, scaled, store_env
+from support.cli import REPO, finish
+from support.limits import scaled
+from support.s3 import committed, keys, store_env
+from support.torchrun import TORCHRUN, clean_environment
 from trainer.checkpoint.content import ContentMismatch, check_content, checking, writers_of
 
 GENERATION = "step-00000008"  # the first save of a 2-process run of one epoch

@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import REPO, compare, generation, scaled
+from support.cli import REPO, compare
+from support.limits import scaled
+from support.runs import generation
 from trainer.inspect.compare import value_difference
 from trainer.checkpoint.manifest import Manifest, read_manifest
 from trainer.checkpoint.snapshot import load_flat

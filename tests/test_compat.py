@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import REPO, scaled
+from support.cli import REPO
+from support.limits import scaled
 from trainer import compat
 
 

@@ -29,7 +29,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import attempts, compare, generation, one_error_line, store_env, torchrun, train
+from support.cli import compare, one_error_line, train
+from support.runs import attempts, generation
+from support.s3 import store_env
+from support.torchrun import torchrun
 
 STEPS_ARGS = ("--samples", 144, "--batch-size", 12, "--epochs", 1, "--recover-every-steps", 4, "--keep-last", 10)
 """12 steps; the batch splits evenly over 2, 3 and 4 ranks."""

@@ -10,7 +10,8 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from conftest import compare, generation, train
+from support.cli import compare, train
+from support.runs import generation
 
 GPT = ("--workload", "examples/char_gpt.py:CharGPT", "--batch-size", 8, "--grad-accum", 2, "--amp",
        "--epochs", 3, "--blocks-per-epoch", 24)  # 3 micro-batches per epoch: windows of 2 and 1

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, attempts, one_error_line, run_cli, train
+from support.cli import REPO, one_error_line, run_cli, train
+from support.runs import attempts
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -9,7 +9,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from conftest import one_error_line, run_cli, train
+from support.cli import one_error_line, run_cli, train
 from trainer.checkpoint.snapshot import load_flat
 
 

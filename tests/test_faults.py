@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (SHORT, attempts, compare, finish, generation, made_once, one_error_line, run_cli, start, train,
-                      wait_for_line, wait_until)
+from support.cli import compare, finish, one_error_line, run_cli, start, train, wait_for_line
+from support.limits import wait_until
+from support.runs import SHORT, attempts, generation, made_once
 
 
 def published_all_verify(output):

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from trainer.run.batching import EpochBatchOrder
+from trainer.run.batching import EpochBatchOrder, EpochShape
 from trainer.run.fetching import KeyedSeeding, epoch_loader
 from trainer.run.state import capture_rng
 
@@ -29,7 +29,7 @@ class GlobalRngAugmentation(Dataset):
 
 
 def epoch(number: int, num_workers: int, position: int = 0) -> list[torch.Tensor]:
-    order = EpochBatchOrder(SAMPLES, BATCH, SEED, number, position)
+    order = EpochBatchOrder(EpochShape(SAMPLES, BATCH), SEED, number, position)
     return list(epoch_loader(KeyedSeeding(GlobalRngAugmentation(), SEED), order, num_workers))
 
 
@@ -96,7 +96,7 @@ def test_a_datasets_own_collate_builds_the_batch():
         def collate(samples):
             return Batch(torch.stack(samples))
 
-    order = EpochBatchOrder(SAMPLES, BATCH, SEED, 0, 0)
+    order = EpochBatchOrder(EpochShape(SAMPLES, BATCH), SEED, 0, 0)
     batches = list(epoch_loader(KeyedSeeding(WithCollate(), SEED), order, 0))
     assert all(isinstance(b, Batch) and b.values.shape == (BATCH, 4) for b in batches)
     assert all(torch.equal(a, b.values) for a, b in zip(epoch(0, num_workers=0), batches, strict=True))

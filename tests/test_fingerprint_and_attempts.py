@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from conftest import attempts, generation, one_error_line, run_cli, train
+from support.cli import one_error_line, run_cli, train
+from support.runs import attempts, generation
 from trainer.run.fingerprint import SOURCE_FILES, changed_files, check_fingerprint, fingerprint_diff, source_files
 from trainer.errors import FingerprintMismatch
 

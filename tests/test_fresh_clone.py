@@ -1,5 +1,5 @@
 """Every make target the README and docs/ show, run as a new user runs it: `make TARGET` in a fresh
-`git clone` of this tree (conftest's `fresh_clone`), from the clone's root, with relative paths as
+`git clone` of this tree (support.clones's `fresh_clone`), from the clone's root, with relative paths as
 the Makefile writes them. (`make bench` is run by test_bench.py, which checks each benchmark's
 results there.)
 
@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, finish, fresh_clone, make, make_env, scaled, wait_until
+from support.cli import REPO, finish, run_cli
+from support.clones import fresh_clone, make, make_env
+from support.limits import scaled, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +170,6 @@ def test_the_polyaxonfiles_say_what_auto_resume_copies_as_the_docs_do():
 
 def test_the_help_says_what_each_option_does_there():
     """`list`/`verify` only check signatures; the local tier's default is a path a user can find."""
-    from conftest import run_cli
-
     for command in ("list", "verify"):
         shown = " ".join(run_cli(command, "--help", env={"COLUMNS": "400"}).stdout.split())
         assert "check each manifest's signature with this key: one not signed with it is not trusted (65)" in shown

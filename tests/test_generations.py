@@ -12,7 +12,8 @@ from trainer.checkpoint.resume import verify_candidate
 from trainer.checkpoint.section import LocalSection
 from trainer.errors import CorruptGeneration
 
-from conftest import attempts, compare, generation, one_error_line, run_cli, train
+from support.cli import compare, one_error_line, run_cli, train
+from support.runs import attempts, generation
 
 
 @pytest.fixture(scope="module")

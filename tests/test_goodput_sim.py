@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from support.cli import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -88,3 +88,20 @@ def test_tier0_figures_come_from_the_measured_ratios_and_are_compared_at_one_dur
     assert cases[0] == "without tier 0" and len(cases) == 5 and sum("what-if" in case for case in cases) == 2
     best = max(found["rows"], key=lambda row: row["time_goodput"])
     assert best["case"] != "without tier 0" and best["memory_restores"] > 0
+
+
+def test_a_failure_restarted_in_place_costs_the_measured_restart_and_tier0s_read_only():
+    """One failure, restarted in place: no rescheduling, no new pod; it pays the in-place R and
+    tier 0's read instead of R. The `--tiers` table has the in-place rows, worth more than none."""
+    scenario = Scenario(step_s=1.0, cost_s=0.5, restart_s=100.0, steps=10, mtbf_s=10.0, restore_s=10.0)
+    tier0 = Tier0(every_steps=1, cost_s=0.0, restart_s=95.0, read_s=5.0, in_place_share=1.0, in_place_s=2.0)
+    rescheduled = simulate_tiers(scenario, 1000.0, Tier0(1, 0.0, 95.0, read_s=5.0), replayed_lifetimes([104.5]))
+    in_place = simulate_tiers(scenario, 1000.0, tier0, replayed_lifetimes([104.5]))
+    # the first attempt pays R (100 s), trains steps 1..4 with a free tier-0 save each, dies at 104.5
+    assert rescheduled.wall_s == pytest.approx(104.5 + 95.0 + 6 * 1.0 + 0.5)
+    assert in_place.wall_s == pytest.approx(104.5 + 2.0 + 5.0 + 6 * 1.0 + 0.5)
+    found = compare_tiers(Scenario(step_s=1.0, cost_s=2.0, restart_s=200.0, steps=3_000, mtbf_s=300.0, restore_s=10.0),
+                          [0, 1], [5], in_place=(0.75, 5.0))
+    rows = {row["case"]: row for row in found["rows"]}
+    with_in_place = rows["tier 0 + in-place restarts (75% of failures, R 5 s)"]
+    assert with_in_place["time_goodput"] > rows["without tier 0"]["time_goodput"] + 0.05

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from conftest import attempts, compare, generation, train
+from support.cli import compare, train
+from support.runs import attempts, generation
 
 TOY = "tests/workloads/toy.py:ToyWorkload"
 # 24 samples in batches of 4: 6 micro-batches per epoch, windows of 4 and 2, 2 steps per epoch.

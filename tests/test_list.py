@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import one_error_line, run_cli, train
+from support.cli import one_error_line, run_cli, train
 
 
 def test_list_shows_an_interrupted_and_resumed_run(tmp_path):

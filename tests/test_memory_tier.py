@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (CLI_TIMEOUT_S, attempts, compare, made_once, one_error_line, run_cli, scaled, start, torchrun,
-                      train, wait_until)
+from support.cli import compare, one_error_line, run_cli, start, train
+from support.limits import CLI_TIMEOUT_S, scaled, wait_until
+from support.runs import attempts, made_once
+from support.torchrun import torchrun
 
 RUN = ("--epochs", 2, "--recover-every-steps", 4, "--log-every-steps", 100)
 """16 steps, a durable generation every 4."""

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from conftest import compare, generation, one_error_line, run_cli, train
+from support.cli import compare, one_error_line, run_cli, train
+from support.runs import generation
 
 GAN = ("--workload", "examples/tiny_gan.py:TinyGAN", "--batch-size", 16, "--epochs", 3, "--grad-accum", 2)
 GAN_FINAL = "step-00000006"  # 64 points, 4 batches per epoch, 2 per step

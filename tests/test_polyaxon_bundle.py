@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import JOB_FILE, POLYAXONFILES, PRESETS, REPO, check_all, preset_targets, trainer_argv
+from support.cli import REPO
+from support.polyaxon import FLAG, JOB_FILE, POLYAXONFILES, PRESETS, check_all, preset_targets, trainer_argv
 
 from trainer.cli import train_parser
 from trainer.flags import LOADER_SETTINGS
 
-FLAG = re.compile(r"^(--[a-z0-9-]+)=")
 NOT_INPUTS = {"--output", "--tracked", "--help", "--local-tier",  # set by the bundle itself (TRAINER_LOCAL_TIER), not by the user
               "--signing-key-file"}  # the bundle's mount of the Secret named by the input signing_key_secret
 

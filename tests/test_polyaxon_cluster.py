@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import (JOB_FILE, POLYAXONFILES, PRESETS, REPO, attempts, check_all, preset_targets, run_cli, scaled,
-                      start, trainer_argv)
+from support.cli import REPO, run_cli, start
+from support.limits import scaled
+from support.polyaxon import JOB_FILE, POLYAXONFILES, PRESETS, check_all, preset_targets, trainer_argv
+from support.runs import attempts
 from trainer.cli import train_parser
 from trainer.errors import UsageError
 from trainer.location import InStore, OnDisk, parse_store_url

@@ -26,7 +26,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import FINAL, REPO, scaled
+from support.cli import REPO, run_cli
+from support.limits import scaled
+from support.runs import FINAL
 from trainer.integrations.polyaxon import internals
 from trainer.integrations.polyaxon.sandbox import Sandbox, haupt_binary, run_uuid_of
 from trainer.run.fingerprint import source_digest
@@ -139,8 +141,6 @@ def attempts_in(run_directory: Path) -> list[dict]:
 
 
 def same_as_baseline(baseline: Path, final: Path | str, env: dict | None = None) -> None:
-    from conftest import run_cli
-
     result = run_cli(REPO / "compare.py", baseline / "checkpoints" / FINAL, final, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
 

@@ -12,7 +12,9 @@ import time
 
 import pytest
 
-from conftest import REPO, TORCHRUN, clean_environment, scaled
+from support.cli import REPO
+from support.limits import scaled
+from support.torchrun import TORCHRUN, clean_environment
 
 
 @pytest.mark.parametrize("point, args, line", [

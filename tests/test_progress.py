@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from conftest import CLI_TIMEOUT_S, REPO, one_error_line, run_cli, scaled
+from support.cli import REPO, one_error_line, run_cli
+from support.limits import CLI_TIMEOUT_S, scaled
 
 from trainer.config import ProgressConfig
 from trainer.run.progress import CLEAR_LINE, Progress, StepInfo, render_status

@@ -11,7 +11,8 @@ import signal
 
 import pytest
 
-from conftest import attempts, finish, one_error_line, png_size, run_cli, start, train, wait_for_line
+from support.cli import finish, one_error_line, run_cli, start, train, wait_for_line
+from support.runs import attempts, png_size
 
 from trainer.inspect import listing, report as reports
 from trainer.inspect.report import advise, format_report

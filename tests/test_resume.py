@@ -7,7 +7,8 @@ import os
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import attempts, compare, generation, train
+from support.cli import compare, train
+from support.runs import attempts, generation
 
 
 def test_resume_after_interrupts_at_and_after_a_save_matches_baseline(tmp_path, baseline):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from conftest import generation, train
+from support.cli import train
+from support.runs import generation
 from trainer.checkpoint.retention import Candidate, select_deletions
 
 

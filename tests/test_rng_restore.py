@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from conftest import compare, generation, train
+from support.cli import compare, train
+from support.runs import generation
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import attempts, one_error_line, run_cli, train
+from support.cli import one_error_line, run_cli, train
+from support.runs import attempts
 
 TOY = ("--workload", "tests/workloads/toy.py:ToyWorkload", "--epochs", 4)
 """2 steps an epoch: generations at steps 2, 4, 6, 8."""

@@ -32,7 +32,8 @@ import pytest
 import s3fs
 from botocore.exceptions import ClientError
 
-from conftest import S3Bucket, scaled
+from support.limits import scaled
+from support.s3 import S3Bucket
 
 PRECONDITION_MESSAGE = "At least one of the pre-conditions you specified did not hold"
 STALE_ETAG = '"0123456789abcdef0123456789abcdef"'

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (FINAL, SHORT, SHORT_FINAL, attempts, committed, compare, finish, generation, keys, one_error_line,
-                      run_cli, scaled, start, store_env, train, wait_for_line)
+from support.cli import compare, finish, one_error_line, run_cli, start, train, wait_for_line
+from support.limits import scaled
+from support.runs import FINAL, SHORT, SHORT_FINAL, attempts, generation
+from support.s3 import committed, keys, store_env
 from s3server import SeaweedServer
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli
+from support.cli import REPO, run_cli
 from trainer.cli import main
 
 G4, G8, G16 = "step-00000004", "step-00000008", "step-00000016"

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPO, TORCHRUN, clean_environment, committed, compare, finish, free_port, keys, one_error_line,
-                      run_cli, start, store_env, wait_for_line)
+from support.cli import REPO, compare, finish, one_error_line, run_cli, start, wait_for_line
+from support.s3 import committed, keys, store_env
+from support.torchrun import TORCHRUN, clean_environment, free_port
 
 EPOCHS = ("--epochs", 2)  # 16 steps with two processes
 FINAL = "step-00000016"

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import attempts, compare, generation, one_error_line, png_size, run_cli
+from support.cli import compare, one_error_line, run_cli
+from support.runs import attempts, generation, png_size
 
 from trainer.errors import TrackingUnavailable
 from trainer.inspect.timeline import DASHBOARD

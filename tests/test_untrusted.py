@@ -23,7 +23,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import REPO, attempts, compare, one_error_line, run_cli, train
+from support.cli import REPO, compare, one_error_line, run_cli, train
+from support.runs import attempts
 
 TOY = ("--workload", "tests/workloads/toy.py:ToyWorkload", "--epochs", 4)
 """2 steps an epoch: generations at steps 4, 6, 8 are kept."""

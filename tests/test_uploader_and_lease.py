@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import scaled, wait_until
+from support.limits import scaled, wait_until
 from memory_objects import MemoryObjects
 from trainer.checkpoint.checkpointer import SyncCheckpointer
 from trainer.checkpoint.commit import RenameCommit

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import attempts, run_cli, train
+from support.cli import run_cli, train
+from support.runs import attempts
 from trainer.checkpoint.manifest import GenerationFacts, InvalidManifest, Manifest
 from trainer.run.checksum import parameter_checksum, state_digests, tensor_checksum
 from trainer.run.witness import ReplayWitness, read_step_digests, restore_problem, step_digest

@@ -13,7 +13,9 @@ import signal
 
 import pytest
 
-from conftest import attempts, finish, one_error_line, run_cli, start, wait_until
+from support.cli import finish, one_error_line, run_cli, start
+from support.limits import wait_until
+from support.runs import attempts
 
 FAILING = ("--workload", "tests/workloads/failing_data.py:FailingData", "--epochs", 1, "--batch-size", 8)
 WITHIN_S = 60

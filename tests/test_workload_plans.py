@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import math
 
-from conftest import compare, generation, one_error_line, run_cli, train
+from support.cli import compare, one_error_line, run_cli, train
+from support.runs import generation
 
 PLANNED = ("--workload", "tests/workloads/edge_cases.py:Planned", "--batch-size", 8)  # 3 batches per epoch
 STREAM = ("--workload", "tests/workloads/edge_cases.py:StreamInDataset", "--epochs", 1, "--batch-size", 8)

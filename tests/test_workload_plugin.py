@@ -11,7 +11,8 @@ import shutil
 
 import pytest
 
-from conftest import REPO, attempts, compare, generation, made_once, one_error_line, run_cli, train
+from support.cli import REPO, compare, one_error_line, run_cli, train
+from support.runs import attempts, generation, made_once
 
 TOY = "tests/workloads/toy.py:ToyWorkload"
 EDGE = ("--workload", "tests/workloads/edge_cases.py:EdgeCase", "--epochs", 3, "--batch-size", 8)

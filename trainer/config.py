@@ -56,6 +56,10 @@ class WorkloadConfig:
     shuffle_buffer: int = 1024
     """Streaming data only: records per shuffle block (trainer/run/streaming.py). Larger mixes
     more; a resume re-reads up to one block, and each reader holds one in memory."""
+    last_batch: str = "pad"
+    """pad | drop | refuse: an epoch's ragged last batch (trainer/run/batching.py). `pad` trains
+    it, each rank's loss weighted by its share (a rank with none repeats a sample at weight 0);
+    `drop` leaves it untrained; `refuse` stops a run whose processes cannot share it evenly."""
     grad_accum: int = 1
     """Micro-batches per optimizer step. Steps, cadence and the LR schedule count optimizer
     steps; saves and preemption stops happen only between them, so no generation holds
@@ -89,7 +93,8 @@ class WorkloadConfig:
         # Leaving a default out keeps the fingerprints of generations written before the
         # option existed equal, so they still resume without drift.
         for name, default in (("data_parallel", "ddp"), ("gradient_reduction", "per-parameter"), ("grad_accum", 1),
-                              ("workload", DEFAULT_WORKLOAD), ("shuffle_buffer", 1024)):
+                              ("workload", DEFAULT_WORKLOAD), ("shuffle_buffer", 1024),
+                              ("last_batch", "pad")):
             if values[name] == default:
                 values.pop(name)
         return {**values, **dict(self.options)}

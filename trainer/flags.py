@@ -184,6 +184,9 @@ GROUPS: dict[str, list[Flag]] = {
                   "instead of --epochs (a larger value extends a finished run on resume)"),
         Flag("--shuffle-buffer", "workload.shuffle_buffer", metavar="N", type=positive_int,
              help="streaming data: records per deterministic shuffle block; a resume re-reads at most one"),
+        Flag("--last-batch", "workload.last_batch", options={"choices": ("pad", "drop", "refuse")},
+             help="an epoch's ragged last batch: pad trains it (shares weighted, each sample counted once), "
+                  "drop leaves it untrained (report counts it), refuse stops a run that cannot share it evenly"),
         Flag("--batch-size", "workload.batch_size", metavar="N", type=positive_int,
              help="samples per (micro-)batch, across all processes (unset: a DataLoader returned by the "
                   "workload's build_dataset gives it)"),

@@ -36,10 +36,10 @@ and M as measured, Daly's interval, and the goodput it and the current cadence p
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from trainer.run.interval import best_interval, expected_goodput, young_interval
-from trainer.run.ledger import ledger_problems
+from trainer.run.ledger import dropped_by_epoch, ledger_problems
 from trainer.run.records import (OUTCOMES, RESTORED_FROM, TIER0, AttemptRecord, PublishedEntry, exposure_s,
                                   failure_rate, lifetime)
 
@@ -106,6 +106,56 @@ class AttemptRow:
     restored_bytes: int | None = None
     refused: tuple[str, ...] = ()
     """Faster sources refused on the way (a damaged tier-0 generation)."""
+    recovery: "Recovery | None" = None
+    """What the failure before it cost, where both ends are known (`recovery_of`)."""
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """R of one restart, as the user lives it: from the last step of the attempt before to the
+    first step of this one."""
+
+    after: int
+    """The number of the attempt it followed (1-based, as the report counts)."""
+    total_s: float
+    down_s: float | None
+    """From that last step to this process's start: detecting the failure, tearing the old
+    processes down, starting new ones (torchrun's agent, a scheduler)."""
+    startup_s: float | None
+    """From this process's start to its record: interpreter, imports, joining, the claim."""
+    imports_s: float | None
+    join_s: float | None
+    """Under a launcher, the start-up's two first parts: to the join, and the join itself."""
+    first_step_s: float
+    """From its record to its first step: building, restoring, the step itself."""
+
+
+def _number_in(mapping, key: str) -> float | None:
+    value = mapping.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def recovery_of(rows: tuple[AttemptRow, ...], records: list[AttemptRecord],
+                markers: dict[str, float]) -> tuple[AttemptRow, ...]:
+    """Each restoring attempt's R, where the attempt before it left the time of its last step
+    (its record, or a killed one's marker) and this one recorded its first."""
+    out, before = [], None
+    for number, (row, record) in enumerate(zip(rows, records), 1):
+        if row.outcome == "refused":
+            out.append(row)
+            continue
+        last = None if before is None else before[1].last_step_unix or markers.get(before[1].id)
+        if row.restored is not None and last is not None and record.started_unix is not None \
+                and record.first_step_s is not None:
+            started = record.started_unix - record.startup_s if record.startup_s is not None else None
+            row = replace(row, recovery=Recovery(
+                after=before[0], total_s=record.started_unix + record.first_step_s - last,
+                down_s=None if started is None else started - last, startup_s=record.startup_s,
+                imports_s=_number_in(record.joined, "at_s"), join_s=_number_in(record.joined, "join_s"),
+                first_step_s=record.first_step_s))
+        out.append(row)
+        before = (number, record)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -144,6 +194,10 @@ class LedgerCheck:
     """Samples the ledgers account for (each once, however often its step was replayed)."""
     problems: tuple[str, ...] = ()
     """Samples repeated or skipped between or inside generations: empty when none."""
+    dropped: dict[int, int] = field(default_factory=dict)
+    """{epoch: samples its ragged last batch left untrained} (`--last-batch drop`)."""
+    padded: int = 0
+    """Repeated samples trained at loss weight 0 (`--last-batch pad`, a rank with no share)."""
 
 
 @dataclass(frozen=True)
@@ -317,6 +371,7 @@ def build_report(records: list[AttemptRecord], live: frozenset[str] = frozenset(
     starts = [record.started_unix for record in records if record.started_unix is not None]
     origin = min(starts) if starts else None
     rows = with_tier0_restores(tuple(attempt_row(r, live, markers.get(r.id), origin) for r in records))
+    rows = recovery_of(rows, records, markers)
     trained = [row for row in rows if row.outcome != "refused"]
     useful = trained[-1].durable_step if trained else 0
     rows = with_abandoned(rows, useful)
@@ -347,7 +402,8 @@ def check_ledgers(records: list[AttemptRecord]) -> LedgerCheck:
         for entry in record.ledger:
             entries[entry["step"]], sources[entry["step"]] = entry, record.id
     return LedgerCheck(len(entries), len(set(sources.values())), sum(entry["samples"] for entry in entries.values()),
-                       tuple(ledger_problems(entries)))
+                       tuple(ledger_problems(entries)), dropped_by_epoch(entries),
+                       sum(entry.get("padded", 0) for entry in entries.values()))
 
 
 @dataclass(frozen=True)
@@ -469,6 +525,13 @@ def format_restores(rows: tuple[AttemptRow, ...]) -> list[str]:
         lines.append(f"    {number:>3} {row.restored:<15} from {RESTORED_FROM.get(row.restored_from, row.restored_from)}: "
                      f"{row.restore_s:.3f} s, {cell(row.restored_bytes)} bytes")
         lines += [f"        refused first: {refused}" for refused in row.refused]
+        if (r := row.recovery) is not None:
+            secs = lambda value: cell(value, "{:.2f}")  # noqa: E731
+            parts = f"imports {secs(r.imports_s)}, join {secs(r.join_s)}, claim" if r.join_s is not None else \
+                "imports and claim"
+            lines.append(f"        R {r.total_s:.2f} s from attempt {r.after}'s last step to this one's first = "
+                         f"down {secs(r.down_s)} (detection, teardown, relaunch) + start-up {secs(r.startup_s)} "
+                         f"({parts}) + {r.first_step_s:.2f} (build, restore {row.restore_s:.2f}, first step)")
     return lines
 
 
@@ -492,10 +555,14 @@ def format_ledger(check: LedgerCheck) -> list[str]:
         return []
     head = (f"  sample ledger      {plural(check.generations, 'generation')} from {plural(check.attempts, 'attempt')}, "
             f"{check.samples} samples: ")
+    per_epoch = ", ".join(f"epoch {epoch}: {count}" for epoch, count in sorted(check.dropped.items()))
+    last_batch = [f"    dropped (--last-batch drop): {per_epoch}"] if check.dropped else []
+    if check.padded:
+        last_batch.append(f"    padded (--last-batch pad): {check.padded} repeated at loss weight 0, not counted")
     if not check.problems:
-        return ["", head + "none repeated or skipped (replayed steps' samples reach a generation once)"]
+        return ["", head + "none repeated or skipped (replayed steps' samples reach a generation once)", *last_batch]
     return ["", head + f"REPEATED OR SKIPPED in {plural(len(check.problems), 'place')}"] + [
-        f"    {problem}" for problem in check.problems]
+        f"    {problem}" for problem in check.problems] + last_batch
 
 
 def format_report(report: Report, output: str, advice: Advice | None = None) -> str:

@@ -37,7 +37,7 @@ def round_prefix(launch: LaunchEnvironment) -> str:
 
 
 class Heartbeat:
-    def __init__(self, launch: LaunchEnvironment, interval_s: float = 0.5, window_s: float = 1.5):
+    def __init__(self, launch: LaunchEnvironment, interval_s: float = 0.3, window_s: float = 0.9):
         self.launch, self.interval_s, self.window_s = launch, interval_s, window_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

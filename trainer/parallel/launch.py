@@ -9,7 +9,9 @@ child, and the operator sets them for every pod.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 
 from trainer.errors import UsageError
@@ -64,6 +66,17 @@ class LaunchEnvironment:
                    env["MASTER_ADDR"], _env_int(env, "MASTER_PORT", 0, minimum=0),
                    _env_int(env, "TORCHELASTIC_RESTART_COUNT", 0, minimum=0),
                    env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc; None elsewhere): the start-up part
+    of what a restart costs (interpreter, imports), which no other clock of ours sees."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return round(max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")), 3)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def rank_of(env: Mapping[str, str]) -> int:

@@ -52,7 +52,7 @@ from trainer import compat
 from trainer.config import BackgroundWaitConfig, PeerWaitConfig
 from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageError, is_peer_loss, root_cause
 from trainer.parallel.heartbeat import Heartbeat, round_prefix
-from trainer.parallel.launch import PRIMARY, LaunchEnvironment
+from trainer.parallel.launch import PRIMARY, LaunchEnvironment, process_age_s
 from trainer.parallel.reduction import PER_PARAMETER, per_parameter_mean
 from trainer.layout import RunDirectory
 
@@ -149,6 +149,9 @@ class Ranks:
         """How long the training group's collectives wait; who stopped answering when one fails."""
         self._pace = StepPace(peer_wait)
         self._bound_s = peer_wait.bound_s(None)
+        self.joined: dict | None = None
+        """When this process began joining the group (its age, seconds) and how long joining
+        took: the start-up of a restart, split (set by `process_group`)."""
         self._slowest_save_s: float | None = None
         self.rank = launch.rank
         self.world_size = launch.world_size
@@ -385,9 +388,11 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
     if device.type == "cuda":
         device = torch.device("cuda", launch.local_rank)
         torch.cuda.set_device(device)
+    began, age = time.monotonic(), process_age_s()
     join(launch, "nccl" if device.type == "cuda" else "gloo", peer_wait.bound_s(None))
     heartbeat = Heartbeat(launch).start()
     ranks = Ranks(launch, device, wait=wait, peer_wait=peer_wait, heartbeat=heartbeat)
+    ranks.joined = {"at_s": age, "join_s": round(time.monotonic() - began, 3)}
     try:
         yield ranks
     except TrainerError:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Sequence
 from trainer.errors import CrashLoop, TrainerError
 from trainer.checkpoint.atomic import atomic_write_bytes, atomic_write_json
 from trainer.run.witness import ReplayWitness, StepDigestLog
+from trainer.parallel.launch import process_age_s
 from trainer.layout import ATTEMPT_RECORD, ATTEMPT_REQUIREMENTS, ATTEMPT_SUMMARY, EXPORTS, GENERATIONS, PROGRESS_MARKER, RunDirectory
 from trainer.run.records import PUBLISHED, REFUSED, RUNNING, UNFINISHED, AttemptRecord, attempts_that_trained
 
@@ -155,6 +156,9 @@ class AttemptStart:
     """--allow-unsigned: unsigned generations were adopted under a signing key."""
     exactness: dict = field(default_factory=lambda: {"exact": True})
     """`Exactness.as_record()`: whether this configuration resumes bit-exactly, and why not."""
+    joined: dict | None = None
+    """Under a launcher: `{"at_s": process age when the join began, "join_s": how long it took}`
+    (`Ranks.joined`), the imports and the rejoin parts of a restart's start-up."""
 
     def fields(self) -> dict:
         fields = {"restored": self.restored, "explicit_generation": self.explicit_generation, "set_aside": [],
@@ -163,7 +167,8 @@ class AttemptStart:
                   "checkpoint_mode": self.checkpoint_mode, "device": self.device, "fingerprint": self.fingerprint,
                   "store": self.store, "polyaxon": self.polyaxon, "world_size": self.world_size,
                   "allow_unsigned": self.allow_unsigned, "exactness": self.exactness}
-        return fields | ({"world_size_change": self.world_size_change} if self.world_size_change else {})
+        return fields | ({"world_size_change": self.world_size_change} if self.world_size_change else {}) \
+            | ({"joined": self.joined} if self.joined else {})
 
 
 @dataclass(frozen=True)
@@ -177,17 +182,6 @@ class RefusedStart:
     def fields(self) -> dict:
         return {"restored": None, "considered_generation": self.considered_generation,
                 "previous_attempt": self.previous_attempt, "polyaxon": self.polyaxon}
-
-
-def process_age_s() -> float | None:
-    """Seconds since this process started (Linux /proc; None elsewhere): the start-up part
-    of what a restart costs (interpreter, imports), which no other clock of ours sees."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return round(max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")), 3)
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def initial_record(attempt_id: str, argv: list[str], fields: dict) -> dict:
@@ -220,6 +214,7 @@ class AttemptRecorder:
         self._marked: int | None = None
         """The last step `mark_step` recorded: where training stood if it ends without a
         `reached()` (a failure, a grace timeout)."""
+        self._marked_unix = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -254,6 +249,8 @@ class AttemptRecorder:
         self._digests.close()
         if self._marked is not None and self._marked > (self._record["last_step"] or 0):
             self._record["last_step"] = self._marked  # ended between publishes: the work it did counts
+        if self._marked is not None:  # when its last step ended: where the next attempt's restart cost R starts
+            self._record["last_step_unix"] = round(self._marked_unix, 3)
         self._record.update(status=status, exit_code=exit_code, reason=reason, ended_utc=utc_now(),
                             wall_s=self.elapsed_s())
         if summary is not None and self.persist:
@@ -316,7 +313,7 @@ class AttemptRecorder:
         os.pwrite(self._marker, f"{step:>12}\n".encode(), 0)
         if self._marked is None:  # what the restart cost before training ran: build, restore, first step
             self._record["first_step_s"] = self.elapsed_s()
-        self._marked = step
+        self._marked, self._marked_unix = step, time.time()
         progress = self._record["progress"]
         if step % progress["every"] == 0:
             progress["points"].append([step, self.elapsed_s()])

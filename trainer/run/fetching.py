@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from trainer.config import WorkloadConfig
 from trainer.errors import UsageError
-from trainer.run.batching import EpochBatchOrder
+from trainer.run.batching import EpochBatchOrder, EpochShape, Fetched
 from trainer.run.runtime import WorkerSignals
 from trainer.workload import dataset_fingerprint
 
@@ -81,13 +81,13 @@ class KeyedSeeding(Dataset):
             sample = self.dataset.sample_at(epoch, index) if self.keyed else self.dataset[index]
         return (key, sample) if self.collate is not None else sample
 
-    def loader(self, epoch: int, batch_size: int, start_batch: int, rank: int, world_size: int,
-               num_workers: int) -> Iterator[tuple[torch.Tensor, object]]:
-        """(sample indices, batch) of this rank for the rest of the epoch, in order; the same
-        interface as a stream's (`trainer.run.streaming.StreamSource`)."""
-        order = EpochBatchOrder(len(self), batch_size, self.seed, epoch, start_batch, rank, world_size)
-        for keys, batch in zip(order, epoch_loader(self, order, num_workers)):
-            yield torch.tensor([index for _, index in keys], dtype=torch.int64), batch
+    def loader(self, shape: EpochShape, epoch: int, start_batch: int, rank: int, world_size: int,
+               num_workers: int) -> Iterator[Fetched]:
+        """This rank's micro-batches for the rest of the epoch, in order; the same interface
+        as a stream's (`trainer.run.streaming.StreamSource`)."""
+        order = EpochBatchOrder(shape, self.seed, epoch, start_batch, rank, world_size)
+        for (keys, weight), batch in zip(order.weighted(), epoch_loader(self, order, num_workers)):
+            yield Fetched(torch.tensor([index for _, index in keys], dtype=torch.int64), batch, weight)
 
     def fingerprint(self) -> str:
         return dataset_fingerprint(self.dataset)

@@ -11,9 +11,13 @@ one this attempt restored, or its own previous save):
   `chain`: a hash over every global micro-batch since step 0, carried across resumes, so two
   runs that trained on the same samples in the same order hold the same chain whatever their
   cadence, interruptions, worker counts or world sizes;
-- the data cursor at both ends ([epoch, samples consumed in it]) and the samples per epoch,
-  from which `report` checks that nothing was repeated or skipped between generations
-  (`ledger_problems`), and `compare.py` shows two ledgers side by side.
+- the data cursor at both ends ([epoch, samples consumed in it]) and the samples trained per
+  epoch, from which `report` checks that nothing was repeated or skipped between generations
+  (`ledger_problems`), and `compare.py` shows two ledgers side by side;
+- under `--last-batch` (trainer/run/batching.py): `dropped`, the epochs that ended inside the
+  entry and the samples each left untrained (`drop`: they are not in the cursors' count, so
+  never "skipped"), and `padded`, the repeated samples a rank with an empty share of a last batch
+  trained on at loss weight 0 (`pad`: not in the ids, not counted as samples).
 
 The ids are gathered at each save (8 bytes a sample); rank 0 builds the global entry. Plain
 Python, no torch: `report` reads ledgers without loading it.
@@ -44,15 +48,23 @@ def id_bytes(ids: array) -> bytes:
 class SampleLedger:
     """This rank's sample ids since the last generation, by micro-batch."""
 
-    def __init__(self, epoch_samples: int, batch_size: int):
-        self.epoch_samples, self.batch_size = epoch_samples, batch_size
+    def __init__(self, epoch_samples: int, batch_size: int, dropped: int = 0):
+        self.epoch_samples, self.batch_size, self.dropped = epoch_samples, batch_size, dropped
         self.after, self.chain, self.start = 0, GENESIS, [0, 0]
         self.micro_batches: list[array] = []
         """Kept until the next save: 8 bytes a sample."""
+        self.padded = 0
+        """Repeated samples trained at loss weight 0 since the last save."""
 
-    def consumed(self, ids) -> None:
-        """One micro-batch's sample ids (a tensor or a list), in order."""
-        self.micro_batches.append(array("q", ids.tolist() if hasattr(ids, "tolist") else ids))
+    def consumed(self, ids, padded: bool = False) -> None:
+        """One micro-batch's sample ids (a tensor or a list), in order; a padded share's
+        repeated sample is counted apart (its micro-batch holds no id, so the ranks' micro-
+        batches stay aligned)."""
+        ids = array("q", ids.tolist() if hasattr(ids, "tolist") else ids)
+        if padded:
+            self.padded += len(ids)
+            ids = array("q")
+        self.micro_batches.append(ids)
 
     def continue_from(self, ledger: Mapping | None, step: int, epoch: int, position: int) -> None:
         """After a restore: the next entry follows the restored generation."""
@@ -63,9 +75,10 @@ class SampleLedger:
     def cursor(self, epoch: int, position: int) -> list[int]:
         return [epoch, min(position * self.batch_size, self.epoch_samples)]
 
-    def entry(self, by_rank: Sequence[list[array]], step: int, epoch: int, position: int) -> dict:
-        """The manifest's `ledger` from every rank's micro-batches (gathered, in rank order);
-        it starts the next one."""
+    def entry(self, by_rank: Sequence[list[array]], step: int, epoch: int, position: int,
+              padded: Sequence[int] = ()) -> dict:
+        """The manifest's `ledger` from every rank's micro-batches and padded counts (gathered,
+        in rank order); it starts the next one."""
         world_size = len(by_rank)
         digest, chain = hashlib.sha256(), self.chain
         for micro in zip(*by_rank):
@@ -80,7 +93,11 @@ class SampleLedger:
                  "epoch_samples": self.epoch_samples,
                  "samples": sum(len(part) for micro in by_rank for part in micro), "sha256": digest.hexdigest(),
                  "chain": chain, "by_rank": {str(rank): rank_digest(parts) for rank, parts in enumerate(by_rank)}}
-        self.after, self.start, self.chain, self.micro_batches = step, entry["to"], chain, []
+        if self.dropped and epoch > self.start[0]:
+            entry["dropped"] = {"per_epoch": self.dropped, "epochs": list(range(self.start[0], epoch))}
+        if sum(padded):
+            entry["padded"] = sum(padded)
+        self.after, self.start, self.chain, self.micro_batches, self.padded = step, entry["to"], chain, [], 0
         return entry
 
 
@@ -95,6 +112,12 @@ def span(entry: Mapping) -> int:
     """Samples between the entry's two cursors."""
     (from_epoch, from_consumed), (to_epoch, to_consumed) = entry["from"], entry["to"]
     return (to_epoch - from_epoch) * entry["epoch_samples"] + to_consumed - from_consumed
+
+
+def dropped_by_epoch(entries: Mapping[int, Mapping]) -> dict[int, int]:
+    """{epoch: samples its end left untrained} over a run's ledgers (`--last-batch drop`)."""
+    return {epoch: entry["dropped"]["per_epoch"] for entry in entries.values() if "dropped" in entry
+            for epoch in entry["dropped"]["epochs"]}
 
 
 def ledger_problems(entries: Mapping[int, Mapping]) -> list[str]:

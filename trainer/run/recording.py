@@ -13,7 +13,7 @@ from trainer.checkpoint.checkpointer import effective_mode
 from trainer.run.attempts import (AttemptRecorder, AttemptStart, RefusedStart, previous_attempt, refuse_crash_loop,
                                   steps_replayed, world_size_change)
 from trainer.run.records import AttemptRecord
-from trainer.run.batching import require_even_split, training_steps
+from trainer.run.batching import EpochShape, epoch_shape, require_even_split, training_steps
 from trainer.run.fingerprint import check_fingerprint, current_fingerprint
 from trainer.run.claim import Claim, Claimant
 from trainer.run.events import TrainingEvents
@@ -35,13 +35,16 @@ class Checked:
     mode: str
     """The checkpoint mode this attempt writes with ("sync" or "async")."""
     exactness: Exactness
+    shape: EpochShape
+    """An epoch's batches (`--last-batch`): the sample ledger counts its trained and dropped samples."""
 
 
 def check_attempt(config: RunConfig, workload: BoundWorkload, claim: Claim, dataset, ranks: Ranks) -> Checked:
     """Before the record starts: the batch split, the fingerprint, the crash-loop guard, the
     save mode. Rank 0 decides each; every rank learns the outcome (or the refusal)."""
     generation = claim.generation
-    ranks.decide_on_primary(lambda: require_even_split(len(dataset), config.workload, ranks.world_size),
+    ranks.decide_on_primary(lambda: require_even_split(len(dataset), config.workload, ranks.world_size,
+                                                       workload.has_train_step),
                             "checking the batch split")
     planned = workload.plan(training_steps(len(dataset), config.workload))
     fingerprint = current_fingerprint({**config.workload.training_relevant(), **planned}, dataset.fingerprint(),
@@ -58,7 +61,8 @@ def check_attempt(config: RunConfig, workload: BoundWorkload, claim: Claim, data
                       ranks.device.type)
     if exact.reason and ranks.is_primary:
         log.warning("%s: %s", "exact" if exact.exact else "not exact", exact.reason)
-    return Checked(fingerprint, tuple(drift), history, effective_mode(config.checkpoint_mode, ranks.device), exact)
+    return Checked(fingerprint, tuple(drift), history, effective_mode(config.checkpoint_mode, ranks.device), exact,
+                   epoch_shape(len(dataset), config.workload))
 
 
 def start_record(config: RunConfig, claim: Claim, checked: Checked, ranks: Ranks,
@@ -80,7 +84,7 @@ def start_record(config: RunConfig, claim: Claim, checked: Checked, ranks: Ranks
         device=str(ranks.device), fingerprint=checked.fingerprint, store=config.location.store_url,
         polyaxon=events.run_identity(previous), world_size=ranks.world_size,
         world_size_change=world_size_change(stored_world_size, ranks.world_size).get("world_size_change"),
-        allow_unsigned=config.signing.allow_unsigned, exactness=checked.exactness.as_record())
+        allow_unsigned=config.signing.allow_unsigned, exactness=checked.exactness.as_record(), joined=ranks.joined)
     replay = ReplayWitness(computed_before(checked.history, claim.run.attempt_folder, checked.fingerprint, step),
                            replay_not_compared(checked.drift)) if generation and ranks.is_primary else None
     return AttemptRecorder.start(claim.run, claim.attempt_id, list(config.argv), start, persist=ranks.is_primary,

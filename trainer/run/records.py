@@ -171,6 +171,13 @@ class AttemptRecord:
     first_step_s: float | None
     started_unix: float | None
     """The start with millisecond precision; from `started_utc` (whole seconds) in older records."""
+    last_step_unix: float | None
+    """When its last step ended (an attempt that recorded its end; a killed one's is its marker's mtime)."""
+    peer: Mapping
+    """A lost or unresponsive peer that ended it: {state, ranks}; empty otherwise."""
+    joined: Mapping
+    """Under a launcher: {at_s, join_s}, when its process began joining the group and how long
+    that took (the imports and the rejoin of its start-up); empty otherwise."""
     store: str | None
     """The object store the attempt trained into (`--output s3://…`), else None."""
     host: str | None
@@ -205,7 +212,8 @@ class AttemptRecord:
             first_step=_integer(record.get("first_step")), last_step=_integer(record.get("last_step")),
             steps_replayed=_integer(record.get("steps_replayed")), wall_s=_number(record.get("wall_s")),
             startup_s=_number(record.get("startup_s")), first_step_s=_number(record.get("first_step_s")),
-            started_unix=_started_unix(record), store=_store_of(record),
+            started_unix=_started_unix(record), last_step_unix=_number(record.get("last_step_unix")),
+            peer=_mapping(record.get("peer")), joined=_mapping(record.get("joined")), store=_store_of(record),
             host=_text(record.get("host")),
             pid=_integer(record.get("pid")), costs=Costs.parse(_mapping(record.get("costs"))),
             generations=_entries(record, GENERATIONS), exports=_entries(record, EXPORTS),

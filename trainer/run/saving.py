@@ -37,6 +37,7 @@ from trainer.options import AUTO
 from trainer.run.cadence import (AutoPrior, AutoSeconds, AutoSteps, CadenceChange, StepPoint, StepsChange, auto_prior,
                                  auto_trigger, build_policy, memory_policy, memory_prior)
 from trainer.run.events import TrainingEvents
+from trainer.run.batching import EpochShape
 from trainer.run.ledger import SampleLedger
 from trainer.run.checksum import safe_state_digests
 from trainer.run.state import TrainingState
@@ -56,8 +57,9 @@ class Lineage:
     allowed_drift: tuple[str, ...]
     protected: frozenset[str]
     """Generations retention must keep (the one restored)."""
-    epoch_samples: int = 0
-    """Samples in an epoch: the sample ledger's cursors count them (trainer/run/ledger.py)."""
+    epoch: EpochShape = EpochShape(0, 1)
+    """An epoch's batches: the sample ledger's cursors count its trained samples, and its
+    entries the dropped ones (trainer/run/ledger.py)."""
     history: tuple[AttemptRecord, ...] = ()
     """The earlier attempts' records (`Claim.history`): what the auto cadences start from."""
 
@@ -130,7 +132,7 @@ class CadencedSaves:
         self.memory = storage.memory.saver(lineage.attempt_id, ranks, mode, ranks.device)  # tier 0's, same mode
         self.tier0 = MemoryCadence(config, ranks, self.recorder, lambda: memory_prior(lineage.history,
                                                                                       lineage.attempt_id))
-        self.ledger = SampleLedger(lineage.epoch_samples, config.workload.batch_size)
+        self.ledger = SampleLedger(lineage.epoch.trained, config.workload.batch_size, lineage.epoch.dropped)
         """The samples trained on since the last generation, for the next one's manifest."""
         self.ledger_entries: dict[str, dict] = {}
         """Saved generations' ledgers, recorded in the attempt record once published."""
@@ -220,12 +222,12 @@ class CadencedSaves:
         """What a generation's manifest says besides its files (`ledger` gives its entry and moves on)."""
         progress = state.progress
         digests = self.ranks.gather(safe_state_digests(state_dict), "gathering the state digests")
-        samples = self.ranks.gather(ledger.micro_batches, "gathering the sample ledger")
+        samples, padded = zip(*self.ranks.gather((ledger.micro_batches, ledger.padded), "gathering the sample ledger"))
         return GenerationFacts(progress.global_step, progress.epoch, progress.position, self.lineage.fingerprint,
                                self.lineage.allowed_drift, {"recover": {}, "export": self.export_policy.state()},
                                utc_now(), {str(rank): digest for rank, digest in enumerate(digests)}
                                if all(digests) else {},
-                               ledger.entry(samples, progress.global_step, progress.epoch, progress.position))
+                               ledger.entry(samples, progress.global_step, progress.epoch, progress.position, padded))
 
     def save_export(self, state: TrainingState, model: nn.Module, workload: Workload) -> None:
         """Every rank: rank 0 writes the export (under FSDP every rank gathers the weights

@@ -82,9 +82,11 @@ class OptimizerSteps:
         self.window, self.held, self.loss = size, [], None
         return size
 
-    def micro_batch(self, batch) -> None:
+    def micro_batch(self, batch, weight: float = 1.0) -> None:
         """One micro-batch of the window: forward and backward now, or held for the
-        workload's own `train_step`."""
+        workload's own `train_step`. `weight`: its share's loss weight (an epoch's last batch
+        shared unevenly, `trainer.run.batching.EpochShape.weight`; a `train_step` workload is
+        refused such shares at start)."""
         batch = to_device(batch, self.device)
         self.state.model.train()
         if self.workload.has_train_step:
@@ -94,6 +96,8 @@ class OptimizerSteps:
                 loss = self.workload.loss(self.trained, batch)
             if self.window > 1:
                 loss = loss / self.window
+            if weight != 1.0:
+                loss = loss * weight
             self.state.scaler.scale(loss).backward()
             self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
         self.micro_batches += 1

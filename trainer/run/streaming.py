@@ -1,34 +1,45 @@
-"""Streaming data with a cursor the trainer owns.
+"""Streaming data with a cursor the trainer owns, each record read once per epoch.
 
 A streaming workload gives shards (name and record count) and a reader of one shard's
 records from an offset (`trainer.workload.protocol.Stream`). The trainer decides everything
-that makes a resume exact, the way `batching.py` does for a map-style dataset:
+that makes a resume exact and the reading cheap, the way `batching.py` does for a map-style
+dataset (docs/streaming.md tells the whole story with the measurements):
 
-- **The global sample order**, a pure function of (seed, epoch): the shards in an order
-  drawn from (seed, epoch), read one after another as one stream, shuffled in blocks of
-  `--shuffle-buffer` records, each block by a permutation drawn from (seed, epoch, block).
-  The buffer is the block: it is never saved, because it is a pure function of the cursor;
-  a resume re-reads the block the cursor is in (at most `--shuffle-buffer` records).
-- **The cursor**: samples consumed in the epoch, global (counted over every rank). It is
-  saved in every generation (`stream` in the state, checked against the progress on restore),
-  and it does not depend on the number of processes or workers.
-- **The split, by global sample index**: global batch b holds positions
-  [b·batch, (b+1)·batch); rank r takes every world-size-th of them from r, as map-style
-  batches are split. Worker w of a rank's DataLoader builds that rank's batches w, w+W, …,
-  which the DataLoader hands out in turn, so every worker count gives the same batches in
-  the same order, and every world size the same global order (MosaicML streaming's
-  definition of elastic).
+- **The epoch's stream**: the shards in an order drawn from (seed, epoch), read one after
+  another. Only the samples an epoch trains on are in it (`--last-batch drop` leaves the
+  stream's tail out: `trainer.run.batching.EpochShape`).
+- **Lanes**: the stream is cut into one contiguous lane per rank of the layout (the world
+  size the epoch started under). Lane q holds the slots q, q+lanes, … of every global batch,
+  so rank r of that world size trains on lane r alone: batch b's share of a lane is its
+  records [b·share, (b+1)·share), share = batch ÷ lanes (fewer in a short last batch).
+- **Blocks and chunks, the shuffle**: each lane is cut into blocks of `chunk` batches' shares
+  (`--shuffle-buffer` rounded down to whole shares, at least one), each shuffled by a
+  permutation drawn from (seed, epoch, lanes, lane, block). Chunk k is every lane's block k:
+  global batches [k·chunk, (k+1)·chunk). The buffer is the block: never saved, a pure
+  function of the cursor; a resume re-reads the block it is in.
+- **Readers**: a rank's DataLoader hands out whole chunks, worker w the chunks w, w+W, …,
+  which the DataLoader returns in turn: each worker reads only its own blocks, and every
+  worker count gives the same batches in the same order. Read volume: each record once per
+  epoch (plus, after a resume, the rest of the block it starts in), whatever the ranks and
+  workers. Memory: a chunk's batches wait in the DataLoader's queue, up to two per worker.
+- **The cursor**: samples consumed in the epoch, global, and the layout's lanes, saved in
+  every generation (`stream`, checked against the progress on restore) with where each
+  lane's block in progress starts.
 
-What it costs: each DataLoader worker (and each rank) reads every block that holds one of its
-samples, which with a buffer larger than a batch is every block: reading is parallel, but its
-volume grows with workers × ranks (`bench/stream_bench.py` measures the step time against a
-plain DataLoader). Sample ids, for the ledger, number the records in the declared shard order.
+The global order is a pure function of (seed, epoch, the world size an epoch starts under,
+buffer, batch, `--last-batch`). "Elastic" means: a resume under another world size finishes
+the epoch in progress in the layout it started under (the same samples in the same global
+order as the uninterrupted run; each new rank takes every world-size-th slot of each global
+batch, so it reads the blocks of every lane its slots fall in: more reading, for the rest of
+that epoch only), and the next epoch is laid out for the new world size, read once again.
+The ledger's chain proves the first part; `report` the "none repeated or skipped".
+Sample ids, for the ledger, number the records in the declared shard order.
 """
 
 from __future__ import annotations
 
-import bisect
 import hashlib
+import inspect
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -41,6 +52,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 
 from trainer.config import RunConfig, WorkloadConfig
 from trainer.errors import CorruptGeneration, UsageError
+from trainer.run.batching import EpochShape, Fetched
 from trainer.run.fetching import COLLATE, KeyedSeeding, seeded_globals
 from trainer.run.runtime import WorkerSignals
 from trainer.workload.adapters import from_loader, is_hf_iterable, is_loader, refuse_hf_shuffle
@@ -48,6 +60,8 @@ from trainer.workload.protocol import is_stream
 
 READ = 2
 """The `purpose` of the seeds a block's read runs under, apart from samples' and collates'."""
+ONE_RECORD = 0
+"""A lone record's read (a padded share), apart from blocks' (whose lanes are at least 1)."""
 
 
 @dataclass(frozen=True)
@@ -79,104 +93,141 @@ def shards_of(stream, spec: str) -> tuple[Shard, ...]:
     return tuple(found)
 
 
-class StreamOrder:
-    """The global order of one epoch: which sample id sits at each global position, and
-    where in the shards the block holding it starts. Pure: (records per shard, seed, epoch,
-    buffer) decide it."""
+class StreamLayout:
+    """One epoch's layout: where the record at each slot of each global batch sits in the
+    shards (see the module docstring). Pure: (records per shard, seed, epoch, buffer, the
+    epoch's shape, lanes) decide it."""
 
-    def __init__(self, records: Sequence[int], seed: int, epoch: int, buffer: int):
-        self.records, self.seed, self.epoch, self.buffer = tuple(records), seed, epoch, buffer
-        self.samples = sum(self.records)
-        self.first_id = np.concatenate([[0], np.cumsum(self.records)])[:-1]
+    def __init__(self, records: Sequence[int], seed: int, epoch: int, buffer: int, shape: EpochShape, lanes: int):
+        self.seed, self.epoch, self.shape, self.lanes = seed, epoch, shape, lanes
+        self.first_id = np.concatenate([[0], np.cumsum(records)])[:-1]
         """The id of each shard's first record (ids follow the declared shard order)."""
-        self.shard_order = np.random.default_rng([seed, epoch, 0x5A]).permutation(len(self.records))
-        ordered = [self.records[shard] for shard in self.shard_order]
-        self.stream_start = np.concatenate([[0], np.cumsum(ordered)]).tolist()
+        self.shard_order = np.random.default_rng([seed, epoch, 0x5A]).permutation(len(records))
+        self.stream_start = np.concatenate([[0], np.cumsum([records[shard] for shard in self.shard_order])])
         """Where each shard (in this epoch's order) starts in the epoch's stream."""
-        self.permutations: dict[int, np.ndarray] = {}
-        """The last blocks' permutations (a cache: a reader moves forward, block by block)."""
+        self.share = shape.batch_size // lanes
+        """A full batch's records in each lane."""
+        self.chunk = max(1, buffer // self.share)
+        """Global batches per chunk: a lane's block holds their shares."""
+        self.block = self.chunk * self.share
+        last = shape.batches - 1
+        self.lane_length = [last * self.share + len(shape.share(last, lane, lanes)) if shape.batches else 0
+                            for lane in range(lanes)]
+        self.lane_start = np.concatenate([[0], np.cumsum(self.lane_length)]).tolist()
+        self.permutations: dict[tuple[int, int], np.ndarray] = {}
+        """The last blocks' permutations (a cache: a reader moves forward, chunk by chunk)."""
 
-    def block_size(self, block: int) -> int:
-        return min(self.buffer, self.samples - block * self.buffer)
+    @property
+    def chunks(self) -> int:
+        return -(-self.shape.batches // self.chunk)
 
-    def block_permutation(self, block: int) -> np.ndarray:
-        if block not in self.permutations:
-            if len(self.permutations) >= 4:
-                del self.permutations[min(self.permutations)]
-            self.permutations[block] = np.random.default_rng([self.seed, self.epoch, block, 0xB1]).permutation(
-                self.block_size(block))
-        return self.permutations[block]
+    def block_span(self, lane: int, block: int) -> tuple[int, int]:
+        """(stream position, records) of a lane's block."""
+        start = block * self.block
+        return self.lane_start[lane] + start, max(0, min(self.block, self.lane_length[lane] - start))
+
+    def block_permutation(self, lane: int, block: int) -> np.ndarray:
+        if (lane, block) not in self.permutations:
+            if len(self.permutations) >= 16:
+                del self.permutations[min(self.permutations, key=lambda key: key[1])]
+            self.permutations[lane, block] = np.random.default_rng(
+                [self.seed, self.epoch, self.lanes, lane, block, 0xB1]).permutation(self.block_span(lane, block)[1])
+        return self.permutations[lane, block]
+
+    def slot(self, batch: int, slot: int) -> tuple[int, int]:
+        """(lane, record of the lane) of a global batch's slot."""
+        return slot % self.lanes, batch * self.share + slot // self.lanes
+
+    def stream_position(self, lane: int, record: int) -> int:
+        block, inside = divmod(record, self.block)
+        return self.block_span(lane, block)[0] + int(self.block_permutation(lane, block)[inside])
 
     def locate(self, stream_position: int) -> tuple[int, int]:
         """(index into this epoch's shard order, offset inside that shard) of a stream position."""
-        at = bisect.bisect_right(self.stream_start, stream_position) - 1
-        return at, stream_position - self.stream_start[at]
+        at = int(np.searchsorted(self.stream_start, stream_position, side="right")) - 1
+        return at, stream_position - int(self.stream_start[at])
 
     def sample_id(self, stream_position: int) -> int:
         at, offset = self.locate(stream_position)
         return int(self.first_id[self.shard_order[at]]) + offset
 
-    def ids(self, positions: Sequence[int]) -> list[int]:
-        """The sample ids at global positions of this epoch."""
-        return [self.sample_id(self.stream_position(position)) for position in positions]
+    def sample_ids(self, stream_positions: np.ndarray) -> list[int]:
+        """`sample_id` of many positions at once."""
+        at = np.searchsorted(self.stream_start, stream_positions, side="right") - 1
+        return (self.first_id[self.shard_order[at]] + stream_positions - self.stream_start[at]).tolist()
 
-    def stream_position(self, position: int) -> int:
-        block, inside = divmod(position, self.buffer)
-        return block * self.buffer + int(self.block_permutation(block)[inside])
-
-
-def rank_positions(batch: int, batch_size: int, samples: int, rank: int, world_size: int) -> range:
-    """The global positions of global batch `batch` that rank `rank` trains on."""
-    start = batch * batch_size
-    return range(start + rank, min(start + batch_size, samples), world_size)
+    def ids(self, batch: int, slots: Sequence[int]) -> list[int]:
+        """The sample ids at slots of a global batch."""
+        return [self.sample_id(self.stream_position(*self.slot(batch, slot))) for slot in slots]
 
 
 class StreamEpoch(IterableDataset):
-    """One rank's batches of one epoch from a batch position on, as (sample ids, batch);
-    under DataLoader workers each builds every W-th batch (see the module docstring)."""
+    """One rank's micro-batches of one epoch from a batch position on, by chunk: each item
+    is the rank's `Fetched` of one chunk; under DataLoader workers each builds every W-th."""
 
-    def __init__(self, source: StreamSource, order: StreamOrder, batch_size: int, start_batch: int, rank: int,
-                 world_size: int):
-        self.stream, self.shards, self.collate, self.order = source.stream, source.shards, source.collate, order
-        self.batch_size, self.start_batch, self.rank, self.world_size = batch_size, start_batch, rank, world_size
+    def __init__(self, source: StreamSource, layout: StreamLayout, start_batch: int, rank: int, world_size: int):
+        self.stream, self.shards, self.collate, self.layout = source.stream, source.shards, source.collate, layout
+        self.reads_to_stop = source.reads_to_stop
+        self.start_batch, self.rank, self.world_size = start_batch, rank, world_size
 
-    def batches(self) -> range:
-        return range(self.start_batch, -(-self.order.samples // self.batch_size))
+    def chunks(self) -> range:
+        return range(self.start_batch // self.layout.chunk, self.layout.chunks)
 
-    def __len__(self) -> int:
-        return len(self.batches())
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, object]]:
+    def __iter__(self) -> Iterator[list[Fetched]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        buffers: dict[int, list] = {}
-        order = self.order
-        for batch in self.batches()[worker::workers]:
-            positions = rank_positions(batch, self.batch_size, order.samples, self.rank, self.world_size)
-            samples = []
-            for position in positions:
-                block, inside = divmod(position, order.buffer)
-                if block not in buffers:
-                    for old in [kept for kept in buffers if kept < block]:
-                        del buffers[old]  # positions only move forward: a passed block is done
-                    buffers[block] = self.read_block(block)
-                samples.append(buffers[block][int(order.block_permutation(block)[inside])])
-            ids = torch.tensor(order.ids(positions), dtype=torch.int64)
-            yield ids, self.collated(samples, positions[0])
+        for chunk in self.chunks()[worker::workers]:
+            yield self.chunk_batches(chunk)
 
-    def read_block(self, block: int) -> list:
-        """The block's records in stream order, read through the workload's `read(shard, offset)`
-        (with the global RNGs keyed by the block, should the reader draw any), crossing into the
-        next shards of the epoch's order as needed."""
-        order = self.order
-        start, wanted = block * order.buffer, order.block_size(block)
+    def chunk_batches(self, chunk: int) -> list[Fetched]:
+        """The rank's micro-batches of a chunk, reading the block of each lane its slots fall
+        in (one lane, but for the rest of an epoch after a world-size change). A rank with no
+        share of a batch (`--last-batch pad`) reads the batch's first record alone."""
+        layout, shape, blocks, fetched = self.layout, self.layout.shape, {}, []
+        first = max(self.start_batch, chunk * layout.chunk)
+        for batch in range(first, min((chunk + 1) * layout.chunk, shape.batches)):
+            weight = shape.weight(batch, self.rank, self.world_size)
+            slots = shape.share(batch, self.rank, self.world_size) if weight else range(1)
+            samples, ids = [], []
+            for slot in slots:
+                lane, record = layout.slot(batch, slot)
+                if not weight:  # a padded share: the batch's first record, alone
+                    position = layout.stream_position(lane, record)
+                    samples.append(self.read(position, 1, position, ONE_RECORD)[0])
+                    ids.append(layout.sample_id(position))
+                    continue
+                if lane not in blocks:
+                    blocks[lane] = self.read_block(lane, chunk)
+                held, order, held_ids = blocks[lane]
+                inside = record - chunk * layout.block
+                samples.append(held[order[inside]])
+                ids.append(held_ids[inside])
+            fetched.append(Fetched(torch.tensor(ids, dtype=torch.int64),
+                                   self.collated(samples, batch * shape.batch_size + slots[0]), weight))
+        return fetched
+
+    def read_block(self, lane: int, chunk: int) -> tuple[list, list[int], list[int]]:
+        """A lane's block of a chunk: its records in stream order, its permutation, and the
+        sample id at each of its shuffled places."""
+        layout = self.layout
+        start, size = layout.block_span(lane, chunk)
+        order = layout.block_permutation(lane, chunk)
+        return self.read(start, size, chunk, layout.lanes, lane), order.tolist(), layout.sample_ids(start + order)
+
+    def read(self, start: int, wanted: int, index: int, *purpose: int) -> list:
+        """`wanted` records of the epoch's stream from `start`, through the workload's
+        `read(shard, offset)` (with the global RNGs keyed by `index` and `purpose`: a block's
+        chunk, lanes and lane, or a lone record's position; should the reader draw any),
+        crossing into the next shards of the epoch's order as needed."""
+        layout = self.layout
         records: list = []
-        at, offset = order.locate(start)
-        with seeded_globals(order.seed, order.epoch, block, READ):
+        at, offset = layout.locate(start)
+        with seeded_globals(layout.seed, layout.epoch, index, READ, *purpose):
             while len(records) < wanted:
-                shard = self.shards[order.shard_order[at]]
+                shard = self.shards[layout.shard_order[at]]
                 take = min(wanted - len(records), shard.records - offset)
-                got = list(islice(self.stream.read(shard.handle, offset), take))
+                stop = (offset + take,) if self.reads_to_stop else ()
+                got = list(islice(self.stream.read(shard.handle, offset, *stop), take))
                 if len(got) != take:
                     raise ValueError(f"shard {shard.name!r} gave {offset + len(got)} records, but shards() "
                                      f"declared {shard.records}")
@@ -187,8 +238,18 @@ class StreamEpoch(IterableDataset):
     def collated(self, samples: list, first_position: int):
         if self.collate is None:
             return default_collate(samples)
-        with seeded_globals(self.order.seed, self.order.epoch, first_position, COLLATE):
+        with seeded_globals(self.layout.seed, self.layout.epoch, first_position, COLLATE):
             return self.collate(samples)
+
+
+def takes_stop(read) -> bool:
+    """Whether a stream's `read(shard, offset[, stop])` accepts a third argument."""
+    try:
+        parameters = inspect.signature(read).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in positional)
 
 
 class StreamSource:
@@ -200,23 +261,32 @@ class StreamSource:
         """A DataLoader's `collate_fn` (adopted), else the stream's own `collate`, else None."""
         self.shards = shards_of(stream, spec)
         self.records = tuple(shard.records for shard in self.shards)
+        self.reads_to_stop = takes_stop(stream.read)
+        """Whether `read` takes `stop` (the record it may stop before): a reader that fetches
+        ahead (ranged GETs) then asks for no more than the trainer uses."""
+        self.carried: dict[int, int] = {}
+        """{epoch: lanes} of an epoch a restored generation started under another world size
+        (`StreamCursor.check`): it finishes in that layout."""
 
     def __len__(self) -> int:
         return sum(self.records)
 
-    def order(self, epoch: int) -> StreamOrder:
-        return StreamOrder(self.records, self.seed, epoch, self.buffer)
+    def lanes(self, epoch: int, world_size: int) -> int:
+        return self.carried.get(epoch, world_size)
 
-    def epoch(self, epoch: int, batch_size: int, start_batch: int, rank: int, world_size: int) -> StreamEpoch:
-        return StreamEpoch(self, self.order(epoch), batch_size, start_batch, rank, world_size)
+    def layout(self, shape: EpochShape, epoch: int, lanes: int) -> StreamLayout:
+        return StreamLayout(self.records, self.seed, epoch, self.buffer, shape, lanes)
 
-    def loader(self, epoch: int, batch_size: int, start_batch: int, rank: int, world_size: int,
-               num_workers: int) -> Iterator[tuple[torch.Tensor, object]]:
-        """(sample ids, batch) of this rank for the rest of the epoch, in order. A private
-        generator keeps the DataLoader off the global torch RNG (as `fetching.epoch_loader`)."""
-        return iter(DataLoader(self.epoch(epoch, batch_size, start_batch, rank, world_size), batch_size=None,
-                               num_workers=num_workers, generator=torch.Generator().manual_seed(0),
-                               worker_init_fn=WorkerSignals(os.getpid())))
+    def loader(self, shape: EpochShape, epoch: int, start_batch: int, rank: int, world_size: int,
+               num_workers: int) -> Iterator[Fetched]:
+        """This rank's micro-batches for the rest of the epoch, in order. A private generator
+        keeps the DataLoader off the global torch RNG (as `fetching.epoch_loader`)."""
+        layout = self.layout(shape, epoch, self.lanes(epoch, world_size))
+        chunks = DataLoader(StreamEpoch(self, layout, start_batch, rank, world_size), batch_size=None,
+                            num_workers=num_workers, generator=torch.Generator().manual_seed(0),
+                            worker_init_fn=WorkerSignals(os.getpid()))
+        for chunk in chunks:
+            yield from chunk
 
     def fingerprint(self) -> str:
         """The stream's own `fingerprint()`, or a digest of its shards' names and record counts
@@ -232,43 +302,59 @@ class StreamSource:
     def probe(self) -> None:
         """Read the first block here, in the main process (see
         `trainer.run.fetching.refuse_state_moved_by_fetching`)."""
-        self.epoch(0, 1, 0, 0, 1).read_block(0)
+        StreamEpoch(self, self.layout(EpochShape(len(self), 1), 0, 1), 0, 0, 1).read(0, 1, 0, ONE_RECORD)
 
-    def cursor(self, epoch: int, position: int, batch_size: int) -> dict:
-        """The cursor saved in a generation: the epoch, the global samples consumed in it, and
-        where the block it is in starts (the shard and offset a resume reads from)."""
-        consumed = min(position * batch_size, len(self))
-        order = self.order(epoch)
-        at, offset = order.locate(min(consumed // self.buffer * self.buffer, len(self) - 1))
-        return {"epoch": epoch, "consumed": consumed, "shard": self.shards[order.shard_order[at]].name,
-                "offset": offset, "buffer": self.buffer}
+    def cursor(self, shape: EpochShape, epoch: int, position: int, lanes: int) -> dict:
+        """The cursor saved in a generation: the epoch, the global samples consumed in it, the
+        lanes of its layout, and where each lane's block in progress starts ("shard@offset":
+        what a resume reads from)."""
+        layout = self.layout(shape, epoch, lanes)
+        chunk = min(position // layout.chunk, max(0, layout.chunks - 1))
+        blocks = []
+        for lane in range(lanes):
+            at, offset = layout.locate(min(layout.block_span(lane, chunk)[0], len(self) - 1))
+            blocks.append(f"{self.shards[layout.shard_order[at]].name}@{offset}")
+        return {"epoch": epoch, "consumed": min(position * shape.batch_size, shape.trained), "lanes": lanes,
+                "buffer": self.buffer, "blocks": blocks}
 
 
 class StreamCursor:
-    """The stream's cursor in a generation (`stream`): the global samples consumed in the
-    epoch and the shard and offset its block starts at. It follows from the progress, which
-    restores the order; a stored cursor that disagrees with it is a damaged generation."""
+    """The stream's cursor in a generation (`stream`). It follows from the progress and the
+    lanes the epoch started under; a stored cursor that disagrees is a damaged generation."""
 
-    def __init__(self, source: StreamSource, batch_size: int):
-        self.source, self.batch_size = source, batch_size
+    def __init__(self, source: StreamSource, shape: EpochShape, world_size: int):
+        self.source, self.shape, self.world_size = source, shape, world_size
 
     def state(self, progress) -> dict:
-        return self.source.cursor(progress.epoch, progress.position, self.batch_size)
+        return self.source.cursor(self.shape, progress.epoch, progress.position,
+                                  self.source.lanes(progress.epoch, self.world_size))
 
     def check(self, stored: dict, progress) -> None:
-        if dict(stored) != self.state(progress):
-            raise CorruptGeneration(f"the stored stream cursor {dict(stored)} disagrees with the progress (epoch "
-                                    f"{progress.epoch}, batch {progress.position}: {self.state(progress)}); restore "
+        """Check the stored cursor; an epoch in progress under other lanes (another world
+        size) is carried: it finishes in its layout (the module docstring's "elastic")."""
+        stored = dict(stored)
+        if "lanes" not in stored:
+            if progress.position == 0:
+                return  # an epoch's start: nothing of it was read
+            raise CorruptGeneration(f"the stored stream cursor {stored} was written by a trainer that split "
+                                    f"streams by sample index, not into lanes; finish its epoch with that trainer, or "
+                                    f"restore a generation at an epoch's start with --from-generation")
+        expected = self.source.cursor(self.shape, progress.epoch, progress.position, stored["lanes"])
+        if stored != expected:
+            raise CorruptGeneration(f"the stored stream cursor {stored} disagrees with the progress (epoch "
+                                    f"{progress.epoch}, batch {progress.position}: {expected}); restore "
                                     f"an earlier generation with --from-generation")
+        if progress.position and stored["lanes"] != self.world_size:
+            self.source.carried[progress.epoch] = stored["lanes"]
 
 
-def cursors(source: DataSource, batch_size: int) -> dict:
+def cursors(source: DataSource, shape: EpochShape, world_size: int) -> dict:
     """The cursors a generation stores for this data (none for map-style data)."""
-    return {"stream": StreamCursor(source, batch_size)} if isinstance(source, StreamSource) else {}
+    return {"stream": StreamCursor(source, shape, world_size)} if isinstance(source, StreamSource) else {}
 
 
 DataSource = KeyedSeeding | StreamSource
-"""What the loop fetches from: both give `loader(...)` of (sample ids, batch), `len()` (samples
+"""What the loop fetches from: both give `loader(...)` of `Fetched`, `len()` (samples
 per epoch), `fingerprint()` and `probe()`."""
 
 
@@ -298,5 +384,5 @@ def source_of(dataset, config: WorkloadConfig, spec: str, collate=None) -> DataS
         raise UsageError(f"--workload {spec}: build_dataset returned a {type(dataset).__name__}, which is neither "
                          f"map-style (__len__ and __getitem__) nor a stream: for an iterable dataset give "
                          f"shards() -> [(name, records)] and read(shard, offset) -> records from that offset, "
-                         f"and the trainer owns the order, the shuffle buffer and the cursor (docs/workloads.md: Streaming data)")
+                         f"and the trainer owns the order, the shuffle buffer and the cursor (docs/streaming.md)")
     return KeyedSeeding(dataset, config.seed, collate)

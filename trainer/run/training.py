@@ -16,7 +16,7 @@ from torch import nn
 from trainer import compat
 from trainer.config import RunConfig
 from trainer.parallel.ranks import Ranks, StepAgreement
-from trainer.run.batching import EpochBatchOrder, training_steps
+from trainer.run.batching import EpochShape, epoch_shape, training_steps
 from trainer.run.cadence import StepPoint
 from trainer.run.fetching import refuse_state_moved_by_fetching
 from trainer.run.preemption import PreemptionGuard
@@ -35,7 +35,8 @@ class Training:
     ranks: Ranks
     state: TrainingState
     steps: OptimizerSteps
-    batches_per_epoch: int
+    shape: EpochShape
+    """An epoch's batches (`--last-batch`)."""
     total_steps: int
     parameters: list
     """This rank's parameters, listed once, for the per-step checksum."""
@@ -67,18 +68,18 @@ def build_training(config: RunConfig, workload: BoundWorkload, ranks: Ranks, dat
     # A compiled model (torch.compile) is saved and exported under the model's own names.
     state = TrainingState(compat.uncompiled(model), optimizer, scheduler, scaler, rank=ranks.rank,
                           world_size=ranks.world_size, extras=workload.stateful(),
-                          cursors=cursors(dataset, config.workload.batch_size))
+                          cursors=cursors(dataset, epoch_shape(samples, config.workload), ranks.world_size))
     refuse_state_moved_by_fetching(state.extras, dataset, config.workload, workload.spec)
     steps = OptimizerSteps(workload, state, trained, device, config.workload.amp)
-    batches_per_epoch = len(EpochBatchOrder(samples, config.workload.batch_size, config.workload.seed, 0, 0))
-    return Training(config, ranks, state, steps, batches_per_epoch, training_steps(samples, config.workload).total,
+    return Training(config, ranks, state, steps, epoch_shape(samples, config.workload),
+                    training_steps(samples, config.workload).total,
                     list(model.parameters()))
 
 
 def epoch_batches(training: Training, dataset: DataSource):
-    """(sample ids, batch) of this rank for the rest of the current epoch."""
+    """This rank's micro-batches (`Fetched`) for the rest of the current epoch."""
     config, progress, ranks = training.config.workload, training.state.progress, training.ranks
-    return dataset.loader(progress.epoch, config.batch_size, progress.position, ranks.rank, ranks.world_size,
+    return dataset.loader(training.shape, progress.epoch, progress.position, ranks.rank, ranks.world_size,
                           config.num_workers)
 
 
@@ -87,22 +88,22 @@ def train_steps(training: Training, dataset: DataSource, saves: CadencedSaves,
     """Every remaining optimizer step of the run. Micro-batches accumulate into windows of
     --grad-accum; an epoch's last window may be shorter. A step is yielded only once its
     window is complete, so saves and stops never see partial gradients. Every batch's sample
-    ids go to the ledger."""
+    ids go to the ledger, and its loss weight to the step (`--last-batch pad`)."""
     state, steps, accumulate = training.state, training.steps, training.config.workload.grad_accum
     saves.memory.fits(state.estimated_bytes)  # a tier 0 that cannot hold this state: refused before the first step
     while state.progress.global_step < training.total_steps:
         window, seen = 0, 0
-        for ids, batch in epoch_batches(training, dataset):
+        for fetched in epoch_batches(training, dataset):
             if seen == 0:
                 saves.wait_for_staging()  # the staged copy must be complete before parameters change
-                window = steps.open_window(min(accumulate, training.batches_per_epoch - state.progress.position))
-            steps.micro_batch(batch)
-            saves.ledger.consumed(ids)
+                window = steps.open_window(min(accumulate, training.shape.batches - state.progress.position))
+            steps.micro_batch(fetched.batch, fetched.weight)
+            saves.ledger.consumed(fetched.ids, fetched.padded)
             seen += 1
             if seen < window:
                 continue
             loss, lr = steps.step()
-            epoch_completed = state.progress.advance(window, training.batches_per_epoch)
+            epoch_completed = state.progress.advance(window, training.shape.batches)
             step = state.progress.global_step
             agreed = saves.agree(StepPoint(step, state.progress.epoch, epoch_completed), loss, preemption.requested)
             seen = 0

@@ -198,7 +198,8 @@ def loader_problem(loader: DataLoader, streamed: bool) -> str | None:
         return ("a batch_sampler (or batch_size=None): the trainer batches by --batch-size in its own seeded "
                 "order; give the loader batch_size=N and no batch_sampler")
     if loader.drop_last:
-        return "drop_last=True: the trainer keeps an epoch's last, smaller batch; drop drop_last"
+        return ("drop_last=True: the trainer decides an epoch's last, smaller batch (--last-batch pad, drop or "
+                "refuse); drop drop_last and pass --last-batch drop")
     if loader.generator is not None or (kind.__module__ == RANDOM_SAMPLERS[0] and getattr(sampler, "generator", None)
                                         is not None):
         return ("a generator: the trainer draws the order and every sample's randomness from --seed and the epoch "

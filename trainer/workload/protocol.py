@@ -50,14 +50,17 @@ class Dataset(Protocol):
 
 class Stream(Protocol):
     """Streaming data: records read in order from an offset, never fetched by index (token
-    shards, JSONL files). The trainer owns the shard order per (seed, epoch), a deterministic
-    shuffle buffer (`--shuffle-buffer`), the split across ranks and DataLoader workers by
-    global sample index, and the cursor saved in every generation (trainer/run/streaming.py):
-    a resume is exact mid-epoch, for any `--num-workers`, and keeps the global sample order
+    shards, JSONL files, objects in a bucket). The trainer owns the shard order per (seed,
+    epoch), a deterministic shuffle buffer (`--shuffle-buffer`), the split into one lane per
+    rank and chunks per DataLoader worker (each record read once per epoch), and the cursor
+    saved in every generation (trainer/run/streaming.py, docs/streaming.md): a resume is exact
+    mid-epoch, for any `--num-workers`, and an epoch in progress finishes in its global order
     across a world-size change. Records are collated like map-style items.
 
-    Optional: `fingerprint()` (without it, the shards' names and record counts), and
-    `collate(samples)` (run with the global RNGs keyed by the batch's first position).
+    Optional: `fingerprint()` (without it, the shards' names and record counts),
+    `collate(samples)` (run with the global RNGs keyed by the batch's first position), and a
+    third parameter of `read`, `stop`: the record the trainer stops before, so a reader that
+    fetches ahead (ranged GETs: `trainer.workload.objects.ObjectFiles`) asks for no more.
     """
 
     def shards(self) -> list:
@@ -65,7 +68,8 @@ class Stream(Protocol):
         so a resume and every rank agree on where each sample is."""
 
     def read(self, shard, offset: int):
-        """The records of `shard` (as `shards()` gave it) from `offset` to its end, in order."""
+        """The records of `shard` (as `shards()` gave it) from `offset` on, in order (to its
+        end, or to `stop` when `read` takes a third parameter)."""
 
 
 def is_stream(dataset) -> bool:

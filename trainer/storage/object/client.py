@@ -338,6 +338,28 @@ class ObjectStore:
                 return None
         return self.call(f"reading {self.url_of(key)}", cat)
 
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of an object: one ranged GET (a stream's shard read from an
+        offset, never the whole object)."""
+        return self.call(f"reading {self.url_of(key)} bytes {start}-{end}",
+                         lambda: self._run("cat_file", self.location.path(key), start=start, end=end,
+                                           size=end - start))
+
+    def described(self, key: str = "") -> dict[str, tuple[int, str]]:
+        """{key: (size, ETag)} of every object under `key/` (relative to the prefix), one
+        listing: a dataset's fingerprint from what the store already knows, no byte read."""
+        base = self.location.path(key).rstrip("/")
+
+        def find():
+            try:
+                return self._run("find", base, withdirs=False, detail=True)
+            except FileNotFoundError:
+                return {}
+        root = self.location.path().rstrip("/")
+        return {path[len(root) + 1:]: (int(info["size"]), str(info.get("ETag", "")).strip('"'))
+                for path, info in sorted(self.call(f"listing {self.url_of(key)}", find).items())
+                if path.startswith(base + "/")}
+
     def exists(self, key: str) -> bool:
         return self.call(f"looking up {self.url_of(key)}", lambda: self._run("exists", self.location.path(key)))
 

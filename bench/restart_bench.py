@@ -1,0 +1,172 @@
+"""What does a failure cost under torchrun, from the user's side? R, from the failure to the
+first step of the restarted attempt, split into its parts.
+
+    python bench/restart_bench.py                    # kill -9 and a frozen rank, auto bound
+    python bench/restart_bench.py --quick            # kill -9 once, well under a minute
+    python bench/restart_bench.py --kinds kill       # kill -9 only (a checkout that never ends a frozen rank)
+    python bench/restart_bench.py --repo /tmp/old    # the same against another checkout (before/after)
+
+Two processes under `torchrun --standalone --max-restarts 3` train the example workload with
+tier 0 (`--memory-dir`, a save after every step) and a durable generation every 4 steps,
+`--resume auto`. After step 10 the bench fails rank 1:
+
+  kill      kill -9 (a crashed process, an OOM kill)
+  freeze    SIGSTOP (a hung device, a silent network, a paused machine); torchrun's agent stops
+            a frozen worker only with SIGKILL after its 30 s grace, which R then includes
+
+and times from its own clock, reading every line as it comes:
+
+  detection_s   the failure -> the surviving rank's one line (it names the rank)
+  teardown_s    that line -> the new rank 0 process started (the agent stops the old workers
+                and starts new ones; from the new record's start-up age)
+  imports_s, join_s, claim_s   the new process's start-up (its record: `joined`, `startup_s`)
+  restore_s     its restore (from which tier: `restored_from`)
+  first_step_s  the rest, to its first step's line (build, the step)
+  r_s           the failure -> that first step
+
+Fields a checkout's records do not hold (an older trainer) are None; r_s and detection_s are
+the bench's own. A checkout whose restart never reaches a step reports r_s None and the lines
+it printed instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import print_result  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+FAIL_AFTER = 10
+
+
+def lines_of(process: subprocess.Popen) -> "queue.Queue[tuple[float, str, str]]":
+    """(time, stream, line) of both streams, stamped as they arrive."""
+    lines: queue.Queue = queue.Queue()
+    for name, stream in (("out", process.stdout), ("err", process.stderr)):
+        def read(stream=stream, name=name):
+            for line in stream:
+                lines.put((time.monotonic(), name, line.rstrip("\n")))
+            lines.put((time.monotonic(), name, None))
+        threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def worker_pid(launcher: int, rank: int) -> int | None:
+    for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+        try:
+            if f"RANK={rank}".encode() in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
+                return int(child)
+        except OSError:
+            continue
+    return None
+
+
+def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s: float) -> dict:
+    run, memory = folder / "run", folder / "memory"
+    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--max-restarts", "3", "-m", "trainer",
+               "--output", str(run), "--threads", "1", "--epochs", "3", "--log-every-steps", "1", "--resume", "auto",
+               "--recover-every-steps", "4", "--memory-dir", str(memory), "--memory-every-steps", "1", *extra]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    process = subprocess.Popen(command, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**env, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"})
+    lines, seen = lines_of(process), []
+    failed_at = detected_at = first_step_at = victim = None
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            try:
+                at, stream, line = lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if line is None:
+                if process.poll() is not None and stream == "err":
+                    break
+                continue
+            seen.append(line)
+            if failed_at is None and line.startswith(f"step={FAIL_AFTER} "):
+                victim = worker_pid(process.pid, 1)
+                os.kill(victim, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+                failed_at = time.monotonic()
+            elif failed_at is not None and detected_at is None and line.startswith("trainer:"):
+                detected_at = at
+            elif failed_at is not None and first_step_at is None and line.startswith("step=") and \
+                    any(s.startswith("restored ") for s in seen):
+                first_step_at = at
+                break
+    finally:
+        process.kill()
+        if victim is not None:
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        process.wait()
+    records = [json.loads(p.read_text()) for p in sorted((run / "attempts").glob("*/attempt.json"))]
+    restarted = records[-1] if len(records) > 1 and records[-1].get("restored") else {}
+    result = {"how": how, "r_s": None if first_step_at is None else round(first_step_at - failed_at, 3),
+              "detection_s": None if detected_at is None else round(detected_at - failed_at, 3),
+              "attempts": len(records), "restored_from": (restarted.get("restored") or {}).get("tier")}
+    joined, startup = restarted.get("joined") or {}, restarted.get("startup_s")
+    if restarted and startup is not None and detected_at is not None:
+        process_start = restarted["started_unix"] - startup  # wall clock, as the record keeps it
+        line_unix = time.time() - (time.monotonic() - detected_at)
+        result["teardown_s"] = round(process_start - line_unix, 3)
+    result["imports_s"] = joined.get("at_s")
+    result["join_s"] = joined.get("join_s")
+    if startup is not None and joined:
+        result["claim_s"] = round(startup - joined["at_s"] - joined["join_s"], 3)
+    result["restore_s"] = (restarted.get("costs") or {}).get("restore_s")
+    if restarted.get("first_step_s") is not None:
+        result["first_step_s"] = round(restarted["first_step_s"] - (result["restore_s"] or 0.0), 3)
+    if first_step_at is None:
+        result["lines"] = [line for line in seen if line.startswith("trainer:") or "exitcode" in line][-6:]
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="kill -9 once (for CI)")
+    parser.add_argument("--kinds", nargs="+", choices=("kill", "freeze"), default=["kill", "freeze"])
+    parser.add_argument("--repeat", type=int, default=3, help="failures of each kind (default 3)")
+    parser.add_argument("--repo", type=Path, default=REPO, help="the checkout whose trainer runs (default: this one)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--dir", type=Path, help="where the runs go (default: a temporary folder, removed)")
+    args = parser.parse_args()
+    kinds = ["kill"] if args.quick else args.kinds
+    repeat = 1 if args.quick else args.repeat
+    results = []
+    with tempfile.TemporaryDirectory(prefix="restart-bench-", dir=args.dir) as scratch:
+        for number in range(repeat):
+            for how in kinds:
+                folder = Path(scratch) / f"{how}-{number}"
+                results.append(one_failure(args.repo, how, [], folder, 120 if args.quick else 300))
+    summary = {"repo": str(args.repo), "failures": results}
+    for how in kinds:
+        rs = sorted(r["r_s"] for r in results if r["how"] == how and r["r_s"] is not None)
+        summary[f"{how}_r_median_s"] = rs[len(rs) // 2] if rs else None
+    rows = ["| failure | R s | detection | teardown | imports | join | claim | restore | first step | from |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    cell = lambda value: "-" if value is None else f"{value:.2f}"  # noqa: E731
+    for r in results:
+        rows.append(f"| {r['how']} | {cell(r['r_s'])} | {cell(r['detection_s'])} | {cell(r.get('teardown_s'))} | "
+                    f"{cell(r.get('imports_s'))} | {cell(r.get('join_s'))} | {cell(r.get('claim_s'))} | "
+                    f"{cell(r.get('restore_s'))} | {cell(r.get('first_step_s'))} | {r['restored_from'] or '-'} |"
+                    + "".join(f"\n    {line}" for line in r.get("lines", [])))
+    return print_result("\n".join(rows), summary, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

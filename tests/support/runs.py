@@ -1,0 +1,66 @@
+"""What a run leaves behind (generations, attempt records, report PNGs), and the reference runs
+every worker shares (`baseline`, `short_baseline`, made once per session by `made_once`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from support.cli import train
+
+FINAL = "step-00000064"
+SHORT = ("--epochs", 3)
+"""A 24-step run (3 epochs of the default workload): what `short_baseline` trains."""
+SHORT_FINAL = "step-00000024"
+
+
+def generation(output: Path, name: str = FINAL) -> Path:
+    return output / "checkpoints" / name
+
+
+def attempts(output: Path) -> list[dict]:
+    folders = sorted((output / "attempts").iterdir())
+    return [json.loads((f / "attempt.json").read_text()) for f in folders]
+
+
+def png_size(path) -> tuple[int, int]:
+    """Width and height from the PNG header (signature, then the IHDR chunk)."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """A folder `make(folder)` fills once per pytest session, shared by every xdist worker: the
+    first worker that asks makes it under a file lock, the others wait for it and reuse it (a
+    reference run costs every worker's CPU otherwise). Tests only read it or copy it."""
+    from filelock import FileLock  # a dependency of torch
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's folder
+    folder = root / f"shared-{name}"
+    with FileLock(str(root / f"shared-{name}.lock")):
+        if not (folder / ".made").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            (folder / ".made").touch()
+    return folder
+
+
+@pytest.fixture(scope="session")
+def baseline(tmp_path_factory) -> Path:
+    """An uninterrupted default run, shared by every test that compares against it."""
+    return made_once(tmp_path_factory, "baseline", lambda folder: train(folder / "run")) / "run"
+
+
+@pytest.fixture(scope="session")
+def short_baseline(tmp_path_factory) -> Path:
+    """An uninterrupted 3-epoch local run (`SHORT`), shared by every short local and store run
+    that must end equal to it."""
+    return made_once(tmp_path_factory, "short-baseline", lambda folder: train(folder / "run", *SHORT)) / "run"
