@@ -21,7 +21,7 @@ measures in the same run (each --repeat times, median):
                         on loopback (gloo on 127.0.0.1, world size 2). The partner holds the
                         generation published into tier 0 above and sends it as `MemoryTier.fetch`
                         does on the rank that keeps it (`Outgoing`, `exchange`: file by file in
-                        chunks of storage/peer.py's CHUNK_BYTES); the replacement, a fresh process
+                        chunks of storage/memory/replication.py's CHUNK_BYTES); the replacement, a fresh process
                         with an empty tier 0 (a second folder there) and a live state of the same
                         shape, times in itself the fetch (`exchange`: each chunk written and
                         hashed as it arrives, every file checked against the manifest, renamed
@@ -34,7 +34,7 @@ measures in the same run (each --repeat times, median):
   step_s, step_with_tier0_s  mean step time of the training loop without saves, and with a
                         tier-0 save every --every steps (the loop's overhead of tier 0, sync saves)
   step_with_async_tier0_s   the same with async tier-0 saves (`--checkpoint-mode async`): the
-                        trainer's own MemorySaves (trainer/storage/memory.py) as the attempt drives
+                        trainer's own MemoryDirSaves (trainer/storage/memory/) as the attempt drives
                         it: wait for the staged copy before each step, poll what committed after
                         it, stage on cadence, the write and commit in the background
   tier0_async_blocked_s, tier0_async_save_s  per async tier-0 save: what the loop was held
@@ -84,8 +84,8 @@ from trainer.checkpoint.section import LocalSection  # noqa: E402
 from trainer.checkpoint.snapshot import load_snapshot, stored_entries  # noqa: E402
 from trainer.config import MemoryTierConfig  # noqa: E402
 from trainer.layout import generation_name  # noqa: E402
-from trainer.storage.memory import MemoryTier  # noqa: E402
-from trainer.storage.peer import CHUNK_BYTES, Outgoing, exchange  # noqa: E402
+from trainer.storage.memory.replication import CHUNK_BYTES, Outgoing, exchange  # noqa: E402
+from trainer.storage.memory.tier import MemoryDirTier  # noqa: E402
 
 warnings.filterwarnings("ignore")
 SHM = Path("/dev/shm")
@@ -236,7 +236,7 @@ def async_loop(state, workload, steps: int, every: int, memory: Path) -> tuple[f
     the trainer's MemorySaves as the attempt calls it; the saves it published; the seconds the
     loop waited for staged copies (on CPU the copy runs on the stager's thread)."""
     device = torch.device("cpu")
-    tier = MemoryTier(MemoryTierConfig(memory, every, 1), None)
+    tier = MemoryDirTier(MemoryTierConfig(memory, every, 1), None)
     saves = tier.saver("bench", SingleProcess(), "async", device)
     published, waited = [], 0.0
     started = time.perf_counter()
@@ -244,7 +244,7 @@ def async_loop(state, workload, steps: int, every: int, memory: Path) -> tuple[f
         waited += saves.wait_for_staging()
         train_step(state, workload, device)
         published += saves.completed()
-        if saves.due(step):
+        if step % every == 0:  # the run's fixed cadence (trainer/run/cadence.py memory_policy)
             published += saves.save(state.state_dict(), facts_for(2000 + step))
     elapsed = time.perf_counter() - started
     published += saves.finalize()  # the last write drains outside the timed loop, as in a long run

@@ -287,10 +287,51 @@ def test_the_storage_roles_stay_small_and_ask_no_role_by_none():
     assert len(public_methods(base, "RunStorage")) <= 10, public_methods(base, "RunStorage")
     assert len(public_methods(base, "Durability")) <= 7, public_methods(base, "Durability")
     for path in [base, PACKAGE / "storage" / "local.py", PACKAGE / "storage" / "object" / "backend.py"]:
-        guards = [ast.unparse(node) for node in ast.walk(ast.parse(path.read_text()))
-                  if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops)
-                  and ast.unparse(node.left).startswith("self.")]
+        guards = role_guards(ast.parse(path.read_text()))
         assert not guards, (path.name, guards)
+
+
+def role_guards(tree: ast.AST) -> list[str]:
+    """`self.x is None` and `self.x is not None` in `tree`: a role asked of an attribute."""
+    return [ast.unparse(node) for node in ast.walk(tree)
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops)
+            and ast.unparse(node.left).startswith("self.")]
+
+
+MEMORY = PACKAGE / "storage" / "memory"
+TIER0_ROLES = [(MEMORY / "tier.py", "MemoryTier", 9, ["NoMemoryTier", "MemoryDirTier"]),
+               (MEMORY / "saves.py", "MemorySaves", 7, ["NoMemorySaves", "MemoryDirSaves"]),
+               (MEMORY / "replication.py", "Replication", 5, ["NoReplication", "PeerReplication"])]
+"""Tier 0's protocols, their caps, and the implementations of each: the "off" one and the real one."""
+
+
+@pytest.mark.parametrize("path, protocol, cap, implementations", TIER0_ROLES, ids=[role[1] for role in TIER0_ROLES])
+def test_tier0_roles_stay_small_and_each_implementation_answers_its_protocol_alone(path, protocol, cap,
+                                                                                    implementations):
+    """Each tier-0 role is a protocol of a handful of verbs, answered by an "off" implementation
+    and a real one side by side, neither inheriting from the other (a real class that subclasses
+    the null object it replaces inherits a role it then overrides), neither asking a role of
+    an attribute by `is None` (one node or several, a replica kept or not)."""
+    verbs = public_methods(path, protocol)
+    assert 0 < len(verbs) <= cap, verbs
+    classes = {node.name: node for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)}
+    for name in implementations:
+        assert [ast.unparse(base) for base in classes[name].bases] == [], name
+        assert role_guards(classes[name]) == [], name
+        assert set(public_methods(path, name)) == set(verbs), name  # helpers stay private
+
+
+def test_the_tier0_role_checks_can_fail(tmp_path):
+    """The shape the review found: a real class inheriting the null object, guarding a role with
+    `is None`, with a public helper beside the protocol's verbs."""
+    sample = tmp_path / "sample.py"
+    sample.write_text("class NoSaves:\n    def save(self):\n        pass\n\n\n"
+                      "class Saves(NoSaves):\n    def save(self):\n        if self.replica is not None:\n"
+                      "            pass\n\n    def budget(self):\n        pass\n")
+    classes = {node.name: node for node in ast.parse(sample.read_text()).body}
+    assert [ast.unparse(base) for base in classes["Saves"].bases] == ["NoSaves"]
+    assert role_guards(classes["Saves"]) == ["self.replica is not None"]
+    assert set(public_methods(sample, "Saves")) - set(public_methods(sample, "NoSaves")) == {"budget"}
 
 
 def test_both_sections_answer_every_verb_of_the_section_protocol():

@@ -82,6 +82,7 @@ import pytest  # noqa: E402
 
 from trainer.config import AutoCadenceConfig  # noqa: E402
 from trainer.run.cadence import AutoPrior, AutoSeconds, AutoSteps, auto_prior, auto_trigger, memory_prior  # noqa: E402
+from trainer.run.records import AttemptRecord  # noqa: E402
 from trainer.run.interval import (FailureRate, best_interval, daly_interval, expected_goodput,  # noqa: E402
                                   young_interval)
 
@@ -143,7 +144,7 @@ def test_auto_prior_from_records_counts_failures_and_leaves_this_attempt_out():
     records = [rec("a", "interrupted", 9.0, [0.2, 0.4]), rec("b", "running", None, [0.3]),
                rec("c", "refused", 0.5), rec("d", "completed", 19.0, [0.1]), rec("me", "running", None)]
     records[1]["progress"] = {"every": 8, "points": [[8, 4.0]]}
-    prior = auto_prior(records, "me")
+    prior = auto_prior([AttemptRecord.parse(record) for record in records], "me")
     assert prior.rate == FailureRate(2, 10.0 + 5.0 + 20.0)  # a killed record: its last progress point
     assert prior.cost_s == pytest.approx(0.25)
 
@@ -207,9 +208,9 @@ def test_tier0_auto_prior_is_the_earlier_attempts_mean_tier0_cost():
     records = [rec("a", "interrupted", 9.0, {"saves": 3, "save_s": 0.9, "blocked_s": 0.3}),
                rec("b", "completed", 19.0, {"saves": 1, "save_s": 0.5, "blocked_s": 0.5}),
                rec("me", "running", None, {"saves": 5, "save_s": 9.0, "blocked_s": 9.0})]
-    prior = memory_prior(records, "me")
+    prior = memory_prior([AttemptRecord.parse(record) for record in records], "me")
     assert prior.cost_s == pytest.approx(0.8 / 4) and prior.rate == FailureRate(1, 10.0 + 20.0)
-    assert memory_prior([rec("a", "completed", 5.0)], "me").cost_s is None
+    assert memory_prior([AttemptRecord.parse(rec("a", "completed", 5.0))], "me").cost_s is None
     clock = FakeClock()
     auto = tier0_auto(clock, prior, max_s=1e6)
     auto.due(1)

@@ -1,4 +1,4 @@
-"""Tier 0 (`--memory-dir`, trainer/storage/memory.py) through the real CLI, on one machine: a
+"""Tier 0 (`--memory-dir`, trainer/storage/memory/) through the real CLI, on one machine: a
 kill -9 after a tier-0 save newer than the newest durable generation restores from tier 0; a
 damaged tier-0 generation is refused with one warning and the durable tier serves; a wiped
 tier 0 (the node's memory lost) leaves the durable tier to serve; every case ends bit-identical
@@ -331,7 +331,7 @@ def test_the_budget_counts_optimizer_state_that_is_not_created_yet():
     import torch
 
     from trainer.run.state import TrainingState
-    from trainer.storage.memory import lazy_optimizer_bytes, state_bytes
+    from trainer.storage.memory.budget import lazy_optimizer_bytes, state_bytes
 
     weights = (8 * 4 + 4) * 4
     for make, tensors in [(torch.optim.Adam, 2), (lambda p: torch.optim.AdamW(p, amsgrad=True), 3),
@@ -373,7 +373,8 @@ def test_a_tier0_save_in_flight_never_holds_or_touches_a_durable_save(tmp_path, 
     from trainer.checkpoint.manifest import GenerationFacts
     from trainer.checkpoint.section import LocalSection
     from trainer.config import MemoryTierConfig
-    from trainer.storage.memory import MemoryCommit, MemoryTier
+    from trainer.storage.memory.saves import MemoryCommit
+    from trainer.storage.memory.tier import MemoryDirTier
 
     release, committing = threading.Event(), threading.Event()
     original = MemoryCommit.commit
@@ -388,7 +389,7 @@ def test_a_tier0_save_in_flight_never_holds_or_touches_a_durable_save(tmp_path, 
         return GenerationFacts(step=step, epoch=0, position=step, fingerprint={}, allowed_drift=(), cadence={},
                                created_utc="test")
     cpu, state = torch.device("cpu"), {"w": torch.arange(4096, dtype=torch.float32)}
-    tier = MemoryTier(MemoryTierConfig(tmp_path / "shm", 1, 1), None)
+    tier = MemoryDirTier(MemoryTierConfig(tmp_path / "shm", 1, 1), None)
     held_open = contextlib.ExitStack()
     tier.claim(held_open)  # as the attempt does: the directory made, its lock held
     saves = tier.saver("a", SingleProcess(), "async", cpu)
@@ -429,7 +430,8 @@ def test_a_failed_background_tier0_write_is_a_warning_and_the_next_save_goes_on(
     from trainer.checkpoint.coordination import SingleProcess
     from trainer.checkpoint.manifest import GenerationFacts
     from trainer.config import MemoryTierConfig
-    from trainer.storage.memory import MemoryCommit, MemoryTier
+    from trainer.storage.memory.saves import MemoryCommit
+    from trainer.storage.memory.tier import MemoryDirTier
 
     original, calls = MemoryCommit.commit, []
 
@@ -441,7 +443,7 @@ def test_a_failed_background_tier0_write_is_a_warning_and_the_next_save_goes_on(
     monkeypatch.setattr(MemoryCommit, "commit", full_once)
     facts = [GenerationFacts(step=step, epoch=0, position=step, fingerprint={}, allowed_drift=(), cadence={},
                              created_utc="test") for step in (1, 2)]
-    tier, state = MemoryTier(MemoryTierConfig(tmp_path / "shm", 1, 1), None), {"w": torch.ones(256)}
+    tier, state = MemoryDirTier(MemoryTierConfig(tmp_path / "shm", 1, 1), None), {"w": torch.ones(256)}
     with contextlib.ExitStack() as held:
         tier.claim(held)
         saves = tier.saver("a", SingleProcess(), "async", torch.device("cpu"))
@@ -455,7 +457,7 @@ def test_a_failed_background_tier0_write_is_a_warning_and_the_next_save_goes_on(
 
 
 def test_each_rank_replicates_to_the_same_local_rank_on_the_next_node_and_one_node_has_no_partner():
-    from trainer.storage.peer import keeper_of, partner
+    from trainer.storage.memory.parts import keeper_of, partner
 
     # 3 nodes x 2 processes: rank r's replica is kept by rank r + 2 (the next node), in a ring.
     assert [partner(rank, 6, 2) for rank in range(6)] == [2, 3, 4, 5, 0, 1]
@@ -464,7 +466,7 @@ def test_each_rank_replicates_to_the_same_local_rank_on_the_next_node_and_one_no
 
 
 def test_a_generation_is_offered_only_when_every_ranks_part_can_be_had_in_this_run():
-    from trainer.storage.memory import Holding, available_everywhere
+    from trainer.storage.memory.choice import Holding, available_everywhere
 
     six, nine = "step-00000006", "step-00000009"
     holdings = [Holding(0, {0: ("run-a", {six: "a1", nine: "a1"}), 2: ("run-a", {six: "a1"})}),
@@ -482,7 +484,7 @@ def test_a_generation_is_offered_only_when_every_ranks_part_can_be_had_in_this_r
 
 
 def test_a_part_streams_in_bounded_chunks_and_is_kept_only_when_its_files_match_its_manifest(tmp_path):
-    """storage/peer.py's two ends in one process, without the wire: a part sent file by file in
+    """storage/memory/replication.py's two ends in one process, without the wire: a part sent file by file in
     chunks of at most `chunk_bytes` (here 1000 bytes: a file spans several, the small ones one),
     read from handles opened before it was pruned, hashed and written as it arrives, renamed into
     place only when every file matches its manifest; a flipped byte, another generation than the
@@ -493,7 +495,7 @@ def test_a_part_streams_in_bounded_chunks_and_is_kept_only_when_its_files_match_
     from trainer.checkpoint.section import LocalSection
     from trainer.checkpoint.snapshot import write_snapshot
     from trainer.errors import CorruptGeneration
-    from trainer.storage.peer import Incoming, Outgoing, Parcel
+    from trainer.storage.memory.replication import Incoming, Outgoing, Parcel
 
     source = LocalSection(tmp_path / "source")
     temporary = source.begin(6, "t")
@@ -545,10 +547,10 @@ def verify_directory_again(section, name: str) -> bool:
 
 
 def test_tier0_options_and_processes_per_node_that_differ_between_ranks_are_named_in_one_line():
-    """The claim's comparison (storage/memory.py `disagreement`): each of the three settings the
+    """The claim's comparison (storage/memory/choice.py `disagreement`): each of the three settings the
     tier-0 rounds depend on, named with its values and the ranks (as ranges) that gave them;
     --memory-dir on some ranks only; nothing said when every rank agrees. <1 s."""
-    from trainer.storage.memory import Agreement, disagreement
+    from trainer.storage.memory.choice import Agreement, disagreement
 
     same = [Agreement(10, 2, 2)] * 4
     assert disagreement(same) is None and disagreement([None, None]) is None
@@ -575,18 +577,20 @@ def test_the_default_budget_is_this_ranks_share_of_the_free_memory_of_the_node(t
     from trainer.checkpoint.coordination import SingleProcess
     from trainer.config import MemoryTierConfig
     from trainer.errors import MemoryTierTooSmall
-    from trainer.storage.memory import MemoryTier, Place, node_share
+    from trainer.storage.memory.budget import node_share
+    from trainer.storage.memory.parts import Place
+    from trainer.storage.memory.tier import MemoryDirTier
 
     assert node_share(1000, 1) == 1000 and node_share(1000, 4) == 250 and node_share(1001, 2) == 500
     config = MemoryTierConfig(tmp_path / "shm", every_steps=1, keep=1)  # K = 1: the budget is one generation
     with contextlib.ExitStack() as held:
-        alone, shared = MemoryTier(config, None, Place(0, 1, 1)), MemoryTier(config, None, Place(1, 2, 2, 1))
+        alone, shared = MemoryDirTier(config, None, Place(0, 1, 1)), MemoryDirTier(config, None, Place(1, 2, 2, 1))
         alone.claim(held)
         shared.claim(held)
         stats = os.statvfs(tmp_path)
         free = stats.f_bavail * stats.f_frsize
-        assert alone.limit_bytes() == pytest.approx(free, rel=0.05)
-        assert shared.limit_bytes() == pytest.approx(free / 2, rel=0.05)
+        assert alone.parts.limit_bytes(None) == pytest.approx(free, rel=0.05)
+        assert shared.parts.limit_bytes(None) == pytest.approx(free / 2, rel=0.05)
         three_quarters = lambda: int(0.7 * free)  # noqa: E731 - the state's estimate, between a half and the whole
         alone.saver("a", SingleProcess(), "sync", torch_cpu()).fits(three_quarters)
         with pytest.raises(MemoryTierTooSmall) as refused:

@@ -64,7 +64,7 @@ def history() -> list[dict]:
 
 def test_rows_and_totals_of_a_known_history():
     records = history()
-    records[1]["last_step"] = 34  # read_attempts takes a killed attempt's last step from its marker
+    records[1]["last_step"] = 34  # read_attempt_records takes a killed attempt's last step from its marker
     marker = 1767225600.0 + 10 + 5.0  # its last step was marked 5 s after it started
     report = build_report(records, markers={"a2": marker})
     rows = {row.id: row for row in report.rows}

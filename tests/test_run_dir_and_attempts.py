@@ -8,6 +8,7 @@ import pytest
 from trainer import seams
 from trainer.run.witness import step_digest
 from trainer.run.attempts import is_crash_loop, new_attempt_id, previous_attempt, steps_replayed, world_size_change
+from trainer.run.records import AttemptRecord
 from trainer.errors import NothingToResume, RefuseOverwrite, UsageError
 from trainer.layout import (REMOVABLE, REPLACED, RunDirectory, generation_name, generation_step, hidden_name,
                              split_hidden, temporary_name)
@@ -74,8 +75,9 @@ def test_no_seam_is_installed_in_a_library_process():
 
 # ----------------------------------------------------------------------------- attempts
 def record(status, restored=None, published=(), last_step=None):
-    return {"status": status, "restored": {"name": restored} if restored else None,
-            "generations_published": [{"name": n} for n in published], "last_step": last_step, "id": status}
+    return AttemptRecord.parse({"status": status, "restored": {"name": restored} if restored else None,
+                                "generations_published": [{"name": n} for n in published], "last_step": last_step,
+                                "id": status})
 
 
 def test_crash_loop_counts_only_attempts_that_trained_and_published_nothing():
@@ -92,7 +94,7 @@ def test_crash_loop_counts_only_attempts_that_trained_and_published_nothing():
 
 def test_steps_replayed_and_the_previous_attempt():
     history = [record("interrupted", last_step=27), record("refused")]
-    assert previous_attempt(history)["status"] == "interrupted"
+    assert previous_attempt(history).status == "interrupted"
     assert steps_replayed(previous_attempt(history), 24) == 3
     assert steps_replayed(previous_attempt(history), 32) == 0  # restored past where it stopped
     assert steps_replayed(None, 24) is None and steps_replayed(record("running"), 24) is None
@@ -119,12 +121,12 @@ def test_an_attempt_that_ends_between_publishes_records_the_step_it_reached(tmp_
     """A failure or a grace timeout ends without `reached()`: the per-step marker decides, so
     the next attempt counts the steps it redoes."""
     from trainer.run.attempts import AttemptRecorder, AttemptStart
-    from trainer.run.records import read_attempts
+    from trainer.run.records import read_attempt_records
 
     recorder = AttemptRecorder.start(RunDirectory(tmp_path), "20261201T000000Z-abcdef", [], AttemptStart())
     recorder.reached(10, first=True)
     for step in range(11, 16):
         recorder.mark_step(step, step_digest(1.0, step))
     recorder.ended("failed", 74, "disk full")
-    [record] = read_attempts(tmp_path)
-    assert (record["status"], record["first_step"], record["last_step"]) == ("failed", 10, 15)
+    [record] = read_attempt_records(tmp_path)
+    assert (record.status, record.first_step, record.last_step) == ("failed", 10, 15)

@@ -164,12 +164,12 @@ def test_run_names_are_slugs_the_server_accepts():
 
 
 def test_cloning_kind_tells_resume_copy_restart_and_fresh_apart():
-    same = {"polyaxon": {"run_uuid": "u1"}}
+    same = {"run_uuid": "u1"}  # the previous attempt's `polyaxon`
     assert cloning_kind(None, "u1", same) == "resume"
     assert cloning_kind(None, "u2", same) is None
-    assert cloning_kind(None, "u1", None) is None
+    assert cloning_kind(None, "u1", {}) is None
     assert cloning_kind("copy", "u2", same) == "copy"
-    assert cloning_kind("restart", "u2", None) == "restart"
+    assert cloning_kind("restart", "u2", {}) == "restart"
 
 
 def test_run_instance_is_parsed_or_refused():

@@ -129,16 +129,22 @@ def add_assume_mtbf_option(group, text: str) -> None:
 
 
 def check_auto_cadence(args: argparse.Namespace) -> None:
-    auto = {"--recover-auto-min-secs": (args.recover_auto_min_secs, AutoCadenceConfig.min_s),
-            "--recover-auto-max-secs": (args.recover_auto_max_secs, AutoCadenceConfig.max_s),
-            "--assume-mtbf-secs": (args.assume_mtbf_secs, AutoCadenceConfig.assume_mtbf_s)}
-    if args.recover_every_secs != AUTO and (given := [name for name, (value, default) in auto.items()
-                                                      if value != default]):
-        raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --recover-every-secs auto; "
+    check_auto_options("--recover-every-secs", args.recover_every_secs == AUTO,
+                       {"--recover-auto-min-secs": (args.recover_auto_min_secs, AutoCadenceConfig.min_s),
+                        "--recover-auto-max-secs": (args.recover_auto_max_secs, AutoCadenceConfig.max_s),
+                        "--assume-mtbf-secs": (args.assume_mtbf_secs, AutoCadenceConfig.assume_mtbf_s)})
+
+
+def check_auto_options(trigger: str, auto: bool, options: dict[str, tuple]) -> None:
+    """Both auto cadences alike: their options (`options`: {option: (value given, its
+    default)}, the minimum and the maximum first) apply only with `trigger auto`, and the
+    minimum is not above the maximum."""
+    if not auto and (given := [name for name, (value, default) in options.items() if value != default]):
+        raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with {trigger} auto; "
                          f"add it, or drop {'it' if len(given) == 1 else 'them'}")
-    if args.recover_auto_min_secs > args.recover_auto_max_secs:
-        raise UsageError(f"--recover-auto-min-secs {args.recover_auto_min_secs:g} is above "
-                         f"--recover-auto-max-secs {args.recover_auto_max_secs:g}; make the minimum the smaller")
+    (low_option, (low, _)), (high_option, (high, _)) = list(options.items())[:2]
+    if low > high:
+        raise UsageError(f"{low_option} {low:g} is above {high_option} {high:g}; make the minimum the smaller")
 
 
 def auto_cadence(args: argparse.Namespace) -> AutoCadenceConfig | None:
@@ -160,15 +166,9 @@ def check_memory_tier(args: argparse.Namespace) -> None:
     if args.memory_dir is None and (given := changed_memory_flags(args)):
         raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --memory-dir; "
                          f"add it (e.g. --memory-dir /dev/shm/RUN), or drop {'it' if len(given) == 1 else 'them'}")
-    bounds = {"--memory-auto-min-secs": (args.memory_auto_min_secs, MemoryTierConfig.auto_min_s),
-              "--memory-auto-max-secs": (args.memory_auto_max_secs, MemoryTierConfig.auto_max_s)}
-    if args.memory_every_steps != AUTO and (given := [name for name, (value, default) in bounds.items()
-                                                      if value != default]):
-        raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with "
-                         f"--memory-every-steps auto; add it, or drop {'it' if len(given) == 1 else 'them'}")
-    if args.memory_auto_min_secs > args.memory_auto_max_secs:
-        raise UsageError(f"--memory-auto-min-secs {args.memory_auto_min_secs:g} is above --memory-auto-max-secs "
-                         f"{args.memory_auto_max_secs:g}; make the minimum the smaller")
+    check_auto_options("--memory-every-steps", args.memory_every_steps == AUTO,
+                       {"--memory-auto-min-secs": (args.memory_auto_min_secs, MemoryTierConfig.auto_min_s),
+                        "--memory-auto-max-secs": (args.memory_auto_max_secs, MemoryTierConfig.auto_max_s)})
 
 
 def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironment) -> None:

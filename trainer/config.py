@@ -234,7 +234,7 @@ class StoreConfig:
 
 @dataclass(frozen=True)
 class MemoryTierConfig:
-    """Tier 0 (trainer/storage/memory.py): generations in a directory on a memory filesystem,
+    """Tier 0 (trainer/storage/memory/): generations in a directory on a memory filesystem,
     outside the process, on a cadence of their own. Never fingerprinted: it changes when and
     where saves happen, never what is trained."""
 

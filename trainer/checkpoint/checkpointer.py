@@ -67,8 +67,8 @@ class Checkpointer(Protocol):
     def wait_for_staging(self) -> float:
         """Block until a staged copy is complete (before parameters change); the seconds waited."""
 
-    def ready(self) -> list[Published]:
-        """What committed in the background already, without waiting (async, one process)."""
+    def completed(self) -> list[Published]:
+        """What committed in the background since the last call, without waiting (async, one process)."""
 
     def drain(self) -> list[Published]:
         """Wait until every save in flight is committed, keeping the checkpointer open."""
@@ -146,7 +146,7 @@ class _Checkpointer:
     def wait_for_staging(self) -> float:
         return 0.0
 
-    def ready(self) -> list[Published]:
+    def completed(self) -> list[Published]:
         """Saves committed in the background since the last call, without waiting."""
         return []
 
@@ -334,7 +334,7 @@ class AsyncCheckpointer(_Checkpointer):
                         raise failure
         return time.monotonic() - started
 
-    def ready(self) -> list[Published]:
+    def completed(self) -> list[Published]:
         """What committed already, without waiting (and without a collective): with one
         process the save in flight once its commit is done (its failure raised, as at the next
         `save()`); with several nothing, they learn it together at the next `save()` or

@@ -234,7 +234,8 @@ def verify_directory(directory: Path, shards: bool = True, digests: Mapping[str,
     (`*.distcp`) are checked for presence and size only: their sha256 is left to the load that
     reads them (trainer/checkpoint/onepass.py), which must then be the only reader. `digests`:
     every file's {bytes, sha256} as its writer hashed it while writing (a peer's transfer,
-    trainer/storage/peer.py), taken instead of reading the files again; a file it lacks is missing."""
+    trainer/storage/memory/replication.py), taken instead of reading the files again; a file it
+    lacks is missing."""
     try:
         manifest = read_manifest(directory)
     except InvalidManifest as reason:

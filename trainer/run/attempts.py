@@ -28,14 +28,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from trainer.errors import CrashLoop, TrainerError
 from trainer.checkpoint.atomic import atomic_write_bytes, atomic_write_json
 from trainer.run.witness import ReplayWitness, StepDigestLog
 from trainer.parallel.launch import process_age_s
 from trainer.layout import ATTEMPT_RECORD, ATTEMPT_REQUIREMENTS, ATTEMPT_SUMMARY, EXPORTS, GENERATIONS, PROGRESS_MARKER, RunDirectory
-from trainer.run.records import PUBLISHED, REFUSED, RUNNING, UNFINISHED, attempts_that_trained
+from trainer.run.records import PUBLISHED, REFUSED, RUNNING, UNFINISHED, AttemptRecord, attempts_that_trained
 
 if TYPE_CHECKING:  # `list` and `report` read records without importing torch
     from trainer.checkpoint.restore import Restored
@@ -51,7 +51,7 @@ MAX_CADENCE_CHANGES = 64
 
 def new_attempt_id(now: datetime | None = None) -> str:
     """The start time to the microsecond, then a random tag: ids sort in start order, which
-    `read_attempts` and the crash-loop check rely on, even for attempts that die and restart
+    `read_attempt_records` and the crash-loop check rely on, even for attempts that die and restart
     within one second (a restart loop of a fast failure)."""
     now = now or datetime.now(timezone.utc)
     return f"{now:%Y%m%dT%H%M%S.%f}Z-{secrets.token_hex(3)}"
@@ -75,15 +75,15 @@ def resolved_requirements() -> str:
 
 
 # ----------------------------------------------------------------------------- decisions
-def steps_replayed(previous: dict | None, restored_step: int | None) -> int | None:
+def steps_replayed(previous: AttemptRecord | None, restored_step: int | None) -> int | None:
     """Work the previous attempt did beyond the generation now restored (lost and redone).
 
     A killed attempt's `last_step` is only as fresh as its progress marker (every step, in
     the page cache), so for a node loss this is a lower bound.
     """
-    if previous is None or previous.get("last_step") is None:
+    if previous is None or previous.last_step is None:
         return None
-    return max(0, previous["last_step"] - (restored_step or 0))
+    return max(0, previous.last_step - (restored_step or 0))
 
 
 def newest_generation(record: dict) -> str | None:
@@ -92,12 +92,12 @@ def newest_generation(record: dict) -> str | None:
     return published[-1].get("name")
 
 
-def previous_attempt(records: list[dict]) -> dict | None:
+def previous_attempt(records: Sequence[AttemptRecord]) -> AttemptRecord | None:
     trained = attempts_that_trained(records)
     return trained[-1] if trained else None
 
 
-def is_crash_loop(records: list[dict], restoring: str | None, limit: int) -> bool:
+def is_crash_loop(records: Sequence[AttemptRecord], restoring: str | None, limit: int) -> bool:
     """True when the last `limit` attempts that trained all started from `restoring` (None:
     from scratch) and all died before publishing anything newer: trying again would burn
     the allocation."""
@@ -105,11 +105,11 @@ def is_crash_loop(records: list[dict], restoring: str | None, limit: int) -> boo
     if limit <= 0 or len(records) < limit:
         return False
     recent = records[-limit:]
-    return all((r.get("restored") or {}).get("name") == restoring and not r.get(PUBLISHED[GENERATIONS])
-               and r.get("status") in UNFINISHED for r in recent)
+    return all((r.restored.name if r.restored else None) == restoring and not r.generations
+               and r.status in UNFINISHED for r in recent)
 
 
-def refuse_crash_loop(records: list[dict], restoring: str | None, limit: int, attempts_dir: Path) -> None:
+def refuse_crash_loop(records: Sequence[AttemptRecord], restoring: str | None, limit: int, attempts_dir: Path) -> None:
     if is_crash_loop(records, restoring, limit):
         raise CrashLoop(f"the last {limit} attempts all started from {restoring or 'scratch'} and died "
                         f"before publishing a newer generation; inspect {attempts_dir}, fix the "
@@ -366,7 +366,7 @@ class AttemptRecorder:
         self.reached(step if step is not None else (self._record["last_step"] or 0))
 
     def memory_saved(self, published: "Published") -> None:
-        """A tier-0 generation (trainer/storage/memory.py): not durable, so not among the
+        """A tier-0 generation (trainer/storage/memory/): not durable, so not among the
         published generations, nor in `costs` (C of the advice is the durable saves' cost); the
         loop was held for its `blocked_s` (all of `save_s` when sync, the staging when async).
         Flushed: a kill -9 right after it still leaves it in the record, which the next attempt

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
-from trainer.config import AutoCadenceConfig, CadenceConfig
+from trainer.config import AutoCadenceConfig, CadenceConfig, MemoryTierConfig
+from trainer.options import AUTO
 from trainer.run.interval import FailureRate, best_interval, clamp
 from trainer.run.records import AttemptRecord, attempts_that_trained, failure_rate, lifetime
 
@@ -116,7 +117,7 @@ class AutoPrior:
     """Mean blocked seconds per recovery save of the earlier attempts (None: none saved)."""
 
 
-def auto_prior(records: list[dict], own_id: str) -> AutoPrior:
+def auto_prior(records: Sequence[AttemptRecord], own_id: str) -> AutoPrior:
     """What the earlier attempts say for `--recover-every-secs auto`: how many failed over how
     many seconds (the report's M, trainer/run/records.py), and what a recovery save blocked on
     average. `own_id`'s record (this attempt, `running`) is left out; every other `running`
@@ -126,10 +127,9 @@ def auto_prior(records: list[dict], own_id: str) -> AutoPrior:
     return AutoPrior(failure_rate(map(lifetime, earlier)), sum(blocked) / len(blocked) if blocked else None)
 
 
-def earlier_attempts(records: list[dict], own_id: str) -> list[AttemptRecord]:
-    """The attempts before `own_id` that trained, each parsed once (saving.py still hands the
-    raw records of `read_attempts`)."""
-    return [AttemptRecord.parse(record) for record in attempts_that_trained(records) if record.get("id") != own_id]
+def earlier_attempts(records: Sequence[AttemptRecord], own_id: str) -> list[AttemptRecord]:
+    """The attempts other than `own_id` that trained."""
+    return [record for record in attempts_that_trained(records) if record.id != own_id]
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ class AutoSeconds(SinceLastSave):
                              mtbf.seconds, mtbf.source, mtbf.rate.failures, mtbf.rate.exposure_s, formula)
 
 
-def memory_prior(records: list[dict], own_id: str) -> AutoPrior:
+def memory_prior(records: Sequence[AttemptRecord], own_id: str) -> AutoPrior:
     """What the earlier attempts say for `--memory-every-steps auto`: the same failure rate as
     `auto_prior`, and what a tier-0 save blocked on average (their records' `memory` sums)."""
     earlier = earlier_attempts(records, own_id)
@@ -340,6 +340,13 @@ def build_policy(config: CadenceConfig, clock: Callable[[], float] = time.monoto
     if config.auto:
         policies.append(AutoSeconds(config.auto, prior or AutoPrior(), clock))
     return AnyOf(policies)
+
+
+def memory_policy(settings: MemoryTierConfig) -> AnyOf:
+    """Tier 0's fixed cadence: every `--memory-every-steps` N steps; nothing with no
+    `--memory-dir` (`auto` is `AutoSteps`, built with its prior)."""
+    fixed = settings.directory is not None and settings.every_steps != AUTO
+    return AnyOf([EverySteps(settings.every_steps)] if fixed else [])
 
 
 def auto_trigger(policy: AnyOf) -> AutoSeconds | None:

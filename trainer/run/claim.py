@@ -22,9 +22,9 @@ from trainer.config import RunConfig
 from trainer.layout import RunDirectory
 from trainer.checkpoint.coordination import Coordinator, raise_if_any_failed
 from trainer.errors import CorruptGeneration, DecidedOnPrimary, UsageError
-from trainer.run.records import DISK, MEMORY, PEER, STORE, read_attempts
+from trainer.run.records import DISK, MEMORY, PEER, STORE, AttemptRecord, read_attempt_records, went_back
 from trainer.storage.base import NOTHING_MOVED, RunStorage, Transfer
-from trainer.storage.memory import Holding, disagreement, newer_than
+from trainer.storage.memory.choice import Holding, disagreement, newer_than
 
 log = logging.getLogger("trainer")
 
@@ -62,6 +62,9 @@ class Claim:
     then `generation` is this rank's part."""
     memory_attempt: str = ""
     """The attempt that wrote every rank's part of `memory` (its line)."""
+    history: tuple[AttemptRecord, ...] = ()
+    """Every earlier attempt's record, oldest first: read once, when rank 0 held the run
+    directory, for the choice, the crash-loop guard, the record's start and the auto cadences."""
 
     @property
     def restored_bytes(self) -> int:
@@ -83,6 +86,8 @@ class Claimant:
         self.considered: str | None = None
         """The generation chosen for restore, before it verified."""
         self.durable: list[str] = []
+        self.history: tuple[AttemptRecord, ...] = ()
+        """The run's attempt records, read once it is held (`Claim.history`)."""
 
     def claim(self, attempt_id: str, held: contextlib.ExitStack, holdings: list[Holding]) -> Claim:
         """`holdings`: what every rank's tier 0 holds (gathered before: each rank holds its own)."""
@@ -91,15 +96,16 @@ class Claimant:
         self.held = storage.local
         started = time.monotonic()
         durable = self.durable = storage.committed()
-        newer = newer_than(holdings, durable, read_attempts(storage.local.root),  # tier 0 first: the fastest
+        self.history = tuple(read_attempt_records(storage.local.root))
+        newer = newer_than(holdings, durable, went_back(self.history),  # tier 0 first: the fastest
                            run_identity(storage.local))
         where = storage.generations_where + (f" and tier 0 ({storage.memory.where})" if newer else "")
         self.considered = choose_candidate(durable + list(newer), config.resume, config.from_generation, where)
         identity = storage.go_ahead(attempt_id, config.adopt_from)  # what the generation must belong to, tier 0 too
         if self.considered in newer:  # every rank verifies its own part next (`settle`)
             storage.remove_stale_temporaries()
-            return Claim(storage.local, attempt_id, None, time.monotonic() - started, tier=MEMORY,
-                         identity=identity, memory=self.considered, memory_attempt=newer[self.considered])
+            return Claim(storage.local, attempt_id, None, time.monotonic() - started, tier=MEMORY, identity=identity,
+                         memory=self.considered, memory_attempt=newer[self.considered], history=self.history)
         generation, download = None, NOTHING_MOVED
         if self.considered:
             generation, download = storage.restorable(self.considered, durable, self.one_pass)
@@ -114,7 +120,7 @@ class Claimant:
         storage.remove_stale_temporaries()
         return Claim(storage.local, attempt_id, generation, verify_s,
                      manifest_digest(generation.path) if generation else None, download,
-                     STORE if download.bytes else DISK, refused, identity)
+                     STORE if download.bytes else DISK, refused, identity, history=self.history)
 
     def instead_of(self, claim: Claim, problems: dict[int, str]) -> Claim:
         """Rank 0, when some rank's part of the chosen tier-0 generation cannot serve (damaged,

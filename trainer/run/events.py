@@ -17,6 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trainer.run.records import AttemptRecord
+
 if TYPE_CHECKING:  # the checkpointer imports torch; observers only need the record's fields
     from trainer.checkpoint.checkpointer import Published
 
@@ -24,7 +26,7 @@ if TYPE_CHECKING:  # the checkpointer imports torch; observers only need the rec
 class TrainingEvents:
     """The no-op observer; subclasses override what they record."""
 
-    def run_identity(self, previous_attempt: dict | None) -> dict | None:
+    def run_identity(self, previous_attempt: AttemptRecord | None) -> dict | None:
         """The external run this attempt belongs to, for the attempt record's `polyaxon`
         field (None when untracked). `previous_attempt` is the newest earlier record in the
         same output directory, which tells a resumed run from a fresh one."""

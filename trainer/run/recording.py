@@ -12,7 +12,7 @@ from trainer.parallel.ranks import Ranks
 from trainer.checkpoint.checkpointer import effective_mode
 from trainer.run.attempts import (AttemptRecorder, AttemptStart, RefusedStart, previous_attempt, refuse_crash_loop,
                                   steps_replayed, world_size_change)
-from trainer.run.records import read_attempts
+from trainer.run.records import AttemptRecord
 from trainer.run.batching import EpochShape, epoch_shape, require_even_split, training_steps
 from trainer.run.fingerprint import check_fingerprint, current_fingerprint
 from trainer.run.claim import Claim, Claimant
@@ -30,8 +30,8 @@ class Checked:
 
     fingerprint: dict
     drift: tuple[str, ...]
-    history: list[dict]
-    """Every earlier attempt's record, oldest first."""
+    history: tuple[AttemptRecord, ...]
+    """Every earlier attempt's record, oldest first (`Claim.history`)."""
     mode: str
     """The checkpoint mode this attempt writes with ("sync" or "async")."""
     exactness: Exactness
@@ -53,7 +53,7 @@ def check_attempt(config: RunConfig, workload: BoundWorkload, claim: Claim, data
     drift = [] if generation is None else ranks.decide_on_primary(lambda: check_fingerprint(
         generation.name, generation.manifest.fingerprint, fingerprint, config.allow_drift),
         "checking the fingerprint")
-    history = read_attempts(claim.run.root)
+    history = claim.history
     restoring = generation.name if generation else None
     ranks.decide_on_primary(lambda: refuse_crash_loop(history, restoring, config.max_failed_attempts,
                                                       claim.run.attempts), "checking for a crash loop")
@@ -78,7 +78,7 @@ def start_record(config: RunConfig, claim: Claim, checked: Checked, ranks: Ranks
                                                   else "before loading", "bytes": claim.restored_bytes,
                                                   **({"refused": list(claim.refused)} if claim.refused else {})},
         explicit_generation=config.from_generation is not None,
-        previous_attempt=previous["id"] if previous else None,
+        previous_attempt=previous.id if previous else None,
         steps_replayed=steps_replayed(previous, step) if generation else None,
         allowed_drift=config.allow_drift, drift=checked.drift, checkpoint_mode=checked.mode,
         device=str(ranks.device), fingerprint=checked.fingerprint, store=config.location.store_url,
@@ -95,8 +95,8 @@ def record_refusal(claimant: Claimant, attempt_id: str, refusal: TrainerError, e
                    started: float) -> None:
     """Rank 0, holding the run directory, refused to train (65, 70) before its record started:
     leave one `refused` record, so every start an orchestrator made is accounted for."""
-    previous = previous_attempt(read_attempts(claimant.held.root))
-    start = RefusedStart(claimant.considered, previous["id"] if previous else None, events.run_identity(previous))
+    previous = previous_attempt(claimant.history)
+    start = RefusedStart(claimant.considered, previous.id if previous else None, events.run_identity(previous))
     try:
         AttemptRecorder.refused_before_start(claimant.held, attempt_id, list(claimant.config.argv), refusal, start,
                                              started)

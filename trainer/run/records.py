@@ -7,8 +7,9 @@ lives here: the statuses a record ends with and the outcomes a reader sees, the 
 to be read at all, and how long an attempt ran (`Lifetime`), from which the failure rate M
 of the report's advice and of the auto cadence is computed once (`failure_rate`).
 
-`AttemptRecord` is a record parsed once (`read_attempt_records`): `list`, `report` and the
-auto cadence compute with its typed fields. Pure but for the two readers, and torch-free:
+`AttemptRecord` is a record parsed once (`read_attempt_records`): `list`, `report`, the
+auto cadence, the claim (which reads the run's history once per start and carries it) and
+the record's start compute with its typed fields. Pure but for the two readers, and torch-free:
 `list` and `report` import it.
 """
 
@@ -19,7 +20,7 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Iterable, Mapping, Protocol
+from typing import Iterable, Mapping, Protocol, Sequence
 
 from trainer.layout import ATTEMPT_RECORD, EXPORTS, GENERATIONS, PROGRESS_MARKER, RunDirectory
 from trainer.location import is_url
@@ -192,11 +193,17 @@ class AttemptRecord:
     ledger: tuple[Mapping, ...]
     memory: Mapping
     """Tier 0's sums (`saves`, `blocked_s`), empty without `--memory-dir`."""
+    explicit_generation: bool
+    """It restored the operator's choice (`--from-generation`): the line after it was left."""
+    fingerprint: Mapping
+    """What it trained under: the replay witness compares only attempts of the same one."""
+    polyaxon: Mapping
+    """The Polyaxon run it belonged to (empty when untracked): tells a resumed run from a fresh one."""
 
     @classmethod
     def parse(cls, record: dict) -> AttemptRecord:
-        """Any record (`read_attempts` passes only those `is_well_formed` accepts): a field of
-        the wrong type reads as absent."""
+        """Any record (`read_attempt_records` parses only those `is_well_formed` accepts): a
+        field of the wrong type reads as absent."""
         restored, points = _mapping(record.get("restored")), _mapping(record.get("progress")).get("points")
         return cls(
             id=str(record.get("id")), status=str(record.get("status")), exit_code=_integer(record.get("exit_code")),
@@ -216,7 +223,8 @@ class AttemptRecord:
             restore_check=record["restore_check"] if isinstance(record.get("restore_check"), dict) else None,
             replay=record["replay"] if isinstance(record.get("replay"), dict) else None,
             ledger=tuple(entry for entry in record.get("ledger") or () if isinstance(entry, dict)),
-            memory=_mapping(record.get("memory")))
+            memory=_mapping(record.get("memory")), explicit_generation=record.get("explicit_generation") is True,
+            fingerprint=_mapping(record.get("fingerprint")), polyaxon=_mapping(record.get("polyaxon")))
 
     def published(self, kind: str) -> tuple[PublishedEntry, ...]:
         """What it published of one kind (GENERATIONS or EXPORTS)."""
@@ -252,9 +260,9 @@ def _store_of(record: dict) -> str | None:
 
 
 # ----------------------------------------------------------------------------- reading
-def read_attempts(run_root: Path) -> list[dict]:
+def read_attempt_records(run_root: Path) -> list[AttemptRecord]:
     """All readable attempt records of the run directory at `run_root`, oldest first (ids start
-    with the UTC start time)."""
+    with the UTC start time), each parsed once into an `AttemptRecord`."""
     root = RunDirectory(run_root).attempts
     records = []
     if root.is_dir():
@@ -270,13 +278,8 @@ def read_attempts(run_root: Path) -> list[dict]:
             if record.get("status") == RUNNING and marker is not None:
                 # Killed: its record is only as fresh as its last publish; the marker is per step.
                 record["last_step"] = max(record.get("last_step") or 0, marker)
-            records.append(record)
+            records.append(AttemptRecord.parse(record))
     return records
-
-
-def read_attempt_records(run_root: Path) -> list[AttemptRecord]:
-    """`read_attempts`, each record parsed once into an `AttemptRecord`."""
-    return [AttemptRecord.parse(record) for record in read_attempts(run_root)]
 
 
 def read_progress_marker(folder: Path) -> int | None:
@@ -286,10 +289,17 @@ def read_progress_marker(folder: Path) -> int | None:
         return None
 
 
-def attempts_that_trained(records: list[dict]) -> list[dict]:
+def attempts_that_trained(records: Sequence[AttemptRecord]) -> list[AttemptRecord]:
     """The records of attempts that went ahead: a refused one restored nothing and did no
     work, so it is neither the "previous attempt" of the next one nor part of a crash loop."""
-    return [record for record in records if record.get("status") != REFUSED]
+    return [record for record in records if record.status != REFUSED]
+
+
+def went_back(records: Sequence[AttemptRecord]) -> list[tuple[str, int]]:
+    """(attempt, the step it restored) of every attempt that went back to the operator's choice
+    (`--from-generation`): what was saved after that step by earlier attempts left the line."""
+    return [(record.id, record.restored.step) for record in records
+            if record.explicit_generation and record.restored and record.restored.step is not None]
 
 
 def outcome_of(record: AttemptRecord, live: frozenset[str] = frozenset()) -> str:

@@ -31,11 +31,11 @@ from trainer.errors import TrainerError, reraise_as_storage_failure
 from trainer.layout import EXPORTS, GENERATIONS, generation_name
 from trainer.parallel.ranks import Ranks, StepAgreement
 from trainer.run.attempts import AttemptRecorder, utc_now
-from trainer.run.records import read_attempts
+from trainer.run.records import AttemptRecord
 from trainer.config import AutoCadenceConfig
 from trainer.options import AUTO
 from trainer.run.cadence import (AutoPrior, AutoSeconds, AutoSteps, CadenceChange, StepPoint, StepsChange, auto_prior,
-                                 auto_trigger, build_policy, memory_prior)
+                                 auto_trigger, build_policy, memory_policy, memory_prior)
 from trainer.run.events import TrainingEvents
 from trainer.run.batching import EpochShape
 from trainer.run.ledger import SampleLedger
@@ -60,6 +60,8 @@ class Lineage:
     epoch: EpochShape = EpochShape(0, 1)
     """An epoch's batches: the sample ledger's cursors count its trained samples, and its
     entries the dropped ones (trainer/run/ledger.py)."""
+    history: tuple[AttemptRecord, ...] = ()
+    """The earlier attempts' records (`Claim.history`): what the auto cadences start from."""
 
 
 @dataclass(frozen=True)
@@ -79,27 +81,27 @@ def cadence_changed(ranks: Ranks, recorder: AttemptRecorder, change: CadenceChan
 
 
 class MemoryCadence:
-    """When tier 0 saves: every `--memory-every-steps` N (the tier's own rule), or `auto`
+    """When tier 0 saves: every `--memory-every-steps` N (`memory_policy`), or `auto`
     (trainer/run/cadence.py `AutoSteps`: Daly's interval for tier 0's measured C, in steps,
     bounded by `--memory-auto-min-secs`/`--memory-auto-max-secs`). Rank 0 decides, in the
     step's agreement; each change of N is one line and an entry of `memory_cadence_changes`."""
 
-    def __init__(self, config: RunConfig, memory, ranks: Ranks, recorder: AttemptRecorder,
-                 prior: Callable[[], AutoPrior]):
-        self.memory, self.ranks, self.recorder = memory, ranks, recorder
+    def __init__(self, config: RunConfig, ranks: Ranks, recorder: AttemptRecorder, prior: Callable[[], AutoPrior]):
+        self.ranks, self.recorder = ranks, recorder
         settings, self.auto = config.memory, None
+        self.fixed = memory_policy(settings)
         if settings.directory is not None and settings.every_steps == AUTO:
             bounds = AutoCadenceConfig(settings.auto_min_s, settings.auto_max_s,
                                        config.recover.auto.assume_mtbf_s if config.recover.auto else None)
             self.auto = AutoSteps(AutoSeconds(bounds, prior() if ranks.is_primary else AutoPrior()))
 
-    def due(self, step: int) -> bool:
+    def due(self, point: StepPoint) -> bool:
         """Rank 0 only (`agree_after_step`)."""
         if self.auto is None:
-            return self.memory.due(step)
-        due, change = self.auto.due(step)
+            return self.fixed.due(point)
+        due, change = self.auto.due(point.step)
         if change is not None:
-            cadence_changed(self.ranks, self.recorder, change, step, "memory_cadence_changes")
+            cadence_changed(self.ranks, self.recorder, change, point.step, "memory_cadence_changes")
         return due
 
     def saved(self, step: int) -> None:
@@ -128,15 +130,15 @@ class CadencedSaves:
         self.checkpointer: Checkpointer = build_checkpointer(mode, self.durability.commit(), lineage.attempt_id,
                                                              ranks.device, ranks)
         self.memory = storage.memory.saver(lineage.attempt_id, ranks, mode, ranks.device)  # tier 0's, same mode
-        self.tier0 = MemoryCadence(config, self.memory, ranks, self.recorder, lambda: memory_prior(
-            read_attempts(storage.local.root), lineage.attempt_id))
+        self.tier0 = MemoryCadence(config, ranks, self.recorder, lambda: memory_prior(lineage.history,
+                                                                                      lineage.attempt_id))
         self.ledger = SampleLedger(lineage.epoch.trained, config.workload.batch_size, lineage.epoch.dropped)
         """The samples trained on since the last generation, for the next one's manifest."""
         self.ledger_entries: dict[str, dict] = {}
         """Saved generations' ledgers, recorded in the attempt record once published."""
         self.sections = {GENERATIONS: self.checkpointer.local, EXPORTS: storage.section(EXPORTS)}
         self.recover_policy = build_policy(config.recover, prior=auto_prior(
-            read_attempts(storage.local.root), lineage.attempt_id) if config.recover.auto and ranks.is_primary else None)
+            lineage.history, lineage.attempt_id) if config.recover.auto and ranks.is_primary else None)
         self.auto = auto_trigger(self.recover_policy)
         """`--recover-every-secs auto`: re-derived after every recovery save (rank 0 decides)."""
         if self.auto is not None:
@@ -160,7 +162,7 @@ class CadencedSaves:
         """Every rank learns rank 0's cadence decisions and whether any rank was signalled."""
         return self.ranks.agree_after_step(loss, lambda: self.recover_policy.due(point),
                                            lambda: self.export_policy.due(point), preempted,
-                                           lambda: self.tier0.due(point.step))
+                                           lambda: self.tier0.due(point))
 
     def wait_for_staging(self) -> None:
         """Both staged copies (a durable save's, a tier-0 save's) complete before the state changes."""

@@ -93,7 +93,7 @@ class AttemptSession:
         recorder = self.recorder = start_record(config, claim, checked, ranks, self.events)
         self.storage.records.push(claim.run.attempt_folder(self.attempt_id))  # a kill -9 of this machine still counts
         lineage = Lineage(self.attempt_id, checked.fingerprint, checked.drift,
-                          frozenset([generation.name]) if generation else frozenset(), checked.shape)
+                          frozenset([generation.name]) if generation else frozenset(), checked.shape, claim.history)
         if claim.download.bytes:
             recorder.downloaded(claim.download.seconds, claim.download.bytes)
         saves = CadencedSaves(config, self.storage, lineage, ranks, Witnesses(recorder, self.events), checked.mode)

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from trainer import compat, seams
 from trainer.errors import CorruptGeneration
-from trainer.storage.memory import lazy_optimizer_bytes, state_bytes
+from trainer.storage.memory.budget import lazy_optimizer_bytes, state_bytes
 from trainer.workload import needs_closure
 
 RNG_BY_RANK = "rng_by_rank"

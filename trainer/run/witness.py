@@ -27,8 +27,10 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from trainer.layout import STEP_DIGESTS
+from trainer.run.records import AttemptRecord
 
 log = logging.getLogger("trainer")
 DIGEST_LENGTH = 16 + 1 + 16
@@ -87,22 +89,22 @@ def read_step_digests(folder: Path, after: int = 0) -> dict[int, str]:
     return digests
 
 
-def comparable(record: dict, fingerprint: dict) -> bool:
+def comparable(record: AttemptRecord, fingerprint: dict) -> bool:
     """An earlier attempt whose steps this one must reproduce: same fingerprint (so no drift, no
     world-size change, the same reduction between them) and a restore that matched its save.
     One whose configuration cannot be exact stays comparable: a mismatch then shows what that
     configuration costs, which is what its record already warned of."""
-    return record.get("fingerprint") == fingerprint and (record.get("restore_check") or {}).get("matched") is not False
+    return record.fingerprint == fingerprint and (record.restore_check or {}).get("matched") is not False
 
 
-def computed_before(records: list[dict], folder_of, fingerprint: dict, restored_step: int) -> dict[int, tuple[str, str]]:
+def computed_before(records: Sequence[AttemptRecord], folder_of, fingerprint: dict, restored_step: int) -> dict[int, tuple[str, str]]:
     """{step: (digest, attempt id)} past the restored step, over the comparable earlier attempts,
     oldest first: for a step computed more than once, the newest (the one whose work was lost)."""
     computed: dict[int, tuple[str, str]] = {}
     for record in records:
-        if comparable(record, fingerprint) and (record.get("last_step") or 0) > restored_step:
-            for step, digest in read_step_digests(folder_of(record["id"]), after=restored_step).items():
-                computed[step] = (digest, record["id"])
+        if comparable(record, fingerprint) and (record.last_step or 0) > restored_step:
+            for step, digest in read_step_digests(folder_of(record.id), after=restored_step).items():
+                computed[step] = (digest, record.id)
     return computed
 
 

@@ -10,16 +10,17 @@ from trainer.location import ClaimedByPrimary, OnDisk, InStore
 from trainer.storage.base import RunStorage
 from trainer.storage.local import LocalStorage
 from trainer.parallel.launch import LaunchEnvironment
-from trainer.storage.memory import MemoryTier, Place
+from trainer.storage.memory.parts import Place
+from trainer.storage.memory.tier import MemoryDirTier
 
 
 def open_storage(config: RunConfig, launch: LaunchEnvironment) -> RunStorage:
-    """The backend, with tier 0 ahead of it when `--memory-dir` is given (storage/memory.py)."""
+    """The backend, with tier 0 ahead of it when `--memory-dir` is given (storage/memory/tier.py)."""
     storage = open_backend(config, launch.world_size)
     if config.memory.directory is not None:
-        storage.memory = MemoryTier(config.memory, storage.signing,
-                                    Place(launch.rank, launch.world_size, launch.local_world_size,
-                                          launch.local_rank))
+        storage.memory = MemoryDirTier(config.memory, storage.signing,
+                                       Place(launch.rank, launch.world_size, launch.local_world_size,
+                                             launch.local_rank))
     return storage
 
 

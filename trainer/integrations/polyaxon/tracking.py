@@ -57,7 +57,7 @@ from __future__ import annotations
 import logging
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, NothingToResume, TrainerError
 from trainer.integrations.polyaxon.lineage import reference, reference_seed, remove_reference
@@ -66,6 +66,7 @@ from trainer.integrations.polyaxon.tracked_run import open_tracked_run
 from trainer.layout import GENERATIONS, SECTIONS
 from trainer.location import OnDisk, InStore
 from trainer.run.events import TrainingEvents
+from trainer.run.records import AttemptRecord
 
 log = logging.getLogger("trainer")
 
@@ -78,13 +79,14 @@ PLAIN_RESTART_HINT = ("on Polyaxon, a plain `ops restart` starts with empty outp
                       "`ops restart -uid UUID --copy`")
 
 
-def cloning_kind(original_kind: str | None, run_uuid: str, previous_attempt: dict | None) -> str | None:
+def cloning_kind(original_kind: str | None, run_uuid: str, previous_polyaxon: Mapping) -> str | None:
     """How this run relates to earlier work: `copy` / `restart` / `cache` (Polyaxon says so in
     the run's `original`), `resume` (no original, and the newest attempt in these outputs was
-    made by this same run: `ops resume` or a `maxRetries` retry), or None (a fresh run)."""
+    made by this same run: `ops resume` or a `maxRetries` retry), or None (a fresh run).
+    `previous_polyaxon`: that attempt's `polyaxon` (empty: none, or untracked)."""
     if original_kind:
         return original_kind
-    previous_run = ((previous_attempt or {}).get("polyaxon") or {}).get("run_uuid")
+    previous_run = previous_polyaxon.get("run_uuid")
     return "resume" if previous_run == run_uuid else None
 
 
@@ -267,13 +269,14 @@ class PolyaxonEvents(TrainingEvents):
                         error.__class__.__name__, error)
 
     # ------------------------------------------------------------------ TrainingEvents
-    def run_identity(self, previous_attempt: dict | None) -> dict:
+    def run_identity(self, previous_attempt: AttemptRecord | None) -> dict:
         original = self.original()
         original_kind = getattr(getattr(original, "kind", None), "value", getattr(original, "kind", None))
-        cloning = cloning_kind(original_kind, self.run.run_uuid, previous_attempt)
+        previous = previous_attempt.polyaxon if previous_attempt else {}
+        cloning = cloning_kind(original_kind, self.run.run_uuid, previous)
         # `ops resume` replaces the run's inputs (and its outputs): the first attempt's params are
         # carried from record to record, so every attempt shows them again.
-        first = ((previous_attempt or {}).get("polyaxon") or {}).get("first_params") if cloning == "resume" else \
+        first = previous.get("first_params") if cloning == "resume" else \
             first_params(getattr(getattr(self.run, "run_data", None), "inputs", None))
         return {"run_uuid": self.run.run_uuid, "mode": self.mode, "cloning": cloning,
                 "original_uuid": getattr(original, "uuid", None),

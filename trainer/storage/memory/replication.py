@@ -1,8 +1,10 @@
-"""Moving a tier-0 generation between two ranks on different nodes (the peer replica).
+"""The peer replica: moving a tier-0 generation between two ranks on different nodes, and the
+rounds that do it at every tier-0 save point (`Replication`: `PeerReplication` with several
+nodes, `NoReplication` with one).
 
 Tier 0 survives a crashed process but not a lost node. So each rank sends every tier-0
 generation it commits to its partner, the rank with the same local rank on the next node
-(`partner`), which keeps it in its own tier 0; a replacement node's ranks fetch theirs back
+(`partner`, storage/memory/parts.py), which keeps it in its own tier 0; a replacement node's ranks fetch theirs back
 from the same partners. With one node there is no partner, and nothing is sent.
 
 Every transfer is point to point on a gloo group of its own (never the training group, whose
@@ -23,38 +25,32 @@ verifies it, as for any generation.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from trainer.checkpoint.atomic import fsync_dir, rename_into_place, temporary_sibling
+from trainer.checkpoint.coordination import Coordinator
 from trainer.checkpoint.manifest import verify_directory
 from trainer.checkpoint.section import LocalSection
 from trainer.errors import CorruptGeneration
 from trainer.layout import generation_step
+from trainer.storage.memory.parts import MemoryPart, Place
 
-
-def partner(rank: int, world_size: int, local_world_size: int) -> int | None:
-    """The rank on the next node with the same local rank: it keeps this rank's replica. None
-    with one node (no other node to survive on)."""
-    if local_world_size >= world_size:
-        return None
-    return (rank + local_world_size) % world_size
-
-
-def keeper_of(rank: int, world_size: int, local_world_size: int) -> int | None:
-    """The rank whose replica this rank keeps (the one that has this rank as its partner)."""
-    if local_world_size >= world_size:
-        return None
-    return (rank - local_world_size) % world_size
+log = logging.getLogger("trainer")
 
 
 CHUNK_BYTES = 16 << 20
@@ -273,3 +269,121 @@ def _swap(group, send_to: int | None, outgoing, receive_from: int | None, incomi
     for work in works:
         work.wait()
     return incoming if receive_from is not None and incoming.numel() else None
+
+
+class Replication(Protocol):
+    """The replica's rounds, as a tier-0 save calls them (the loop's thread)."""
+
+    def offer(self, name: str | None) -> None:
+        """A round for this save point: `name` once committed, else nothing."""
+
+    def published(self, name: str) -> None:
+        """`name` was committed (reported by the loop)."""
+
+    def gave_up(self) -> None:
+        """The save in flight failed: its round offers nothing."""
+
+    def wait(self) -> None:
+        """Every round offered so far has ended (the attempt ends)."""
+
+    def abandon(self) -> None:
+        """After a failure: the peer may be gone, never waited for."""
+
+
+class NoReplication:
+    """One node (or no tier 0): no partner to keep a replica."""
+
+    def offer(self, name: str | None) -> None:
+        return None
+
+    def published(self, name: str) -> None:
+        return None
+
+    def gave_up(self) -> None:
+        return None
+
+    def wait(self) -> None:
+        return None
+
+    def abandon(self) -> None:
+        return None
+
+
+class PeerReplication:
+    """The peer replica (`exchange`): at every tier-0 save point, on a thread of its own
+    and a gloo group of its own, this rank sends the part it just saved to its partner once it
+    is committed (async saves commit in the background: the loop reports it, `published`), and
+    keeps the one its keeper sends. Every rank runs the same rounds in the same order (one per
+    save point; a skipped or failed save offers nothing), so the ends always meet. A failed
+    round is a warning and ends the replication for the attempt (a peer gone)."""
+
+    def __init__(self, own: MemoryPart, replica: MemoryPart, place: Place, keep: int, coordinator: Coordinator):
+        """`own`: this rank's part, sent; `replica`: its keeper's, received; `keep`: the K kept."""
+        self.own, self.replica, self.place, self.keep, self.coordinator = own, replica, place, keep, coordinator
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tier0-replica")
+        self.committing: dict[str, threading.Event] = {}
+        """Parts offered whose commit the loop has not reported yet."""
+        self.reported: set[str] = set()
+        """Parts whose commit the loop reported before their round was offered (sync saves)."""
+        self.broken = False
+        self.rounds: list[Future] = []
+
+    def offer(self, name: str | None) -> None:
+        """A round for this save point (the loop's thread): `name` once committed, else nothing."""
+        committed = None
+        if name in self.reported:
+            self.reported.discard(name)
+        elif name is not None:
+            committed = self.committing.setdefault(name, threading.Event())
+        self.rounds = [done for done in self.rounds if not done.done()] + \
+            [self.thread.submit(self._round, name, committed)]
+
+    def published(self, name: str) -> None:
+        if event := self.committing.pop(name, None):
+            event.set()
+        else:
+            self.reported.add(name)
+
+    def gave_up(self) -> None:
+        """The save in flight failed: its round offers nothing."""
+        for event in self.committing.values():
+            event.set()
+        self.committing.clear()
+
+    def _round(self, name: str | None, committed: threading.Event | None) -> None:
+        if committed is not None:
+            committed.wait()
+        if self.broken:
+            return
+        place = self.place
+        try:
+            outgoing = Outgoing(self.own.section.path(name)) if name in self.own.section.names() else None
+        except OSError:
+            outgoing = None  # pruned meanwhile: nothing this round
+        try:
+            with outgoing or contextlib.nullcontext():
+                received = exchange(self.coordinator.group, place.partner, outgoing, place.keeps_replica_of,
+                                    self.replica.section)
+            if received is not None:
+                step = generation_step(received)
+                kept = [name for name in self.replica.section.names() if generation_step(name) <= step]
+                self.replica.remove_where(lambda name: generation_step(name) > step or
+                                          name in kept[:max(0, len(kept) - self.keep)])
+        except Exception as error:  # noqa: BLE001 - a peer gone or what it sent unreadable: never ends the run
+            log.warning("tier 0's replica stopped for this attempt: %s", (str(error) or repr(error)).splitlines()[0])
+            self.broken = True
+
+    def wait(self) -> None:
+        """Every round offered so far has ended (the attempt ends: every rank calls it, after
+        every tier-0 save was committed and reported)."""
+        self.gave_up()  # nothing is in flight any more: a part never reported was never committed
+        for done in self.rounds:
+            done.result()
+        self.thread.shutdown(wait=True)
+
+    def abandon(self) -> None:
+        self.broken = True
+        self.gave_up()
+        self.thread.shutdown(wait=False, cancel_futures=True)
+
+
