@@ -342,9 +342,10 @@ IN_PLACE_SHARE = 0.75
 """DLRover's Flash Checkpoint (intelligent-machine-learning/dlrover, docs/blogs/flash_checkpoint.md):
 about 75% of the faults of its production jobs were recovered by restarting the process in place
 and reloading from host memory; the rest needed a new node (rescheduled)."""
-IN_PLACE_RESTART_S = 9.4
+IN_PLACE_RESTART_S = 3.5
 """R from a kill -9 of one rank to the next step under torchrun --max-restarts, tier 0 serving:
-`bench/restart_bench.py --quick` on the shared 2-core machine under load (imports dominate)."""
+the median of `python bench/restart_bench.py` (3.14, 3.50, 3.91 s) on the 2-core machine, quiet;
+9.4 s under load. Imports dominate (1.7-2.0 s), then the heartbeat's naming window (0.9 s)."""
 
 
 def tier0_of(scenario: Scenario, every_steps: int, save_ratio: float, restore_ratio: float,

@@ -21,7 +21,7 @@ and times from its own clock, reading every line as it comes:
                 and starts new ones; from the new record's start-up age)
   imports_s, join_s, claim_s   the new process's start-up (its record: `joined`, `startup_s`)
   restore_s     its restore (from which tier: `restored_from`)
-  first_step_s  the rest, to its first step's line (build, the step)
+  first_step_s  the rest of R, to its first step's line (build, the step)
   r_s           the failure -> that first step
 
 Fields a checkout's records do not hold (an older trainer) are None; r_s and detection_s are
@@ -129,8 +129,9 @@ def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s:
     if startup is not None and joined:
         result["claim_s"] = round(startup - joined["at_s"] - joined["join_s"], 3)
     result["restore_s"] = (restarted.get("costs") or {}).get("restore_s")
-    if restarted.get("first_step_s") is not None:
-        result["first_step_s"] = round(restarted["first_step_s"] - (result["restore_s"] or 0.0), 3)
+    parts = [result.get(k) for k in ("detection_s", "teardown_s", "imports_s", "join_s", "claim_s", "restore_s")]
+    if result["r_s"] is not None and None not in parts:  # the record is flushed later: the rest of R
+        result["first_step_s"] = round(result["r_s"] - sum(parts), 3)
     if first_step_at is None:
         result["lines"] = [line for line in seen if line.startswith("trainer:") or "exitcode" in line][-6:]
     return result
