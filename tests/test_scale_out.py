@@ -259,7 +259,7 @@ def test_pytorchjob_polyaxonfile_is_valid_and_its_launcher_reports_the_trainer_s
     assert master == worker and rendered["replicas"] == [1, 0] and rendered["nProcPerNode"] == 2
     assert "-m trainer --tracked --epochs=1 --interrupt-at-step=3 --resume=auto" in master
     assert "--allow-drift=world_size" in master and "--keep-last" not in master  # unset → not passed
-    assert '--nnodes="${PET_NNODES:-$(( 0 + 1 ))}"' in master
+    assert '--nnodes="${PET_NNODES:-$(( 0 + 1 ))}"' in master and "--max-restarts=2" in master
 
     assert "-r requirements.txt" in master  # the public base image installs them at start
 
@@ -275,7 +275,9 @@ def test_pytorchjob_polyaxonfile_is_valid_and_its_launcher_reports_the_trainer_s
     launched = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=scaled(600),
                               env=env)
     assert launched.returncode == 75, launched.stdout[-2000:] + launched.stderr[-3000:]
-    assert [r["status"] for r in attempts(tmp_path / "run")] == ["interrupted"]
+    # torchrun restarts the workers in place (restarts_in_place, 2 by default): each round resumes and
+    # is interrupted at step 3 again, until the pod fails to Polyaxon's retries with the trainer's 75
+    assert [r["status"] for r in attempts(tmp_path / "run")] == ["interrupted"] * 3
 
 
 RENDER = """
@@ -338,7 +340,11 @@ def test_launch_environment_reads_the_launcher_variables():
     assert LaunchEnvironment.from_environ({}) == LaunchEnvironment()
     assert not LaunchEnvironment.from_environ({"WORLD_SIZE": "1", "RANK": "0"}).distributed
     two = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "master", "MASTER_PORT": "29500"}
-    assert LaunchEnvironment.from_environ(two) == LaunchEnvironment(rank=1, world_size=2, local_rank=1)
+    assert LaunchEnvironment.from_environ(two) == LaunchEnvironment(rank=1, world_size=2, local_rank=1,
+                                                                    master_addr="master", master_port=29500)
+    restarted = LaunchEnvironment.from_environ({**two, "TORCHELASTIC_RESTART_COUNT": "2",
+                                                "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert (restarted.restart, restarted.agent_store) == (2, True)
     for broken, reason in [({**two, "MASTER_ADDR": ""}, "MASTER_ADDR not set"),
                            ({**two, "RANK": "2"}, "not below WORLD_SIZE"),
                            ({**two, "WORLD_SIZE": "two"}, "not an integer")]:

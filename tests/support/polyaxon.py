@@ -46,6 +46,12 @@ def check_all(env: dict, cases: list[tuple[list[Path], tuple[str, ...]]]) -> lis
 
 
 def trainer_argv(script: str) -> list[str]:
-    """The arguments after `python -m trainer` in a rendered container script."""
+    """The trainer's arguments in a rendered container script: those after `python -m trainer`,
+    or after `python -m trainer.recovery --script=FILE [--script-args=ARGS]` (your own script,
+    presets/own-script.yaml), which takes the same options."""
     tail = script.split("-m trainer", 1)[1]
-    return shlex.split(re.split(r"[;&\n]", tail)[0])
+    argv = shlex.split(re.split(r"[;&\n]", tail)[0])
+    if argv[:1] == [".recovery"]:
+        assert any(arg.startswith("--script=") for arg in argv), argv
+        argv = [arg for arg in argv[1:] if not arg.startswith(("--script=", "--script-args="))]
+    return argv

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from trainer.config import WorkloadConfig
-from trainer.run.batching import EpochBatchOrder
+from trainer.run.batching import EpochShape
 from trainer.run.streaming import DataSource, cursors, source_of
 
 
@@ -47,16 +47,22 @@ class KeyedData:
                               shuffle_buffer=self.shuffle_buffer, workload="your own loop")
 
     @property
+    def shape(self) -> EpochShape:
+        """An epoch's batches (one process: a short last batch is trained as it is)."""
+        return EpochShape(len(self.source), self.batch_size, self.settings().last_batch)
+
+    @property
     def batches_per_epoch(self) -> int:
-        return len(EpochBatchOrder(len(self.source), self.batch_size, self.seed, 0, 0))
+        return self.shape.batches
 
     def cursors(self) -> dict:
         """What a generation stores of the position beyond the progress (a stream's cursor)."""
-        return cursors(self.source, self.batch_size)
+        return cursors(self.source, self.shape, 1)
 
     def epoch_batches(self, epoch: int, start_batch: int):
         """(sample ids, batch) of one process for the rest of `epoch`, from `start_batch`."""
-        return self.source.loader(epoch, self.batch_size, start_batch, 0, 1, self.num_workers)
+        for fetched in self.source.loader(self.shape, epoch, start_batch, 0, 1, self.num_workers):
+            yield fetched.ids, fetched.batch
 
 
 class UnkeyedData:

@@ -134,7 +134,8 @@ def uneven_split(shape: EpochShape, world_size: int, named: str | None = None) -
 
     Every full batch must divide evenly: gradients are averaged per rank, and `weight` evens
     out only the last batch's shares. Under `--last-batch refuse` the last batch must too;
-    under `drop`, an epoch must hold at least one full batch."""
+    under `drop`, an epoch must hold at least one full batch. Data the trainer does not batch
+    (no samples: a library loop that reads its own, trainer/recovery/) has nothing to share."""
     named = named or f"--batch-size {shape.batch_size}"
     if shape.batch_size % world_size:
         return (f"{named} does not divide evenly across {world_size} processes (each takes an equal share of "
@@ -144,7 +145,7 @@ def uneven_split(shape: EpochShape, world_size: int, named: str | None = None) -
         return (f"{named} (last batch of an epoch: {last} of {shape.samples} samples) does not divide evenly "
                 f"across {world_size} processes under --last-batch refuse; choose sizes that are multiples of "
                 f"{world_size}, or --last-batch pad (weighted shares) or drop")
-    if shape.batches == 0:
+    if shape.samples and shape.batches == 0:
         return (f"{named} is larger than the {shape.samples} samples of an epoch, which --last-batch drop "
                 f"would leave untrained; choose a smaller batch or --last-batch pad")
     return None
