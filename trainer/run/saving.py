@@ -32,8 +32,6 @@ from trainer.layout import EXPORTS, GENERATIONS, generation_name
 from trainer.parallel.ranks import Ranks, StepAgreement
 from trainer.run.attempts import AttemptRecorder, utc_now
 from trainer.run.records import AttemptRecord
-from trainer.config import AutoCadenceConfig
-from trainer.options import AUTO
 from trainer.run.cadence import (AutoPrior, AutoSeconds, AutoSteps, CadenceChange, StepPoint, StepsChange, auto_prior,
                                  auto_trigger, build_policy, memory_policy, memory_prior)
 from trainer.run.events import TrainingEvents
@@ -90,10 +88,8 @@ class MemoryCadence:
         self.ranks, self.recorder = ranks, recorder
         settings, self.auto = config.memory, None
         self.fixed = memory_policy(settings)
-        if settings.directory is not None and settings.every_steps == AUTO:
-            bounds = AutoCadenceConfig(settings.auto_min_s, settings.auto_max_s,
-                                       config.recover.auto.assume_mtbf_s if config.recover.auto else None)
-            self.auto = AutoSteps(AutoSeconds(bounds, prior() if ranks.is_primary else AutoPrior()))
+        if settings.directory is not None and settings.auto is not None:
+            self.auto = AutoSteps(AutoSeconds(settings.auto, prior() if ranks.is_primary else AutoPrior()))
 
     def due(self, point: StepPoint) -> bool:
         """Rank 0 only (`agree_after_step`)."""
