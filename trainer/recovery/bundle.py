@@ -18,7 +18,7 @@ from trainer.cli import check_option_combinations, config_from_args, tracked_pla
 from trainer.config import RunConfig
 from trainer.flags import ALL_FLAGS, AUTO_BOUNDS
 from trainer.parallel.launch import LaunchEnvironment
-from trainer.storage.location import OnDisk
+from trainer.location import OnDisk
 
 BUNDLE_ENV = "TRAINER_RECOVERY_ARGS"
 """The trainer's options for a script the bundle runs (set by `python -m trainer.recovery`)."""

@@ -43,7 +43,7 @@ from trainer.run.runtime import resolve_device
 from trainer.run.session import AttemptSession, Outcome
 from trainer.run.state import Progress, TrainingState
 from trainer.run.witness import step_digest
-from trainer.storage.location import parse_location
+from trainer.location import parse_location
 from trainer.workload import BoundWorkload
 from trainer.recovery.bundle import bundle_options, bundled
 from trainer.recovery.data import KeyedData, UnkeyedData

@@ -19,7 +19,7 @@ import os
 
 from trainer.config import StoreConfig
 from trainer.errors import UsageError
-from trainer.storage.location import parse_store_url
+from trainer.location import parse_store_url
 from trainer.storage.object.client import ObjectStore
 
 RANGE_BYTES = 8 << 20
