@@ -41,6 +41,7 @@ from trainer.run.checksum import safe_state_digests
 from trainer.run.state import TrainingState
 from trainer.storage.base import AfterPublish, Durable, RunStorage
 from trainer.storage.memory.saves import MemorySaves
+from trainer.storage.memory.tier import MemoryTier
 from trainer.workload import Workload
 
 log = logging.getLogger("trainer")
@@ -61,6 +62,14 @@ class Lineage:
     entries the dropped ones (trainer/run/ledger.py)."""
     history: tuple[AttemptRecord, ...] = ()
     """The earlier attempts' records (`Claim.history`): what the auto cadences start from."""
+
+
+@dataclass(frozen=True)
+class SaveTargets:
+    """Where the saves go: the run directory's backend and tier 0 beside it (`storage/opening.py`)."""
+
+    storage: RunStorage
+    memory: MemoryTier
 
 
 @dataclass(frozen=True)
@@ -211,23 +220,23 @@ class Tier0Path:
 
 
 class CadencedSaves:
-    def __init__(self, config: RunConfig, storage: RunStorage, lineage: Lineage, ranks: Ranks, witnesses: Witnesses,
+    def __init__(self, config: RunConfig, targets: SaveTargets, lineage: Lineage, ranks: Ranks, witnesses: Witnesses,
                  mode: str):
         """Every rank builds its durability and the checkpointer (`mode`: sync or async) that
         writes through its commit, at the same point (an async one creates process groups)."""
         self.config, self.lineage, self.ranks = config, lineage, ranks
         self.recorder, self.events = witnesses.recorder, witnesses.events
-        self.durability = storage.durability(lineage.protected, self.recorder.folder, ranks.is_primary)
+        self.durability = targets.storage.durability(lineage.protected, self.recorder.folder, ranks.is_primary)
         self.checkpointer: Checkpointer = build_checkpointer(mode, self.durability.commit(), lineage.attempt_id,
                                                              ranks.device, ranks)
-        self.memory = storage.memory.saver(lineage.attempt_id, ranks, mode, ranks.device)  # tier 0's, same mode
+        self.memory = targets.memory.saver(lineage.attempt_id, ranks, mode, ranks.device)  # tier 0's, same mode
         self.tier0 = MemoryCadence(config, ranks, self.recorder, lambda: memory_prior(lineage.history,
                                                                                       lineage.attempt_id))
         self.ledger = SampleLedger(lineage.epoch.trained, config.workload.batch_size, lineage.epoch.dropped)
         """The samples trained on since the last generation, for the next one's manifest."""
         self.ledger_entries: dict[str, dict] = {}
         """Saved generations' ledgers, recorded in the attempt record once published."""
-        self.sections = {GENERATIONS: self.checkpointer.local, EXPORTS: storage.section(EXPORTS)}
+        self.sections = {GENERATIONS: self.checkpointer.local, EXPORTS: targets.storage.section(EXPORTS)}
         self.recover_policy = build_policy(config.recover, prior=auto_prior(
             lineage.history, lineage.attempt_id) if config.recover.auto and ranks.is_primary else None)
         self.auto = auto_trigger(self.recover_policy)
