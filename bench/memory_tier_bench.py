@@ -236,7 +236,7 @@ def async_loop(state, workload, steps: int, every: int, memory: Path) -> tuple[f
     the trainer's MemorySaves as the attempt calls it; the saves it published; the seconds the
     loop waited for staged copies (on CPU the copy runs on the stager's thread)."""
     device = torch.device("cpu")
-    tier = MemoryDirTier(MemoryTierConfig(memory, every, 1), None)
+    tier = MemoryDirTier(MemoryTierConfig(memory, every_steps=every), None)
     saves = tier.saver("bench", SingleProcess(), "async", device)
     published, waited = [], 0.0
     started = time.perf_counter()

@@ -389,7 +389,7 @@ def test_a_tier0_save_in_flight_never_holds_or_touches_a_durable_save(tmp_path, 
         return GenerationFacts(step=step, epoch=0, position=step, fingerprint={}, allowed_drift=(), cadence={},
                                created_utc="test")
     cpu, state = torch.device("cpu"), {"w": torch.arange(4096, dtype=torch.float32)}
-    tier = MemoryDirTier(MemoryTierConfig(tmp_path / "shm", 1, 1), None)
+    tier = MemoryDirTier(MemoryTierConfig(tmp_path / "shm", every_steps=1), None)
     held_open = contextlib.ExitStack()
     tier.claim(held_open)  # as the attempt does: the directory made, its lock held
     saves = tier.saver("a", SingleProcess(), "async", cpu)
@@ -443,7 +443,7 @@ def test_a_failed_background_tier0_write_is_a_warning_and_the_next_save_goes_on(
     monkeypatch.setattr(MemoryCommit, "commit", full_once)
     facts = [GenerationFacts(step=step, epoch=0, position=step, fingerprint={}, allowed_drift=(), cadence={},
                              created_utc="test") for step in (1, 2)]
-    tier, state = MemoryDirTier(MemoryTierConfig(tmp_path / "shm", 1, 1), None), {"w": torch.ones(256)}
+    tier, state = MemoryDirTier(MemoryTierConfig(tmp_path / "shm", every_steps=1), None), {"w": torch.ones(256)}
     with contextlib.ExitStack() as held:
         tier.claim(held)
         saves = tier.saver("a", SingleProcess(), "async", torch.device("cpu"))

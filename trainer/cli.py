@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import NoReturn
 
 from trainer import compat, seams
-from trainer.config import DEFAULT_WORKLOAD, AutoCadenceConfig, MemoryTierConfig, RunConfig, SigningConfig, StoreConfig, WorkloadConfig
+from trainer.config import DEFAULT_WORKLOAD, AutoCadenceConfig, RunConfig, SigningConfig, StoreConfig, WorkloadConfig
 from trainer.checkpoint.signing import KEY_FILE_ENV, load_signing
 from trainer.flags import (STORE_GROUP, ShowDefaults, add_flags, changed_memory_flags, changed_store_flags,
-                           config_from_values, given_settings)
+                           config_from_values, default_of, given_settings)
 from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_failure
 from trainer.location import ClaimedByPrimary, OnDisk, Location
 from trainer.run.fingerprint import FIELDS
@@ -113,10 +113,10 @@ def add_signing_options(group, adopt: bool = False) -> None:
 
 def add_auto_cadence_options(group) -> None:
     """The bounds of `--recover-every-secs auto`: one AutoCadenceConfig from three options."""
-    group.add_argument("--recover-auto-min-secs", type=positive_float, default=AutoCadenceConfig.min_s, metavar="S",
-                       help="with auto: shortest interval, and the first one until a save cost is known")
-    group.add_argument("--recover-auto-max-secs", type=positive_float, default=AutoCadenceConfig.max_s, metavar="S",
-                       help="with auto: longest interval")
+    group.add_argument("--recover-auto-min-secs", type=positive_float, default=default_of("recover.auto.min_s"),
+                       metavar="S", help="with auto: shortest interval, and the first one until a save cost is known")
+    group.add_argument("--recover-auto-max-secs", type=positive_float, default=default_of("recover.auto.max_s"),
+                       metavar="S", help="with auto: longest interval")
     add_assume_mtbf_option(group, "with auto: mean time between failures to plan with while the run has seen "
                                   "fewer than 3 (e.g. the cluster's; default: the run's own history)")
 
@@ -130,8 +130,8 @@ def add_assume_mtbf_option(group, text: str) -> None:
 
 def check_auto_cadence(args: argparse.Namespace) -> None:
     check_auto_options("--recover-every-secs", args.recover_every_secs == AUTO,
-                       {"--recover-auto-min-secs": (args.recover_auto_min_secs, AutoCadenceConfig.min_s),
-                        "--recover-auto-max-secs": (args.recover_auto_max_secs, AutoCadenceConfig.max_s),
+                       {"--recover-auto-min-secs": (args.recover_auto_min_secs, default_of("recover.auto.min_s")),
+                        "--recover-auto-max-secs": (args.recover_auto_max_secs, default_of("recover.auto.max_s")),
                         "--assume-mtbf-secs": (args.assume_mtbf_secs, AutoCadenceConfig.assume_mtbf_s)})
 
 
@@ -147,10 +147,10 @@ def check_auto_options(trigger: str, auto: bool, options: dict[str, tuple]) -> N
         raise UsageError(f"{low_option} {low:g} is above {high_option} {high:g}; make the minimum the smaller")
 
 
-def auto_cadence(args: argparse.Namespace) -> AutoCadenceConfig | None:
-    if args.recover_every_secs != AUTO:
-        return None
-    return AutoCadenceConfig(args.recover_auto_min_secs, args.recover_auto_max_secs, args.assume_mtbf_secs)
+def auto_cadence(trigger: object, low: float, high: float, assume_mtbf_s: float | None) -> AutoCadenceConfig | None:
+    """Either auto cadence's configuration (None: its `trigger` option is not auto): its bounds,
+    and the M to plan with (`--assume-mtbf-secs`, given only with `--recover-every-secs auto`)."""
+    return AutoCadenceConfig(low, high, assume_mtbf_s) if trigger == AUTO else None
 
 
 def signing_config(args: argparse.Namespace) -> SigningConfig:
@@ -167,8 +167,8 @@ def check_memory_tier(args: argparse.Namespace) -> None:
         raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --memory-dir; "
                          f"add it (e.g. --memory-dir /dev/shm/RUN), or drop {'it' if len(given) == 1 else 'them'}")
     check_auto_options("--memory-every-steps", args.memory_every_steps == AUTO,
-                       {"--memory-auto-min-secs": (args.memory_auto_min_secs, MemoryTierConfig.auto_min_s),
-                        "--memory-auto-max-secs": (args.memory_auto_max_secs, MemoryTierConfig.auto_max_s)})
+                       {"--memory-auto-min-secs": (args.memory_auto_min_secs, default_of("memory.auto.min_s")),
+                        "--memory-auto-max-secs": (args.memory_auto_max_secs, default_of("memory.auto.max_s"))})
 
 
 def check_option_combinations(args: argparse.Namespace, launch: LaunchEnvironment) -> None:
@@ -223,7 +223,11 @@ def config_from_args(args: argparse.Namespace, argv: list[str], location: Locati
     config = config_from_values(args, tuple((name, getattr(args, name)) for name in workload_options),
                                 location=location.with_local_tier(args.local_tier),  # beats the default tier
                                  signing=signing_config(args), argv=tuple(argv))
-    return replace(config, recover=replace(config.recover, auto=auto_cadence(args)),
+    mtbf_s = args.assume_mtbf_secs
+    recover_auto = auto_cadence(args.recover_every_secs, args.recover_auto_min_secs, args.recover_auto_max_secs, mtbf_s)
+    memory_auto = auto_cadence(args.memory_every_steps, args.memory_auto_min_secs, args.memory_auto_max_secs, mtbf_s)
+    return replace(config, recover=replace(config.recover, auto=recover_auto),
+                   memory=replace(config.memory, auto=memory_auto),
                    workload=replace(config.workload, given=getattr(args, "given_settings", frozenset())))
 
 

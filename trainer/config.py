@@ -116,6 +116,11 @@ class AutoCadenceConfig:
     the cluster's known rate). None: the run's own history, as a lower bound."""
 
 
+TIER0_AUTO = AutoCadenceConfig(min_s=1.0, max_s=600.0)
+"""Tier 0's auto bounds unless given (`--memory-auto-min-secs`, `--memory-auto-max-secs`): a
+tier-0 save is cheap, so never more often than every second, and at least every ten minutes."""
+
+
 @dataclass(frozen=True)
 class CadenceConfig:
     """When each save path fires. Any trigger that is set fires (an "any of" policy)."""
@@ -124,7 +129,8 @@ class CadenceConfig:
     every_steps: int | None = None
     every_s: float | None = None
     auto: AutoCadenceConfig | None = None
-    """Recovery only: a seconds trigger whose interval is derived from measurements."""
+    """Recovery only: `--recover-every-secs auto`, a seconds trigger whose interval is derived
+    from measurements, within these bounds (AutoCadenceConfig's defaults unless given)."""
 
 
 @dataclass(frozen=True)
@@ -241,15 +247,13 @@ class MemoryTierConfig:
     directory: Path | None = None
     """`--memory-dir`: a directory on a memory filesystem (/dev/shm/…, an emptyDir with
     `medium: Memory`); None: no tier 0."""
-    every_steps: int | str = 10
+    every_steps: int | None = 10
     """A tier-0 generation every N optimizer steps (steps where a durable one is saved skip it);
-    "auto": N follows tier 0's measured save cost and the run's failure rate (Daly, in steps at
-    the attempt's step time; trainer/run/cadence.py `AutoSteps`)."""
-    auto_min_s: float = 1.0
-    """With auto: the shortest interval in seconds (never more often, however cheap a tier-0
-    save), and the one used until a tier-0 save is measured."""
-    auto_max_s: float = 600.0
-    """With auto: the longest interval in seconds."""
+    None with `auto`."""
+    auto: AutoCadenceConfig | None = None
+    """`--memory-every-steps auto`: N follows tier 0's measured save cost and the run's failure
+    rate (Daly, in steps at the attempt's step time; trainer/run/cadence.py `AutoSteps`), within
+    these bounds (`TIER0_AUTO`'s unless given)."""
     keep: int = 2
     """Newest tier-0 generations kept (K); a save prunes to K - 1 before it writes."""
     max_bytes: int | None = None

@@ -12,17 +12,24 @@ import argparse
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from trainer.config import CHECKPOINT_MODES, RunConfig
+from trainer.config import CHECKPOINT_MODES, TIER0_AUTO, AutoCadenceConfig, RunConfig
 from trainer.options import (AUTO, non_negative_float, non_negative_int, path_argument, positive_float,
                              positive_float_or_auto, positive_int, positive_int_or_auto)
 
 DEFAULTS = RunConfig(location=None)
 """Where every flag's default comes from (its location is never read)."""
 _WAIT, _PEER_WAIT = DEFAULTS.background_wait, DEFAULTS.peer_wait
+AUTO_BOUNDS = {"recover.auto": AutoCadenceConfig(), "memory.auto": TIER0_AUTO}
+"""Each auto cadence's bounds unless given: its options set a field of an AutoCadenceConfig
+that exists only with `auto` (trainer/cli.py `auto_cadence`), so `config_from_values` leaves them."""
 
 
 def default_of(path: str):
-    """The default of a field named `section.field` (or a field of RunConfig itself)."""
+    """The default of a field named `section.field` (or a field of RunConfig itself), or of an
+    auto cadence's bound (`section.auto.field`)."""
+    bounds, _, name = path.rpartition(".")
+    if bounds in AUTO_BOUNDS:
+        return getattr(AUTO_BOUNDS[bounds], name)
     value = DEFAULTS
     for part in path.split("."):
         value = getattr(value, part)
@@ -140,14 +147,15 @@ GROUPS: dict[str, list[Flag]] = {
                   "own, and with several nodes each rank's part is replicated to a partner on the next node "
                   "(default: off)"),
         Flag("--memory-every-steps", "memory.every_steps", metavar="N|auto", type=positive_int_or_auto,
+             to_config=lambda value: None if value == AUTO else value,
              help="a tier-0 generation every N optimizer steps (the durable cadence stays as it is); auto: N "
                   "from tier 0's measured save cost (the seconds a tier-0 save held the loop) and the run's "
                   "failure rate (Daly, as --recover-every-secs auto), at the attempt's seconds per step, "
                   "re-derived after every tier-0 save; each change is logged and recorded"),
-        Flag("--memory-auto-min-secs", "memory.auto_min_s", metavar="S", type=positive_float,
+        Flag("--memory-auto-min-secs", "memory.auto.min_s", metavar="S", type=positive_float,
              help="with --memory-every-steps auto: shortest interval in seconds, and the first one until a "
                   "tier-0 save is measured"),
-        Flag("--memory-auto-max-secs", "memory.auto_max_s", metavar="S", type=positive_float,
+        Flag("--memory-auto-max-secs", "memory.auto.max_s", metavar="S", type=positive_float,
              help="with --memory-every-steps auto: longest interval in seconds"),
         Flag("--memory-keep", "memory.keep", metavar="K", type=positive_int,
              help="newest tier-0 generations kept"),
@@ -250,6 +258,8 @@ def config_from_values(args: argparse.Namespace, workload_options: tuple[tuple[s
     top, nested = dict(given), {"workload": {"options": workload_options}}
     for flag in ALL_FLAGS:
         section, _, name = flag.path.rpartition(".")
+        if section in AUTO_BOUNDS:
+            continue
         (nested.setdefault(section, {}) if section else top)[name] = flag.to_config(getattr(args, flag.dest))
     return replace(DEFAULTS, **top, **{section: replace(default_of(section), **values)
                                        for section, values in nested.items()})

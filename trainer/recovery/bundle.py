@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from trainer.cli import check_option_combinations, config_from_args, tracked_placement, trainer_parser
 from trainer.config import RunConfig
-from trainer.flags import ALL_FLAGS
+from trainer.flags import ALL_FLAGS, AUTO_BOUNDS
 from trainer.parallel.launch import LaunchEnvironment
 from trainer.location import OnDisk
 
@@ -48,13 +48,19 @@ def bundled(script: RunConfig, argv: list[str]):
     given = config_from_args(args, argv, location, ())
     config = replace(script, location=given.location, argv=script.argv + tuple(argv), signing=given.signing)
     for flag in ALL_FLAGS:
-        if any(arg == flag.flag or arg.startswith(flag.flag + "=") for arg in argv):
+        if flag.path.rpartition(".")[0] not in AUTO_BOUNDS and given_on(argv, flag.flag):
             config = with_field(config, flag.path, field_value(given, flag.path))
     if given.recover.auto is not None:
         config = replace(config, recover=replace(config.recover, auto=given.recover.auto))
+    if given_on(argv, "--memory-every-steps"):  # N or auto, as given
+        config = replace(config, memory=replace(config.memory, auto=given.memory.auto))
     if events is not None:
         events.seed_if_copy(placement, config.store_config)  # `ops restart --copy`
     return config, events
+
+
+def given_on(argv: list[str], option: str) -> bool:
+    return any(arg == option or arg.startswith(option + "=") for arg in argv)
 
 
 def field_value(config: RunConfig, path: str):

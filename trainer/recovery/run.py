@@ -148,7 +148,7 @@ class RecoveryRun:
         try:
             self.events.attempt_started(self.session.recorder.record)
             if self.claim.generation is not None:
-                Restorer(config, self.session.storage, self.ranks, self.workload).restore(
+                Restorer(config, self.session.storage, self.session.memory, self.ranks, self.workload).restore(
                     self.claim, self.state, checked.drift, self.saves, self.session.recorder)
             self.session.recorder.reached(self.state.progress.global_step, first=True)
         except BaseException as error:

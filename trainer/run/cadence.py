@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from trainer.config import AutoCadenceConfig, CadenceConfig, MemoryTierConfig
-from trainer.options import AUTO
 from trainer.run.interval import FailureRate, best_interval, clamp
 from trainer.run.records import AttemptRecord, attempts_that_trained, failure_rate, lifetime
 
@@ -345,7 +344,7 @@ def build_policy(config: CadenceConfig, clock: Callable[[], float] = time.monoto
 def memory_policy(settings: MemoryTierConfig) -> AnyOf:
     """Tier 0's fixed cadence: every `--memory-every-steps` N steps; nothing with no
     `--memory-dir` (`auto` is `AutoSteps`, built with its prior)."""
-    fixed = settings.directory is not None and settings.every_steps != AUTO
+    fixed = settings.directory is not None and settings.every_steps
     return AnyOf([EverySteps(settings.every_steps)] if fixed else [])
 
 

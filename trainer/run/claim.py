@@ -25,6 +25,7 @@ from trainer.errors import CorruptGeneration, DecidedOnPrimary, UsageError
 from trainer.run.records import DISK, MEMORY, PEER, STORE, AttemptRecord, read_attempt_records, went_back
 from trainer.storage.base import NOTHING_MOVED, RunStorage, Transfer
 from trainer.storage.memory.choice import Holding, disagreement, newer_than
+from trainer.storage.memory.tier import MemoryTier
 
 log = logging.getLogger("trainer")
 
@@ -76,9 +77,11 @@ class Claim:
 class Claimant:
     """Rank 0's claim. What it found stays readable after a refusal, for the refused record."""
 
-    def __init__(self, config: RunConfig, storage: RunStorage, one_pass: bool = False):
+    def __init__(self, config: RunConfig, storage: RunStorage, memory: MemoryTier, one_pass: bool = False):
         self.config = config
         self.storage = storage
+        self.memory = memory
+        """Tier 0 (`storage/opening.py` `open_memory_tier`): every rank holds its own, rank 0 chooses."""
         self.one_pass = one_pass
         """The backend may leave a durable generation's shard hashes to the load (one rank)."""
         self.held: RunDirectory | None = None
@@ -99,7 +102,7 @@ class Claimant:
         self.history = tuple(read_attempt_records(storage.local.root))
         newer = newer_than(holdings, durable, went_back(self.history),  # tier 0 first: the fastest
                            run_identity(storage.local))
-        where = storage.generations_where + (f" and tier 0 ({storage.memory.where})" if newer else "")
+        where = storage.generations_where + (f" and tier 0 ({self.memory.where})" if newer else "")
         self.considered = choose_candidate(durable + list(newer), config.resume, config.from_generation, where)
         identity = storage.go_ahead(attempt_id, config.adopt_from)  # what the generation must belong to, tier 0 too
         if self.considered in newer:  # every rank verifies its own part next (`settle`)
@@ -133,7 +136,7 @@ class Claimant:
             "no durable generation to restore instead"
         log.warning("tier 0 refused %s (%s): %s", name, problem, instead)
         if not earlier:
-            raise CorruptGeneration(f"tier-0 generation {name} in {self.storage.memory.where} does not verify "
+            raise CorruptGeneration(f"tier-0 generation {name} in {self.memory.where} does not verify "
                                     f"({problem}) and no durable generation is older; remove it to start over")
         self.considered = earlier[-1]
         generation, download = self.storage.restorable(earlier[-1], self.durable, self.one_pass)
@@ -145,7 +148,7 @@ def claim_on_every_rank(claimant: Claimant, ranks: Coordinator, attempt_id: str,
     """Every rank checks that tier 0 was given alike everywhere, holds its own tier 0 and says
     what it holds; rank 0 claims the run directory and chooses; then, if it chose a tier-0
     generation, every rank makes sure of its own part (`settle`)."""
-    memory = claimant.storage.memory
+    memory = claimant.memory
     problem = disagreement(ranks.gather(memory.agreement(), "comparing tier 0's options")) \
         if ranks.distributed else None
     if problem:  # before anything is written: the tier-0 rounds would wait on each other
@@ -167,7 +170,7 @@ def settle(claimant: Claimant, ranks: Coordinator, claim: Claim, holdings: list[
     part is missing (a replaced node) or damaged has a replica on another rank (several nodes),
     they fetch them from those partners; when some part still cannot serve, rank 0 restores the
     newest earlier durable generation instead. Every rank learns the same outcome."""
-    memory, started, name, attempt = claimant.storage.memory, time.monotonic(), claim.memory, claim.memory_attempt
+    memory, started, name, attempt = claimant.memory, time.monotonic(), claim.memory, claim.memory_attempt
     problems = {rank: problem for rank, problem in enumerate(ranks.gather(memory.problem(name, attempt),
                                                                             f"verifying tier 0's {name}")) if problem}
     if problems and ranks.distributed and all(replicated(holdings, rank, name, attempt) for rank in problems):

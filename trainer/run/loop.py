@@ -72,7 +72,7 @@ class TrainingRun:
               preemption: PreemptionGuard) -> Outcome:
         training: Training = build_training(self.config, self.workload, self.ranks, dataset)
         if claim.generation is not None:
-            Restorer(self.config, self.session.storage, self.ranks, self.workload).restore(
+            Restorer(self.config, self.session.storage, self.session.memory, self.ranks, self.workload).restore(
                 claim, training.state, drift, saves, self.recorder)
         state = training.state
         self.recorder.reached(state.progress.global_step, first=True)

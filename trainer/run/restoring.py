@@ -20,14 +20,16 @@ from trainer.run.state import TrainingState
 from trainer.run.checksum import safe_state_digests
 from trainer.run.witness import restore_problem
 from trainer.storage.base import RunStorage
+from trainer.storage.memory.tier import MemoryTier
 from trainer.workload import BoundWorkload
 
 log = logging.getLogger("trainer")
 
 
 class Restorer:
-    def __init__(self, config: RunConfig, storage: RunStorage, ranks: Ranks, workload: BoundWorkload):
-        self.config, self.storage, self.ranks, self.workload = config, storage, ranks, workload
+    def __init__(self, config: RunConfig, storage: RunStorage, memory: MemoryTier, ranks: Ranks,
+                 workload: BoundWorkload):
+        self.config, self.storage, self.memory, self.ranks, self.workload = config, storage, memory, ranks, workload
 
     def restore(self, claim: Claim, state: TrainingState, drift: tuple[str, ...], saves: CadencedSaves,
                 recorder: AttemptRecorder) -> None:
@@ -51,7 +53,7 @@ class Restorer:
         recorder.set_aside(self.ranks.decide_on_primary(lambda: self.abandon_later_line(restored.step),
                                                         "setting aside the abandoned line"))
         if not self.ranks.is_primary and self.config.from_generation is not None:
-            self.storage.memory.set_aside_later_than(restored.step)  # each rank's own tier 0
+            self.memory.set_aside_later_than(restored.step)  # each rank's own tier 0
         log.info("restored %s (step=%d epoch=%d position=%d) from %s in %.3fs (%d bytes)", restored.name,
                  progress.global_step, progress.epoch, progress.position, RESTORED_FROM[tier], recorder.restore_s,
                  claim.restored_bytes)
@@ -114,7 +116,7 @@ class Restorer:
         if self.config.from_generation is None:
             return []
         abandoned = self.storage.set_aside_later_than(restored_step) + \
-            self.storage.memory.set_aside_later_than(restored_step)
+            self.memory.set_aside_later_than(restored_step)
         if abandoned:
             log.warning("went back to %s: set aside %d later generations and exports (%s), kept as "
                         "superseded copies", self.config.from_generation, len(abandoned), ", ".join(abandoned))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 from torch import nn
 
@@ -32,16 +32,16 @@ from trainer.layout import EXPORTS, GENERATIONS, generation_name
 from trainer.parallel.ranks import Ranks, StepAgreement
 from trainer.run.attempts import AttemptRecorder, utc_now
 from trainer.run.records import AttemptRecord
-from trainer.config import AutoCadenceConfig
-from trainer.options import AUTO
-from trainer.run.cadence import (AutoPrior, AutoSeconds, AutoSteps, CadenceChange, StepPoint, StepsChange, auto_prior,
-                                 auto_trigger, build_policy, memory_policy, memory_prior)
+from trainer.run.cadence import (AnyOf, AutoPrior, AutoSeconds, AutoSteps, CadenceChange, StepPoint, StepsChange,
+                                 auto_prior, auto_trigger, build_policy, memory_policy, memory_prior)
 from trainer.run.events import TrainingEvents
 from trainer.run.batching import EpochShape
 from trainer.run.ledger import SampleLedger
 from trainer.run.checksum import safe_state_digests
 from trainer.run.state import TrainingState
 from trainer.storage.base import AfterPublish, Durable, RunStorage
+from trainer.storage.memory.saves import MemorySaves
+from trainer.storage.memory.tier import MemoryTier
 from trainer.workload import Workload
 
 log = logging.getLogger("trainer")
@@ -62,6 +62,14 @@ class Lineage:
     entries the dropped ones (trainer/run/ledger.py)."""
     history: tuple[AttemptRecord, ...] = ()
     """The earlier attempts' records (`Claim.history`): what the auto cadences start from."""
+
+
+@dataclass(frozen=True)
+class SaveTargets:
+    """Where the saves go: the run directory's backend and tier 0 beside it (`storage/opening.py`)."""
+
+    storage: RunStorage
+    memory: MemoryTier
 
 
 @dataclass(frozen=True)
@@ -90,10 +98,8 @@ class MemoryCadence:
         self.ranks, self.recorder = ranks, recorder
         settings, self.auto = config.memory, None
         self.fixed = memory_policy(settings)
-        if settings.directory is not None and settings.every_steps == AUTO:
-            bounds = AutoCadenceConfig(settings.auto_min_s, settings.auto_max_s,
-                                       config.recover.auto.assume_mtbf_s if config.recover.auto else None)
-            self.auto = AutoSteps(AutoSeconds(bounds, prior() if ranks.is_primary else AutoPrior()))
+        if settings.directory is not None and settings.auto is not None:
+            self.auto = AutoSteps(AutoSeconds(settings.auto, prior() if ranks.is_primary else AutoPrior()))
 
     def due(self, point: StepPoint) -> bool:
         """Rank 0 only (`agree_after_step`)."""
@@ -119,30 +125,128 @@ class MemoryCadence:
                 cadence_changed(self.ranks, self.recorder, change, step, "memory_cadence_changes")
 
 
+class SavePath(Protocol):
+    """One save path as `CadencedSaves` drives it: the durable one (`DurablePath`) and tier 0
+    (`Tier0Path`) answer the same verbs. Each hands what its saver published during the call to
+    whoever hears of it (the attempt record, retention, its auto cadence)."""
+
+    def due(self, agreed: StepAgreement, final: bool) -> bool:
+        """Whether it saves after this step (rank 0's policy decided it: `Ranks.agree_after_step`)."""
+
+    def save(self, state: TrainingState, ledger: SampleLedger, facts: Facts) -> None:
+        """A generation of `state`; `facts(state, state_dict, ledger)` says what its manifest says."""
+
+    def committed(self, step: int) -> None:
+        """Polled after every step: what committed in the background meanwhile."""
+
+    def wait_for_staging(self) -> float:
+        """Right before the next optimizer step: the staged copy is complete; the seconds waited."""
+
+    def finalize(self, step: int) -> None:
+        """The attempt ends: everything in flight published."""
+
+    def close_after_failure(self, peers_lost: bool) -> None:
+        """After a failure: finish what is in flight (unless it waits on a lost peer); never raises."""
+
+
+Facts = Callable[[TrainingState, dict, SampleLedger], GenerationFacts]
+
+
+class DurablePath:
+    """Recovery generations through the checkpointer, on the recovery cadence, at the end and
+    on a stop signal. What an async save published is learned at its next save or at the end,
+    where the ranks agree on it (never polled). Its uploads are agreed on before each save and
+    drained when it ends (`CadencedSaves.agree_on_uploads`, `drain_uploads`)."""
+
+    def __init__(self, checkpointer: Checkpointer, policy: AnyOf, heard: Callable[..., None],
+                 uploads: tuple[Callable[[], None], Callable[[], None]], ledger_entries: dict[str, dict]):
+        self.checkpointer, self.policy, self.heard = checkpointer, policy, heard
+        (self.agree_on_uploads, self.drain_uploads), self.ledger_entries = uploads, ledger_entries
+
+    def due(self, agreed: StepAgreement, final: bool) -> bool:
+        return agreed.recover or final or agreed.preempt
+
+    def save(self, state: TrainingState, ledger: SampleLedger, facts: Facts) -> None:
+        """`ledger` moves on: the next generation covers the samples since this one."""
+        self.agree_on_uploads()
+        state_dict = state.state_dict()
+        made = facts(state, state_dict, ledger)
+        self.ledger_entries[generation_name(made.step)] = made.ledger
+        self.heard(self.checkpointer.save(state_dict, made), state.progress.global_step)
+        self.policy.saved()
+
+    def committed(self, step: int) -> None:
+        return None
+
+    def wait_for_staging(self) -> float:
+        return self.checkpointer.wait_for_staging()
+
+    def finalize(self, step: int) -> None:
+        self.heard(self.checkpointer.finalize(), step)
+        self.drain_uploads()
+
+    def close_after_failure(self, peers_lost: bool) -> None:
+        self.heard([] if peers_lost else self.checkpointer.close_after_failure(), None, prune=False)
+
+
+class Tier0Path:
+    """Tier-0 generations (`MemorySaves`) on tier 0's cadence (`MemoryCadence`), polled after
+    every step; where a durable save fires it is skipped."""
+
+    def __init__(self, saves: MemorySaves, cadence: MemoryCadence):
+        self.saves, self.cadence = saves, cadence
+
+    def due(self, agreed: StepAgreement, final: bool) -> bool:
+        return agreed.memory
+
+    def save(self, state: TrainingState, ledger: SampleLedger, facts: Facts) -> None:
+        """The ledger entry is taken from a copy: the next durable generation still covers every
+        sample since the previous durable one."""
+        state_dict = state.state_dict()
+        self.cadence.published(self.saves.save(state_dict, facts(state, state_dict, copy.copy(ledger))),
+                               state.progress.global_step)
+
+    def committed(self, step: int) -> None:
+        self.cadence.published(self.saves.completed(), step)
+
+    def wait_for_staging(self) -> float:
+        return self.saves.wait_for_staging()
+
+    def finalize(self, step: int) -> None:
+        self.cadence.published(self.saves.finalize())  # the attempt ends: no re-derivation
+
+    def close_after_failure(self, peers_lost: bool) -> None:
+        self.cadence.published(self.saves.close_after_failure())  # no tier-0 writer outlives the attempt
+
+
 class CadencedSaves:
-    def __init__(self, config: RunConfig, storage: RunStorage, lineage: Lineage, ranks: Ranks, witnesses: Witnesses,
+    def __init__(self, config: RunConfig, targets: SaveTargets, lineage: Lineage, ranks: Ranks, witnesses: Witnesses,
                  mode: str):
         """Every rank builds its durability and the checkpointer (`mode`: sync or async) that
         writes through its commit, at the same point (an async one creates process groups)."""
         self.config, self.lineage, self.ranks = config, lineage, ranks
         self.recorder, self.events = witnesses.recorder, witnesses.events
-        self.durability = storage.durability(lineage.protected, self.recorder.folder, ranks.is_primary)
+        self.durability = targets.storage.durability(lineage.protected, self.recorder.folder, ranks.is_primary)
         self.checkpointer: Checkpointer = build_checkpointer(mode, self.durability.commit(), lineage.attempt_id,
                                                              ranks.device, ranks)
-        self.memory = storage.memory.saver(lineage.attempt_id, ranks, mode, ranks.device)  # tier 0's, same mode
+        self.memory = targets.memory.saver(lineage.attempt_id, ranks, mode, ranks.device)  # tier 0's, same mode
         self.tier0 = MemoryCadence(config, ranks, self.recorder, lambda: memory_prior(lineage.history,
                                                                                       lineage.attempt_id))
         self.ledger = SampleLedger(lineage.epoch.trained, config.workload.batch_size, lineage.epoch.dropped)
         """The samples trained on since the last generation, for the next one's manifest."""
         self.ledger_entries: dict[str, dict] = {}
         """Saved generations' ledgers, recorded in the attempt record once published."""
-        self.sections = {GENERATIONS: self.checkpointer.local, EXPORTS: storage.section(EXPORTS)}
+        self.sections = {GENERATIONS: self.checkpointer.local, EXPORTS: targets.storage.section(EXPORTS)}
         self.recover_policy = build_policy(config.recover, prior=auto_prior(
             lineage.history, lineage.attempt_id) if config.recover.auto and ranks.is_primary else None)
         self.auto = auto_trigger(self.recover_policy)
         """`--recover-every-secs auto`: re-derived after every recovery save (rank 0 decides)."""
         if self.auto is not None:
             cadence_changed(ranks, self.recorder, self.auto.current, None)
+        self.durable = DurablePath(self.checkpointer, self.recover_policy, self.record_generations,
+                                   (self.agree_on_uploads, self.drain_uploads), self.ledger_entries)
+        self.paths: tuple[SavePath, ...] = (self.durable, Tier0Path(self.memory, self.tier0))
+        """Where both are due after a step, the first saves."""
         self.export_policy = build_policy(config.export)
         self.sharded = ranks.distributed and config.workload.data_parallel == "fsdp"
         self.upload_failure: TrainerError | None = None
@@ -165,17 +269,16 @@ class CadencedSaves:
                                            lambda: self.tier0.due(point))
 
     def wait_for_staging(self) -> None:
-        """Both staged copies (a durable save's, a tier-0 save's) complete before the state changes."""
-        self.recorder.waited(self.checkpointer.wait_for_staging() + self.memory.wait_for_staging())
+        """Every path's staged copy is complete before the state changes."""
+        self.recorder.waited(sum(path.wait_for_staging() for path in self.paths))
 
     def after_step(self, state: TrainingState, model: nn.Module, workload: Workload, agreed: StepAgreement,
                    final: bool) -> None:
         self.record_durable(self.completed())
-        self.tier0.published(self.memory.completed(), state.progress.global_step)
-        if agreed.recover or final or agreed.preempt:
-            self.save_generation(state)
-        elif agreed.memory:
-            self.save_to_memory(state)
+        for path in self.paths:
+            path.committed(state.progress.global_step)
+        if (due := next((path for path in self.paths if path.due(agreed, final)), None)) is not None:
+            self.save(due, state)
         if agreed.export or final:
             self.save_export(state, model, workload)
 
@@ -202,21 +305,11 @@ class CadencedSaves:
             raise_if_any_failed(self.ranks, self.upload_failure, "uploading to the object store")
 
     def save_generation(self, state: TrainingState) -> None:
-        self.agree_on_uploads()
-        state_dict = state.state_dict()
-        facts = self.facts(state, state_dict, self.ledger)
-        self.ledger_entries[generation_name(facts.step)] = facts.ledger
-        self.record_generations(self.checkpointer.save(state_dict, facts), state.progress.global_step)
-        self.recover_policy.saved()
-        self.tier0.saved(state.progress.global_step)  # as new as a tier-0 save
+        self.save(self.durable, state)
 
-    def save_to_memory(self, state: TrainingState) -> None:
-        """A tier-0 generation: the same facts, its ledger entry taken from a copy (the next
-        durable generation still covers every sample since the previous durable one)."""
-        state_dict = state.state_dict()
-        self.tier0.published(self.memory.save(state_dict, self.facts(state, state_dict, copy.copy(self.ledger))),
-                             state.progress.global_step)
-        self.tier0.saved(state.progress.global_step)
+    def save(self, path: SavePath, state: TrainingState) -> None:
+        path.save(state, self.ledger, self.facts)
+        self.tier0.saved(state.progress.global_step)  # a durable save is as new as a tier-0 one
 
     def facts(self, state: TrainingState, state_dict: dict, ledger: SampleLedger) -> GenerationFacts:
         """What a generation's manifest says besides its files (`ledger` gives its entry and moves on)."""
@@ -258,20 +351,24 @@ class CadencedSaves:
         self.ranks.decide_on_primary(acted, what)
 
     def finalize(self, step: int) -> None:
-        """Drain the save in flight (it publishes), then the uploads (they make it durable),
-        before the attempt ends."""
-        self.record_generations(self.checkpointer.finalize(), step)
-        self.record_durable(self.held_for_every_rank(self.durability.drain, ()))
-        self.agree_on_uploads()
-        self.durability.close()
-        self.tier0.published(self.memory.finalize())
+        """Every path drains its save in flight (it publishes), the durable one its uploads too
+        (they make it durable), before the attempt ends."""
+        for path in self.paths:
+            path.finalize(step)
         newest = self.generations.names()[-1:] + [self.recorder.newest_generation or ""]  # the record's: no local copy
         self.memory.retire(sorted(name for name in newest if name)[-1:])  # older: never restored (none durable: none)
 
+    def drain_uploads(self) -> None:
+        """The durable path ends: what is published becomes durable, and every rank learns of a failure."""
+        self.record_durable(self.held_for_every_rank(self.durability.drain, ()))
+        self.agree_on_uploads()
+        self.durability.close()
+
     def close_after_failure(self, peers_lost: bool = False) -> None:
-        """After a failure: finish what is in flight (unless it waits on a lost peer); never raises."""
-        self.record_generations([] if peers_lost else self.checkpointer.close_after_failure(), None, prune=False)
-        self.tier0.published(self.memory.close_after_failure())  # no tier-0 writer outlives the attempt
+        """After a failure: every path finishes what is in flight (unless it waits on a lost
+        peer), then the uploads drain; never raises."""
+        for path in self.paths:
+            path.close_after_failure(peers_lost)
         try:  # what is published may still become durable
             self.record_durable([] if peers_lost else self.durability.drain())
         except Exception as error:  # noqa: BLE001 - the original failure is what ends the attempt

@@ -28,9 +28,9 @@ from trainer.run.failures import attributed
 from trainer.run.preemption import PreemptionGuard
 from trainer.run.recording import Checked, check_attempt, record_refusal, start_record
 from trainer.run.records import COMPLETED, PREEMPTED
-from trainer.run.saving import CadencedSaves, Lineage, Witnesses
+from trainer.run.saving import CadencedSaves, Lineage, SaveTargets, Witnesses
 from trainer.run.state import TrainingState
-from trainer.storage.opening import open_storage
+from trainer.storage.opening import open_memory_tier, open_storage
 from trainer.workload import BoundWorkload
 
 log = logging.getLogger("trainer")
@@ -53,7 +53,8 @@ class AttemptSession:
         self.config, self.ranks, self.events = config, ranks, events
         self.attempt_id, self.started = new_attempt_id(), time.monotonic()
         self.storage = open_storage(config, ranks.launch)
-        self.claimant = Claimant(config, self.storage, one_pass=ranks.world_size == 1)
+        self.memory = open_memory_tier(config, ranks.launch, self.storage.signing)
+        self.claimant = Claimant(config, self.storage, self.memory, one_pass=ranks.world_size == 1)
         self.recorder: AttemptRecorder | None = None
         """This attempt's record once started (it then records its own end)."""
 
@@ -96,7 +97,8 @@ class AttemptSession:
                           frozenset([generation.name]) if generation else frozenset(), checked.shape, claim.history)
         if claim.download.bytes:
             recorder.downloaded(claim.download.seconds, claim.download.bytes)
-        saves = CadencedSaves(config, self.storage, lineage, ranks, Witnesses(recorder, self.events), checked.mode)
+        saves = CadencedSaves(config, SaveTargets(self.storage, self.memory), lineage, ranks,
+                              Witnesses(recorder, self.events), checked.mode)
         preemption.last_words = lambda reason: recorder.ended(PREEMPTED, EXIT_INTERRUPTED, reason)
         return saves, checked
 

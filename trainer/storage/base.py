@@ -48,7 +48,6 @@ from trainer.checkpoint.identity import ADOPT_OPTION, RunIdentity, identity_or_p
 from trainer.checkpoint.signing import Signing
 from trainer.errors import CorruptGeneration
 from trainer.layout import EXPORTS, GENERATIONS, RUN_IDENTITY, RunDirectory
-from trainer.storage.memory.tier import MemoryTier, NoMemoryTier
 
 log = logging.getLogger("trainer")
 
@@ -163,9 +162,6 @@ class RunStorage(ABC):
         """With a key: what this attempt publishes is signed, what it restores must be."""
         self.records: RecordCopy = KeptHere()
         """Where this attempt's record survives this machine (rank 0's claim may change it)."""
-        self.memory: MemoryTier = NoMemoryTier()
-        """Tier 0, ahead of this backend in restores and beside it in saves (`storage/opening.py`
-        gives a `MemoryDirTier` with `--memory-dir`)."""
 
     def section(self, kind: str) -> LocalSection:
         """This machine's generations or exports."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer.checkpoint.signing import load_signing
+from trainer.checkpoint.signing import Signing, load_signing
 from trainer.checkpoint.section import LocalSection, Section
 from trainer.config import RunConfig, StoreConfig
 from trainer.layout import GENERATIONS, SECTIONS, RunDirectory
@@ -11,17 +11,21 @@ from trainer.storage.base import RunStorage
 from trainer.storage.local import LocalStorage
 from trainer.parallel.launch import LaunchEnvironment
 from trainer.storage.memory.parts import Place
-from trainer.storage.memory.tier import MemoryDirTier
+from trainer.storage.memory.tier import MemoryDirTier, MemoryTier, NoMemoryTier
 
 
 def open_storage(config: RunConfig, launch: LaunchEnvironment) -> RunStorage:
-    """The backend, with tier 0 ahead of it when `--memory-dir` is given (storage/memory/tier.py)."""
-    storage = open_backend(config, launch.world_size)
-    if config.memory.directory is not None:
-        storage.memory = MemoryDirTier(config.memory, storage.signing,
-                                       Place(launch.rank, launch.world_size, launch.local_world_size,
-                                             launch.local_rank))
-    return storage
+    """The backend of the run directory (`open_backend`)."""
+    return open_backend(config, launch.world_size)
+
+
+def open_memory_tier(config: RunConfig, launch: LaunchEnvironment, signing: Signing | None) -> MemoryTier:
+    """Tier 0 (storage/memory/tier.py), ahead of the backend in restores and beside it in saves:
+    a `MemoryDirTier` with `--memory-dir`, else a `NoMemoryTier`. `signing`: the backend's."""
+    if config.memory.directory is None:
+        return NoMemoryTier()
+    return MemoryDirTier(config.memory, signing,
+                         Place(launch.rank, launch.world_size, launch.local_world_size, launch.local_rank))
 
 
 def open_backend(config: RunConfig, processes: int) -> RunStorage:

@@ -22,6 +22,7 @@ class Agreement:
     would leave ranks waiting in those rounds until the background bound."""
 
     every_steps: int | str
+    """N, or "auto"."""
     keep: int
     local_world_size: int
 

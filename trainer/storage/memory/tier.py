@@ -48,8 +48,6 @@ rank can restore), parts.py (where the parts lie), replication.py (the peer repl
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import contextlib
 from typing import Protocol
 
@@ -63,6 +61,7 @@ from trainer.checkpoint.signing import Signing
 from trainer.config import MemoryTierConfig
 from trainer.errors import CorruptGeneration
 from trainer.layout import generation_step
+from trainer.options import AUTO
 from trainer.storage.memory.choice import MISSING, Agreement, Holding
 from trainer.storage.memory.parts import Place, RankParts, remove_other_world_sizes
 from trainer.storage.memory.replication import NoReplication, Outgoing, PeerReplication, Replication, exchange
@@ -156,7 +155,8 @@ class MemoryDirTier:
         return Holding(self.place.rank, {rank: part.held() for rank, part in self.parts.by_rank.items()})
 
     def agreement(self) -> Agreement:
-        return Agreement(self.config.every_steps, self.config.keep, self.place.local_world_size)
+        every = self.config.every_steps or AUTO  # None: auto
+        return Agreement(every, self.config.keep, self.place.local_world_size)
 
     def bind(self, identity: RunIdentity | None) -> None:
         """Its parts belong to this run from now on; the first rank of the node also gives back
