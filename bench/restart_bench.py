@@ -81,7 +81,8 @@ def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s:
                "--recover-every-steps", "4", "--memory-dir", str(memory), "--memory-every-steps", "1", *extra]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     process = subprocess.Popen(command, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**env, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"})
+                               env={**env, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"},
+                               start_new_session=True)  # its workers too are ended at the end (killpg)
     lines, seen = lines_of(process), []
     failed_at = detected_at = first_step_at = victim = None
     deadline = time.monotonic() + timeout_s
@@ -107,7 +108,10 @@ def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s:
                 first_step_at = at
                 break
     finally:
-        process.kill()
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # torchrun and every worker it started: no orphan trains on
+        except ProcessLookupError:
+            pass
         if victim is not None:
             try:
                 os.kill(victim, signal.SIGKILL)
@@ -132,8 +136,9 @@ def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s:
     parts = [result.get(k) for k in ("detection_s", "teardown_s", "imports_s", "join_s", "claim_s", "restore_s")]
     if result["r_s"] is not None and None not in parts:  # the record is flushed later: the rest of R
         result["first_step_s"] = round(result["r_s"] - sum(parts), 3)
-    if first_step_at is None:
-        result["lines"] = [line for line in seen if line.startswith("trainer:") or "exitcode" in line][-6:]
+    if first_step_at is None:  # what it said instead: its own lines, torchrun's failures, the last few of all
+        said = [line for line in seen if line.startswith("trainer:") or "exitcode" in line][-6:]
+        result["lines"] = said + [line for line in seen[-8:] if line not in said]
     return result
 
 

@@ -128,6 +128,8 @@ def test_a_rank_killed_under_max_restarts_restarts_in_place_from_tier0_and_ends_
     assert compare(generation(baseline_2p, FINAL_2P), generation(run, FINAL_2P)).returncode == 0
     report = run_cli("report", run)
     assert "R " in report.stdout and "from attempt 1's last step to this one's first" in report.stdout, report.stdout
+    # the tier-0 generation's samples count too (its ledger entry is in no durable record)
+    assert "256 samples: none repeated or skipped" in report.stdout, report.stdout
 
 
 def test_a_killed_trainer_with_dataloader_workers_restarts_at_once_while_a_live_one_is_refused(tmp_path):

@@ -50,6 +50,9 @@ class Restorer:
         saves.ledger.continue_from(restored.manifest.facts.ledger if restored.manifest.facts else None,
                                    progress.global_step, progress.epoch, progress.position)
         recorder.restored(restored, claim.verify_s)
+        if tier in TIER0 and restored.manifest.facts and restored.manifest.facts.ledger:
+            # No durable record holds a tier-0 generation's ledger entry: `report` counts its samples from here
+            recorder.sample_ledger(restored.step, restored.manifest.facts.ledger)
         recorder.set_aside(self.ranks.decide_on_primary(lambda: self.abandon_later_line(restored.step),
                                                         "setting aside the abandoned line"))
         if not self.ranks.is_primary and self.config.from_generation is not None:
