@@ -342,13 +342,14 @@ class Ranks:
         """The one line for a collective that failed on a peer, naming the ranks whose heartbeat
         stopped (this waits the heartbeat's window, under a second)."""
         timed_out = "timed out" in str(error).lower() or "timeout" in type(error).__name__.lower()
+        bound = self._bound_s if self.group is None else self.wait.bound_s(self._slowest_save_s)  # a background group's
         silent = self.heartbeat.silent_ranks() if self.heartbeat is not None else None
         who = ("rank " if len(silent) == 1 else "ranks ") + ", ".join(map(str, silent)) if silent else None
         if timed_out:
             state = PeerFailure.UNRESPONSIVE
-            said = (f"{who} stopped answering: no reply within {self._bound_s:g} s while {what}, and its heartbeat "
+            said = (f"{who} stopped answering: no reply within {bound:g} s while {what}, and its heartbeat "
                     f"stopped (frozen: a hung device, a silent network, a paused machine)") if who else \
-                   (f"no reply from another rank within {self._bound_s:g} s while {what}"
+                   (f"no reply from another rank within {bound:g} s while {what}"
                     + (", though every rank's heartbeat goes on (one is slower than the bound allows: "
                        "raise --peer-timeout-secs)" if silent == [] else ""))
         else:
