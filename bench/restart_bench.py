@@ -74,6 +74,45 @@ def worker_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
+def end_session(leader: int, timeout_s: float = 30.0) -> None:
+    """SIGKILL torchrun and every process under it (its workers run in sessions of their own, so
+    a process group does not reach them), then wait until none of them runs: no orphan trains on,
+    or writes into a folder being removed. Zombies write nothing and do not count."""
+    tree = [leader] + descendants(leader)
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(state_of(pid) not in (None, "Z") for pid in tree):
+        time.sleep(0.05)
+
+
+def state_of(pid: int) -> str | None:
+    """A process's state letter (R, S, Z, ...), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo += children.get(child, [])
+    return found
+
+
 def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s: float) -> dict:
     run, memory = folder / "run", folder / "memory"
     command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--max-restarts", "3", "-m", "trainer",
@@ -81,8 +120,7 @@ def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s:
                "--recover-every-steps", "4", "--memory-dir", str(memory), "--memory-every-steps", "1", *extra]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     process = subprocess.Popen(command, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**env, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"},
-                               start_new_session=True)  # its workers too are ended at the end (killpg)
+                               env={**env, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"})
     lines, seen = lines_of(process), []
     failed_at = detected_at = first_step_at = victim = None
     deadline = time.monotonic() + timeout_s
@@ -108,10 +146,7 @@ def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s:
                 first_step_at = at
                 break
     finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # torchrun and every worker it started: no orphan trains on
-        except ProcessLookupError:
-            pass
+        end_session(process.pid)
         if victim is not None:
             try:
                 os.kill(victim, signal.SIGKILL)
