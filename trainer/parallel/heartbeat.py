@@ -103,13 +103,12 @@ class Heartbeat:
     def _beat(self, beats) -> None:
         last = time.monotonic()
         while not self._stop.wait(self.interval_s):
-            now = time.monotonic()
-            self.longest_gap_s = max(self.longest_gap_s, now - last)
             try:
                 beats.add(str(self.launch.rank), 1)
-                last = time.monotonic()
             except Exception:  # noqa: BLE001 - a slow or lost store: try again; never stop beating for good
                 continue
+            now = time.monotonic()
+            self.longest_gap_s, last = max(self.longest_gap_s, now - last), now  # as the watchers see it
 
     def stop(self, left: bool = True) -> None:
         """Stop beating and watching; `left`: the others are told this rank ended on purpose."""

@@ -431,6 +431,8 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
     began, age = time.monotonic(), process_age_s()
     before = socket_inodes()
     join(launch, "nccl" if device.type == "cuda" else "gloo", peer_wait.join_bound_s(launch.restart))
+    if peer_wait.join_bound_s(launch.restart) != peer_wait.bound_s(None):
+        compat.set_group_timeout(None, peer_wait.bound_s(None))  # joined: the collectives' own bound from here
     heartbeat = Heartbeat(launch, peer_wait.silence_s).start()
     ranks = Ranks(launch, device, wait=wait, peer_wait=peer_wait, heartbeat=heartbeat)
     ranks.sockets = GroupSockets(launch.master_port)
