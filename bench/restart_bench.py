@@ -10,9 +10,11 @@ Two processes under `torchrun --standalone --max-restarts 3` train the example w
 tier 0 (`--memory-dir`, a save after every step) and a durable generation every 4 steps,
 `--resume auto`. After step 10 the bench fails rank 1:
 
-  kill      kill -9 (a crashed process, an OOM kill)
-  freeze    SIGSTOP (a hung device, a silent network, a paused machine); torchrun's agent stops
-            a frozen worker only with SIGKILL after its 30 s grace, which R then includes
+  kill      kill -9 (a crashed process, an OOM kill): the survivor's collective fails at once
+            and it names the rank without a second reading (its pid is gone on this host)
+  freeze    SIGSTOP (a hung device, a silent network, a paused machine): the survivor finds it
+            by its silence (`--peer-silence-secs`, default 8 s) and ends it (same host), so
+            torchrun's agent does not wait its 30 s grace for a stopped worker
 
 and times from its own clock, reading every line as it comes:
 
@@ -188,13 +190,14 @@ def main() -> int:
     args = parser.parse_args()
     kinds = ["kill"] if args.quick else args.kinds
     repeat = 1 if args.quick else args.repeat
-    results = []
+    results, load = [], os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="restart-bench-", dir=args.dir) as scratch:
         for number in range(repeat):
             for how in kinds:
                 folder = Path(scratch) / f"{how}-{number}"
                 results.append(one_failure(args.repo, how, [], folder, 120 if args.quick else 300))
-    summary = {"repo": str(args.repo), "failures": results}
+    summary = {"repo": str(args.repo), "failures": results, "load": [round(x, 2) for x in load],
+               "load_after": [round(x, 2) for x in os.getloadavg()]}
     for how in kinds:
         rs = sorted(r["r_s"] for r in results if r["how"] == how and r["r_s"] is not None)
         summary[f"{how}_r_median_s"] = rs[len(rs) // 2] if rs else None
@@ -206,6 +209,8 @@ def main() -> int:
                     f"{cell(r.get('imports_s'))} | {cell(r.get('join_s'))} | {cell(r.get('claim_s'))} | "
                     f"{cell(r.get('restore_s'))} | {cell(r.get('first_step_s'))} | {r['restored_from'] or '-'} |"
                     + "".join(f"\n    {line}" for line in r.get("lines", [])))
+    rows.append(f"\nload average (1, 5, 15 min) {summary['load']} before, {summary['load_after']} after; "
+                f"{os.cpu_count()} CPUs")
     return print_result("\n".join(rows), summary, args.json)
 
 

@@ -106,6 +106,10 @@ class Heartbeat:
             try:
                 beats.add(str(self.launch.rank), 1)
             except Exception:  # noqa: BLE001 - a slow or lost store: try again; never stop beating for good
+                try:
+                    beats = self._client()  # a client whose connection broke does not come back by itself
+                except Exception:  # noqa: BLE001
+                    pass
                 continue
             now = time.monotonic()
             self.longest_gap_s, last = max(self.longest_gap_s, now - last), now  # as the watchers see it
@@ -138,8 +142,8 @@ class Heartbeat:
             for rank, count in counts.items():
                 if rank not in moved or moved[rank][0] != count:
                     moved[rank] = (count, now)
-            silent = [rank for rank, (count, at) in moved.items()
-                      if count < LEFT and now - at >= self.silence_s]
+            silent = [rank for rank, (count, at) in moved.items()  # 0: its heartbeat never started (off)
+                      if 0 < count < LEFT and now - at >= self.silence_s]
             if silent:
                 self._judged({"ranks": sorted(silent), "silent_s": round(max(now - moved[r][1] for r in silent), 1),
                               "by": self.launch.rank}, beats)
