@@ -30,6 +30,8 @@ from support.runs import attempts, generation, made_once
 from support.torchrun import TORCHRUN, clean_environment, free_port, torchrun
 from test_peer_failures import rank_pid
 from trainer.config import PeerWaitConfig
+from trainer.parallel.heartbeat import Heartbeat
+from trainer.parallel.launch import LaunchEnvironment
 from trainer.parallel.ranks import StepPace
 from trainer.parallel.silence import ProcessIdentity, end_if_here, is_dead_here
 
@@ -58,6 +60,15 @@ def test_the_fallback_bound_ignores_the_first_interval_and_one_outlier():
     assert pace.agreed(170.0, saves=False) == 10 * 5.0
     assert StepPace(PeerWaitConfig(timeout_s=7.0)).agreed(0.0, saves=False) == 7.0
     assert (wait.join_bound_s(0), wait.join_bound_s(1)) == (wait.first_s, wait.rejoin_s)
+
+
+def test_every_rank_is_watched_by_its_predecessors_in_a_ring():
+    def watched(rank: int, size: int) -> list[int]:
+        return Heartbeat(LaunchEnvironment(rank, size, master_addr="127.0.0.1", master_port=1)).watched()
+
+    assert watched(3, 5) == [4, 0, 1, 2] and watched(0, 2) == [1] and watched(1, 2) == [0]
+    assert watched(30, 32) == [31, *range(7)]  # WATCHED of them, not every rank: the store's load stays linear
+    assert sorted(rank for watcher in range(32) for rank in watched(watcher, 32)) == sorted(list(range(32)) * 8)
 
 
 def test_a_pid_is_ended_only_where_it_is_provably_the_peers(tmp_path):
@@ -137,3 +148,36 @@ def test_a_restarted_round_whose_peer_never_comes_ends_in_one_line(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("trainer: error: round 1 of torchrun's restarts: not every rank "
                                                    "of the 2 joined within 3 s (--rejoin-timeout-secs)"), lines
+
+
+def test_three_ranks_name_the_same_frozen_rank_and_end_resumable(tmp_path):
+    """Rank 1 of three frozen, no restart: the two others (rank 0 watches 1 and 2, rank 2 watches
+    0 and 1) end 75, each with one line naming rank 1 alone, and rank 0's record names it."""
+    run, status = tmp_path / "run", tmp_path / "status"
+    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "3", "-m", "trainer", "--output", str(run),
+               "--threads", "1", "--log-every-steps", "1", "--workload", WORKLOAD[1], "--toy-samples", "24",
+               "--batch-size", "6", "--epochs", "3", "--peer-silence-secs", str(SILENCE_S)]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), PYTHONUNBUFFERED="1",
+                                                     SLOW_STEP_SECS="0.5"))
+    frozen = None
+    try:
+        wait_for_line(process, "step=2 ")
+        frozen = rank_pid(process.pid, 1)
+        os.kill(frozen, signal.SIGSTOP)
+        out, err = process.communicate(timeout=scaled(120))
+    finally:
+        if frozen is not None:
+            try:
+                os.kill(frozen, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        process.kill()
+    assert process.returncode == 1 and int(status.read_text()) == 75, err[-3000:]
+    lines = sorted(line for line in err.splitlines() if line.startswith("trainer:"))  # one per rank that acts
+    assert [line.split(" stopped answering: its heartbeat was silent for ")[0] for line in lines] == \
+        ["trainer: error: rank 1", "trainer: rank 2: error: rank 1"], err[-3000:]
+    assert "exitcode  : 75" in err, err[-3000:]  # ranks 0 and 2 (rank 1: killed)
+    record = attempts(run)[-1]
+    assert (record["status"], record["exit_code"], record["peer"]) == \
+        ("interrupted", 75, {"state": "unresponsive", "ranks": [1]})

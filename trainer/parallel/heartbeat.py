@@ -5,7 +5,8 @@ Each rank bumps a counter of its own in the rendezvous store (the one torchrun's
 rank 0's) every `interval_s`, on a thread of its own, and registers who it is (host, boot, pid,
 start time: parallel/silence.py). Every rank also watches the others' counters on a second
 thread: a counter that has not moved for `silence_s` (`--peer-silence-secs`) is a frozen (SIGSTOP,
-a paused VM, a hung device holding the process) or dead peer, whatever the step time. The
+a paused VM, a hung device holding the process) or dead peer, whatever the step time (each rank
+watches the next `WATCHED` ranks and reads the posted verdict: every rank is watched). The
 watcher then posts the verdict in the store (so every rank names the same culprit), ends the
 frozen worker if it is provably on this host (so torchrun does not wait its 30 s grace), and
 cuts this process's group connections, so the main thread leaves whatever collective it waits
@@ -43,6 +44,10 @@ log = logging.getLogger("trainer")
 
 STORE_TIMEOUT_S = 3.0
 """How long one store request may take before the store counts as gone."""
+WATCHED = 8
+"""Peers each rank watches: the next ones in rank order (a ring), so every rank is watched by
+this many others and the store's load grows with the world size, not its square; the verdict
+is posted, so every rank learns of it at its next reading."""
 LEFT = 1 << 40
 """Added to a rank's counter when it leaves on purpose (the run ended): never judged silent."""
 
@@ -126,6 +131,10 @@ class Heartbeat:
     def others(self) -> list[int]:
         return [rank for rank in range(self.launch.world_size) if rank != self.launch.rank]
 
+    def watched(self) -> list[int]:
+        size = self.launch.world_size
+        return [(self.launch.rank + step) % size for step in range(1, min(size - 1, WATCHED) + 1)]
+
     def _watch(self, beats) -> None:
         """Every interval, read each peer's counter; a counter unchanged since a reading
         `silence_s` ago means the peer beat no more since then (readings that fail are skipped)."""
@@ -135,7 +144,7 @@ class Heartbeat:
                 if self.verdict is None and (posted := self.posted_verdict(beats)) is not None:
                     self._judged(posted, beats)
                     return
-                counts = {rank: beats.add(str(rank), 0) for rank in self.others()}
+                counts = {rank: beats.add(str(rank), 0) for rank in self.watched()}
             except Exception:  # noqa: BLE001 - no reading is no evidence
                 continue
             now = time.monotonic()

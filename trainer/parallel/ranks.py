@@ -436,7 +436,8 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
     heartbeat = Heartbeat(launch, peer_wait.silence_s).start()
     ranks = Ranks(launch, device, wait=wait, peer_wait=peer_wait, heartbeat=heartbeat)
     ranks.sockets = GroupSockets(launch.master_port)
-    ranks.sockets.opened(before)
+    if device.type != "cuda":
+        ranks.sockets.opened(before)  # gloo's; NCCL's connections are its own (docs/scale-out.md, On NCCL)
     heartbeat.on_silence = ranks.sockets.cut  # the main thread leaves its wait with "connection closed"
     ranks.joined = {"at_s": age, "join_s": round(time.monotonic() - began, 3)}
     ended = False
