@@ -28,9 +28,10 @@ reach the next collective is one such interval, so a rank waits `factor` times a
 one of the same kind (a step, or a step with a save: the first interval of a kind and a single
 outlier never set it), never less than the floor, and torch's own 30 minutes before a kind was
 measured (joining, claiming, building, restoring, compiling, the first save); while the run
-finishes (draining its uploads) it waits the background groups' bound. A process-group timeout rather than a watchdog thread: gloo
-raises it inside whichever collective waits (the step's agreement, DDP's gradient reduction in
-backward, a save's barrier), so the error takes the same way out as a lost connection.
+finishes (draining its uploads) it waits the background groups' bound. A process-group timeout
+rather than a watchdog thread: gloo raises it inside whichever collective waits (the step's
+agreement, DDP's gradient reduction in backward, a save's barrier), so the error takes the same
+way out as a lost connection.
 """
 
 from __future__ import annotations
@@ -171,7 +172,8 @@ class Ranks:
         took: the start-up of a restart, split (set by `process_group`)."""
         self._slowest_save_s: float | None = None
         self.sockets: GroupSockets | None = None
-        """The connections of this process's groups, cut when a peer falls silent (`silenced`)."""
+        """The connections of this process's gloo groups, cut by the heartbeat's watcher when a
+        peer falls silent (`process_group` wires it)."""
         self.rank = launch.rank
         self.world_size = launch.world_size
         self.distributed = launch.distributed
