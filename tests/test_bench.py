@@ -127,6 +127,13 @@ def restart_bench_checks(report: dict) -> None:
         assert failure[part] is not None, part
 
 
+def heartbeat_bench_checks(report: dict) -> None:
+    """Every case measured a beat gap; a call holding the GIL delays the beat by about its length."""
+    assert sorted(report["cases"]) == ["fork", "gil-call", "idle", "python", "torch"]
+    assert all(case["gap_s"] > 0 for case in report["cases"].values())
+    assert report["cases"]["gil-call"]["gap_s"] >= report["cases"]["gil-call"]["longest_item_s"] * 0.9
+
+
 def library_bench_checks(report: dict) -> None:
     """Every adapter measured against its framework, both ways, on a generation of the state."""
     assert sorted(report["rows"]) == ["accelerate", "hf", "lightning", "plain"]
@@ -134,7 +141,7 @@ def library_bench_checks(report: dict) -> None:
         assert row["mb"] > 0 and all(row[key] > 0 for key in ("save_ratio", "restore_ratio")), row
 
 
-CHECKS = {"library_bench.py": library_bench_checks, "memory_tier_bench.py": memory_tier_bench_checks,
+CHECKS = {"heartbeat_bench.py": heartbeat_bench_checks, "library_bench.py": library_bench_checks, "memory_tier_bench.py": memory_tier_bench_checks,
           "restart_bench.py": restart_bench_checks, "stream_bench.py": stream_bench_checks,
           "store_bench.py": store_bench_checks, "scale_out_bench.py": scale_out_bench_checks,
           "goodput_sim.py": goodput_sim_checks, "goodput_validation.py": goodput_validation_checks,

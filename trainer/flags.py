@@ -112,7 +112,14 @@ GROUPS: dict[str, list[Flag]] = {
              help="how long a rank waits for the others in a collective of training before every rank that "
                   "can act exits 75 naming the rank that did not answer (lost or frozen); auto: "
                   f"{_PEER_WAIT.factor:g} x the slowest step (or step with a save) measured, at least "
-                  f"{_PEER_WAIT.floor_s:g} s ({_PEER_WAIT.first_s:g} s before one was measured)"),
+                  f"{_PEER_WAIT.floor_s:g} s ({_PEER_WAIT.first_s:g} s before one was measured); a fallback: a "
+                  "frozen or dead rank is found by its silence (--peer-silence-secs)"),
+        Flag("--peer-silence-secs", "peer_wait.silence_s", metavar="S", type=positive_float,
+             help="a rank whose heartbeat has been silent this long is frozen or dead: every other rank ends (75) "
+                  "naming it, whatever it waits in, and ends it if it runs on the same host"),
+        Flag("--rejoin-timeout-secs", "peer_wait.rejoin_s", metavar="S", type=positive_float,
+             help="how long a round restarted by torchrun (--max-restarts) waits for every rank to join before "
+                  f"it ends (75) in one line (the first round waits {_PEER_WAIT.first_s:g} s)"),
         Flag("--preempt-grace-secs", "preempt_grace_s", metavar="S", type=positive_float,
              help="on SIGTERM/SIGINT, time allowed to save before exiting 75 without publishing (below "
                   "Kubernetes' default 30 s termination grace)"),
