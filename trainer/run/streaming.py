@@ -1,4 +1,5 @@
-"""Streaming data with a cursor the trainer owns, each record read once per epoch.
+"""Streaming data with a cursor the trainer owns: one order at every world size, each record
+read once per epoch where the world size divides the run's lanes.
 
 A streaming workload gives shards (name and record count) and a reader of one shard's
 records from an offset (`trainer.workload.protocol.Stream`). The trainer decides everything
@@ -8,31 +9,37 @@ dataset (docs/streaming.md tells the whole story with the measurements):
 - **The epoch's stream**: the shards in an order drawn from (seed, epoch), read one after
   another. Only the samples an epoch trains on are in it (`--last-batch drop` leaves the
   stream's tail out: `trainer.run.batching.EpochShape`).
-- **Lanes**: the stream is cut into one contiguous lane per rank of the layout (the world
-  size the epoch started under). Lane q holds the slots q, q+lanes, … of every global batch,
-  so rank r of that world size trains on lane r alone: batch b's share of a lane is its
-  records [b·share, (b+1)·share), share = batch ÷ lanes (fewer in a short last batch).
+- **Lanes**: the stream is cut into contiguous lanes, as many as the run's lanes: a count fixed
+  when the run starts (`--stream-lanes`, else its world size then) and kept in the cursor, so
+  it never follows the world size. Lane q holds the slots q, q+lanes, … of every global batch:
+  batch b's share of a lane is its records [b·share, (b+1)·share), share = the slots the lane
+  has in a batch (batch ÷ lanes when the lanes divide it; fewer in a short last batch).
+- **Ranks**: rank r of R takes the slots r, r+R, … of every global batch (as for map-style
+  data, and as the ledger puts them back), so it reads the block of every lane its slots fall
+  in: lanes r, r+R, … alone when R divides the lanes (each lane read by one rank), else
+  lanes/gcd(lanes, R) of them (each lane read by R/gcd ranks: 3x at 4 lanes on 3 ranks).
 - **Blocks and chunks, the shuffle**: each lane is cut into blocks of `chunk` batches' shares
-  (`--shuffle-buffer` rounded down to whole shares, at least one), each shuffled by a
-  permutation drawn from (seed, epoch, lanes, lane, block). Chunk k is every lane's block k:
+  (`--shuffle-buffer` rounded down to whole shares of lane 0, at least one), each shuffled by
+  a permutation drawn from (seed, epoch, lanes, lane, block). Chunk k is every lane's block k:
   global batches [k·chunk, (k+1)·chunk). The buffer is the block: never saved, a pure
-  function of the cursor; a resume re-reads the block it is in.
+  function of the cursor; a resume re-reads the blocks it is in.
 - **Readers**: a rank's DataLoader hands out whole chunks, worker w the chunks w, w+W, …,
   which the DataLoader returns in turn: each worker reads only its own blocks, and every
-  worker count gives the same batches in the same order. Read volume: each record once per
-  epoch (plus, after a resume, the rest of the block it starts in), whatever the ranks and
-  workers. Memory: a chunk's batches wait in the DataLoader's queue, up to two per worker.
-- **The cursor**: samples consumed in the epoch, global, and the layout's lanes, saved in
-  every generation (`stream`, checked against the progress on restore) with where each
-  lane's block in progress starts.
+  worker count gives the same batches in the same order. Read volume per epoch: each record
+  once where the world size divides the lanes (plus, after a resume, the rest of the blocks
+  it starts in), R/gcd(lanes, R) times otherwise, whatever the workers. Memory: a worker
+  holds the blocks of its rank's lanes while it builds a chunk; a chunk's batches wait in the
+  DataLoader's queue, up to two per worker.
+- **The cursor**: samples consumed in the epoch, global, the lanes of the epoch's layout and
+  the run's, saved in every generation (`stream`, checked against the progress on restore)
+  with where each lane's block in progress starts.
 
-The global order is a pure function of (seed, epoch, the world size an epoch starts under,
-buffer, batch, `--last-batch`). "Elastic" means: a resume under another world size finishes
-the epoch in progress in the layout it started under (the same samples in the same global
-order as the uninterrupted run; each new rank takes every world-size-th slot of each global
-batch, so it reads the blocks of every lane its slots fall in: more reading, for the rest of
-that epoch only), and the next epoch is laid out for the new world size, read once again.
-The ledger's chain proves the first part; `report` the "none repeated or skipped".
+The global order is a pure function of (seed, epoch, lanes, buffer, batch, `--last-batch`),
+never of the world size or the workers (Mosaic StreamingDataset's "canonical nodes": the
+order is laid out for a node count fixed for the run; the physical nodes read their share
+of it). So a resume under another world size trains on the samples, in the order, of the
+uninterrupted run, in every later epoch too; the ledger's chain proves it and `report` finds
+none repeated or skipped. The cost of a world size that does not divide the lanes is reading.
 Sample ids, for the ledger, number the records in the declared shard order.
 """
 
