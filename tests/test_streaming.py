@@ -154,11 +154,14 @@ def test_a_resume_mid_block_continues_the_order_exactly_and_rereads_one_block():
             assert source.stream.reads == 36 - start_batch * 6 + reread, (world_size, start_batch)
 
 
-def test_a_resume_at_another_world_size_keeps_the_lanes_the_run_started_with():
+def test_a_resume_at_another_world_size_keeps_the_lanes_the_run_started_with(caplog):
     """Cost: < 1 s. A run started on 4 processes (lanes 4) stores its lanes in the cursor; a
     resume on 3 adopts them for the rest of the run (`StreamCursor.check`): the rest of the
-    epoch and the next one are the 4-process order. `--stream-lanes` changed under drift: the
-    epoch in progress finishes in its lanes, the next is laid out in the new ones."""
+    epoch and the next one are the 4-process order, and the log says what 4 lanes on 3 cost.
+    `--stream-lanes` changed under drift: the epoch in progress finishes in its lanes, the next
+    is laid out in the new ones."""
+    import logging
+
     from trainer.run.state import Progress
     from trainer.run.streaming import cursors
 
@@ -167,7 +170,9 @@ def test_a_resume_at_another_world_size_keeps_the_lanes_the_run_started_with():
     stored = cursors(four, shape, 4)["stream"].state(mid)
     assert (stored["lanes"], stored["run_lanes"]) == (4, 4)
     three = numbers()
-    cursors(three, shape, 3)["stream"].check(stored, mid)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        cursors(three, shape, 3)["stream"].check(stored, mid)
+    assert "4 lanes on 3 processes: each record is read 3 times per epoch" in caplog.text, caplog.text
     for epoch, start_batch in ((0, 1), (1, 0)):
         assert global_order(three, 3, 0, start_batch, epoch, shape) == global_order(four, 4, 0, start_batch, epoch,
                                                                                     shape)

@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import logging
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -64,6 +66,8 @@ from trainer.run.fetching import COLLATE, KeyedSeeding, seeded_globals
 from trainer.run.runtime import WorkerSignals
 from trainer.workload.adapters import from_loader, is_hf_iterable, is_loader, refuse_hf_shuffle
 from trainer.workload.protocol import is_stream
+
+log = logging.getLogger("trainer")
 
 READ = 2
 """The `purpose` of the seeds a block's read runs under, apart from samples' and collates'."""
@@ -365,10 +369,25 @@ class StreamCursor:
             raise CorruptGeneration(f"the stored stream cursor {stored} disagrees with the progress (epoch "
                                     f"{progress.epoch}, batch {progress.position}: {expected}); restore "
                                     f"an earlier generation with --from-generation")
-        if source.lanes_given is None:
+        if source.lanes_given is None:  # given lanes were noted by `cursors`
             source.run_lanes = stored["run_lanes"]
+            note_reading(source.run_lanes, self.world_size)
         if progress.position and stored["lanes"] != source.run_lanes:
             source.carried[progress.epoch] = stored["lanes"]
+
+
+def reads_per_record(lanes: int, world_size: int) -> int:
+    """How many times an epoch reads each record: once where the world size divides the lanes,
+    else world size / gcd (each lane's slots are spread over that many ranks)."""
+    return world_size // math.gcd(lanes, world_size)
+
+
+def note_reading(lanes: int, world_size: int) -> None:
+    """Say (rank 0's log) what a world size the lanes do not divide costs, and the way out."""
+    if (times := reads_per_record(lanes, world_size)) > 1:
+        log.info("stream: %d lanes on %d processes: each record is read %d times per epoch (the order stays the "
+                 "run's); a run started with --stream-lanes N, N a multiple of every world size it may run at "
+                 "(12, 24, 48), reads each once", lanes, world_size, times)
 
 
 def cursors(source: DataSource, shape: EpochShape, world_size: int) -> dict:
@@ -379,6 +398,7 @@ def cursors(source: DataSource, shape: EpochShape, world_size: int) -> dict:
         return {}
     if source.run_lanes is None:
         source.run_lanes = world_size
+    note_reading(source.run_lanes, world_size)
     return {"stream": StreamCursor(source, shape, world_size)}
 
 
