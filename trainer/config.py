@@ -56,6 +56,11 @@ class WorkloadConfig:
     shuffle_buffer: int = 1024
     """Streaming data only: records per shuffle block (trainer/run/streaming.py). Larger mixes
     more; a resume re-reads up to one block, and each reader holds one in memory."""
+    stream_lanes: int | None = None
+    """Streaming data only: the lanes each epoch is laid out in (trainer/run/streaming.py), fixed
+    for the run, so the order is the same at every world size. None: the world size the run
+    starts with. Each rank reads the lanes its slots fall in: once per epoch when the world
+    size divides the lanes, so a count with many divisors (12, 24, 48) keeps a change cheap."""
     last_batch: str = "pad"
     """pad | drop | refuse: an epoch's ragged last batch (trainer/run/batching.py). `pad` trains
     it, each rank's loss weighted by its share (a rank with none repeats a sample at weight 0);
@@ -94,7 +99,7 @@ class WorkloadConfig:
         # option existed equal, so they still resume without drift.
         for name, default in (("data_parallel", "ddp"), ("gradient_reduction", "per-parameter"), ("grad_accum", 1),
                               ("workload", DEFAULT_WORKLOAD), ("shuffle_buffer", 1024),
-                              ("last_batch", "pad")):
+                              ("last_batch", "pad"), ("stream_lanes", None)):
             if values[name] == default:
                 values.pop(name)
         return {**values, **dict(self.options)}

@@ -72,7 +72,8 @@ GROUPS: dict[str, list[Flag]] = {
              help="saves published locally but not yet durable before a save waits (0: every save waits until "
                   "durable)"),
         Flag("--store-retries", "store_config.retries", metavar="N", type=non_negative_int,
-             help="retries of a failed object-store request before exit 74"),
+             help="retries of a failed object-store request before exit 74 (the run directory's, and a stream's "
+                  "reads from a store)"),
         Flag("--store-backoff-secs", "store_config.backoff_s", metavar="S", type=positive_float,
              help="first wait between retries, doubled each time, at most 8 s"),
         Flag("--store-timeout-secs", "store_config.timeout_s", metavar="S", type=positive_float,
@@ -199,6 +200,10 @@ GROUPS: dict[str, list[Flag]] = {
                   "instead of --epochs (a larger value extends a finished run on resume)"),
         Flag("--shuffle-buffer", "workload.shuffle_buffer", metavar="N", type=positive_int,
              help="streaming data: records per deterministic shuffle block; a resume re-reads at most one"),
+        Flag("--stream-lanes", "workload.stream_lanes", metavar="N", type=positive_int,
+             help="streaming data: lanes each epoch is laid out in, fixed for the run (unset: the world size it "
+                  "starts with), so the order is the same at every world size; reading stays once per epoch where the world size divides N (pick N with "
+                  "many divisors, e.g. 12 or 24)"),
         Flag("--last-batch", "workload.last_batch", options={"choices": ("pad", "drop", "refuse")},
              help="an epoch's ragged last batch: pad trains it (shares weighted, each sample counted once), "
                   "drop leaves it untrained (report counts it), refuse stops a run that cannot share it evenly"),
@@ -285,9 +290,16 @@ def given_settings(parser: argparse.ArgumentParser, argv: list[str]) -> frozense
     return frozenset(name for name in LOADER_SETTINGS if getattr(seen, name) is not unset)
 
 
+REQUEST_FLAGS = ("--store-retries", "--store-backoff-secs", "--store-timeout-secs")
+"""Store flags that also govern a stream's reads from an object store (the workload's factory is
+handed them: trainer/workload/objects.py), so a run directory on disk takes them too."""
+
+
 def changed_store_flags(args: argparse.Namespace) -> list[str]:
-    """The object-store flags the command line set to something other than their defaults."""
-    return [flag.flag for flag in GROUPS[STORE_GROUP] if getattr(args, flag.dest) != flag.default()]
+    """The object-store flags for a run directory in a store that the command line set to
+    something other than their defaults (`REQUEST_FLAGS` left out)."""
+    return [flag.flag for flag in GROUPS[STORE_GROUP]
+            if flag.flag not in REQUEST_FLAGS and getattr(args, flag.dest) != flag.default()]
 
 
 def changed_memory_flags(args: argparse.Namespace) -> list[str]:
