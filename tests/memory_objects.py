@@ -30,6 +30,8 @@ class MemoryObjects:
         self.upload_gate = threading.Event()
         self.upload_gate.set()
         self.lose_next_response = False
+        self.ranges_read: list[tuple[str, int, int | None]] = []
+        """(key, start, end) of every ranged read, in order."""
         self._lock = threading.Lock()
         self._version = 0
 
@@ -51,6 +53,13 @@ class MemoryObjects:
     def read(self, key: str) -> bytes | None:
         with self._lock:
             return self.objects.get(key)
+
+    def read_range(self, key: str, start: int, end: int | None) -> bytes:
+        data = self.read(key)
+        if data is None:
+            raise FileNotFoundError(key)
+        self.ranges_read.append((key, start, end))
+        return data[start:end]
 
     def exists(self, key: str) -> bool:
         return self.read(key) is not None

@@ -187,6 +187,9 @@ class Verification:
     shards_pending: bool = False
     """Only the parsed files were hashed (`verify_directory(..., shards=False)`): the shards'
     sha256 is still to be checked by the load (trainer/checkpoint/onepass.py)."""
+    arrivals: object | None = field(default=None, compare=False, repr=False)
+    """With `shards_pending`: the shards are still being written (a store's streamed download,
+    trainer/checkpoint/onepass.py `Arrivals`); the load waits for them and takes their hashes."""
 
     @property
     def ok(self) -> bool:

@@ -218,6 +218,8 @@ class ObjectClient(Protocol):
 
     def read(self, key: str) -> bytes | None: ...
 
+    def read_range(self, key: str, start: int, end: int | None) -> bytes: ...
+
     def exists(self, key: str) -> bool: ...
 
     def size(self, key: str) -> int | None: ...
@@ -338,12 +340,12 @@ class ObjectStore:
                 return None
         return self.call(f"reading {self.url_of(key)}", cat)
 
-    def read_range(self, key: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of an object: one ranged GET (a stream's shard read from an
-        offset, never the whole object)."""
-        return self.call(f"reading {self.url_of(key)} bytes {start}-{end}",
+    def read_range(self, key: str, start: int, end: int | None) -> bytes:
+        """Bytes [start, end) of an object (end None: to its end): one ranged GET (a stream's
+        shard read from an offset, a part of a generation's shard, never the whole object)."""
+        return self.call(f"reading {self.url_of(key)} bytes {start}-{'' if end is None else end}",
                          lambda: self._run("cat_file", self.location.path(key), start=start, end=end,
-                                           size=end - start))
+                                           size=BUDGET_BYTES if end is None else end - start))
 
     def described(self, key: str = "") -> dict[str, tuple[int, str]]:
         """{key: (size, ETag)} of every object under `key/` (relative to the prefix), one
