@@ -26,9 +26,13 @@ code (SyncCheckpointer into a local LocalSection, ObjectSection.commit, Uploader
                        TransferConfig: multipart from 8 MB, 8 MB parts, 10 threads per file)
   s3fs_put_s           the same files with s3fs put_file and its defaults, one after another
                        (multipart from 100 MB, 50 MB parts, 10 in flight per file)
-  fetch_s, store_load_s   restore from the store, as --resume does it: ObjectSection.fetch
-                       (every object streamed through sha256 to the local tier, the manifest
-                       last, renamed) then dcp.load of that copy (its shards verified already)
+  fetch_s, store_load_s   restore from the store as every rank of several does it:
+                       ObjectSection.fetch (every object streamed through sha256 to the local
+                       tier, the manifest last, renamed) then dcp.load of that copy
+  store_one_pass_s     restore from the store as --resume does it with one process: the
+                       shards streamed into the one-pass load (storage/object/streaming.py:
+                       ranged GETs in parallel, hashed as they arrive, each item loaded as
+                       its bytes land), then kept as the local tier's copy
   boto3_download_s     the same objects with boto3 download_file, one after another, each then
                        hashed (sha256) and fsynced: the work fetch does, with a plain client
   verify_s, local_load_s  restore from the local tier, cold page cache: verify, then dcp.load
@@ -36,7 +40,8 @@ code (SyncCheckpointer into a local LocalSection, ObjectSection.commit, Uploader
   local_one_pass_s     the same, in one pass (onepass.verified_load: shards hashed while DCP
                        loads them), as --resume restores one process's local generation
 
-The restore ratio, issue 33's target <= 1.5: `store restore / one-pass local restore`. Measured
+The restore ratio, issues 33's and 50's target <= 1.5: `store restore / one-pass local restore`
+(store_one_pass_s; the fetch-then-load path beside it, for several processes). Measured
 on the 2-core VM (shared, load average 2-4), loopback SeaweedFS, `--size-mb 256 --repeat 3
 --burst 1`, two runs of each, alternated (median of same-round ratios): 2.31 and 2.80 before
 the fetch's chunks were hashed off the event loop and its per-file fsync went, 1.92 and 2.06
