@@ -31,8 +31,8 @@ code (SyncCheckpointer into a local LocalSection, ObjectSection.commit, Uploader
                        tier, the manifest last, renamed) then dcp.load of that copy
   store_one_pass_s     restore from the store as --resume does it with one process: the
                        shards streamed into the one-pass load (storage/object/streaming.py:
-                       ranged GETs in parallel, hashed as they arrive, each item loaded as
-                       its bytes land), then kept as the local tier's copy
+                       one GET per shard, ranged GETs over 256 MiB, hashed as they arrive,
+                       each item loaded as its bytes land), then kept as the local tier's copy
   boto3_download_s     the same objects with boto3 download_file, one after another, each then
                        hashed (sha256) and fsynced: the work fetch does, with a plain client
   verify_s, local_load_s  restore from the local tier, cold page cache: verify, then dcp.load

@@ -75,6 +75,11 @@ class MemoryObjects:
         destination.write_bytes(data)
         return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
+    def stream_into(self, key: str, destination: Path, progress) -> dict:
+        digest = self.download(key, destination)
+        progress(digest["bytes"])
+        return digest
+
     def digest(self, key: str) -> dict | None:
         data = self.read(key)
         return None if data is None else {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}

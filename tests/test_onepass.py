@@ -113,7 +113,7 @@ def test_a_verification_without_its_shards_cannot_reach_the_plain_restore(genera
 # ----------------------------------------------------------------- streamed from a store
 @pytest.fixture
 def in_store(tmp_path, monkeypatch):
-    """A generation committed in an in-memory store, its shards fetched in 4 KiB ranges."""
+    """A generation committed in an in-memory store, its shards over 8 KiB fetched in 4 KiB ranges."""
     from memory_objects import MemoryObjects
 
     from trainer.checkpoint.checkpointer import SyncCheckpointer
@@ -125,6 +125,7 @@ def in_store(tmp_path, monkeypatch):
     from trainer.storage.object.section import ObjectSection
 
     monkeypatch.setattr(streaming, "RANGE_BYTES", 4096)
+    monkeypatch.setattr(streaming, "RANGED_ABOVE", 8192)  # the weights' shard in ranges, the others whole
     run = RunDirectory(tmp_path / "writer")
     run.checkpoints.mkdir(parents=True)
     (run.root / RUN_IDENTITY).write_bytes(RunIdentity.new().to_bytes())
