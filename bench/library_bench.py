@@ -15,6 +15,12 @@ Ours fsyncs every file, hashes it (sha256) while writing, writes and signs nothi
 the manifest, and records the attempt; a restore verifies every file, checks the fingerprint,
 loads strictly and digests the restored state (the witness). The frameworks do none of that.
 
+Two modes of ours: the sync save (the time `run.save()` takes), compared also with stock
+`dcp.save` of the same state dicts followed by an fsync of its files (the fair durable
+baseline), and the async save (`checkpoint_mode="async"`: the time `run.save()` blocks the
+loop, the write going on in the background; the next save waits until it is published, as a
+cadence spaces saves). One process (several: under torchrun, once open_run runs there).
+
     python bench/library_bench.py --size-mb 256
     python bench/library_bench.py --quick
 """
@@ -39,6 +45,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer import recovery  # noqa: E402
+from trainer.layout import generation_name  # noqa: E402
 from trainer.recovery import accelerated, hf  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -73,14 +80,20 @@ def medians(save, load, repeat: int) -> tuple[float, float]:
     return statistics.median(saves), statistics.median(timed(load) for _ in range(repeat))
 
 
-def ours(folder: Path, hand_over, repeat: int) -> tuple[float, float]:
-    """(save s, restore s) medians: `hand_over(run)` hands the objects to `run` (restoring them)."""
-    with recovery.open_run(folder, max_failed_attempts=0) as run:
+def ours(folder: Path, hand_over, repeat: int, mode: str = "sync") -> tuple[float, float]:
+    """(save s, restore s) medians: `hand_over(run)` hands the objects to `run` (restoring them).
+    The save is the time `run.save()` blocks the loop; with `mode` "async" the loop then trains
+    on until the generation is published (not counted), as a cadence spaced saves apart: a save
+    right after another waits for the one in flight, which no loop with a cadence does."""
+    with recovery.open_run(folder, max_failed_attempts=0, checkpoint_mode=mode) as run:
         hand_over(run)
         saves = []
         for _ in range(repeat + 1):
             run.step(0.0)  # a generation per step: each save is a new one
             saves.append(timed(run.save))
+            published(folder / "checkpoints" / generation_name(run.progress.global_step))
+    if mode != "sync":
+        return statistics.median(saves[1:]), float("nan")
     restores = []
     for _ in range(repeat):
         try:
@@ -93,6 +106,45 @@ def ours(folder: Path, hand_over, repeat: int) -> tuple[float, float]:
     return statistics.median(saves[1:]), statistics.median(restores)
 
 
+def published(generation: Path, timeout_s: float = 300.0) -> None:
+    """Wait until `generation` is published (its manifest renamed into place)."""
+    deadline = time.monotonic() + timeout_s
+    while not (generation / "manifest.json").is_file():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"library_bench: {generation} was not published within {timeout_s:.0f} s")
+        time.sleep(0.005)
+
+
+def durable_dcp_save(state_dict, base: Path, repeat: int) -> float:
+    """Median seconds of stock `dcp.save` of `state_dict()` (its FileSystemWriter, defaults)
+    followed by an fsync of every file it wrote and of the folder: the durable baseline a sync
+    save of ours (hashed, fsynced, manifest, rename) is compared with. First one a warm-up."""
+    import torch.distributed.checkpoint as dcp
+
+    def save() -> float:
+        folder = base / "dcp-baseline"
+        shutil.rmtree(folder, ignore_errors=True)
+        started = time.perf_counter()
+        dcp.save(state_dict(), checkpoint_id=folder, no_dist=True)
+        for path in [*folder.iterdir(), folder]:
+            descriptor = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        return time.perf_counter() - started
+    seconds = [save() for _ in range(repeat + 1)][1:]
+    shutil.rmtree(base / "dcp-baseline", ignore_errors=True)
+    return statistics.median(seconds)
+
+
+def both_modes(base: Path, name: str, hand_over, state_dict, repeat: int) -> dict:
+    """Our sync save and restore, our async save, and the durable DCP baseline of the same state."""
+    sync = ours(base / f"{name}-run", hand_over, repeat)
+    blocked, _ = ours(base / f"{name}-async-run", hand_over, repeat, mode="async")
+    return {"ours": sync, "ours_async_save_s": blocked, "dcp_durable_save_s": durable_dcp_save(state_dict, base, repeat)}
+
+
 def attempt_records(folder: Path) -> list[dict]:
     return [json.loads(path.read_text()) for path in sorted((folder / "attempts").glob("*/attempt.json"))]
 
@@ -100,6 +152,10 @@ def attempt_records(folder: Path) -> list[dict]:
 def verify_seconds(folder: Path) -> float:
     """What the restoring attempt spent verifying in `open_run`, before `restore`."""
     return attempt_records(folder)[-1].get("costs", {}).get("verify_s", 0.0)
+
+
+def state_dicts(model, optimizer, scheduler) -> dict:
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
 
 
 def plain(size_mb: float, base: Path, repeat: int) -> dict:
@@ -124,7 +180,8 @@ def plain(size_mb: float, base: Path, repeat: int) -> dict:
             os.close(descriptor)
     return {"framework": "torch.save", "theirs": medians(torch_save, torch_load, repeat),
             "their_durable_save_s": medians(torch_save_durable, lambda: None, repeat)[0],
-            "ours": ours(base / "plain-run", lambda run: run.restore(model, optimizer, scheduler), repeat)}
+            **both_modes(base, "plain", lambda run: run.restore(model, optimizer, scheduler),
+                         lambda: state_dicts(model, optimizer, scheduler), repeat)}
 
 
 def accelerate(size_mb: float, base: Path, repeat: int) -> dict:
@@ -135,7 +192,8 @@ def accelerate(size_mb: float, base: Path, repeat: int) -> dict:
     folder = base / "accelerate"
     theirs = medians(lambda: accelerator.save_state(folder), lambda: accelerator.load_state(folder), repeat)
     return {"framework": "accelerator.save_state", "theirs": theirs,
-            "ours": ours(base / "accelerate-run", lambda run: accelerated.load_state(accelerator, run), repeat)}
+            **both_modes(base, "accelerate", lambda run: accelerated.load_state(accelerator, run),
+                         lambda: state_dicts(model, optimizer, scheduler), repeat)}
 
 
 def hugging_face(size_mb: float, base: Path, repeat: int) -> dict:
@@ -163,7 +221,9 @@ def hugging_face(size_mb: float, base: Path, repeat: int) -> dict:
         run.restore(trainer.model, hf.unwrapped(trainer.optimizer, "optimizer"),
                     hf.unwrapped(trainer.lr_scheduler, "scheduler"), extras={"hf_trainer_state": state})
         state.live = True
-    return {"framework": "Trainer._save_checkpoint", "theirs": theirs, "ours": ours(base / "hf-run", hand_over, repeat)}
+    return {"framework": "Trainer._save_checkpoint", "theirs": theirs,
+            **both_modes(base, "hf", hand_over, lambda: state_dicts(trainer.model, trainer.optimizer,
+                                                                      trainer.lr_scheduler), repeat)}
 
 
 def lightning_fit(size_mb: float, base: Path, repeat: int) -> dict:
@@ -199,7 +259,8 @@ def lightning_fit(size_mb: float, base: Path, repeat: int) -> dict:
         scheduler.load_state_dict(stored["lr_schedulers"][0])
     theirs = medians(lambda: trainer.save_checkpoint(path), lightning_load, repeat)
     return {"framework": "Trainer.save_checkpoint", "theirs": theirs,
-            "ours": ours(base / "lightning-run", lambda run: run.restore(module, optimizer, scheduler), repeat)}
+            **both_modes(base, "lightning", lambda run: run.restore(module, optimizer, scheduler),
+                         lambda: state_dicts(module, optimizer, scheduler), repeat)}
 
 
 def state_mb(folder: Path) -> float:
@@ -227,24 +288,30 @@ def main() -> None:
             row["mb"] = round(state_mb(base / f"{name}-run"), 1)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"\nrecovery in your own loop vs the framework's own checkpoint, about {size_mb:g} MB of state\n")
-    print("| loop | theirs | MB | their save s | our save s | save ratio | their restore s | our restore s | "
-          "restore ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    result = {"size_mb": size_mb, "rows": {}}
+    print(f"\nrecovery in your own loop vs the framework's own checkpoint, about {size_mb:g} MB of state, one "
+          f"process (load average {os.getloadavg()[0]:.1f})\n")
+    print("| loop | theirs | MB | their save s | our async save blocks s | async ratio | our sync save s | "
+          "sync ratio | dcp.save + fsync s | sync / dcp+fsync | their restore s | our restore s | restore ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    result = {"size_mb": size_mb, "load_average": os.getloadavg()[0], "rows": {}}
     for name, row in rows.items():
         (their_save, their_load), (our_save, our_load) = row["theirs"], row["ours"]
+        blocked, durable = row["ours_async_save_s"], row["dcp_durable_save_s"]
         figures = {"framework": row["framework"], "mb": row["mb"], "their_save_s": their_save, "our_save_s": our_save,
-                   "save_ratio": our_save / their_save, "their_restore_s": their_load, "our_restore_s": our_load,
-                   "restore_ratio": our_load / their_load}
+                   "save_ratio": our_save / their_save, "our_async_save_s": blocked,
+                   "async_save_ratio": blocked / their_save, "dcp_durable_save_s": durable,
+                   "sync_vs_dcp_durable": our_save / durable, "their_restore_s": their_load,
+                   "our_restore_s": our_load, "restore_ratio": our_load / their_load}
         if "their_durable_save_s" in row:
             figures["their_durable_save_s"] = row["their_durable_save_s"]
         result["rows"][name] = figures
-        print(f"| {name} | {row['framework']} | {row['mb']} | {their_save:.3f} | {our_save:.3f} | "
-              f"{figures['save_ratio']:.2f} | {their_load:.3f} | {our_load:.3f} | {figures['restore_ratio']:.2f} |")
+        print(f"| {name} | {row['framework']} | {row['mb']} | {their_save:.3f} | {blocked:.3f} | "
+              f"{figures['async_save_ratio']:.2f} | {our_save:.3f} | {figures['save_ratio']:.2f} | {durable:.3f} | "
+              f"{figures['sync_vs_dcp_durable']:.2f} | {their_load:.3f} | {our_load:.3f} | "
+              f"{figures['restore_ratio']:.2f} |")
     durable = result["rows"]["plain"]["their_durable_save_s"]
     print(f"\ntorch.save with an fsync of its file (durable, as every save of ours is): {durable:.3f} s; "
-          f"our save / that = {result['rows']['plain']['our_save_s'] / durable:.2f}")
+          f"our sync save / that = {result['rows']['plain']['our_save_s'] / durable:.2f}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -30,6 +30,8 @@ class MemoryObjects:
         self.upload_gate = threading.Event()
         self.upload_gate.set()
         self.lose_next_response = False
+        self.ranges_read: list[tuple[str, int, int | None]] = []
+        """(key, start, end) of every ranged read, in order."""
         self._lock = threading.Lock()
         self._version = 0
 
@@ -52,6 +54,13 @@ class MemoryObjects:
         with self._lock:
             return self.objects.get(key)
 
+    def read_range(self, key: str, start: int, end: int | None) -> bytes:
+        data = self.read(key)
+        if data is None:
+            raise FileNotFoundError(key)
+        self.ranges_read.append((key, start, end))
+        return data[start:end]
+
     def exists(self, key: str) -> bool:
         return self.read(key) is not None
 
@@ -65,6 +74,11 @@ class MemoryObjects:
             raise FileNotFoundError(key)
         destination.write_bytes(data)
         return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    def stream_into(self, key: str, destination: Path, progress) -> dict:
+        digest = self.download(key, destination)
+        progress(digest["bytes"])
+        return digest
 
     def digest(self, key: str) -> dict | None:
         data = self.read(key)

@@ -35,7 +35,7 @@ def store_bench_checks(report: dict) -> None:
     the back-pressure runs saved max_pending + 1 generations each."""
     for key in ("local_write_s", "sync_store_s", "tiered_blocked_s", "tiered_durable_s", "commit_s",
                 "boto3_upload_s", "s3fs_put_s", "fetch_s", "boto3_download_s", "store_restore_s", "local_restore_s",
-                "local_one_pass_s"):
+                "local_one_pass_s", "store_one_pass_s"):
         assert report[key] > 0, key
     assert report["data_bytes"] > 30 << 20
     assert report["server_cpu_known"]  # it started its own server and found its pid
@@ -140,7 +140,8 @@ def library_bench_checks(report: dict) -> None:
     """Every adapter measured against its framework, both ways, on a generation of the state."""
     assert sorted(report["rows"]) == ["accelerate", "hf", "lightning", "plain"]
     for row in report["rows"].values():
-        assert row["mb"] > 0 and all(row[key] > 0 for key in ("save_ratio", "restore_ratio")), row
+        assert row["mb"] > 0 and all(row[key] > 0 for key in ("save_ratio", "restore_ratio", "async_save_ratio",
+                                                              "sync_vs_dcp_durable")), row
 
 
 CHECKS = {"heartbeat_bench.py": heartbeat_bench_checks, "library_bench.py": library_bench_checks, "memory_tier_bench.py": memory_tier_bench_checks,

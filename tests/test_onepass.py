@@ -15,7 +15,7 @@ from trainer.checkpoint import manifest as manifest_module
 from trainer.checkpoint import safe_load
 from trainer.checkpoint.atomic import file_digest
 from trainer.checkpoint.manifest import GenerationFacts, Manifest, verify_directory
-from trainer.checkpoint.onepass import verified_load
+from trainer.checkpoint.onepass import DamagedShard, verified_load
 from trainer.checkpoint.snapshot import write_snapshot
 from trainer.errors import CorruptGeneration
 
@@ -108,3 +108,78 @@ def test_a_verification_without_its_shards_cannot_reach_the_plain_restore(genera
     assert partial.ok and partial.shards_pending
     with pytest.raises(AssertionError, match="verified without its shards"):
         restore(partial, object())
+
+
+# ----------------------------------------------------------------- streamed from a store
+@pytest.fixture
+def in_store(tmp_path, monkeypatch):
+    """A generation committed in an in-memory store, its shards over 8 KiB fetched in 4 KiB ranges."""
+    from memory_objects import MemoryObjects
+
+    from trainer.checkpoint.checkpointer import SyncCheckpointer
+    from trainer.checkpoint.commit import RenameCommit
+    from trainer.checkpoint.identity import RunIdentity
+    from trainer.checkpoint.section import LocalSection
+    from trainer.layout import RUN_IDENTITY, RunDirectory
+    from trainer.storage.object import streaming
+    from trainer.storage.object.section import ObjectSection
+
+    monkeypatch.setattr(streaming, "RANGE_BYTES", 4096)
+    monkeypatch.setattr(streaming, "RANGED_ABOVE", 8192)  # the weights' shard in ranges, the others whole
+    run = RunDirectory(tmp_path / "writer")
+    run.checkpoints.mkdir(parents=True)
+    (run.root / RUN_IDENTITY).write_bytes(RunIdentity.new().to_bytes())
+    local = LocalSection(run.checkpoints)
+    SyncCheckpointer(RenameCommit(local), "attempt-1").save(state(), FACTS)
+    (name,) = local.committed()
+    objects = MemoryObjects()
+    objects.write(RUN_IDENTITY, (run.root / RUN_IDENTITY).read_bytes())
+    section = ObjectSection(objects, "checkpoints")
+    section.commit(name, local.path(name), fence=lambda: None)
+    return section, local.path(name), tmp_path
+
+
+def streamed(section, name: str, base: Path) -> tuple:
+    """A streamed fetch of `name` into `base`, loaded: (verification, the loaded template, error)."""
+    from trainer.checkpoint.onepass import load_verified
+    from trainer.checkpoint.snapshot import flat_template, stored_entries
+    from trainer.storage.object.streaming import fetch_streaming
+
+    (base / "staging").mkdir(parents=True)
+    fetched, _ = fetch_streaming(section, name, base / "staging", base / "checkpoints")
+    assert fetched.ok and fetched.shards_pending and fetched.arrivals is not None, fetched.problem
+    loaded = flat_template(stored_entries(fetched.path))
+    try:
+        load_verified(loaded, fetched.path, fetched.manifest.files, fetched.arrivals)
+    except CorruptGeneration as error:
+        fetched.arrivals.discard()
+        return fetched, loaded, error
+    fetched.arrivals.keep()
+    return fetched, loaded, None
+
+
+def test_a_store_generation_streams_into_the_load_in_ranges_and_a_damaged_or_resized_shard_is_refused(in_store):
+    """The shards of a generation in a store are fetched in ranges, several at once, appended in
+    order, hashed as they arrive and loaded as their bytes land: the copy kept is the stored
+    one and the values are the saved ones. A byte flipped in one range of a shard, or a shard
+    longer than its manifest says, is refused naming the file, and nothing is kept. ~1 s."""
+    section, written, base = in_store
+    name, shard = written.name, biggest_shard(written)
+    fetched, loaded, error = streamed(section, name, base / "clean")
+    assert error is None
+    assert torch.equal(loaded["model.weight"], state()["model"]["weight"]) and loaded["step"] == 8
+    assert (base / "clean" / "checkpoints" / name / shard.name).read_bytes() == shard.read_bytes()
+    ranged = [start for key, start, _ in section.objects.ranges_read if key.endswith(shard.name)]
+    assert len(ranged) == -(-shard.stat().st_size // 4096) > 4 and sorted(ranged) == list(range(0, len(ranged) * 4096, 4096))
+
+    body = bytearray(shard.read_bytes())
+    body[2 * 4096 + 100] ^= 0x01  # in the third range
+    section.objects.write(section.key(name, shard.name), bytes(body))
+    _, _, error = streamed(section, name, base / "damaged")
+    assert isinstance(error, DamagedShard) and error.problem.startswith(f"{shard.name}: sha256 mismatch"), error
+    assert not (base / "damaged" / "checkpoints" / name).exists() and not (base / "damaged" / "staging" / name).exists()
+
+    section.objects.write(section.key(name, shard.name), shard.read_bytes() + b"\0")
+    _, _, error = streamed(section, name, base / "longer")
+    assert isinstance(error, DamagedShard)
+    assert error.problem == f"{shard.name}: size {shard.stat().st_size + 1} bytes, manifest says {shard.stat().st_size}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -14,7 +15,8 @@ from torch import nn
 from support.cli import run_cli, train
 from support.runs import attempts
 from trainer.checkpoint.manifest import GenerationFacts, InvalidManifest, Manifest
-from trainer.run.checksum import parameter_checksum, state_digests, tensor_checksum
+from trainer.run.checksum import (BLOCK_WORDS, parameter_checksum, state_digests, tensor_checksum,
+                                  weighted_block_sums)
 from trainer.run.witness import ReplayWitness, read_step_digests, restore_problem, step_digest
 
 ARGS = ("--epochs", 2, "--recover-every-steps", 4)
@@ -109,6 +111,16 @@ def test_the_state_checksum_sees_values_trade_places_and_reads_any_slice():
         int(tensor_checksum(torch.tensor([2.0, 1.0], dtype=torch.float64)))
     whole = torch.arange(10, dtype=torch.float32)
     assert int(tensor_checksum(whole[1:])) == int(tensor_checksum(whole[1:].clone())), "a slice at any offset"
+
+
+def test_the_cpu_block_sums_by_one_product_equal_the_wrapping_sums_of_every_word():
+    """The fast CPU path (an int64 matrix-vector product) must give the digests generations
+    already hold: the same sums modulo 2**64, compared with numpy's defined uint64 wrap-around."""
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(-2**63, 2**63 - 1, (33, BLOCK_WORDS), dtype=torch.int64, generator=generator)
+    odd = torch.arange(1, 2 * BLOCK_WORDS, 2, dtype=torch.int64)
+    expected = (blocks.numpy().astype(np.uint64) * odd.numpy().astype(np.uint64)).sum(1, dtype=np.uint64)
+    assert np.array_equal(weighted_block_sums(blocks, odd).numpy().astype(np.uint64), expected)
 
 
 def test_state_digests_name_the_section_that_differs():

@@ -177,7 +177,12 @@ class SyncCheckpointer(_Checkpointer):
         name = generation_name(step)
         temporary = self.commit.begin(step, self.attempt_id, coordinator)
         try:
-            digests = write_snapshot(state_dict, temporary, self.config, alone=not self.coordinator.distributed)
+            with ThreadPoolExecutor(1, thread_name_prefix="recovery-digest") as digesting:
+                # The loop waits for this save anyway: the digest runs beside the write (its
+                # kernels and the writer's sha256 and fsyncs release the GIL).
+                resolving = digesting.submit(facts.resolved, state_dict)
+                digests = write_snapshot(state_dict, temporary, self.config, alone=not self.coordinator.distributed)
+                facts = resolving.result()
             seams.crash_point("after-write")
             timings = {"write_s": time.monotonic() - started}
             committed = self.commit.commit(temporary, step, self._describe(facts, timings), digests, coordinator)
@@ -196,7 +201,10 @@ class _InFlight:
     staging: Future
     """Done when the staged copy is complete and the live state may change again."""
     written: Future
-    """Done when DCP wrote every shard (the staging buffers may be reused)."""
+    """Done when DCP wrote every shard."""
+    facts: Future
+    """The generation's facts, its state digest computed from the staged copy: once done
+    (and `written`), the staging buffers may be reused."""
     committed: Future
     """Result: the Published generation (on every rank), once committed."""
 
@@ -224,6 +232,9 @@ class AsyncCheckpointer(_Checkpointer):
         # One thread that waits for each background write and then commits it, in save order,
         # so a generation is committed as soon as it is written, not at the next save.
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recovery-commit")
+        # The exactness witness's digest of each save, from its staged copy, off the loop
+        # (`GenerationFacts.digest_later`: one process), beside the write.
+        self._digester = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recovery-digest")
         self._in_flight: deque[_InFlight] = deque()
         self._closed = False
 
@@ -248,10 +259,12 @@ class AsyncCheckpointer(_Checkpointer):
             failure = self._failure(error, step)
         else:
             blocked = time.monotonic() - started
+            resolved = self._digester.submit(lambda staged=self.stager.staged, facts=facts:
+                                             facts.resolved(staged.result()))
             committed = self._committer.submit(self._commit_when_written, response.upload_completion, writer,
-                                               temporary, facts, started, blocked)
+                                               temporary, resolved, started, blocked)
             self._in_flight.append(_InFlight(step, response.staging_completion, response.upload_completion,
-                                             committed))
+                                             resolved, committed))
         # A failure of this rank's own part (its staging buffers could not be allocated) must
         # stop every rank here, before the others wait for it inside DCP's collectives.
         if self.coordinator.distributed:
@@ -262,10 +275,11 @@ class AsyncCheckpointer(_Checkpointer):
         return done
 
     def _commit_when_written(self, written: Future, writer: HashingFileSystemWriter, temporary: Path,
-                             facts: GenerationFacts, started: float, blocked: float) -> Published:
+                             resolved: Future, started: float, blocked: float) -> Published:
         """Runs on the committer thread: the commit, only after the write completed."""
         try:
             written.result()
+            facts = resolved.result()
             seams.crash_point("after-write")
             timings = {"write_s": time.monotonic() - started, "save_blocked_s": blocked,
                        "staging_s": self.stager.last_staging_s or 0.0}
@@ -284,7 +298,8 @@ class AsyncCheckpointer(_Checkpointer):
         published: list[Published] = []
         failure: BaseException | None = None
         if self._in_flight:
-            self._in_flight[-1].written.exception()  # the staging buffers are free again
+            self._in_flight[-1].written.exception()
+            self._in_flight[-1].facts.exception()  # the staging buffers are free again
         while failure is None and self._in_flight and (len(self._in_flight) > keep
                                                        or self._in_flight[0].committed.done()):
             done, failure = self._collect(self._in_flight[0])
@@ -377,4 +392,5 @@ class AsyncCheckpointer(_Checkpointer):
         if not self._closed:
             self._closed = True
             self._committer.shutdown(wait=True)
+            self._digester.shutdown(wait=True)
             self.stager.close()

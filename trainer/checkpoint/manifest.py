@@ -19,7 +19,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from trainer.checkpoint.allowlist import MAX_METADATA_BYTES, metadata_problem
 from trainer.checkpoint.atomic import file_digest
@@ -64,6 +64,16 @@ class GenerationFacts:
     ledger: dict = field(default_factory=dict)
     """The sample ledger since the generation before it (trainer/run/ledger.py). Empty in
     generations written before it."""
+    digest_later: Callable[[dict], dict] | None = field(default=None, compare=False, repr=False)
+    """`state_digest` still to be computed from the state dict saved (`resolved`): the
+    checkpointer does it where it costs the loop least, the async one from its staged copy on
+    its committer thread (one process; several gather theirs in the loop)."""
+
+    def resolved(self, saved: dict) -> "GenerationFacts":
+        """These facts with `state_digest` computed from `saved` (the state dict, or its staged copy)."""
+        if self.digest_later is None:
+            return self
+        return replace(self, state_digest=self.digest_later(saved), digest_later=None)
 
 
 @dataclass(frozen=True)
@@ -187,6 +197,9 @@ class Verification:
     shards_pending: bool = False
     """Only the parsed files were hashed (`verify_directory(..., shards=False)`): the shards'
     sha256 is still to be checked by the load (trainer/checkpoint/onepass.py)."""
+    arrivals: object | None = field(default=None, compare=False, repr=False)
+    """With `shards_pending`: the shards are still being written (a store's streamed download,
+    trainer/checkpoint/onepass.py `Arrivals`); the load waits for them and takes their hashes."""
 
     @property
     def ok(self) -> bool:

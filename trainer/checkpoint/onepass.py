@@ -19,14 +19,20 @@ on this VM the copies it adds hold the GIL, so the reader threads stop overlappi
 not kept. As with the separate pass, the hash and the load are two reads of the file, so
 a writer that changes a shard between them is not detected (the manifest detects
 corruption; the signature, docs/security.md, covers what was published).
+
+A restore from an object store streams into the same load (`Arrivals`): the download hashes
+each shard as its bytes arrive and writes them to the local tier, and the load reads every
+item as soon as its bytes are written, so the download, the hash and the load overlap and no
+file is read twice. The state is handed nothing until every shard's hash matched.
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from trainer.checkpoint.atomic import file_digest
 from trainer.checkpoint.manifest import RECOVERY, Verification, deferred, file_problem, verify_directory
@@ -41,6 +47,58 @@ class DamagedShard(CorruptGeneration):
     def __init__(self, message: str, problem: str):
         super().__init__(message)
         self.problem = problem
+
+
+class Arrivals:
+    """Shards being written into a directory while the one-pass load reads it (a store's
+    streamed download, trainer/storage/object/streaming.py). The writer says how far each
+    shard has arrived, front to back, and its {bytes, sha256} hashed as it was written; the
+    load waits for the bytes each item needs and takes those digests instead of reading the
+    files again. Every wait ends: the writer reports each shard finished (its digest, or None
+    for a missing object) or the download failed (raised in the load). `keep()` after a
+    verified load publishes the copy, `discard()` throws it away (the writer's callbacks)."""
+
+    def __init__(self, files: Iterable[str], keep: Callable[[], None], discard: Callable[[], None]):
+        self._arrived = {name: 0 for name in files}
+        self._digests: dict[str, dict | None] = {}
+        self._failure: BaseException | None = None
+        self._condition = threading.Condition()
+        self.keep, self.discard = keep, discard
+
+    # ----------------------------------------------------------------- the writer's side
+    def advanced(self, name: str, arrived: int) -> None:
+        with self._condition:
+            self._arrived[name] = arrived
+            self._condition.notify_all()
+
+    def finished(self, name: str, digest: dict | None) -> None:
+        with self._condition:
+            self._digests[name] = digest
+            self._condition.notify_all()
+
+    def failed(self, error: BaseException) -> None:
+        with self._condition:
+            self._failure = self._failure or error
+            self._condition.notify_all()
+
+    # ----------------------------------------------------------------- the load's side
+    def wait(self, name: str, end: int) -> None:
+        """Until bytes [0, end) of `name` are written, or it is finished (short: the load
+        fails, and its digest says why); raises the download's failure."""
+        with self._condition:
+            while self._failure is None and name not in self._digests and self._arrived.get(name, 0) < end:
+                self._condition.wait()
+            if self._failure is not None:
+                raise self._failure
+
+    def digest(self, name: str) -> dict | None:
+        """{bytes, sha256} of `name` as it was written (None: missing), once it is complete."""
+        with self._condition:
+            while self._failure is None and name not in self._digests:
+                self._condition.wait()
+            if self._failure is not None:
+                raise self._failure
+            return self._digests[name]
 
 
 HASH_THREADS = 2
@@ -63,27 +121,38 @@ def verified_load(directory: Path, make_template: Callable[[dict], dict]) -> tup
     return replace(verification, shards_pending=False), template
 
 
-def load_verified(template: dict, directory: Path, files: Mapping[str, Mapping]) -> None:
+def load_verified(template: dict, directory: Path, files: Mapping[str, Mapping], arrivals: Arrivals | None = None) \
+        -> None:
     """`load_snapshot` of a directory whose `verify_directory(directory, shards=False)`
     passed (`files`: its manifest's), every listed shard hashed while it loads; raises
     CorruptGeneration naming the first shard that does not match (before any error of the
-    load itself, which a damaged shard may also cause)."""
+    load itself, which a damaged shard may also cause). `arrivals`: the shards are still
+    being written, hashed by their writer (`Arrivals`)."""
     directory = Path(directory)
     shards = sorted(name for name in files if deferred(name))
-    with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(shards)))) as pool:
-        digests = pool.map(lambda name: observed(directory / name), shards)
-        try:
-            load_snapshot(template, directory)
-            failed = None
-        except (CorruptGeneration, UntrustedGeneration, OSError) as error:  # a damaged shard: the hash says so
-            failed = error
-        found = dict(zip(shards, digests))
+    if arrivals is not None:  # hashed as they arrive: nothing to read twice
+        failed = loading_failure(lambda: load_snapshot(template, directory, arrivals=arrivals))
+        found = {name: arrivals.digest(name) for name in shards}
+    else:
+        with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(shards)))) as pool:
+            digests = pool.map(lambda name: observed(directory / name), shards)
+            failed = loading_failure(lambda: load_snapshot(template, directory))
+            found = dict(zip(shards, digests))
     problem = next(filter(None, (file_problem(name, files[name], found[name]) for name in shards)), None)
     if problem:
         raise DamagedShard(f"{directory.name}: {problem}; restore an earlier generation with --from-generation",
                            problem)
     if failed is not None:
         raise failed
+
+
+def loading_failure(load: Callable[[], None]) -> BaseException | None:
+    """What `load()` raised that a damaged shard can cause (the hash then says which)."""
+    try:
+        load()
+    except (CorruptGeneration, UntrustedGeneration, OSError) as error:
+        return error
+    return None
 
 
 def judged_by_loading(generation: Verification, directory: Path | None = None) -> Verification:
@@ -121,9 +190,17 @@ def restore_verified(generation: Verification, state: Restorable) -> Restored:
     damaged bytes: a caller that goes on restores the whole state from another source)."""
     if not generation.shards_pending:
         raise AssertionError(f"{generation.name} is verified already: restore it with restore()")
-    files = generation.manifest.files
-    return restored_by(replace(generation, shards_pending=False), state,
-                       lambda template, directory: load_verified(template, directory, files))
+    files, arrivals = generation.manifest.files, generation.arrivals
+    try:
+        restored = restored_by(replace(generation, shards_pending=False, arrivals=None), state,
+                               lambda template, directory: load_verified(template, directory, files, arrivals))
+    except BaseException:
+        if arrivals is not None:
+            arrivals.discard()
+        raise
+    if arrivals is not None:
+        arrivals.keep()  # a streamed download, verified: it becomes the local tier's copy
+    return restored
 
 
 def observed(path: Path) -> dict | None:

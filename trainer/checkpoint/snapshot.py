@@ -74,15 +74,23 @@ class ParallelFileSystemReader(SafeFileSystemReader):
     """The safe `FileSystemReader`, but the shard files are read concurrently, one thread per
     file: stock DCP reads file after file on one thread, which leaves a disk that serves
     parallel reads (and the cores that deserialize) idle. Each thread runs the stock
-    `read_data` on the part of the plan that reads its file, so the parsing is unchanged."""
+    `read_data` on the part of the plan that reads its file, so the parsing is unchanged,
+    its items in file order. `arrivals` (trainer/checkpoint/onepass.py `Arrivals`): shards
+    still being written (a streamed download); each item waits until its bytes are there."""
 
-    def __init__(self, path: str | Path, threads: int = READ_THREADS):
+    def __init__(self, path: str | Path, threads: int = READ_THREADS, arrivals=None):
         super().__init__(str(path))
         self.threads = threads
+        self.arrivals = arrivals
+
+    def _slice_file(self, file, sinfo):
+        if self.arrivals is not None:
+            self.arrivals.wait(sinfo.relative_path, sinfo.offset + sinfo.length)
+        return super()._slice_file(file, sinfo)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list] = {}
-        for item in plan.items:
+        for item in sorted(plan.items, key=lambda item: self.storage_data[item.storage_index].offset):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         parts = [(dataclasses.replace(plan, items=items), file) for file, items in per_file.items()]
         with ThreadPoolExecutor(max_workers=max(1, min(self.threads, len(parts)))) as pool:
@@ -93,13 +101,15 @@ class ParallelFileSystemReader(SafeFileSystemReader):
         return finished
 
 
-def load_snapshot(template: dict, directory: Path, alone: bool | None = None) -> None:
+def load_snapshot(template: dict, directory: Path, alone: bool | None = None, arrivals=None) -> None:
     """Fill `template` in place: tensors must be pre-allocated with the stored shapes;
     non-tensor values are replaced by the stored values (loaded weights-only). A refusal or
     a damaged value is raised as its own one-line error, not DCP's per-rank wrapper.
-    `alone`: as for `write_snapshot` (a tier-0 part is read by its rank alone)."""
+    `alone`: as for `write_snapshot` (a tier-0 part is read by its rank alone). `arrivals`:
+    shards still arriving (`ParallelFileSystemReader`)."""
     try:
-        dcp.load(template, storage_reader=ParallelFileSystemReader(directory), planner=SafeLoadPlanner(),
+        dcp.load(template, storage_reader=ParallelFileSystemReader(directory, arrivals=arrivals),
+                 planner=SafeLoadPlanner(),
                  no_dist=single_process() if alone is None else alone)
     except dcp.CheckpointException as error:  # DCP wraps whatever a rank raised
         raised = _raised_by_rank(error)

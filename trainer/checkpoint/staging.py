@@ -53,6 +53,8 @@ class ReusableStager:
         self._stream = torch.cuda.Stream(device) if self.pinned else None
         self.last_staging_s: float | None = None
         """Seconds from stage() to the staged copy being complete (for the manifest)."""
+        self.staged: Future | None = None
+        """The last stage()'s Future: the staged copy (valid until the next stage())."""
 
     @property
     def buffers(self) -> tuple[torch.Tensor, ...]:
@@ -91,7 +93,8 @@ class ReusableStager:
             seams.crash_point("after-staging")
             return staged
 
-        return self._worker.submit(complete)
+        self.staged = self._worker.submit(complete)
+        return self.staged
 
     def _mirror(self, value, path: tuple, host_copies: list, device_copies: list):
         """The state dict with every tensor replaced by its staging buffer (copies are only

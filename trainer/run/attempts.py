@@ -355,12 +355,16 @@ class AttemptRecorder:
         if blocked_s:
             self._add_cost(blocked_s=blocked_s)
 
-    def published(self, kind: str, published: "Published", step: int | None = None) -> None:
+    def published(self, kind: str, published: "Published", step: int | None = None, ledger: dict | None = None) \
+            -> None:
         """A generation (GENERATIONS) or export (EXPORTS) was published while training stood
-        at `step` (None: where it last stood)."""
+        at `step` (None: where it last stood); `ledger`: its sample ledger (`sample_ledger`),
+        in the same write of the record (each write is two fsyncs on the loop's thread)."""
         self._record[PUBLISHED[kind]].append({"name": published.name, "step": published.step,
                                    "save_s": round(published.save_s, 6), "blocked_s": round(published.blocked_s, 6),
                                    "at_s": self.elapsed_s()})
+        if ledger:
+            self._record.setdefault("ledger", []).append({"step": published.step, **ledger})
         self._add_cost(save_s=published.save_s, blocked_s=published.blocked_s)
         self._record["costs"]["saves"] += 1
         self.reached(step if step is not None else (self._record["last_step"] or 0))

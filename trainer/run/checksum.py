@@ -47,10 +47,20 @@ def tensor_checksum(tensor: torch.Tensor, weighted: bool = True) -> torch.Tensor
         return words.sum() + tail
     full = words.numel() // BLOCK_WORDS * BLOCK_WORDS
     odd = torch.arange(1, 2 * BLOCK_WORDS, 2, dtype=torch.int64, device=raw.device)
-    blocks = (words[:full].view(-1, BLOCK_WORDS) * odd).sum(1)
+    blocks = weighted_block_sums(words[:full].view(-1, BLOCK_WORDS), odd)
     places = torch.arange(1, blocks.numel() + 3, dtype=torch.int64, device=raw.device)
     rest = (words[full:] * odd[:words.numel() - full]).sum()
     return (blocks * places[:-2]).sum() + rest * places[-2] + tail * places[-1]
+
+
+def weighted_block_sums(blocks: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
+    """Each row of int64 `blocks` times `odd`, summed (wrapping). On a CPU one integer
+    matrix-vector product: the same sums, 4-7 times faster than the product and the sum (no
+    temporary the size of the tensor; a save digests the whole state, bench/library_bench.py);
+    CUDA has no int64 product, so there the two steps."""
+    if blocks.device.type == "cpu":
+        return torch.mv(blocks, odd)
+    return (blocks * odd).sum(1)
 
 
 def word_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -104,6 +114,12 @@ def safe_state_digests(state_dict: dict) -> dict[str, str]:
         log.warning("exactness witness: no state digest (%s: %s); restores of this generation are not checked",
                     error.__class__.__name__, error)
         return {}
+
+
+def one_process_digest(state_dict: dict) -> dict:
+    """A generation's `state_digest` with one process: {"0": sections}, or {} (none computed)."""
+    digest = safe_state_digests(state_dict)
+    return {"0": digest} if digest else {}
 
 
 def _flatten(prefix: str, value, entries: list) -> None:

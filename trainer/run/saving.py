@@ -37,7 +37,7 @@ from trainer.run.cadence import (AnyOf, AutoPrior, AutoSeconds, AutoSteps, Caden
 from trainer.run.events import TrainingEvents
 from trainer.run.batching import EpochShape
 from trainer.run.ledger import SampleLedger
-from trainer.run.checksum import safe_state_digests
+from trainer.run.checksum import one_process_digest, safe_state_digests
 from trainer.run.state import TrainingState
 from trainer.storage.base import AfterPublish, Durable, RunStorage
 from trainer.storage.memory.saves import MemorySaves
@@ -149,7 +149,8 @@ class SavePath(Protocol):
         """After a failure: finish what is in flight (unless it waits on a lost peer); never raises."""
 
 
-Facts = Callable[[TrainingState, dict, SampleLedger], GenerationFacts]
+Facts = Callable[..., GenerationFacts]
+"""`facts(state, state_dict, ledger, digest_later=False)` (`CadencedSaves.facts`)."""
 
 
 class DurablePath:
@@ -170,7 +171,7 @@ class DurablePath:
         """`ledger` moves on: the next generation covers the samples since this one."""
         self.agree_on_uploads()
         state_dict = state.state_dict()
-        made = facts(state, state_dict, ledger)
+        made = facts(state, state_dict, ledger, True)  # the checkpointer digests what it saves (async: off the loop)
         self.ledger_entries[generation_name(made.step)] = made.ledger
         self.heard(self.checkpointer.save(state_dict, made), state.progress.global_step)
         self.policy.saved()
@@ -311,16 +312,20 @@ class CadencedSaves:
         path.save(state, self.ledger, self.facts)
         self.tier0.saved(state.progress.global_step)  # a durable save is as new as a tier-0 one
 
-    def facts(self, state: TrainingState, state_dict: dict, ledger: SampleLedger) -> GenerationFacts:
-        """What a generation's manifest says besides its files (`ledger` gives its entry and moves on)."""
+    def facts(self, state: TrainingState, state_dict: dict, ledger: SampleLedger,
+              digest_later: bool = False) -> GenerationFacts:
+        """What a generation's manifest says besides its files (`ledger` gives its entry and moves on);
+        `digest_later`: one process leaves the state digest to the checkpointer (`GenerationFacts`)."""
         progress = state.progress
-        digests = self.ranks.gather(safe_state_digests(state_dict), "gathering the state digests")
+        later = digest_later and not self.ranks.distributed
+        digests = [] if later else self.ranks.gather(safe_state_digests(state_dict), "gathering the state digests")
         samples, padded = zip(*self.ranks.gather((ledger.micro_batches, ledger.padded), "gathering the sample ledger"))
         return GenerationFacts(progress.global_step, progress.epoch, progress.position, self.lineage.fingerprint,
                                self.lineage.allowed_drift, {"recover": {}, "export": self.export_policy.state()},
                                utc_now(), {str(rank): digest for rank, digest in enumerate(digests)}
-                               if all(digests) else {},
-                               ledger.entry(samples, progress.global_step, progress.epoch, progress.position, padded))
+                               if digests and all(digests) else {},
+                               ledger.entry(samples, progress.global_step, progress.epoch, progress.position, padded),
+                               one_process_digest if later else None)
 
     def save_export(self, state: TrainingState, model: nn.Module, workload: Workload) -> None:
         """Every rank: rank 0 writes the export (under FSDP every rank gathers the weights
@@ -384,9 +389,8 @@ class CadencedSaves:
                 self.on_primary(lambda: self.apply_retention(GENERATIONS), "applying retention")
 
     def published(self, kind: str, published: Published, step: int | None) -> None:
-        self.recorder.published(kind, published, step)
-        if kind == GENERATIONS:
-            self.recorder.sample_ledger(published.step, self.ledger_entries.pop(published.name, {}))
+        self.recorder.published(kind, published, step,
+                                self.ledger_entries.pop(published.name, {}) if kind == GENERATIONS else None)
         self.events.published(NOUN[kind], self.sections[kind].path(published.name), published)
         after: AfterPublish = self.held_for_every_rank(
             lambda: self.durability.after_publish(kind, published, self.sections[kind].path(published.name)),

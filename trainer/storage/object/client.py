@@ -143,7 +143,7 @@ def describe(error: BaseException) -> str:
 
 
 def stream_object(fs, location: StoreLocation, timeout_s: float, key: str,
-                  take: Callable[[bytes], None]) -> None:
+                  take: Callable[[bytes], None], start: int = 0) -> None:
     """Hand an object's bytes to `take`, in order (`ObjectStore.download` and `digest`). On S3
     one GET streams the whole object.
     s3fs's buffered file (what other stores use here) issues a ranged GET per block and
@@ -154,18 +154,21 @@ def stream_object(fs, location: StoreLocation, timeout_s: float, key: str,
     every other stream moving. When `take` ran on the loop thread itself, every parallel
     download was hashed and written there one after another: a 256 MB fetch took
     0.66-0.68 s where the GETs alone took 0.27-0.29 s (docs/checkpoint-modes.md). Ranged
-    GETs in parallel were measured and not kept: no faster where the CPU is the bound."""
+    GETs in parallel were measured and not kept: no faster where the CPU is the bound.
+    `start`: from that byte on (a download resumed after a failed try)."""
     path = location.path(key)
     if location.scheme != "s3":
         with fs.open(path, "rb", block_size=CHUNK) as source:
+            source.seek(start)
             while chunk := source.read(CHUNK):
                 take(chunk)
         return
     from fsspec.asyn import sync
 
     async def stream():
+        ranged = {"Range": f"bytes={start}-"} if start else {}
         response = await asyncio.wait_for(fs._call_s3("get_object", Bucket=location.bucket,
-                                                      Key=path.split("/", 1)[1]), timeout_s)
+                                                      Key=path.split("/", 1)[1], **ranged), timeout_s)
         loop, taking, pieces, held = asyncio.get_running_loop(), None, [], 0
         try:
             async with response["Body"] as body:
@@ -218,11 +221,15 @@ class ObjectClient(Protocol):
 
     def read(self, key: str) -> bytes | None: ...
 
+    def read_range(self, key: str, start: int, end: int | None) -> bytes: ...
+
     def exists(self, key: str) -> bool: ...
 
     def size(self, key: str) -> int | None: ...
 
     def download(self, key: str, destination: Path) -> dict: ...
+
+    def stream_into(self, key: str, destination: Path, progress: Callable[[int], None]) -> dict: ...
 
     def digest(self, key: str) -> dict | None: ...
 
@@ -338,12 +345,12 @@ class ObjectStore:
                 return None
         return self.call(f"reading {self.url_of(key)}", cat)
 
-    def read_range(self, key: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of an object: one ranged GET (a stream's shard read from an
-        offset, never the whole object)."""
-        return self.call(f"reading {self.url_of(key)} bytes {start}-{end}",
+    def read_range(self, key: str, start: int, end: int | None) -> bytes:
+        """Bytes [start, end) of an object (end None: to its end): one ranged GET (a stream's
+        shard read from an offset, a part of a generation's shard, never the whole object)."""
+        return self.call(f"reading {self.url_of(key)} bytes {start}-{'' if end is None else end}",
                          lambda: self._run("cat_file", self.location.path(key), start=start, end=end,
-                                           size=end - start))
+                                           size=BUDGET_BYTES if end is None else end - start))
 
     def described(self, key: str = "") -> dict[str, tuple[int, str]]:
         """{key: (size, ETag)} of every object under `key/` (relative to the prefix), one
@@ -375,17 +382,24 @@ class ObjectStore:
         """Stream an object into a local file, hashing as it arrives: {"bytes", "sha256"}.
         The file is not fsynced: what a download is for is said by its caller
         (`ObjectSection.fetch`: a cache, verified again before any later use)."""
-        def fetch():
-            digest, size = hashlib.sha256(), 0
-            with open(destination, "wb") as target:
-                def take(chunk: bytes) -> None:
-                    nonlocal size
-                    digest.update(chunk)
-                    target.write(chunk)
-                    size += len(chunk)
-                stream_object(self.fs, self.location, self.config.timeout_s, key, take)
-            return {"bytes": size, "sha256": digest.hexdigest()}
-        return self.call(f"downloading {self.url_of(key)}", fetch)
+        return self.stream_into(key, destination, lambda written: None)
+
+    def stream_into(self, key: str, destination: Path, progress: Callable[[int], None]) -> dict:
+        """`download`, telling `progress(bytes written)` as the file grows (a load may read it
+        meanwhile: trainer/storage/object/streaming.py). A failed try resumes where the written
+        bytes end (a ranged GET): nothing written is written again, the sha256 goes on in order."""
+        digest, size = hashlib.sha256(), 0
+        with open(destination, "wb") as target:
+            def take(chunk: bytes) -> None:
+                nonlocal size
+                digest.update(chunk)
+                target.write(chunk)
+                target.flush()
+                size += len(chunk)
+                progress(size)
+            self.call(f"downloading {self.url_of(key)}",
+                      lambda: stream_object(self.fs, self.location, self.config.timeout_s, key, take, size))
+        return {"bytes": size, "sha256": digest.hexdigest()}
 
     def digest(self, key: str) -> dict | None:
         """{"bytes", "sha256"} of an object, streamed without keeping it; None if missing."""

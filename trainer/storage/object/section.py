@@ -183,31 +183,44 @@ class ObjectSection:
         does for every other rank; a compare's download is used at once. An fsync per file
         cost a 256 MB fetch about 0.1 s of its 0.55-0.75 s here."""
         started = time.monotonic()
-        manifest_data = self.manifest_bytes(name)
-        if manifest_data is None:
-            return Verification(parent / name, None, f"{MANIFEST}: missing (not committed)"), Transfer(0, 0.0)
-        try:
-            manifest = Manifest.from_json(json.loads(manifest_data))
-        except (InvalidManifest, ValueError) as reason:
-            return Verification(parent / name, None, str(reason)), Transfer(0, 0.0)
-        checked = self.trusted(Verification(parent / name, manifest, self._structure_problem(name, manifest)), name)
+        manifest_data, checked = self.committed_manifest(name, parent / name)
         if not checked.ok:
             return checked, Transfer(0, 0.0)
+        manifest = checked.manifest
         parent.mkdir(parents=True, exist_ok=True)
         temporary = temporary_sibling(parent, name, "fetch")
-        files = sorted(manifest.files)
-        with ThreadPoolExecutor(min(PARALLEL_OBJECTS, len(files)), thread_name_prefix="download") as pool:
-            actual = dict(zip(files, pool.map(lambda file: self._download_or_none(name, file, temporary),
-                                              files)))
-        problem = next((p for file in files if (p := file_problem(file, manifest.files[file], actual[file]))), None)
+        problem = self.download_files(name, sorted(manifest.files), manifest, temporary)
         if problem:
             shutil.rmtree(temporary, ignore_errors=True)
-            return Verification(parent / name, manifest, f"{problem} (in {self.url(name)})"), Transfer(0, 0.0)
+            return Verification(parent / name, manifest, problem), Transfer(0, 0.0)
         write_file_durably(temporary / MANIFEST, manifest_data)
         fsync_dir(temporary)
         rename_into_place(temporary, parent / name)
         transferred = sum(int(entry["bytes"]) for entry in manifest.files.values())
         return Verification(parent / name, manifest, None), Transfer(transferred, time.monotonic() - started)
+
+    def committed_manifest(self, name: str, where: Path) -> tuple[bytes | None, Verification]:
+        """The committed manifest of `name` (its bytes) and whether it may be downloaded: parsed,
+        its name, run and signature trusted, no unlisted object under the prefix."""
+        manifest_data = self.manifest_bytes(name)
+        if manifest_data is None:
+            return None, Verification(where, None, f"{MANIFEST}: missing (not committed)")
+        try:
+            manifest = Manifest.from_json(json.loads(manifest_data))
+        except (InvalidManifest, ValueError) as reason:
+            return None, Verification(where, None, str(reason))
+        return manifest_data, self.trusted(Verification(where, manifest, self._structure_problem(name, manifest)),
+                                           name)
+
+    def download_files(self, name: str, files: list[str], manifest: Manifest, directory: Path) -> str | None:
+        """Download `files` of `name` into `directory`, in parallel, each hashed as it streams;
+        the first problem (in name order, naming the store), or None."""
+        if not files:
+            return None
+        with ThreadPoolExecutor(min(PARALLEL_OBJECTS, len(files)), thread_name_prefix="download") as pool:
+            actual = dict(zip(files, pool.map(lambda file: self._download_or_none(name, file, directory), files)))
+        problem = next((p for file in files if (p := file_problem(file, manifest.files[file], actual[file]))), None)
+        return f"{problem} (in {self.url(name)})" if problem else None
 
     def _download_or_none(self, name: str, file: str, directory: Path) -> dict | None:
         """One GET (no lookup first): a missing object is None."""

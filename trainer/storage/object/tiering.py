@@ -18,6 +18,7 @@ run (exit 74) at the loop's next save or at its end.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from collections import deque
@@ -35,11 +36,14 @@ from trainer.storage.object.client import ObjectClient
 from trainer.storage.base import Durable, Transfer
 from trainer.storage.object.lease import lost_lease
 from trainer.storage.object.section import ObjectSection
+from trainer.storage.object.streaming import fetch_streaming
 from trainer.checkpoint.retention import Candidate, select_deletions
 from trainer.layout import (ATTEMPTS, EXPORTS, GENERATIONS, MANIFEST, RUN_IDENTITY, SECTIONS, STEP_DIGESTS,
                             STORE_MARKER, RunDirectory)
 
 log = logging.getLogger("trainer")
+STREAMING = ".streaming"
+"""The local tier's folder for a download the load is reading (`RemoteRun.streaming_folder`)."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,8 @@ class RemoteRun:
         newest earlier one that verifies in the store. `shards` False: the local copy's shard
         hashes are left to the load (`shards_pending`), which downloads it again if one fails
         (`damaged`: the problem it found; trainer/run/restoring.py); a download is hashed while
-        it streams, every file."""
+        it streams, every file; with `shards` False it is streamed into the load instead
+        (`streaming.fetch_streaming`: `shards_pending`, and the shards' `arrivals`)."""
         local = self.local_section(GENERATIONS)
         if name in local.names():
             verification = local.verify(name, shards=shards) if damaged is None else None
@@ -152,9 +157,21 @@ class RemoteRun:
             problem = damaged if verification is None else verification.problem
             log.warning("the local copy of %s does not verify (%s): downloading it again", name, problem)
             local.remove(name)
-        verification, transfer = self.generations.fetch(name, local.root)
+        if shards:
+            verification, transfer = self.generations.fetch(name, local.root)
+        else:  # one process: its load reads the shards as they arrive (trainer/storage/object/streaming.py)
+            verification, transfer = fetch_streaming(self.generations, name, self.streaming_folder(), local.root)
         require_verified(verification, [earlier for earlier in committed if earlier < name], self.generations.verify)
         return verification, transfer
+
+    def streaming_folder(self) -> Path:
+        """Where a streamed download lands until its load verified it, outside the sections (a
+        section's temporaries are removed once the claim is made, while this one is still being
+        written); emptied first: only a dead attempt's download can be there (the lease is held)."""
+        folder = self.local.root / STREAMING
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        return folder
 
     def set_aside_later_than(self, step: int, fence: Callable[[], None]) -> list[str]:
         """Going back with --from-generation: later committed generations and exports in the
