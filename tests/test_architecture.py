@@ -410,6 +410,7 @@ FOREIGN_OPTIONS = {
     "polyaxon": {"--strict-params", "--recompile", "--kind", "--from-file", "--copy"},
     "docker": {"--build-arg"},
     "pytest": {"--dist"},
+    "pip": {"--no-deps", "--force-reinstall", "--no-build-isolation", "--no-index"},
     "argparse": {"--help"},
 }
 """Options of other people's tools that the pages show, by tool."""

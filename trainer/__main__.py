@@ -29,6 +29,8 @@ def main() -> None:
     if problem := foreign_package_problem(sys.modules.get("trainer")):
         print(f"trainer: error: {problem}", file=sys.stderr)
         sys.exit(UsageError.exit_code)
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the console script: `--workload my_module:F` as `python -m` finds it
     from trainer.cli import exit_process, main as run_command  # after the handlers: importing torch takes a while
 
     exit_process(run_command())
