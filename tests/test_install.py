@@ -204,3 +204,10 @@ def test_the_package_its_entry_point_and_recovery_import_nothing_heavy():
     assert "torch" not in entry and "numpy" not in entry  # the entry point imports torch after its signal handlers
     assert "trainer.recovery.run" in recovery  # the probe can see what it looks for
     assert [name for name in recovery if name.startswith(HEAVY)] == []
+
+
+def test_no_page_example_or_make_target_asks_for_pythonpath():
+    """Installed, the package imports from anywhere: the README, docs/, the examples' usage lines
+    and the Makefile no longer put the repository on PYTHONPATH."""
+    pages = [REPO / "README.md", REPO / "Makefile", *(REPO / "docs").glob("*.md"), *(REPO / "examples").glob("*.py")]
+    assert [str(page.relative_to(REPO)) for page in pages if "PYTHONPATH=" in page.read_text()] == []
