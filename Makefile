@@ -9,9 +9,13 @@ SANDBOX_STAMP := $(SANDBOX_VENV)/.installed
 
 .PHONY: demo test bench s3-server clean polyaxon-demo
 
-$(STAMP): requirements.txt requirements-dev.txt
+# The project itself, editable (pyproject.toml): `from trainer import recovery`, the examples and
+# `training-recovery` work from any directory once the venv is active. No build isolation: the
+# setuptools pinned in requirements-dev.txt builds it, nothing else is fetched.
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 $(SANDBOX_STAMP): requirements-sandbox.txt
@@ -62,4 +66,4 @@ s3-server: $(STAMP)
 	$(PY) tests/s3server.py --dir outputs/s3-server --bucket $(BUCKET)
 
 clean:
-	rm -rf outputs outputs-polyaxon-demo .pytest_cache
+	rm -rf outputs outputs-polyaxon-demo .pytest_cache build *.egg-info

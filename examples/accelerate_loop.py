@@ -2,7 +2,7 @@
 `load_state` go through verified generations, the data through the keyed order, so a kill -9
 or a SIGTERM mid-epoch resumes bit for bit:
 
-    PYTHONPATH=. python examples/accelerate_loop.py runs/accelerate
+    python examples/accelerate_loop.py runs/accelerate
 """
 
 import argparse

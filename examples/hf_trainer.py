@@ -2,7 +2,7 @@
 checkpoints are verified generations, SIGTERM saves the step reached and exits 75, and a
 rerun resumes exactly. A tiny GPT-2 on generated tokens, on the CPU:
 
-    PYTHONPATH=. python examples/hf_trainer.py runs/hf
+    python examples/hf_trainer.py runs/hf
 """
 
 import argparse

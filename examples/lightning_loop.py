@@ -2,7 +2,7 @@
 checkpoints, the trainer's keyed data order, SIGTERM saves and exits 75, a rerun resumes bit
 for bit (Lightning's own `fit(ckpt_path="last")` does not: no RNG state, a new shuffle):
 
-    PYTHONPATH=. python examples/lightning_loop.py runs/lightning
+    python examples/lightning_loop.py runs/lightning
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """Recovery in your own PyTorch loop (docs/library.md): a plain loop that survives kill -9 and
 SIGTERM and resumes bit for bit. Run it, stop it any way you like, run it again:
 
-    PYTHONPATH=. python examples/own_loop.py runs/own-loop
+    python examples/own_loop.py runs/own-loop
 """
 
 import argparse

@@ -17,7 +17,8 @@ PACKAGE = REPO / "trainer"
 LAYERS = [
     # Leaves: names, errors, configuration, test seams, private-API wrappers, the launcher's variables.
     {"trainer.errors", "trainer.layout", "trainer.config", "trainer.parallel.launch", "trainer.parallel.silence", "trainer.seams",
-     "trainer.compat", "trainer.options", "trainer.location", "trainer.run.interval", "trainer.run.records"},
+     "trainer.compat", "trainer.options", "trainer.location", "trainer.run.interval", "trainer.run.records",
+     "trainer.origin"},
     # Generations and exports: manifests, the atomic publish, DCP writes and reads, save and restore.
     {"trainer.checkpoint"},
     # Where a run directory lives: one backend interface, local disk or an object store.
@@ -52,7 +53,10 @@ def module_name(path: Path) -> str:
 
 
 def layer_of(module: str) -> int:
-    """The layer of the longest entry that names the module or a package above it."""
+    """The layer of the longest entry that names the module or a package above it. The
+    package's own `__init__` is a leaf: it imports only the check of where it came from."""
+    if module == "trainer":
+        return 0
     best = None
     for index, members in enumerate(LAYERS):
         for member in members:
@@ -103,7 +107,8 @@ def test_every_module_lives_in_a_package_by_concern():
     """Top level holds only the leaves and the command line; everything else is in a package."""
     top = {module_name(path) for path in PACKAGE.glob("*.py")}
     assert top == {"trainer", "trainer.__main__", "trainer.cli", "trainer.flags", "trainer.errors", "trainer.layout",
-                   "trainer.config", "trainer.seams", "trainer.compat", "trainer.options", "trainer.location"}, top
+                   "trainer.config", "trainer.seams", "trainer.compat", "trainer.options", "trainer.location",
+                   "trainer.origin"}, top
     assert {module_name(path.parent / "__init__.py") for path in PACKAGE.glob("*/__init__.py")} | {"trainer.workload"} \
         >= {p for p in PACKAGES}
 
@@ -405,6 +410,7 @@ FOREIGN_OPTIONS = {
     "polyaxon": {"--strict-params", "--recompile", "--kind", "--from-file", "--copy"},
     "docker": {"--build-arg"},
     "pytest": {"--dist"},
+    "pip": {"--no-deps", "--force-reinstall", "--no-build-isolation", "--no-index"},
     "argparse": {"--help"},
 }
 """Options of other people's tools that the pages show, by tool."""

@@ -92,6 +92,9 @@ def test_rows_and_totals_of_a_known_history():
     assert t.outcomes == {"completed": 1, "interrupted": 1, "preempted": 1, "killed": 1, "refused": 1}
     table = format_report(report, "RUN")
     assert "goodput            92.8%" in table and "killed" in table and "5.0~" in table
+    # Each total says what it counts: lost inside the attempts, without the start-up R counts per restart.
+    assert f"lost in attempts   {t.wall_lost_s:.1f} s: lost steps' training, restores {t.restore_s:.1f} s, refused attempts " \
+           "(no start-up: R below counts it, per restart)" in table and "lost to restarts" not in table
 
 
 def test_going_back_counts_abandoned_steps_and_list_agrees_with_report():
@@ -155,6 +158,7 @@ def test_advice_from_a_known_history_uses_daly_and_says_what_it_rests_on():
     table = format_report(report, "RUN", advice)
     assert "Daly's higher-order form" in table and "too few failures" not in table
     assert "(3 restarts)" in table and "s from a save's start until it was durable" in table
+    assert f"restart cost R      {advice.restart_s:.3g} s per restart = start-up " in table
     assert "1st durable s" in table and " to durable s" not in table  # one phrase, one meaning
     assert "of the time spent (kept steps' training time over all attempts' time, process start-up included: " \
            "low when steps are as short as the demo's)" in table

@@ -1,4 +1,4 @@
-"""`python -m trainer`.
+"""`python -m trainer`, and the console script `training-recovery` (pyproject.toml).
 
 A stop request that arrives outside the training loop's own signal handling (while torch
 imports, while the run starts, or after its outcome is recorded) must still end as one line
@@ -10,8 +10,10 @@ over, so exiting at once is safe. `trainer.errors` is tiny, so it is imported fi
 
 import os
 import signal
+import sys
 
-from trainer.errors import EXIT_INTERRUPTED
+from trainer.errors import EXIT_INTERRUPTED, UsageError
+from trainer.origin import foreign_package_problem
 
 
 def stop_outside_training(signum, frame) -> None:
@@ -21,9 +23,18 @@ def stop_outside_training(signum, frame) -> None:
     os._exit(EXIT_INTERRUPTED)
 
 
-for stop in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(stop, stop_outside_training)
+def main() -> None:
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, stop_outside_training)
+    if problem := foreign_package_problem(sys.modules.get("trainer")):
+        print(f"trainer: error: {problem}", file=sys.stderr)
+        sys.exit(UsageError.exit_code)
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the console script: `--workload my_module:F` as `python -m` finds it
+    from trainer.cli import exit_process, main as run_command  # after the handlers: importing torch takes a while
 
-from trainer.cli import exit_process, main  # noqa: E402  (after the handlers: importing torch takes a while)
+    exit_process(run_command())
 
-exit_process(main())
+
+if __name__ == "__main__":
+    main()

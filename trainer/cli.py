@@ -287,6 +287,7 @@ def collect_after_start_up() -> None:
 def train_in(config: RunConfig, launch: LaunchEnvironment, events=None) -> int:
     from trainer.run.events import TrainingEvents
     from trainer.run.loop import run_training  # imports torch: after cheap validation
+    import torch.distributed.checkpoint  # noqa: F401  (every run saves through DCP: imported before the freeze)
 
     collect_after_start_up()
 

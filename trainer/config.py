@@ -294,6 +294,24 @@ class SigningConfig:
 
 
 @dataclass(frozen=True)
+class WriterConfig:
+    """How recovery snapshots are written (trainer/checkpoint/writer.py). The defaults were
+    measured on a 2-core VM with virtio storage (bench/checkpoint_bench.py); re-measure before
+    changing them."""
+
+    threads: int = 4
+    """Files written concurrently. More than the core count still helps: a thread blocked
+    in fsync leaves its core to another thread's hashing. Each thread holds one file open."""
+    early_writeback: bool = True
+    """Start writing each range to disk as soon as it is in the page cache (Linux), rather
+    than all at the final fsync. Turn off only to measure what it buys."""
+    zip_crc32: bool = False
+    """Let torch.save compute a CRC-32 per tensor record. Redundant with the manifest's
+    sha256 and costs about a quarter of the CPU time of a write; turn it on only if a tool
+    of yours checks zip CRCs."""
+
+
+@dataclass(frozen=True)
 class RunConfig:
     location: Location
     """Where the run directory lives: on this disk, or in an object store with this machine's

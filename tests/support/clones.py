@@ -34,8 +34,8 @@ def fresh_clone(folder: Path) -> Path:
             shutil.copy2(REPO / name, folder / name)
     for venv in VENVS:
         (folder / venv).symlink_to((REPO / venv).resolve(), target_is_directory=True)
-    for requirements in folder.glob("requirements*.txt"):
-        os.utime(requirements, (0, 0))  # older than the stamps: make installs nothing
+    for requirements in [*folder.glob("requirements*.txt"), folder / "pyproject.toml"]:
+        os.utime(requirements, (0, 0))  # older than the stamps: make installs nothing (into the shared venvs)
     return folder
 
 

@@ -34,12 +34,12 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from trainer import seams
+from trainer.config import WriterConfig
 from trainer.errors import TrainerError, as_storage_failure, reraise_as_storage_failure, root_cause
 from trainer.checkpoint.commit import Commit
 from trainer.checkpoint.coordination import Coordinator, SingleProcess, raise_if_any_failed
@@ -47,8 +47,10 @@ from trainer.checkpoint.manifest import GenerationFacts, Manifest
 from trainer.checkpoint.snapshot import write_snapshot
 from trainer.checkpoint.staging import ReusableStager
 from trainer.checkpoint.section import LocalSection, Published
-from trainer.checkpoint.writer import HashingFileSystemWriter, WriterConfig
 from trainer.layout import generation_name
+
+if TYPE_CHECKING:
+    from trainer.checkpoint.writer import HashingFileSystemWriter
 
 log = logging.getLogger("trainer")
 
@@ -239,10 +241,14 @@ class AsyncCheckpointer(_Checkpointer):
         self._closed = False
 
     def new_writer(self, directory: Path) -> HashingFileSystemWriter:
+        from trainer.checkpoint.writer import HashingFileSystemWriter  # DCP: imported by the first save
+
         """The DCP storage writer for one generation."""
         return HashingFileSystemWriter(directory, self.config)
 
     def save(self, state_dict: dict, facts: GenerationFacts) -> list[Published]:
+        import torch.distributed.checkpoint as dcp  # imported by the first save, not at start-up
+
         if self._closed:
             raise RuntimeError("AsyncCheckpointer.save() after finalize()")
         started = time.monotonic()

@@ -13,7 +13,6 @@ import time
 import torch
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from trainer import seams
 from trainer.errors import reraise_as_storage_failure
@@ -32,6 +31,8 @@ def full_weights(model: nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
     sharded because it does not fit one device still exports) and the others get `{}`."""
     if not sharded:
         return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # DCP: at the first export
+
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 

@@ -4,25 +4,22 @@ The on-disk format is stock DCP (a `.metadata` file and `*.distcp` shards), so a
 can always be read back by `dcp.load` or `format_utils.dcp_to_torch_save` without our code.
 Our own reads never unpickle anything but DCP's metadata classes and plain values
 (trainer/checkpoint/safe_load.py).
+
+DCP is imported by the functions that write or read, not by this module: importing it costs
+about 0.7 s (docs/development.md, start-up), which `from trainer import recovery`, `list` and a
+claim do not need to pay.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
-from torch.futures import Future
 
+from trainer.config import WriterConfig
 from trainer.errors import CorruptGeneration, TrainerError, root_cause
-from trainer.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
-from trainer.checkpoint.writer import HashingFileSystemWriter, WriterConfig
 
 # DCP warns on every call that it assumes a single process when no process group exists;
 # that is exactly our intent, so the warning is noise in the progress log.
@@ -40,6 +37,10 @@ def write_snapshot(state_dict: dict, directory: Path, config: WriterConfig = Wri
     writes, hashes and fsyncs its own shards (on shared storage rank 0's fsync could not make
     another node's writes durable). `alone`: this rank writes a snapshot of its own, without
     the others (a tier-0 part under torchrun); None: alone exactly when no process group exists."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.checkpoint.writer import HashingFileSystemWriter
+
     writer = HashingFileSystemWriter(directory, config)
     try:
         dcp.save(state_dict, storage_writer=writer, no_dist=single_process() if alone is None else alone)
@@ -62,43 +63,11 @@ class StoredEntries(dict):
 
 
 def stored_entries(directory: Path) -> StoredEntries:
+    from trainer.checkpoint.safe_load import read_metadata
+
     metadata = read_metadata(directory)
     planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     return StoredEntries(metadata.state_dict_metadata, planner_data)
-
-
-READ_THREADS = 4
-
-
-class ParallelFileSystemReader(SafeFileSystemReader):
-    """The safe `FileSystemReader`, but the shard files are read concurrently, one thread per
-    file: stock DCP reads file after file on one thread, which leaves a disk that serves
-    parallel reads (and the cores that deserialize) idle. Each thread runs the stock
-    `read_data` on the part of the plan that reads its file, so the parsing is unchanged,
-    its items in file order. `arrivals` (trainer/checkpoint/onepass.py `Arrivals`): shards
-    still being written (a streamed download); each item waits until its bytes are there."""
-
-    def __init__(self, path: str | Path, threads: int = READ_THREADS, arrivals=None):
-        super().__init__(str(path))
-        self.threads = threads
-        self.arrivals = arrivals
-
-    def _slice_file(self, file, sinfo):
-        if self.arrivals is not None:
-            self.arrivals.wait(sinfo.relative_path, sinfo.offset + sinfo.length)
-        return super()._slice_file(file, sinfo)
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        per_file: dict[str, list] = {}
-        for item in sorted(plan.items, key=lambda item: self.storage_data[item.storage_index].offset):
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        parts = [(dataclasses.replace(plan, items=items), file) for file, items in per_file.items()]
-        with ThreadPoolExecutor(max_workers=max(1, min(self.threads, len(parts)))) as pool:
-            for done in pool.map(lambda part: self.read_file_items(part[0], planner, part[1]), parts):
-                done.wait()
-        finished: Future[None] = Future()
-        finished.set_result(None)
-        return finished
 
 
 def load_snapshot(template: dict, directory: Path, alone: bool | None = None, arrivals=None) -> None:
@@ -107,6 +76,10 @@ def load_snapshot(template: dict, directory: Path, alone: bool | None = None, ar
     a damaged value is raised as its own one-line error, not DCP's per-rank wrapper.
     `alone`: as for `write_snapshot` (a tier-0 part is read by its rank alone). `arrivals`:
     shards still arriving (`ParallelFileSystemReader`)."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.checkpoint.safe_load import ParallelFileSystemReader, SafeLoadPlanner
+
     try:
         dcp.load(template, storage_reader=ParallelFileSystemReader(directory, arrivals=arrivals),
                  planner=SafeLoadPlanner(),
@@ -135,6 +108,8 @@ def _raised_by_rank(error: BaseException) -> BaseException:
 def flat_template(entries: dict) -> dict:
     """A template for every stored entry by its flattened key: tensors of the stored shapes,
     None for the other values (the load replaces them)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     return {key: torch.empty(entry.size, dtype=entry.properties.dtype)
             if isinstance(entry, TensorStorageMetadata) else None for key, entry in entries.items()}
 

@@ -33,7 +33,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from trainer import seams
 
@@ -99,6 +98,8 @@ class ReusableStager:
     def _mirror(self, value, path: tuple, host_copies: list, device_copies: list):
         """The state dict with every tensor replaced by its staging buffer (copies are only
         listed here, not done) and every other value deep-copied."""
+        from torch.distributed.tensor import DTensor  # 0.7 s the first time: imported by a save, not at start-up
+
         if isinstance(value, DTensor):
             local = self._mirror(value._local_tensor, path, host_copies, device_copies)
             return DTensor(local, value._spec, requires_grad=False)

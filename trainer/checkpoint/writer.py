@@ -27,7 +27,6 @@ import hashlib
 import io
 import os
 import threading
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -38,6 +37,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from trainer import compat
+from trainer.config import WriterConfig
 from trainer.checkpoint.safe_load import unsafe_globals
 from trainer.errors import UnloadableState
 from trainer.layout import SNAPSHOT_SHARD_SUFFIX
@@ -63,23 +63,6 @@ def _writeback_starter() -> Callable[[int, int, int], None]:
         call(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # advisory: errors surface at fsync
 
     return start
-
-
-@dataclass(frozen=True)
-class WriterConfig:
-    """How recovery snapshots are written. The defaults were measured on a 2-core VM with
-    virtio storage (bench/checkpoint_bench.py); re-measure before changing them."""
-
-    threads: int = 4
-    """Files written concurrently. More than the core count still helps: a thread blocked
-    in fsync leaves its core to another thread's hashing. Each thread holds one file open."""
-    early_writeback: bool = True
-    """Start writing each range to disk as soon as it is in the page cache (Linux), rather
-    than all at the final fsync. Turn off only to measure what it buys."""
-    zip_crc32: bool = False
-    """Let torch.save compute a CRC-32 per tensor record. Redundant with the manifest's
-    sha256 and costs about a quarter of the CPU time of a write; turn it on only if a tool
-    of yours checks zip CRCs."""
 
 
 class _HashingFile(io.RawIOBase):

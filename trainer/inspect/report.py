@@ -25,8 +25,9 @@ Definitions (docs/report.md repeats them):
 - time goodput: useful steps x the run's mean seconds per step, over the attempts' wall time
   plus their process start-up: the share of the time spent that went into kept training (what
   the advice predicts; start-up is known only where the record has `startup_s`).
-- wall lost to restarts: lost steps x that attempt's seconds per step, plus every restore
-  (verification included), plus the whole wall time of refused attempts.
+- lost in attempts (`wall_lost_s`): lost steps x that attempt's seconds per step, plus every
+  restore (verification included), plus the whole wall time of refused attempts. Not process
+  start-up, which no attempt's wall time holds: the advice's R (per restart) counts it.
 - checkpoint overhead: the seconds the loop waited for saves and exports (`blocked_s`, all
   of a sync save), as a share of the summed wall time of the attempts.
 
@@ -497,7 +498,7 @@ def format_advice(advice: Advice) -> list[str]:
     lines = ["", "  save interval advice (Daly's model; docs/report.md says when not to trust it)",
              f"    save cost C         {secs(a.cost_s)} blocked per recovery save ({a.saves} saves); "
              f"on average {secs(a.to_durable_s)} from a save's start until it was durable",
-             f"    restart cost R      {secs(a.restart_s)} = start-up {secs(a.startup_s)} + verify {secs(a.verify_s)} "
+             f"    restart cost R      {secs(a.restart_s)} per restart = start-up {secs(a.startup_s)} + verify {secs(a.verify_s)} "
              f"+ download {secs(a.download_s)} + restore {secs(a.load_s)} + build and first step "
              f"{secs(a.warm_up_s)} ({plural(a.restarts, 'restart')})",
              f"    failures            {a.failures} in {a.exposure_s:.1f} s of attempts: M = {secs(a.mtbf_s)} "
@@ -616,7 +617,8 @@ def format_report(report: Report, output: str, advice: Advice | None = None) -> 
               f"attempts' time, process start-up included: low when steps are as short as the demo's)",
               f"  wall time          {t.wall_s:.1f} s in attempts"
               + (f", {t.span_s:.1f} s from first start to last end" if t.span_s is not None else ""),
-              f"  lost to restarts   {t.wall_lost_s:.1f} s (restores {t.restore_s:.1f} s)",
+              f"  lost in attempts   {t.wall_lost_s:.1f} s: lost steps' training, restores {t.restore_s:.1f} s, "
+              f"refused attempts (no start-up: R below counts it, per restart)",
               f"  checkpoint overhead {t.checkpoint_s:.2f} s waiting for saves = "
               f"{cell(t.checkpoint_share, '{:.1%}')} of wall time"]
     estimated = [name for name in ("killed", "running") if any(row.wall_estimated and row.outcome == name

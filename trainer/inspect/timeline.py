@@ -239,4 +239,4 @@ def timeline_title(report: Report) -> str:
     share = "-" if t.checkpoint_share is None else f"{t.checkpoint_share:.1%}"
     return (f"{t.attempts} attempt{'' if t.attempts == 1 else 's'}: {t.useful} useful steps of {t.computed} "
             f"computed (goodput {goodput} of steps, {by_time} of time), "
-            f"{t.wall_lost_s:.1f} s lost to restarts, checkpoint overhead {share} of wall time")
+            f"{t.wall_lost_s:.1f} s lost in attempts, checkpoint overhead {share} of wall time")

@@ -14,6 +14,10 @@ The same generations, manifests and attempt records as `python -m trainer`: `lis
 (trainer/config.py), with the command line's defaults.
 """
 
+from trainer.origin import require_ours
+
+require_ours()  # before any other import: under a foreign `trainer`, one line instead of a puzzle
+
 from trainer.config import CadenceConfig, RetentionConfig, RunConfig, SigningConfig, StoreConfig
 from trainer.recovery.data import KeyedData
 from trainer.recovery.run import RecoveryRun, Stopped, open_run

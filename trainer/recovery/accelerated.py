@@ -19,7 +19,12 @@ through `run.batches()` (the trainer's keyed order) instead of a prepared DataLo
 
 from __future__ import annotations
 
-from accelerate import Accelerator
+from trainer.origin import missing_extra
+
+try:
+    from accelerate import Accelerator
+except ModuleNotFoundError as error:
+    raise missing_extra(error, "accelerate") from None
 
 from trainer.errors import UsageError
 from trainer.recovery.data import KeyedData

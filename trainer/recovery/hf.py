@@ -32,8 +32,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import Trainer, TrainerCallback
-from transformers.trainer_callback import TrainerState
+
+from trainer.origin import missing_extra
+
+try:
+    from transformers import Trainer, TrainerCallback
+    from transformers.trainer_callback import TrainerState
+except ModuleNotFoundError as error:
+    raise missing_extra(error, "hf") from None
 
 from trainer.parallel.ranks import StepAgreement
 from trainer.recovery.run import RecoveryRun

@@ -22,7 +22,12 @@ from __future__ import annotations
 import collections
 import signal
 
-import lightning.pytorch as pl
+from trainer.origin import missing_extra
+
+try:
+    import lightning.pytorch as pl
+except ModuleNotFoundError as error:
+    raise missing_extra(error, "lightning") from None
 
 from trainer.errors import UsageError
 from trainer.recovery.data import KeyedData

@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from trainer import compat, seams
 from trainer.errors import CorruptGeneration
@@ -144,7 +142,7 @@ class TrainingState:
     on restore (`stream`: trainer/run/streaming.py); none for map-style data."""
 
     def state_dict(self) -> dict:
-        return self._state_dict(lambda optimizer: get_optimizer_state_dict(self.model, optimizer))
+        return self._state_dict(lambda optimizer: dcp_state_dict().get_optimizer_state_dict(self.model, optimizer))
 
     def estimated_bytes(self) -> int:
         """What a generation of this state will store, before the first step: the state as it
@@ -157,7 +155,7 @@ class TrainingState:
 
     def _state_dict(self, optimizer_state) -> dict:
         return {
-            "model": get_model_state_dict(self.model),
+            "model": dcp_state_dict().get_model_state_dict(self.model),
             "optim": per_name(self.optimizer, optimizer_state),
             "scheduler": per_name(self.scheduler, lambda scheduler: scheduler.state_dict()),
             "scaler": self.scaler.state_dict(),
@@ -229,12 +227,13 @@ class TrainingState:
         return stored_key.split(".", 1)[0] in PER_RANK
 
     def load_state_dict(self, stored: dict) -> None:
-        set_model_state_dict(self.model, stored["model"])
+        dcp = dcp_state_dict()
+        dcp.set_model_state_dict(self.model, stored["model"])
         for name, optimizer in named(self.optimizer).items():
             # LBFGS keeps its state under its first parameter only, which DCP's own strict
             # check reads as missing state: ours (`refuse_unmatched_keys`) already matched every key.
-            set_optimizer_state_dict(self.model, optimizer, stored_part(stored["optim"], self.optimizer, name),
-                                     options=StateDictOptions(strict=not needs_closure(optimizer)))
+            dcp.set_optimizer_state_dict(self.model, optimizer, stored_part(stored["optim"], self.optimizer, name),
+                                         options=dcp.StateDictOptions(strict=not needs_closure(optimizer)))
         for name, scheduler in named(self.scheduler).items():
             scheduler.load_state_dict(stored_part(stored["scheduler"], self.scheduler, name))
         if stored["scaler"]:  # empty when AMP is off
@@ -255,6 +254,15 @@ class TrainingState:
                         "it continues from its fresh per-rank seed", self.rank)
             return
         restore_rng(rng, seams.skip_rng_restore())  # last: everything above may consume randomness
+
+
+def dcp_state_dict():
+    """DCP's state-dict helpers (they see through FSDP2's sharded parameters), imported by the
+    first save or restore: importing DCP costs about 0.7 s, which importing the package (and
+    `from trainer import recovery`) must not pay (docs/development.md, start-up)."""
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
 
 
 def named(built) -> dict:

@@ -16,7 +16,7 @@ The record of an attempt survives the machine through `RunStorage.records` (a `R
 We have the same pair of commit strategies as Orbax:
 
 * `LocalStorage` (storage/local.py): the run directory is on this machine's disk. A
-  generation is committed by an atomic rename; a flock keeps a second writer out.
+  generation is committed by an atomic rename; a POSIX record lock keeps a second writer out.
 * `ObjectStorage` (storage/object/backend.py): the run directory is in an object store,
   where a generation is committed by writing its manifest last, and a lease keeps a second
   writer out. Its durability is one of two strategies: `Tiered` (one process: published on

@@ -1,8 +1,8 @@
 """Finding a workload from `--workload MODULE:FACTORY`: importing it, the options it
 declares, and the source files the fingerprint hashes.
 
-MODULE is a dotted module name importable from `sys.path` (the current directory, or
-PYTHONPATH), or a path to a `.py` file, whose folder then goes first on `sys.path`, as
+MODULE is a dotted module name importable from `sys.path` (the current directory first, for
+`python -m trainer` and `training-recovery` alike, then what is installed), or a path to a `.py` file, whose folder then goes first on `sys.path`, as
 `python file.py` puts it (so a helper beside it imports). Every failure is one line and exit 2.
 """
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.errors import TrackingUnavailable, TrainerError, UsageError
+from trainer.origin import install_extra
 from trainer.integrations.polyaxon.internals import PROCESS_SIDECAR_ENV, answered_before_the_next, flush_only_at_exit
 
 RUN_INSTANCE_ENV = "POLYAXON_RUN_INSTANCE"
@@ -52,7 +53,7 @@ def open_tracked_run() -> TrackedRun:
         from polyaxon.tracking import Run
     except ImportError as error:
         raise TrackingUnavailable(f"--tracked needs the polyaxon package ({error}); "
-                                  f"pip install -r requirements.txt") from None
+                                  f"{install_extra('polyaxon')}") from None
     for name in ("polyaxon", "traceml"):  # their INFO lines would interleave with progress lines
         logging.getLogger(name).setLevel(logging.WARNING)
     config = settings.CLIENT_CONFIG

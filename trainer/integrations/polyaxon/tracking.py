@@ -28,7 +28,7 @@ What is recorded:
   the outputs the polyaxonfiles declare for pipelines: newest_generation, export_path
   (relative to the run directory, which is the run's outputs path in the store), final_loss.
 - At the end of every attempt, the run's recovery report: its totals as outputs (goodput in
-  percent of steps and of time, steps computed, replayed and lost, time lost to restarts,
+  percent of steps and of time, steps computed, replayed and lost, time lost in attempts,
   checkpoint overhead) and the timeline of all attempts so far as an image
   (`recovery-timeline`, at step 0, the one the dashboard's image widget opens on, replaced by
   every attempt, and at the attempt's last step, kept; a copy's as

@@ -23,6 +23,7 @@ from typing import Callable, Protocol, TypeVar
 from trainer.config import StoreConfig
 from trainer.errors import NothingToResume, StorageFailure, UsageError
 from trainer.location import SCHEMES, StoreLocation
+from trainer.origin import install_extra
 
 log = logging.getLogger("trainer")
 T = TypeVar("T")
@@ -98,8 +99,8 @@ def open_filesystem(location: StoreLocation, config: StoreConfig):
     try:
         module = importlib.import_module(package)
     except ImportError:
-        raise UsageError(f"{location.url}: {location.scheme}:// needs the {package} package; "
-                         f"pip install {package}") from None
+        install = install_extra("s3") if location.scheme == "s3" else f"pip install {package}"
+        raise UsageError(f"{location.url}: {location.scheme}:// needs the {package} package; {install}") from None
     if location.scheme == "s3":
         require_endpoint_scheme(os.environ)
         timeouts = {"connect_timeout": config.timeout_s, "read_timeout": config.timeout_s,
