@@ -5,14 +5,19 @@ first step of the restarted attempt, split into its parts.
     python bench/restart_bench.py --quick            # kill -9 once, well under a minute
     python bench/restart_bench.py --kinds kill       # kill -9 only (a checkout that never ends a frozen rank)
     python bench/restart_bench.py --repo /tmp/old    # the same against another checkout (before/after)
+    python bench/restart_bench.py --kinds freeze --step-secs 4      # 4 s steps, the failure after step 5
+    python bench/restart_bench.py --kinds freeze --restarts 0       # no restart: when the launch ends
+    python bench/restart_bench.py --kinds freeze --trainer-args=--checkpoint-mode=async
 
 Two processes under `torchrun --standalone --max-restarts 3` train the example workload with
 tier 0 (`--memory-dir`, a save after every step) and a durable generation every 4 steps,
 `--resume auto`. After step 10 the bench fails rank 1:
 
-  kill      kill -9 (a crashed process, an OOM kill)
-  freeze    SIGSTOP (a hung device, a silent network, a paused machine); torchrun's agent stops
-            a frozen worker only with SIGKILL after its 30 s grace, which R then includes
+  kill      kill -9 (a crashed process, an OOM kill): the survivor's collective fails at once
+            and it names the rank without a second reading (its pid is gone on this host)
+  freeze    SIGSTOP (a hung device, a silent network, a paused machine): the survivor finds it
+            by its silence (`--peer-silence-secs`, default 8 s) and ends it (same host), so
+            torchrun's agent does not wait its 30 s grace for a stopped worker
 
 and times from its own clock, reading every line as it comes:
 
@@ -23,6 +28,7 @@ and times from its own clock, reading every line as it comes:
   restore_s     its restore (from which tier: `restored_from`)
   first_step_s  the rest of R, to its first step's line (build, the step)
   r_s           the failure -> that first step
+  launch_ended_s  the failure -> torchrun's exit (with --restarts 0: the launch's whole end)
 
 Fields a checkout's records do not hold (an older trainer) are None; r_s and detection_s are
 the bench's own. A checkout whose restart never reaches a step reports r_s None and the lines
@@ -113,16 +119,21 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s: float) -> dict:
+def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s: float, restarts: int = 3,
+                step_secs: float = 0.0) -> dict:
     run, memory = folder / "run", folder / "memory"
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--max-restarts", "3", "-m", "trainer",
-               "--output", str(run), "--threads", "1", "--epochs", "3", "--log-every-steps", "1", "--resume", "auto",
-               "--recover-every-steps", "4", "--memory-dir", str(memory), "--memory-every-steps", "1", *extra]
+    workload = ["--workload", f"{REPO}/tests/workloads/slow_steps.py:SlowSteps", "--toy-samples", "48",
+                "--batch-size", "4"] if step_secs else []
+    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--max-restarts", str(restarts), "-m",
+               "trainer", "--output", str(run), "--threads", "1", "--epochs", "3", "--log-every-steps", "1",
+               "--resume", "auto", "--recover-every-steps", "4", "--memory-dir", str(memory), "--memory-every-steps",
+               "1", *workload, *extra]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     process = subprocess.Popen(command, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**env, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"})
+                               env={**env, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1",
+                                    "SLOW_STEP_SECS": str(step_secs)})
     lines, seen = lines_of(process), []
-    failed_at = detected_at = first_step_at = victim = None
+    failed_at = detected_at = first_step_at = victim = ended_at = None
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
@@ -131,11 +142,13 @@ def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s:
             except queue.Empty:
                 continue
             if line is None:
-                if process.poll() is not None and stream == "err":
+                if stream == "err":
+                    process.wait()
+                    ended_at = time.monotonic()
                     break
                 continue
             seen.append(line)
-            if failed_at is None and line.startswith(f"step={FAIL_AFTER} "):
+            if failed_at is None and line.startswith(f"step={FAIL_AFTER if not step_secs else 5} "):
                 victim = worker_pid(process.pid, 1)
                 os.kill(victim, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
                 failed_at = time.monotonic()
@@ -157,7 +170,9 @@ def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s:
     restarted = records[-1] if len(records) > 1 and records[-1].get("restored") else {}
     result = {"how": how, "r_s": None if first_step_at is None else round(first_step_at - failed_at, 3),
               "detection_s": None if detected_at is None else round(detected_at - failed_at, 3),
-              "attempts": len(records), "restored_from": (restarted.get("restored") or {}).get("tier")}
+              "attempts": len(records), "restored_from": (restarted.get("restored") or {}).get("tier"),
+              "launch_ended_s": None if ended_at is None or failed_at is None else round(ended_at - failed_at, 3),
+              "restarts": restarts, "step_secs": step_secs, "trainer_args": extra}
     joined, startup = restarted.get("joined") or {}, restarted.get("startup_s")
     if restarted and startup is not None and detected_at is not None:
         process_start = restarted["started_unix"] - startup  # wall clock, as the record keeps it
@@ -171,7 +186,7 @@ def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s:
     parts = [result.get(k) for k in ("detection_s", "teardown_s", "imports_s", "join_s", "claim_s", "restore_s")]
     if result["r_s"] is not None and None not in parts:  # the record is flushed later: the rest of R
         result["first_step_s"] = round(result["r_s"] - sum(parts), 3)
-    if first_step_at is None:  # what it said instead: its own lines, torchrun's failures, the last few of all
+    if first_step_at is None and restarts:  # what it said instead: its own lines, torchrun's failures, the last few of all
         said = [line for line in seen if line.startswith("trainer:") or "exitcode" in line][-6:]
         result["lines"] = said + [line for line in seen[-8:] if line not in said]
     return result
@@ -182,30 +197,41 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="kill -9 once (for CI)")
     parser.add_argument("--kinds", nargs="+", choices=("kill", "freeze"), default=["kill", "freeze"])
     parser.add_argument("--repeat", type=int, default=3, help="failures of each kind (default 3)")
+    parser.add_argument("--restarts", type=int, default=3,
+                        help="torchrun --max-restarts (0: no restart; the launch's end is measured instead)")
+    parser.add_argument("--step-secs", type=float, default=0.0,
+                        help="every step sleeps this long (tests/workloads/slow_steps.py: a big model's step)")
+    parser.add_argument("--trainer-args", nargs="*", default=[], help="more trainer options, e.g. "
+                        "--trainer-args=--checkpoint-mode=async")
     parser.add_argument("--repo", type=Path, default=REPO, help="the checkout whose trainer runs (default: this one)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--dir", type=Path, help="where the runs go (default: a temporary folder, removed)")
     args = parser.parse_args()
     kinds = ["kill"] if args.quick else args.kinds
     repeat = 1 if args.quick else args.repeat
-    results = []
+    results, load = [], os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="restart-bench-", dir=args.dir) as scratch:
         for number in range(repeat):
             for how in kinds:
                 folder = Path(scratch) / f"{how}-{number}"
-                results.append(one_failure(args.repo, how, [], folder, 120 if args.quick else 300))
-    summary = {"repo": str(args.repo), "failures": results}
+                results.append(one_failure(args.repo, how, args.trainer_args, folder, 120 if args.quick else 300,
+                                           args.restarts, args.step_secs))
+    summary = {"repo": str(args.repo), "failures": results, "load": [round(x, 2) for x in load],
+               "load_after": [round(x, 2) for x in os.getloadavg()]}
     for how in kinds:
         rs = sorted(r["r_s"] for r in results if r["how"] == how and r["r_s"] is not None)
         summary[f"{how}_r_median_s"] = rs[len(rs) // 2] if rs else None
-    rows = ["| failure | R s | detection | teardown | imports | join | claim | restore | first step | from |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| failure | R s | detection | teardown | imports | join | claim | restore | first step | from | "
+            "launch ended |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     cell = lambda value: "-" if value is None else f"{value:.2f}"  # noqa: E731
     for r in results:
         rows.append(f"| {r['how']} | {cell(r['r_s'])} | {cell(r['detection_s'])} | {cell(r.get('teardown_s'))} | "
                     f"{cell(r.get('imports_s'))} | {cell(r.get('join_s'))} | {cell(r.get('claim_s'))} | "
-                    f"{cell(r.get('restore_s'))} | {cell(r.get('first_step_s'))} | {r['restored_from'] or '-'} |"
+                    f"{cell(r.get('restore_s'))} | {cell(r.get('first_step_s'))} | {r['restored_from'] or '-'} | "
+                    f"{cell(r.get('launch_ended_s'))} |"
                     + "".join(f"\n    {line}" for line in r.get("lines", [])))
+    rows.append(f"\nload average (1, 5, 15 min) {summary['load']} before, {summary['load_after']} after; "
+                f"{os.cpu_count()} CPUs")
     return print_result("\n".join(rows), summary, args.json)
 
 

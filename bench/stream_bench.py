@@ -11,11 +11,14 @@ epoch, the block shuffle buffer, sample ids for the ledger) and a plain map-styl
 cost) and under a small language model's training step (what a run feels), for each worker
 count. The ratios are stream / plain: 1.00 is free.
 
-Read amplification: one epoch read by every rank's loader (ranks x DataLoader workers: 1x0,
-2x2, 4x2; the ranks one after another in this process, each with its own worker processes),
-counting every record the stream's `read()` yields in any process; records read / records in
-the dataset, 1.00 is each record once (trainer/run/streaming.py: one lane per rank, one chunk of
-blocks per worker). Before lanes, each reader read every block: ranks x workers.
+Read amplification: one epoch read by every rank's loader (ranks x DataLoader workers, on a
+number of lanes: the run's, fixed when it starts; the ranks one after another in this process,
+each with its own worker processes), counting every record the stream's `read()` yields in any
+process; records read / records in the dataset, 1.00 is each record once
+(trainer/run/streaming.py), in batches of 24. 1x0, 2x2 and 4x2 on as many lanes as ranks (a run at the size it
+started with), 2x2 on 4 lanes (a shrink the lanes divide), 3x2 on 4 lanes (one they do not:
+each rank reads every lane, world size / gcd(lanes, world size) = 3x) and 3x2 on 12 (a lane
+count with many divisors).
 
 From an object store: the same shards uploaded to a fresh bucket on AWS_ENDPOINT_URL's server,
 else on a SeaweedFS this bench starts (tests/s3server.py; `--no-store` skips the part), read
@@ -53,8 +56,10 @@ from trainer.workload.objects import ObjectFiles  # noqa: E402
 
 warnings.filterwarnings("ignore")
 VOCABULARY = 256
-READERS = ((1, 0), (2, 2), (4, 2))
-"""(ranks, DataLoader workers per rank) whose read amplification is measured."""
+READERS = ((1, 0, 1), (2, 2, 2), (4, 2, 4), (2, 2, 4), (3, 2, 4), (3, 2, 12))
+"""(ranks, DataLoader workers per rank, lanes) whose read amplification is measured."""
+READ_BATCH = 24
+"""The batch of the read-amplification epochs: 1, 2, 3 and 4 ranks share it evenly."""
 
 
 def write_shards(folder: Path, shards: int, records: int, context: int) -> list[Path]:
@@ -127,20 +132,22 @@ class StoredTokenStream:
             yield window(tokens, record, self.context)
 
 
-def one_epoch(stream, args, ranks: int, workers: int) -> int:
-    """Every rank's loader through one epoch (the ranks one after another); returns its samples."""
-    source = StreamSource(stream, seed=1, buffer=args.buffer, spec="bench")
-    shape = EpochShape(len(source), args.batch)
+def one_epoch(stream, args, ranks: int, workers: int, lanes: int | None = None, batch: int | None = None) -> int:
+    """Every rank's loader through one epoch (the ranks one after another) on `lanes` lanes (the
+    world size by default) in batches of `batch` (--batch by default); returns its samples."""
+    source = StreamSource(stream, seed=1, buffer=args.buffer, spec="bench", lanes=lanes)
+    shape = EpochShape(len(source), batch or args.batch)
     for rank in range(ranks):
         for _ in source.loader(shape, 0, 0, rank, ranks, workers):
             pass
     return len(source)
 
 
-def read_amplification(args, paths, ranks: int, workers: int) -> float:
+def read_amplification(args, paths, ranks: int, workers: int, lanes: int) -> float:
     """Records read in one epoch by every rank's loader / records in the dataset."""
     counter = multiprocessing.get_context("fork").Value("q", 0)
-    records = one_epoch(CountedTokenStream(paths, args.records, args.context, counter), args, ranks, workers)
+    records = one_epoch(CountedTokenStream(paths, args.records, args.context, counter), args, ranks, workers, lanes,
+                        READ_BATCH)
     return counter.value / records
 
 
@@ -250,9 +257,9 @@ def measure(args, paths) -> dict:
             stream, plain = statistics.median(seconds["stream"]), statistics.median(seconds["plain"])
             rows.append({"workers": workers, "what": "training step" if training else "reading only",
                          "stream_s": stream, "plain_s": plain, "ratio": stream / plain})
-    amplification = [{"ranks": ranks, "workers": workers, "read_per_record": read_amplification(args, paths, ranks,
-                                                                                                 workers)}
-                     for ranks, workers in READERS]
+    amplification = [{"ranks": ranks, "workers": workers, "lanes": lanes,
+                      "read_per_record": read_amplification(args, paths, ranks, workers, lanes)}
+                     for ranks, workers, lanes in READERS]
     return {"shards": args.shards, "records": args.records, "context": args.context, "batch": args.batch,
             "buffer": args.buffer, "steps": args.steps, "rounds": args.rounds, "rows": rows,
             "read_amplification": amplification,
@@ -289,9 +296,9 @@ def main() -> int:
     for row in report["rows"]:
         print(f"| {row['workers']} | {row['what']} | {row['stream_s']:.5f} | {row['plain_s']:.5f} | "
               f"{row['ratio']:.2f} |")
-    print("\n| ranks x workers | records read / records in the dataset (one epoch) |\n|---|---|")
+    print("\n| ranks x workers | lanes | records read / records in the dataset (one epoch) |\n|---|---|---|")
     for row in report["read_amplification"]:
-        print(f"| {row['ranks']} x {row['workers']} | {row['read_per_record']:.2f} |")
+        print(f"| {row['ranks']} x {row['workers']} | {row['lanes']} | {row['read_per_record']:.2f} |")
     if report["store"]:
         print("\n| object store, ranks x workers | bytes fetched | bytes of the shards | fetched / trained |\n"
               "|---|---|---|---|")

@@ -19,8 +19,9 @@ pipeline would write, so the fingerprint reads it instead of hashing the shard
 
 With --lm-shard-url s3://BUCKET/PREFIX the same shards are read from an object store instead
 (upload the `tokens-*.bin` files there): ranged GETs of exactly the records each block needs,
-no full download per reader, the fingerprint from the objects' sizes and ETags, credentials and
-retries as the run directory's (trainer/workload/objects.py):
+no full download per reader, the fingerprint from the objects' sizes and ETags, credentials as
+the run directory's and the run's --store-* retries and timeouts (`options.store_config`,
+trainer/workload/objects.py):
 
     python -m trainer --output outputs/stream-s3 --workload examples/stream_lm.py:StreamLM \
         --lm-shard-url s3://datasets/corpus-tokens --max-steps 40 --num-workers 2
@@ -153,7 +154,8 @@ class StreamLM:
 
     def build_dataset(self) -> TokenShards:
         if self.options.lm_shard_url:
-            return TokenShards(StoredFiles(self.options.lm_shard_url, suffix=".bin"), self.options.lm_context)
+            files = StoredFiles(self.options.lm_shard_url, suffix=".bin", config=self.options.store_config)
+            return TokenShards(files, self.options.lm_context)
         paths = write_shards(Path(self.options.lm_shard_dir), self.options.lm_shards, self.vocabulary)
         return TokenShards(LocalFiles(paths), self.options.lm_context)
 

@@ -16,7 +16,7 @@ PACKAGE = REPO / "trainer"
 
 LAYERS = [
     # Leaves: names, errors, configuration, test seams, private-API wrappers, the launcher's variables.
-    {"trainer.errors", "trainer.layout", "trainer.config", "trainer.parallel.launch", "trainer.seams",
+    {"trainer.errors", "trainer.layout", "trainer.config", "trainer.parallel.launch", "trainer.parallel.silence", "trainer.seams",
      "trainer.compat", "trainer.options", "trainer.location", "trainer.run.interval", "trainer.run.records"},
     # Generations and exports: manifests, the atomic publish, DCP writes and reads, save and restore.
     {"trainer.checkpoint"},

@@ -91,8 +91,10 @@ def stream_bench_checks(report: dict) -> None:
     assert [(row["workers"], row["what"]) for row in report["rows"]] == [
         (0, "reading only"), (0, "training step"), (2, "reading only"), (2, "training step")]
     assert all(row["stream_s"] > 0 and row["plain_s"] > 0 and row["ratio"] > 0 for row in report["rows"])
-    amplification = {(row["ranks"], row["workers"]): row["read_per_record"] for row in report["read_amplification"]}
-    assert amplification == {(1, 0): 1.0, (2, 2): 1.0, (4, 2): 1.0}, "each record read once per epoch"
+    amplification = {(row["ranks"], row["workers"], row["lanes"]): row["read_per_record"]
+                     for row in report["read_amplification"]}
+    assert amplification == {(1, 0, 1): 1.0, (2, 2, 2): 1.0, (4, 2, 4): 1.0, (2, 2, 4): 1.0, (3, 2, 4): 3.0,
+                             (3, 2, 12): 1.0}, "once per epoch where the ranks divide the lanes, 3x on 3 of 4"
     assert [(row["ranks"], row["workers"]) for row in report["store"]] == [(1, 0), (2, 2)]
     assert all(1.0 <= row["fetched_per_trained"] < 1.01 for row in report["store"]), "no byte fetched twice"
 
@@ -127,6 +129,13 @@ def restart_bench_checks(report: dict) -> None:
         assert failure[part] is not None, part
 
 
+def heartbeat_bench_checks(report: dict) -> None:
+    """Every case measured a beat gap; a call holding the GIL delays the beat by about its length."""
+    assert sorted(report["cases"]) == ["fork", "gil-call", "idle", "python", "torch"]
+    assert all(case["gap_s"] > 0 for case in report["cases"].values())
+    assert report["cases"]["gil-call"]["gap_s"] >= report["cases"]["gil-call"]["longest_item_s"] * 0.9
+
+
 def library_bench_checks(report: dict) -> None:
     """Every adapter measured against its framework, both ways, on a generation of the state."""
     assert sorted(report["rows"]) == ["accelerate", "hf", "lightning", "plain"]
@@ -134,7 +143,7 @@ def library_bench_checks(report: dict) -> None:
         assert row["mb"] > 0 and all(row[key] > 0 for key in ("save_ratio", "restore_ratio")), row
 
 
-CHECKS = {"library_bench.py": library_bench_checks, "memory_tier_bench.py": memory_tier_bench_checks,
+CHECKS = {"heartbeat_bench.py": heartbeat_bench_checks, "library_bench.py": library_bench_checks, "memory_tier_bench.py": memory_tier_bench_checks,
           "restart_bench.py": restart_bench_checks, "stream_bench.py": stream_bench_checks,
           "store_bench.py": store_bench_checks, "scale_out_bench.py": scale_out_bench_checks,
           "goodput_sim.py": goodput_sim_checks, "goodput_validation.py": goodput_validation_checks,

@@ -90,7 +90,8 @@ def test_a_zombies_same_size_late_write_is_never_committed(backend, tmp_path, re
         output, env, extra = tmp_path / "run", {"TRAINER_PAUSE_POINT": "before-seal"}, ()
     status = tmp_path / "status"
     command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "trainer", "--output", str(output),
-               "--threads", "1", "--epochs", "1", *map(str, extra)]
+               "--threads", "1", "--epochs", "1", *map(str, extra),
+               "--peer-silence-secs", "600"]  # the seam's pause stands in for a zombie, not a frozen rank to end
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), TRAINER_FAULT_RANK="0",
                                                      **env))

@@ -278,8 +278,8 @@ def test_without_the_store_exposed_a_managed_run_warns_once_and_keeps_the_output
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "only as durable as the sidecar's next sync" in warning and "mountArtifactsStore: true" in warning
     # The store options need a store: refused with one line (exit 2), not silently ignored.
-    with pytest.raises(UsageError, match="--store-retries applies only to a run directory in a store"):
-        tracked_placement(train_parser().parse_args(["--tracked", "--store-retries", "9"]),
+    with pytest.raises(UsageError, match="--max-pending-uploads applies only to a run directory in a store"):
+        tracked_placement(train_parser().parse_args(["--tracked", "--max-pending-uploads", "9"]),
                           LaunchEnvironment.from_environ(os.environ), UUID)
 
 

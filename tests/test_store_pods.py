@@ -202,7 +202,8 @@ def test_a_paused_rank_0_of_two_nodes_is_fenced_after_a_takeover(s3_server, s3_b
         command = [str(TORCHRUN), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
                    "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "trainer", "--output", url,
                    "--local-tier", str(tmp_path / f"node-{node}"), *map(str, EPOCHS), "--checkpoint-mode", "async",
-                   "--lease-ttl-secs", "2", "--export-every-epochs", "3"]  # the first commit is step-00000008's
+                   "--lease-ttl-secs", "2", "--export-every-epochs", "3",  # the first commit is step-00000008's
+                   "--peer-silence-secs", "600"]  # paused, not frozen: rank 1 must not end it (it is the zombie)
         processes.append(subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                           env=clean_environment(**env, TRAINER_EXIT_STATUS_FILE=str(tmp_path / f"s-{node}"),
                                                                 TRAINER_PAUSE_POINT="store-before-manifest",

@@ -56,6 +56,11 @@ class WorkloadConfig:
     shuffle_buffer: int = 1024
     """Streaming data only: records per shuffle block (trainer/run/streaming.py). Larger mixes
     more; a resume re-reads up to one block, and each reader holds one in memory."""
+    stream_lanes: int | None = None
+    """Streaming data only: the lanes each epoch is laid out in (trainer/run/streaming.py), fixed
+    for the run, so the order is the same at every world size. None: the world size the run
+    starts with. Each rank reads the lanes its slots fall in: once per epoch when the world
+    size divides the lanes, so a count with many divisors (12, 24, 48) keeps a change cheap."""
     last_batch: str = "pad"
     """pad | drop | refuse: an epoch's ragged last batch (trainer/run/batching.py). `pad` trains
     it, each rank's loss weighted by its share (a rank with none repeats a sample at weight 0);
@@ -94,7 +99,7 @@ class WorkloadConfig:
         # option existed equal, so they still resume without drift.
         for name, default in (("data_parallel", "ddp"), ("gradient_reduction", "per-parameter"), ("grad_accum", 1),
                               ("workload", DEFAULT_WORKLOAD), ("shuffle_buffer", 1024),
-                              ("last_batch", "pad")):
+                              ("last_batch", "pad"), ("stream_lanes", None)):
             if values[name] == default:
                 values.pop(name)
         return {**values, **dict(self.options)}
@@ -213,7 +218,22 @@ class PeerWaitConfig(WaitBound):
     first_s: float = 1800.0
     """Before a step of that kind was measured: joining, rank 0's claim and verification, the
     build, the restore, a compile, the first save. torch's own default, so nothing that worked
-    before times out now."""
+    before times out now (a frozen or dead peer is found by its silence meanwhile)."""
+    silence_s: float = 8.0
+    """`--peer-silence-secs`: a peer whose heartbeat (a counter bumped every 0.3 s on a thread of
+    its own) has not moved for this long is frozen or dead, and every rank ends (75) naming it,
+    whatever it waits in, whatever the step time. Well above what makes a living rank's beat late
+    on a loaded machine (docs/scale-out.md measures it: under 1 s); lower it for a faster
+    detection on quiet hosts, raise it where a process can stall longer (swap)."""
+    rejoin_s: float = 120.0
+    """`--rejoin-timeout-secs`: how long a round restarted by torchrun's agent (`--max-restarts`)
+    waits for every rank to join. The first round waits `first_s` (pods may take minutes to be
+    scheduled); a restarted round's peers are restarted by their agents within seconds, plus the
+    agent's 30 s grace for a worker frozen on another node."""
+
+    def join_bound_s(self, restart: int) -> float:
+        """The bound of joining round `restart` (0: the first) of the launcher's restarts."""
+        return self.rejoin_s if restart else self.first_s
 
 
 @dataclass(frozen=True)

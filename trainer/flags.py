@@ -72,7 +72,8 @@ GROUPS: dict[str, list[Flag]] = {
              help="saves published locally but not yet durable before a save waits (0: every save waits until "
                   "durable)"),
         Flag("--store-retries", "store_config.retries", metavar="N", type=non_negative_int,
-             help="retries of a failed object-store request before exit 74"),
+             help="retries of a failed object-store request before exit 74 (the run directory's, and a stream's "
+                  "reads from a store)"),
         Flag("--store-backoff-secs", "store_config.backoff_s", metavar="S", type=positive_float,
              help="first wait between retries, doubled each time, at most 8 s"),
         Flag("--store-timeout-secs", "store_config.timeout_s", metavar="S", type=positive_float,
@@ -112,7 +113,14 @@ GROUPS: dict[str, list[Flag]] = {
              help="how long a rank waits for the others in a collective of training before every rank that "
                   "can act exits 75 naming the rank that did not answer (lost or frozen); auto: "
                   f"{_PEER_WAIT.factor:g} x the slowest step (or step with a save) measured, at least "
-                  f"{_PEER_WAIT.floor_s:g} s ({_PEER_WAIT.first_s:g} s before one was measured)"),
+                  f"{_PEER_WAIT.floor_s:g} s ({_PEER_WAIT.first_s:g} s before one was measured); a fallback: a "
+                  "frozen or dead rank is found by its silence (--peer-silence-secs)"),
+        Flag("--peer-silence-secs", "peer_wait.silence_s", metavar="S", type=positive_float,
+             help="a rank whose heartbeat has been silent this long is frozen or dead: every other rank ends (75) "
+                  "naming it, whatever it waits in, and ends it if it runs on the same host"),
+        Flag("--rejoin-timeout-secs", "peer_wait.rejoin_s", metavar="S", type=positive_float,
+             help="how long a round restarted by torchrun (--max-restarts) waits for every rank to join before "
+                  f"it ends (75) in one line (the first round waits {_PEER_WAIT.first_s:g} s)"),
         Flag("--preempt-grace-secs", "preempt_grace_s", metavar="S", type=positive_float,
              help="on SIGTERM/SIGINT, time allowed to save before exiting 75 without publishing (below "
                   "Kubernetes' default 30 s termination grace)"),
@@ -192,6 +200,10 @@ GROUPS: dict[str, list[Flag]] = {
                   "instead of --epochs (a larger value extends a finished run on resume)"),
         Flag("--shuffle-buffer", "workload.shuffle_buffer", metavar="N", type=positive_int,
              help="streaming data: records per deterministic shuffle block; a resume re-reads at most one"),
+        Flag("--stream-lanes", "workload.stream_lanes", metavar="N", type=positive_int,
+             help="streaming data: lanes each epoch is laid out in, fixed for the run (unset: the world size it "
+                  "starts with), so the order is the same at every world size; reading stays once per epoch where the world size divides N (pick N with "
+                  "many divisors, e.g. 12 or 24)"),
         Flag("--last-batch", "workload.last_batch", options={"choices": ("pad", "drop", "refuse")},
              help="an epoch's ragged last batch: pad trains it (shares weighted, each sample counted once), "
                   "drop leaves it untrained (report counts it), refuse stops a run that cannot share it evenly"),
@@ -278,9 +290,16 @@ def given_settings(parser: argparse.ArgumentParser, argv: list[str]) -> frozense
     return frozenset(name for name in LOADER_SETTINGS if getattr(seen, name) is not unset)
 
 
+REQUEST_FLAGS = ("--store-retries", "--store-backoff-secs", "--store-timeout-secs")
+"""Store flags that also govern a stream's reads from an object store (the workload's factory is
+handed them: trainer/workload/objects.py), so a run directory on disk takes them too."""
+
+
 def changed_store_flags(args: argparse.Namespace) -> list[str]:
-    """The object-store flags the command line set to something other than their defaults."""
-    return [flag.flag for flag in GROUPS[STORE_GROUP] if getattr(args, flag.dest) != flag.default()]
+    """The object-store flags for a run directory in a store that the command line set to
+    something other than their defaults (`REQUEST_FLAGS` left out)."""
+    return [flag.flag for flag in GROUPS[STORE_GROUP]
+            if flag.flag not in REQUEST_FLAGS and getattr(args, flag.dest) != flag.default()]
 
 
 def changed_memory_flags(args: argparse.Namespace) -> list[str]:

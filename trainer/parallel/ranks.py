@@ -15,19 +15,23 @@ With several processes, three kinds of agreement keep the ranks in lockstep:
 - `barrier`: every rank has finished its part (its shards are written) before rank 0 acts.
 
 Every collective is entered by every rank in the same order. A collective that fails because
-another rank died, or that waited past its bound for one that froze, becomes a one-line
-`PeerFailure` naming that rank (its heartbeat stopped: parallel/heartbeat.py), resumable (75),
+another rank died, or because a rank's heartbeat went silent for `--peer-silence-secs` (its
+watcher cuts the group's connections: parallel/heartbeat.py, parallel/silence.py), or that
+waited past its bound, becomes a one-line `PeerFailure` naming that rank, resumable (75),
 instead of a gloo/NCCL traceback or torch's 30-minute wait.
 
-The bound of the training group's collectives (`--peer-timeout-secs`, auto by default) is the
-group's own timeout, re-derived after every step's agreement from what this rank measured
-between two agreements (`StepPace`): the time a peer may take to reach the next collective is
-one such interval, so a rank waits `factor` times the slowest one of the same kind (a step, or a
-step with a save), never less than the floor, and torch's own 30 minutes before a kind was
-measured (joining, claiming, building, restoring, compiling, the first save) and while the run
-finishes (draining its uploads). A process-group timeout rather than a watchdog thread: gloo
-raises it inside whichever collective waits (the step's agreement, DDP's gradient reduction in
-backward, a save's barrier), so the error takes the same way out as a lost connection.
+Silence finds a frozen or dead peer; the bound of the training group's collectives
+(`--peer-timeout-secs`, auto by default) is the fallback for what silence cannot see (a deadlock
+inside a living process). It is the group's own timeout, re-derived after every step's agreement
+from what this rank measured between two agreements (`StepPace`): the time a peer may take to
+reach the next collective is one such interval, so a rank waits `factor` times a robust slowest
+one of the same kind (a step, or a step with a save: the first interval of a kind and a single
+outlier never set it), never less than the floor, and torch's own 30 minutes before a kind was
+measured (joining, claiming, building, restoring, compiling, the first save); while the run
+finishes (draining its uploads) it waits the background groups' bound. A process-group timeout
+rather than a watchdog thread: gloo raises it inside whichever collective waits (the step's
+agreement, DDP's gradient reduction in backward, a save's barrier), so the error takes the same
+way out as a lost connection.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageErr
 from trainer.parallel.heartbeat import Heartbeat, round_prefix
 from trainer.parallel.launch import PRIMARY, LaunchEnvironment, process_age_s
 from trainer.parallel.reduction import PER_PARAMETER, per_parameter_mean
+from trainer.parallel.silence import GroupSockets, socket_inodes
 from trainer.layout import RunDirectory
 
 T = TypeVar("T")
@@ -115,23 +120,38 @@ class StepPace:
 
     An interval is from one step's agreement to the next: the next step's compute and data,
     and whatever the agreement decided to do in between (a save, an export, a tier-0 save),
-    which is why an interval after a save is its own kind. Pure: the clock is passed in."""
+    which is why an interval after a save is its own kind. Robust to one outlier: the first
+    interval of a kind (compiling, warming caches, the first save's allocations) counts only
+    until a second is measured, and of the rest the second slowest sets the bound, so a single
+    loaded moment never sets it for the rest of the run (a slow interval that repeats does).
+    Pure: the clock is passed in."""
 
     STEP, SAVE = "step", "save"
 
     def __init__(self, wait: PeerWaitConfig):
         self.wait = wait
-        self.slowest: dict[str, float] = {}
+        self.first: dict[str, float] = {}
+        self.slowest: dict[str, list[float]] = {}
+        """Per kind, the two slowest intervals after its first, slowest first."""
         self._last: tuple[float, str] | None = None
+
+    def typical(self, kind: str) -> float | None:
+        """The interval a bound of `kind` follows: the second slowest after the first (the only
+        one while there is one), the first while nothing else was measured."""
+        slowest = self.slowest.get(kind, [])
+        return slowest[-1] if slowest else self.first.get(kind)
 
     def agreed(self, now: float, saves: bool) -> float:
         """An agreement at `now` (monotonic seconds) deciding `saves`: the next wait's bound."""
         if self._last is not None:
             at, kind = self._last
-            self.slowest[kind] = max(self.slowest.get(kind, 0.0), now - at)
+            if kind not in self.first:
+                self.first[kind] = now - at
+            else:
+                self.slowest[kind] = sorted([*self.slowest.get(kind, []), now - at], reverse=True)[:2]
         kind = self.SAVE if saves else self.STEP
         self._last = (now, kind)
-        return self.wait.bound_s(self.slowest.get(kind))
+        return self.wait.bound_s(self.typical(kind))
 
 
 class Ranks:
@@ -151,6 +171,9 @@ class Ranks:
         """When this process began joining the group (its age, seconds) and how long joining
         took: the start-up of a restart, split (set by `process_group`)."""
         self._slowest_save_s: float | None = None
+        self.sockets: GroupSockets | None = None
+        """The connections of this process's gloo groups, cut by the heartbeat's watcher when a
+        peer falls silent (`process_group` wires it)."""
         self.rank = launch.rank
         self.world_size = launch.world_size
         self.distributed = launch.distributed
@@ -171,9 +194,14 @@ class Ranks:
         failed never enters them, and the others must get to the agreement that names it."""
         if not self.distributed:
             return self
+        before = socket_inodes()
         with self._collective("creating the background process group"):
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.wait.bound_s(None)))
-        return Ranks(self.launch, torch.device("cpu"), group, self.wait, self.peer_wait, self.heartbeat)
+        if self.sockets is not None:
+            self.sockets.opened(before)  # a silent peer ends these waits too
+        background = Ranks(self.launch, torch.device("cpu"), group, self.wait, self.peer_wait, self.heartbeat)
+        background.sockets = self.sockets
+        return background
 
     def saved_in(self, seconds: float) -> None:
         """A save this group took part in lasted `seconds`: re-derive its collectives' bound."""
@@ -236,9 +264,11 @@ class Ranks:
         self.barrier("finishing")
 
     def finishing(self) -> None:
-        """The run ends: what is left (draining uploads, the last records) was never measured,
-        so the training group waits as long as before the first step again."""
-        self._bound(self.peer_wait.bound_s(None))
+        """The run ends: what is left (draining uploads, the last records) is a save's
+        background work, so the training group waits as long as the background groups do
+        (`--background-timeout-secs`), and never less than its own bound. A frozen or dead peer
+        is found by its silence meanwhile, as in any phase."""
+        self._bound(max(self.wait.bound_s(self._slowest_save_s), self._bound_s))
 
     def _bound(self, seconds: float) -> None:
         if self.distributed and self.group is None and seconds != self._bound_s:
@@ -340,23 +370,13 @@ class Ranks:
 
     def peer_failure(self, error: BaseException, what: str) -> PeerFailure:
         """The one line for a collective that failed on a peer, naming the ranks whose heartbeat
-        stopped (this waits the heartbeat's window, under a second)."""
+        stopped (a verdict already reached, a process of this host that ended, or two readings
+        of the counters under a second apart)."""
         timed_out = "timed out" in str(error).lower() or "timeout" in type(error).__name__.lower()
         bound = self._bound_s if self.group is None else self.wait.bound_s(self._slowest_save_s)  # a background group's
         silent = self.heartbeat.silent_ranks() if self.heartbeat is not None else None
-        who = ("rank " if len(silent) == 1 else "ranks ") + ", ".join(map(str, silent)) if silent else None
-        if timed_out:
-            state = PeerFailure.UNRESPONSIVE
-            said = (f"{who} stopped answering: no reply within {bound:g} s while {what}, and its heartbeat "
-                    f"stopped (frozen: a hung device, a silent network, a paused machine)") if who else \
-                   (f"no reply from another rank within {bound:g} s while {what}"
-                    + (", though every rank's heartbeat goes on (one is slower than the bound allows: "
-                       "raise --peer-timeout-secs)" if silent == [] else ""))
-        else:
-            state = PeerFailure.LOST
-            said = f"{who} is gone: its connection closed while {what} and its heartbeat stopped (the process " \
-                   f"died or its node went away)" if who else \
-                   f"lost contact with another rank while {what} ({_first_line(error)})"
+        verdict = self.heartbeat.verdict if self.heartbeat is not None else None
+        state, said = _what_happened(error, what, silent, verdict, timed_out, bound)
         return PeerFailure(f"{said}; resumable: the next attempt continues from the newest generation "
                            f"(torchrun --max-restarts restarts in place; else --resume auto)", state, tuple(silent or ()))
 
@@ -369,6 +389,29 @@ class Ranks:
         if is_peer_loss(cause) or is_peer_loss(error):
             return self.peer_failure(cause, what)
         return error
+
+
+def _what_happened(error: BaseException, what: str, silent: list[int] | None, verdict: dict | None,
+                   timed_out: bool, bound: float) -> tuple[str, str]:
+    """A peer failure's state and the first part of its line (`Ranks.peer_failure`)."""
+    who = ("rank " if len(silent) == 1 else "ranks ") + ", ".join(map(str, silent)) if silent else None
+    if who and verdict is not None:
+        ended = [rank for rank in verdict.get("ended", []) if rank in silent]
+        return PeerFailure.UNRESPONSIVE, (
+            f"{who} stopped answering: its heartbeat was silent for {verdict['silent_s']:g} s while {what} "
+            f"(frozen: a hung device, a silent network, a paused machine; --peer-silence-secs)"
+            + ("; ended its process on this host (SIGKILL)" if ended else ""))
+    if timed_out:
+        return PeerFailure.UNRESPONSIVE, (
+            f"{who} stopped answering: no reply within {bound:g} s while {what}, and its heartbeat "
+            f"stopped (frozen: a hung device, a silent network, a paused machine)") if who else \
+            (f"no reply from another rank within {bound:g} s while {what}"
+             + (", though every rank's heartbeat goes on (one is slower than the bound allows: "
+                "raise --peer-timeout-secs)" if silent == [] else ""))
+    return PeerFailure.LOST, (
+        f"{who} is gone: its connection closed while {what} and its heartbeat stopped (the process "
+        f"died or its node went away)") if who else \
+        f"lost contact with another rank while {what} ({_first_line(error)})"
 
 
 @contextmanager
@@ -384,7 +427,8 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
     A group the process already joined (a user's script or a framework called
     `init_process_group` before `recovery.open_run`) is used as it is and left to its owner:
     not joined again, not destroyed on the way out; its timeout becomes the training group's
-    bound (`--peer-timeout-secs`), as ours would.
+    bound (`--peer-timeout-secs`), as ours would. Its sockets were opened before this rank
+    looked, so a silent peer is not cut off (`GroupSockets`): the group's timeout ends the wait.
     """
     if not launch.distributed:
         yield Ranks(launch, device, wait=wait, peer_wait=peer_wait)
@@ -394,15 +438,22 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
         torch.cuda.set_device(device)
     began, age = time.monotonic(), process_age_s()
     owned = not dist.is_initialized()
+    before = socket_inodes()
     if owned:
-        join(launch, "nccl" if device.type == "cuda" else "gloo", peer_wait.bound_s(None))
-    else:
-        compat.set_group_timeout(None, peer_wait.bound_s(None))
-    heartbeat = Heartbeat(launch).start()
+        join(launch, "nccl" if device.type == "cuda" else "gloo", peer_wait.join_bound_s(launch.restart))
+    if not owned or peer_wait.join_bound_s(launch.restart) != peer_wait.bound_s(None):
+        compat.set_group_timeout(None, peer_wait.bound_s(None))  # joined: the collectives' own bound from here
+    heartbeat = Heartbeat(launch, peer_wait.silence_s).start()
     ranks = Ranks(launch, device, wait=wait, peer_wait=peer_wait, heartbeat=heartbeat)
+    ranks.sockets = GroupSockets(launch.master_port)
+    if device.type != "cuda":
+        ranks.sockets.opened(before)  # gloo's; NCCL's connections are its own (docs/scale-out.md, On NCCL)
+    heartbeat.on_silence = ranks.sockets.cut  # the main thread leaves its wait with "connection closed"
     ranks.joined = {"at_s": age, "join_s": round(time.monotonic() - began, 3)}
+    ended = False
     try:
         yield ranks
+        ended = True
     except TrainerError:
         raise
     except BaseException as error:
@@ -411,7 +462,7 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
             raise ranks.peer_failure(cause, "training") from None
         raise
     finally:
-        heartbeat.stop()
+        heartbeat.stop(left=ended)
         outlive_launcher_stop()
         if owned:
             dist.destroy_process_group()
@@ -448,6 +499,12 @@ def join(launch: LaunchEnvironment, backend: str, timeout_s: float) -> None:
         thread.join(0.1)
     if failure:
         error = failure[0]
+        if launch.restart and any(word in str(error).lower() for word in ("timed out", "timeout")):
+            raise PeerFailure(f"round {launch.restart} of torchrun's restarts: not every rank of the "
+                              f"{launch.world_size} joined within {timeout_s:g} s (--rejoin-timeout-secs); a node "
+                              f"whose agent did not restart its workers (a frozen worker under a static rendezvous) "
+                              f"never comes; resumable: --resume auto continues when every node starts again"
+                              ) from None
         if isinstance(error, (RuntimeError, ValueError)):
             raise PeerFailure(f"could not join the {launch.world_size}-process group as rank {launch.rank} "
                               f"({_first_line(error)}); check MASTER_ADDR/MASTER_PORT and that every rank "

@@ -38,7 +38,7 @@ log = logging.getLogger("trainer")
 class TrainingRun:
     def __init__(self, config: RunConfig, ranks: Ranks, events: TrainingEvents):
         self.config, self.ranks, self.events = config, ranks, events
-        self.workload: BoundWorkload = build_workload(config.workload)
+        self.workload: BoundWorkload = build_workload(config.workload, config.store_config)
         self.session = AttemptSession(config, ranks, events)
         """The claim, the record and the end, shared with a user's own loop (trainer/recovery/)."""
         self.progress = Progress.for_stdout(config.progress, ranks.is_primary)

@@ -62,6 +62,21 @@ class StepTools:
         return result
 
 
+@contextlib.contextmanager
+def buffers_kept(model: nn.Module, keep: bool):
+    """With `keep`, the model's buffers (BatchNorm's running statistics and its count) are put
+    back after the forward and backward (autograd checks the versions of what the forward
+    saved, running statistics included, until then): a padded share (weight 0, `--last-batch pad`) adds nothing to the
+    gradient, and so nothing to the statistics either."""
+    kept = [(buffer, buffer.detach().clone()) for buffer in model.buffers()] if keep else []
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in kept:
+                buffer.copy_(value)
+
+
 class OptimizerSteps:
     def __init__(self, workload: BoundWorkload, state: TrainingState, trained: nn.Module, device: torch.device,
                  amp: bool):
@@ -92,13 +107,14 @@ class OptimizerSteps:
         if self.workload.has_train_step:
             self.held.append(batch)
         else:
-            with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.amp):
-                loss = self.workload.loss(self.trained, batch)
-            if self.window > 1:
-                loss = loss / self.window
-            if weight != 1.0:
-                loss = loss * weight
-            self.state.scaler.scale(loss).backward()
+            with buffers_kept(self.state.model, weight == 0.0):
+                with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.amp):
+                    loss = self.workload.loss(self.trained, batch)
+                if self.window > 1:
+                    loss = loss / self.window
+                if weight != 1.0:
+                    loss = loss * weight
+                self.state.scaler.scale(loss).backward()
             self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
         self.micro_batches += 1
         seams.micro_batch_done(self.micro_batches)

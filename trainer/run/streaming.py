@@ -1,4 +1,5 @@
-"""Streaming data with a cursor the trainer owns, each record read once per epoch.
+"""Streaming data with a cursor the trainer owns: one order at every world size, each record
+read once per epoch where the world size divides the run's lanes.
 
 A streaming workload gives shards (name and record count) and a reader of one shard's
 records from an offset (`trainer.workload.protocol.Stream`). The trainer decides everything
@@ -8,31 +9,37 @@ dataset (docs/streaming.md tells the whole story with the measurements):
 - **The epoch's stream**: the shards in an order drawn from (seed, epoch), read one after
   another. Only the samples an epoch trains on are in it (`--last-batch drop` leaves the
   stream's tail out: `trainer.run.batching.EpochShape`).
-- **Lanes**: the stream is cut into one contiguous lane per rank of the layout (the world
-  size the epoch started under). Lane q holds the slots q, q+lanes, … of every global batch,
-  so rank r of that world size trains on lane r alone: batch b's share of a lane is its
-  records [b·share, (b+1)·share), share = batch ÷ lanes (fewer in a short last batch).
+- **Lanes**: the stream is cut into contiguous lanes, as many as the run's lanes: a count fixed
+  when the run starts (`--stream-lanes`, else its world size then) and kept in the cursor, so
+  it never follows the world size. Lane q holds the slots q, q+lanes, … of every global batch:
+  batch b's share of a lane is its records [b·share, (b+1)·share), share = the slots the lane
+  has in a batch (batch ÷ lanes when the lanes divide it; fewer in a short last batch).
+- **Ranks**: rank r of R takes the slots r, r+R, … of every global batch (as for map-style
+  data, and as the ledger puts them back), so it reads the block of every lane its slots fall
+  in: lanes r, r+R, … alone when R divides the lanes (each lane read by one rank), else
+  lanes/gcd(lanes, R) of them (each lane read by R/gcd ranks: 3x at 4 lanes on 3 ranks).
 - **Blocks and chunks, the shuffle**: each lane is cut into blocks of `chunk` batches' shares
-  (`--shuffle-buffer` rounded down to whole shares, at least one), each shuffled by a
-  permutation drawn from (seed, epoch, lanes, lane, block). Chunk k is every lane's block k:
+  (`--shuffle-buffer` rounded down to whole shares of lane 0, at least one), each shuffled by
+  a permutation drawn from (seed, epoch, lanes, lane, block). Chunk k is every lane's block k:
   global batches [k·chunk, (k+1)·chunk). The buffer is the block: never saved, a pure
-  function of the cursor; a resume re-reads the block it is in.
+  function of the cursor; a resume re-reads the blocks it is in.
 - **Readers**: a rank's DataLoader hands out whole chunks, worker w the chunks w, w+W, …,
   which the DataLoader returns in turn: each worker reads only its own blocks, and every
-  worker count gives the same batches in the same order. Read volume: each record once per
-  epoch (plus, after a resume, the rest of the block it starts in), whatever the ranks and
-  workers. Memory: a chunk's batches wait in the DataLoader's queue, up to two per worker.
-- **The cursor**: samples consumed in the epoch, global, and the layout's lanes, saved in
-  every generation (`stream`, checked against the progress on restore) with where each
-  lane's block in progress starts.
+  worker count gives the same batches in the same order. Read volume per epoch: each record
+  once where the world size divides the lanes (plus, after a resume, the rest of the blocks
+  it starts in), R/gcd(lanes, R) times otherwise, whatever the workers. Memory: a worker
+  holds the blocks of its rank's lanes while it builds a chunk; a chunk's batches wait in the
+  DataLoader's queue, up to two per worker.
+- **The cursor**: samples consumed in the epoch, global, the lanes of the epoch's layout and
+  the run's, saved in every generation (`stream`, checked against the progress on restore)
+  with where each lane's block in progress starts.
 
-The global order is a pure function of (seed, epoch, the world size an epoch starts under,
-buffer, batch, `--last-batch`). "Elastic" means: a resume under another world size finishes
-the epoch in progress in the layout it started under (the same samples in the same global
-order as the uninterrupted run; each new rank takes every world-size-th slot of each global
-batch, so it reads the blocks of every lane its slots fall in: more reading, for the rest of
-that epoch only), and the next epoch is laid out for the new world size, read once again.
-The ledger's chain proves the first part; `report` the "none repeated or skipped".
+The global order is a pure function of (seed, epoch, lanes, buffer, batch, `--last-batch`),
+never of the world size or the workers (Mosaic StreamingDataset's "canonical nodes": the
+order is laid out for a node count fixed for the run; the physical nodes read their share
+of it). So a resume under another world size trains on the samples, in the order, of the
+uninterrupted run, in every later epoch too; the ledger's chain proves it and `report` finds
+none repeated or skipped. The cost of a world size that does not divide the lanes is reading.
 Sample ids, for the ledger, number the records in the declared shard order.
 """
 
@@ -40,6 +47,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import logging
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -57,6 +66,8 @@ from trainer.run.fetching import COLLATE, KeyedSeeding, seeded_globals
 from trainer.run.runtime import WorkerSignals
 from trainer.workload.adapters import from_loader, is_hf_iterable, is_loader, refuse_hf_shuffle
 from trainer.workload.protocol import is_stream
+
+log = logging.getLogger("trainer")
 
 READ = 2
 """The `purpose` of the seeds a block's read runs under, apart from samples' and collates'."""
@@ -96,7 +107,7 @@ def shards_of(stream, spec: str) -> tuple[Shard, ...]:
 class StreamLayout:
     """One epoch's layout: where the record at each slot of each global batch sits in the
     shards (see the module docstring). Pure: (records per shard, seed, epoch, buffer, the
-    epoch's shape, lanes) decide it."""
+    epoch's shape, lanes) decide it; the world size does not."""
 
     def __init__(self, records: Sequence[int], seed: int, epoch: int, buffer: int, shape: EpochShape, lanes: int):
         self.seed, self.epoch, self.shape, self.lanes = seed, epoch, shape, lanes
@@ -105,14 +116,16 @@ class StreamLayout:
         self.shard_order = np.random.default_rng([seed, epoch, 0x5A]).permutation(len(records))
         self.stream_start = np.concatenate([[0], np.cumsum([records[shard] for shard in self.shard_order])])
         """Where each shard (in this epoch's order) starts in the epoch's stream."""
-        self.share = shape.batch_size // lanes
-        """A full batch's records in each lane."""
-        self.chunk = max(1, buffer // self.share)
+        self.shares = [len(range(lane, shape.batch_size, lanes)) for lane in range(lanes)]
+        """A full batch's records in each lane: its slots lane, lane + lanes, … (equal when the
+        lanes divide the batch; 0 in a lane beyond the batch)."""
+        self.chunk = max(1, buffer // self.shares[0])
         """Global batches per chunk: a lane's block holds their shares."""
-        self.block = self.chunk * self.share
+        self.blocks = [self.chunk * share for share in self.shares]
+        """Each lane's block: records per shuffle buffer."""
         last = shape.batches - 1
-        self.lane_length = [last * self.share + len(shape.share(last, lane, lanes)) if shape.batches else 0
-                            for lane in range(lanes)]
+        self.lane_length = [last * share + len(shape.share(last, lane, lanes)) if shape.batches else 0
+                            for lane, share in enumerate(self.shares)]
         self.lane_start = np.concatenate([[0], np.cumsum(self.lane_length)]).tolist()
         self.permutations: dict[tuple[int, int], np.ndarray] = {}
         """The last blocks' permutations (a cache: a reader moves forward, chunk by chunk)."""
@@ -123,12 +136,13 @@ class StreamLayout:
 
     def block_span(self, lane: int, block: int) -> tuple[int, int]:
         """(stream position, records) of a lane's block."""
-        start = block * self.block
-        return self.lane_start[lane] + start, max(0, min(self.block, self.lane_length[lane] - start))
+        size = self.blocks[lane]
+        start = block * size
+        return self.lane_start[lane] + start, max(0, min(size, self.lane_length[lane] - start))
 
     def block_permutation(self, lane: int, block: int) -> np.ndarray:
         if (lane, block) not in self.permutations:
-            if len(self.permutations) >= 16:
+            if len(self.permutations) >= 4 * self.lanes:
                 del self.permutations[min(self.permutations, key=lambda key: key[1])]
             self.permutations[lane, block] = np.random.default_rng(
                 [self.seed, self.epoch, self.lanes, lane, block, 0xB1]).permutation(self.block_span(lane, block)[1])
@@ -136,10 +150,11 @@ class StreamLayout:
 
     def slot(self, batch: int, slot: int) -> tuple[int, int]:
         """(lane, record of the lane) of a global batch's slot."""
-        return slot % self.lanes, batch * self.share + slot // self.lanes
+        lane = slot % self.lanes
+        return lane, batch * self.shares[lane] + slot // self.lanes
 
     def stream_position(self, lane: int, record: int) -> int:
-        block, inside = divmod(record, self.block)
+        block, inside = divmod(record, self.blocks[lane])
         return self.block_span(lane, block)[0] + int(self.block_permutation(lane, block)[inside])
 
     def locate(self, stream_position: int) -> tuple[int, int]:
@@ -199,7 +214,7 @@ class StreamEpoch(IterableDataset):
                 if lane not in blocks:
                     blocks[lane] = self.read_block(lane, chunk)
                 held, order, held_ids = blocks[lane]
-                inside = record - chunk * layout.block
+                inside = record - chunk * layout.blocks[lane]
                 samples.append(held[order[inside]])
                 ids.append(held_ids[inside])
             fetched.append(Fetched(torch.tensor(ids, dtype=torch.int64),
@@ -253,9 +268,10 @@ def takes_stop(read) -> bool:
 
 
 class StreamSource:
-    """A stream bound to the trainer: its shards, checked once, and its epochs' loaders."""
+    """A stream bound to the trainer: its shards, checked once, the run's lanes, and its
+    epochs' loaders."""
 
-    def __init__(self, stream, seed: int, buffer: int, spec: str, collate=None):
+    def __init__(self, stream, seed: int, buffer: int, spec: str, collate=None, lanes: int | None = None):
         self.stream, self.seed, self.buffer = stream, seed, buffer
         self.collate = collate or getattr(stream, "collate", None)
         """A DataLoader's `collate_fn` (adopted), else the stream's own `collate`, else None."""
@@ -264,15 +280,21 @@ class StreamSource:
         self.reads_to_stop = takes_stop(stream.read)
         """Whether `read` takes `stop` (the record it may stop before): a reader that fetches
         ahead (ranged GETs) then asks for no more than the trainer uses."""
+        self.lanes_given = lanes
+        """`--stream-lanes`, or None: the world size the run started with."""
+        self.run_lanes = lanes
+        """The lanes every epoch is laid out in: given, else fixed when the run starts
+        (`cursors`: the world size) or restores (`StreamCursor.check`: the stored count)."""
         self.carried: dict[int, int] = {}
-        """{epoch: lanes} of an epoch a restored generation started under another world size
-        (`StreamCursor.check`): it finishes in that layout."""
+        """{epoch: lanes} of an epoch in progress laid out in other lanes than the run's now
+        (--stream-lanes changed under --allow-drift config): it finishes in its layout."""
 
     def __len__(self) -> int:
         return sum(self.records)
 
     def lanes(self, epoch: int, world_size: int) -> int:
-        return self.carried.get(epoch, world_size)
+        """The lanes `epoch` is laid out in (`world_size`: a source no run has fixed lanes for)."""
+        return self.carried.get(epoch) or self.run_lanes or world_size
 
     def layout(self, shape: EpochShape, epoch: int, lanes: int) -> StreamLayout:
         return StreamLayout(self.records, self.seed, epoch, self.buffer, shape, lanes)
@@ -304,10 +326,10 @@ class StreamSource:
         `trainer.run.fetching.refuse_state_moved_by_fetching`)."""
         StreamEpoch(self, self.layout(EpochShape(len(self), 1), 0, 1), 0, 0, 1).read(0, 1, 0, ONE_RECORD)
 
-    def cursor(self, shape: EpochShape, epoch: int, position: int, lanes: int) -> dict:
+    def cursor(self, shape: EpochShape, epoch: int, position: int, lanes: int, run_lanes: int) -> dict:
         """The cursor saved in a generation: the epoch, the global samples consumed in it, the
-        lanes of its layout, and where each lane's block in progress starts ("shard@offset":
-        what a resume reads from)."""
+        lanes of its layout and the run's (equal unless --stream-lanes changed mid-epoch), and
+        where each lane's block in progress starts ("shard@offset": what a resume reads from)."""
         layout = self.layout(shape, epoch, lanes)
         chunk = min(position // layout.chunk, max(0, layout.chunks - 1))
         blocks = []
@@ -315,42 +337,69 @@ class StreamSource:
             at, offset = layout.locate(min(layout.block_span(lane, chunk)[0], len(self) - 1))
             blocks.append(f"{self.shards[layout.shard_order[at]].name}@{offset}")
         return {"epoch": epoch, "consumed": min(position * shape.batch_size, shape.trained), "lanes": lanes,
-                "buffer": self.buffer, "blocks": blocks}
+                "run_lanes": run_lanes, "buffer": self.buffer, "blocks": blocks}
 
 
 class StreamCursor:
     """The stream's cursor in a generation (`stream`). It follows from the progress and the
-    lanes the epoch started under; a stored cursor that disagrees is a damaged generation."""
+    lanes; a stored cursor that disagrees is a damaged generation. Restoring one fixes the
+    run's lanes: a resume under another world size keeps the lanes the run started with."""
 
     def __init__(self, source: StreamSource, shape: EpochShape, world_size: int):
         self.source, self.shape, self.world_size = source, shape, world_size
 
     def state(self, progress) -> dict:
-        return self.source.cursor(self.shape, progress.epoch, progress.position,
-                                  self.source.lanes(progress.epoch, self.world_size))
+        source = self.source
+        return source.cursor(self.shape, progress.epoch, progress.position,
+                             source.lanes(progress.epoch, self.world_size), source.run_lanes or self.world_size)
 
     def check(self, stored: dict, progress) -> None:
-        """Check the stored cursor; an epoch in progress under other lanes (another world
-        size) is carried: it finishes in its layout (the module docstring's "elastic")."""
-        stored = dict(stored)
-        if "lanes" not in stored:
+        """Check the stored cursor and adopt its lanes (unless --stream-lanes names others,
+        a drift the fingerprint let through: then an epoch in progress finishes in its own)."""
+        stored, source = dict(stored), self.source
+        if "run_lanes" not in stored:
             if progress.position == 0:
-                return  # an epoch's start: nothing of it was read
-            raise CorruptGeneration(f"the stored stream cursor {stored} was written by a trainer that split "
-                                    f"streams by sample index, not into lanes; finish its epoch with that trainer, or "
-                                    f"restore a generation at an epoch's start with --from-generation")
-        expected = self.source.cursor(self.shape, progress.epoch, progress.position, stored["lanes"])
+                return  # an epoch's start: nothing of it was read; the run's lanes start here
+            how = "laid each epoch out for its world size" if "lanes" in stored else "split streams by sample index"
+            raise CorruptGeneration(f"the stored stream cursor {stored} was written by a trainer that {how}, not in "
+                                    f"lanes fixed for the run; finish its epoch with that trainer, or restore a "
+                                    f"generation at an epoch's start with --from-generation")
+        expected = source.cursor(self.shape, progress.epoch, progress.position, stored["lanes"], stored["run_lanes"])
         if stored != expected:
             raise CorruptGeneration(f"the stored stream cursor {stored} disagrees with the progress (epoch "
                                     f"{progress.epoch}, batch {progress.position}: {expected}); restore "
                                     f"an earlier generation with --from-generation")
-        if progress.position and stored["lanes"] != self.world_size:
-            self.source.carried[progress.epoch] = stored["lanes"]
+        if source.lanes_given is None:  # given lanes were noted by `cursors`
+            source.run_lanes = stored["run_lanes"]
+            note_reading(source.run_lanes, self.world_size)
+        if progress.position and stored["lanes"] != source.run_lanes:
+            source.carried[progress.epoch] = stored["lanes"]
+
+
+def reads_per_record(lanes: int, world_size: int) -> int:
+    """How many times an epoch reads each record: once where the world size divides the lanes,
+    else world size / gcd (each lane's slots are spread over that many ranks)."""
+    return world_size // math.gcd(lanes, world_size)
+
+
+def note_reading(lanes: int, world_size: int) -> None:
+    """Say (rank 0's log) what a world size the lanes do not divide costs, and the way out."""
+    if (times := reads_per_record(lanes, world_size)) > 1:
+        log.info("stream: %d lanes on %d processes: each record is read %d times per epoch (the order stays the "
+                 "run's); a run started with --stream-lanes N, N a multiple of every world size it may run at "
+                 "(12, 24, 48), reads each once", lanes, world_size, times)
 
 
 def cursors(source: DataSource, shape: EpochShape, world_size: int) -> dict:
-    """The cursors a generation stores for this data (none for map-style data)."""
-    return {"stream": StreamCursor(source, shape, world_size)} if isinstance(source, StreamSource) else {}
+    """The cursors a generation stores for this data (none for map-style data). A stream's
+    lanes are fixed here for a run starting now (`--stream-lanes`, else `world_size`); a
+    restored cursor replaces them by the run's own."""
+    if not isinstance(source, StreamSource):
+        return {}
+    if source.run_lanes is None:
+        source.run_lanes = world_size
+    note_reading(source.run_lanes, world_size)
+    return {"stream": StreamCursor(source, shape, world_size)}
 
 
 DataSource = KeyedSeeding | StreamSource
@@ -378,7 +427,7 @@ def source_of(dataset, config: WorkloadConfig, spec: str, collate=None) -> DataS
                          f"return trainer.workload.adapters.HFStream(dataset) (the trainer then owns its order, "
                          f"shuffle buffer and cursor)")
     if is_stream(dataset):
-        return StreamSource(dataset, config.seed, config.shuffle_buffer, spec, collate)
+        return StreamSource(dataset, config.seed, config.shuffle_buffer, spec, collate, config.stream_lanes)
     if isinstance(dataset, IterableDataset) or not callable(getattr(dataset, "__len__", None)) \
             or not callable(getattr(dataset, "__getitem__", None)):
         raise UsageError(f"--workload {spec}: build_dataset returned a {type(dataset).__name__}, which is neither "

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import WorkloadConfig
+from trainer.config import StoreConfig, WorkloadConfig
 from trainer.errors import UsageError
 from trainer.workload.loading import find_factory, first_line
 from trainer.workload.protocol import TrainingSteps, Workload
@@ -27,11 +27,14 @@ REQUIRED = ("build_dataset", "build_model", "build_optimizer", "build_scheduler"
 """The protocol's methods without a default; the others are optional hooks."""
 
 
-def build_workload(config: WorkloadConfig) -> BoundWorkload:
+def build_workload(config: WorkloadConfig, store: StoreConfig = StoreConfig()) -> BoundWorkload:
+    """The workload from its factory, handed its options and the trainer's settings it may
+    read (`store_config`: the run's --store-* retries and timeouts, for data in an object
+    store, `trainer.workload.objects.ObjectFiles`)."""
     found = find_factory(config.workload)
     options = {**found.defaults(), **dict(config.options)}
     trainer = {"seed": config.seed, "batch_size": config.batch_size, "grad_accum": config.grad_accum,
-               "amp": config.amp, "epochs": config.epochs}
+               "amp": config.amp, "epochs": config.epochs, "store_config": store}
     try:
         workload = found.factory(argparse.Namespace(**options, **trainer))
     except UsageError:

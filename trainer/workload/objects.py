@@ -8,7 +8,8 @@ trainer/run/streaming.py), and `fingerprint()` digests names, sizes and ETags: t
 own word for the content, no byte read and no full download per reader.
 Credentials come from where the run directory's come from (AWS_* variables, AWS_ENDPOINT_URL,
 ~/.aws), and every GET has the same bounded retries and one-line failures (exit 74):
-`trainer.storage.object.client.ObjectStore`. A DataLoader worker opens its own client (an
+`trainer.storage.object.client.ObjectStore`, under the run's --store-* settings when the
+workload passes them (`config=options.store_config`: the factory is handed them). A DataLoader worker opens its own client (an
 fsspec filesystem does not cross a fork), and counts the bytes it fetched (`fetched`).
 """
 

@@ -5,7 +5,8 @@ workload is brought with `--workload MODULE:FACTORY` without touching the traine
 The factory is called with an `argparse.Namespace`: the options the workload declared with
 `FACTORY.add_options(group)` (optional; argparse's `add_argument` on the group, and
 `set_defaults` for fixed settings), plus the trainer's `seed`, `batch_size`, `grad_accum`,
-`amp` and `epochs`. Every declared option enters the fingerprint's `config`; its module (or
+`amp`, `epochs` and `store_config` (the run's --store-* retries and timeouts: hand it to
+`trainer.workload.objects.ObjectFiles` for data in an object store). Every declared option enters the fingerprint's `config`; its module (or
 its top-level package, or the .py files beside a lone module) enters `source`. `epochs` is
 not fingerprinted (a run may be extended): use it to refuse a run your schedule cannot cover,
 never to shape training.

@@ -1,0 +1,187 @@
+"""A frozen rank is found by its silence: every rank watches the others' heartbeats, and a peer
+whose counter stood still for `--peer-silence-secs` is named, ended if it runs on this host, and
+the survivors leave whatever they waited in, exit 75, whatever the step time. A slow but living
+rank keeps beating and is never named. A restarted round whose peer never comes ends in one line.
+
+End to end under real torchrun (gloo on loopback), real SIGSTOP, steps that sleep (wall time, not
+CPU: tests/workloads/slow_steps.py), no assertion on speed (bench/restart_bench.py measures it):
+- rank 1 SIGSTOPped after step 2 of 2 s steps, `--max-restarts 1`, tier 0: rank 0 names rank 1,
+  ends it, the agent restarts both in place (no 30 s grace for a stopped worker) and the run
+  ends bit-identical to an uninterrupted one;
+- a step of rank 1 twenty times longer than the others and a save of rank 1 longer than the
+  silence bound: the run completes, nobody is named;
+- a restarted round (torchrun's restart count 1) whose peer never comes: one line, 75.
+- three ranks, rank 1 frozen: ranks 0 and 2 each end 75 with one line naming rank 1.
+The pure parts (the robust bound, the ring of watchers, proving a pid is the peer's) are tested
+without torchrun. Cost (TEST_CPU_LOG, load average about 12 from other jobs): the frozen rank's
+restart 29 s of CPU with its baseline (69 s of wall, plus 35 s for the shared baseline), the
+slow rank 11 s (33 s wall), three ranks 12 s (20 s wall), the restarted round 3 s (8 s wall).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support.cli import REPO, compare, wait_for_line
+from support.limits import scaled
+from support.runs import attempts, generation, made_once
+from support.torchrun import TORCHRUN, clean_environment, free_port, torchrun
+from test_peer_failures import rank_pid
+from trainer.config import PeerWaitConfig
+from trainer.parallel.heartbeat import Heartbeat
+from trainer.parallel.launch import LaunchEnvironment
+from trainer.parallel.ranks import StepPace
+from trainer.parallel.silence import ProcessIdentity, end_if_here, is_dead_here
+
+WORKLOAD = ("--workload", f"{REPO}/tests/workloads/slow_steps.py:SlowSteps", "--toy-samples", 24,
+            "--batch-size", 4, "--epochs", 1)
+FINAL = "step-00000006"
+SILENCE_S = 4
+
+
+@pytest.fixture(scope="module")
+def baseline_slow(tmp_path_factory) -> Path:
+    """The same workload without its sleeps (they come from the environment, unfingerprinted)."""
+    return made_once(tmp_path_factory, "slow-steps-2p",
+                     lambda folder: torchrun(folder / "run", *WORKLOAD, tmp=folder)) / "run"
+
+
+def test_the_fallback_bound_ignores_the_first_interval_and_one_outlier():
+    wait = PeerWaitConfig()
+    pace = StepPace(wait)
+    assert pace.agreed(100.0, saves=False) == wait.first_s == 1800.0  # nothing measured: torch's own default
+    assert pace.agreed(120.0, saves=False) == 10 * 20.0  # only the first interval (a compile): it stands alone
+    assert pace.agreed(124.0, saves=False) == 10 * 4.0  # a second: the first no longer counts
+    assert pace.agreed(164.0, saves=False) == 10 * 4.0  # one loaded moment (40 s): the second slowest rules
+    assert pace.agreed(169.0, saves=False) == 10 * 5.0  # a slow interval that repeats does count
+    assert pace.agreed(169.5, saves=True) == wait.first_s  # no step with a save measured yet
+    assert pace.agreed(170.0, saves=False) == 10 * 5.0
+    assert StepPace(PeerWaitConfig(timeout_s=7.0)).agreed(0.0, saves=False) == 7.0
+    assert (wait.join_bound_s(0), wait.join_bound_s(1)) == (wait.first_s, wait.rejoin_s)
+
+
+def test_every_rank_is_watched_by_its_predecessors_in_a_ring():
+    def watched(rank: int, size: int) -> list[int]:
+        return Heartbeat(LaunchEnvironment(rank, size, master_addr="127.0.0.1", master_port=1)).watched()
+
+    assert watched(3, 5) == [4, 0, 1, 2] and watched(0, 2) == [1] and watched(1, 2) == [0]
+    assert watched(30, 32) == [31, *range(7)]  # WATCHED of them, not every rank: the store's load stays linear
+    assert sorted(rank for watcher in range(32) for rank in watched(watcher, 32)) == sorted(list(range(32)) * 8)
+
+
+def test_a_pid_is_ended_only_where_it_is_provably_the_peers(tmp_path):
+    here = ProcessIdentity.of_this_process()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        started = int(Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        peer = ProcessIdentity(here.host, here.boot, here.pid_namespace, child.pid, started)
+        elsewhere = ProcessIdentity(here.host, "another-boot", here.pid_namespace, child.pid, started)
+        reused = ProcessIdentity(here.host, here.boot, here.pid_namespace, child.pid, started + 1)
+        assert not end_if_here(elsewhere, here) and not end_if_here(reused, here)  # not provably the peer
+        assert not end_if_here(peer, None) and not end_if_here(here, here)  # no identity; never itself
+        assert child.poll() is None and not is_dead_here(peer, here)
+        assert end_if_here(peer, here)
+        assert child.wait(timeout=scaled(30)) == -signal.SIGKILL
+        assert is_dead_here(peer, here) and not is_dead_here(elsewhere, here)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def launch(run: Path, status: Path, *args, env: dict) -> subprocess.Popen:
+    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--max-restarts", "1", "-m", "trainer",
+               "--output", str(run), "--threads", "1", "--log-every-steps", "1", *map(str, (*WORKLOAD, *args))]
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), PYTHONUNBUFFERED="1", **env))
+
+
+def test_a_frozen_rank_with_slow_steps_is_named_by_its_silence_ended_and_the_restart_is_exact(tmp_path, baseline_slow):
+    run, status = tmp_path / "run", tmp_path / "status"
+    process = launch(run, status, "--resume", "auto", "--memory-dir", tmp_path / "memory", "--memory-every-steps", 1,
+                     "--peer-silence-secs", SILENCE_S, env={"SLOW_STEP_SECS": "2"})
+    frozen = None
+    try:
+        wait_for_line(process, "step=2 ")
+        frozen = rank_pid(process.pid, 1)
+        os.kill(frozen, signal.SIGSTOP)  # a hung device, a silent NIC, a paused VM
+        out, err = process.communicate(timeout=scaled(180))
+    finally:
+        if frozen is not None:
+            try:
+                os.kill(frozen, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        process.kill()
+    assert process.returncode == 0 and int(status.read_text()) == 0, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("trainer:")]
+    assert len(lines) == 1 and lines[0].startswith("trainer: error: rank 1 stopped answering: its heartbeat was "
+                                                   "silent for "), err[-3000:]
+    assert "ended its process on this host (SIGKILL)" in lines[0] and "Traceback" not in err.split("torchrun")[0]
+    assert Path(f"/proc/{frozen}").exists() is False or "Z" in Path(f"/proc/{frozen}/stat").read_text().split()[2]
+    first, second = attempts(run)
+    assert (first["status"], first["exit_code"], first["peer"]) == \
+        ("interrupted", 75, {"state": "unresponsive", "ranks": [1]})
+    assert second["restored"]["tier"] == "memory" and second["status"] == "completed"
+    assert compare(generation(baseline_slow, FINAL), generation(run, FINAL)).returncode == 0
+
+
+def test_a_slow_step_and_a_long_save_of_a_living_rank_are_never_named_frozen(tmp_path):
+    """Rank 1's step 3 sleeps 20 x a step and its first save sleeps past the silence bound: its
+    heartbeat goes on, so the run completes and nobody is named."""
+    result = torchrun(tmp_path / "run", *WORKLOAD, "--recover-every-steps", 4, "--peer-silence-secs", SILENCE_S,
+                      tmp=tmp_path, env={"SLOW_STEP_SECS": "0.25", "SLOW_AT_STEP": "3", "SLOW_EXTRA_SECS": "5",
+                                         "SLOW_SAVE_SECS": str(SILENCE_S + 3), "SLOW_RANK": "1"})
+    assert not [line for line in result.stderr.splitlines() if line.startswith("trainer:")], result.stderr[-3000:]
+    assert attempts(tmp_path / "run")[-1]["status"] == "completed"
+
+
+def test_a_restarted_round_whose_peer_never_comes_ends_in_one_line(tmp_path):
+    """Rank 0 of round 1 of torchrun's restarts, as its agent starts it, and no rank 1."""
+    environment = clean_environment(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                                    MASTER_PORT=str(free_port()), TORCHELASTIC_RESTART_COUNT="1")
+    result = subprocess.run([sys.executable, "-m", "trainer", "--output", str(tmp_path / "run"), "--threads", "1",
+                             "--rejoin-timeout-secs", "3"], cwd=REPO, capture_output=True, text=True,
+                            timeout=scaled(120), env=environment)
+    assert result.returncode == 75, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("trainer: error: round 1 of torchrun's restarts: not every rank "
+                                                   "of the 2 joined within 3 s (--rejoin-timeout-secs)"), lines
+
+
+def test_three_ranks_name_the_same_frozen_rank_and_end_resumable(tmp_path):
+    """Rank 1 of three frozen, no restart: the two others (rank 0 watches 1 and 2, rank 2 watches
+    0 and 1) end 75, each with one line naming rank 1 alone, and rank 0's record names it."""
+    run, status = tmp_path / "run", tmp_path / "status"
+    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "3", "-m", "trainer", "--output", str(run),
+               "--threads", "1", "--log-every-steps", "1", "--workload", WORKLOAD[1], "--toy-samples", "24",
+               "--batch-size", "6", "--epochs", "3", "--peer-silence-secs", str(SILENCE_S)]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), PYTHONUNBUFFERED="1",
+                                                     SLOW_STEP_SECS="0.5"))
+    frozen = None
+    try:
+        wait_for_line(process, "step=2 ")
+        frozen = rank_pid(process.pid, 1)
+        os.kill(frozen, signal.SIGSTOP)
+        out, err = process.communicate(timeout=scaled(120))
+    finally:
+        if frozen is not None:
+            try:
+                os.kill(frozen, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        process.kill()
+    assert process.returncode == 1 and int(status.read_text()) == 75, err[-3000:]
+    lines = sorted(line for line in err.splitlines() if line.startswith("trainer:"))  # one per rank that acts
+    assert [line.split(" stopped answering: its heartbeat was silent for ")[0] for line in lines] == \
+        ["trainer: error: rank 1", "trainer: rank 2: error: rank 1"], err[-3000:]
+    assert "exitcode  : 75" in err, err[-3000:]  # ranks 0 and 2 (rank 1: killed)
+    record = attempts(run)[-1]
+    assert (record["status"], record["exit_code"], record["peer"]) == \
+        ("interrupted", 75, {"state": "unresponsive", "ranks": [1]})
