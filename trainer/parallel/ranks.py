@@ -423,6 +423,12 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
 
     An error escaping a multi-process run that is really a peer's disappearance (including
     one DCP wrapped, or one raised inside DDP's backward) is reported as a `PeerFailure`.
+
+    A group the process already joined (a user's script or a framework called
+    `init_process_group` before `recovery.open_run`) is used as it is and left to its owner:
+    not joined again, not destroyed on the way out; its timeout becomes the training group's
+    bound (`--peer-timeout-secs`), as ours would. Its sockets were opened before this rank
+    looked, so a silent peer is not cut off (`GroupSockets`): the group's timeout ends the wait.
     """
     if not launch.distributed:
         yield Ranks(launch, device, wait=wait, peer_wait=peer_wait)
@@ -431,9 +437,11 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
         device = torch.device("cuda", launch.local_rank)
         torch.cuda.set_device(device)
     began, age = time.monotonic(), process_age_s()
+    owned = not dist.is_initialized()
     before = socket_inodes()
-    join(launch, "nccl" if device.type == "cuda" else "gloo", peer_wait.join_bound_s(launch.restart))
-    if peer_wait.join_bound_s(launch.restart) != peer_wait.bound_s(None):
+    if owned:
+        join(launch, "nccl" if device.type == "cuda" else "gloo", peer_wait.join_bound_s(launch.restart))
+    if not owned or peer_wait.join_bound_s(launch.restart) != peer_wait.bound_s(None):
         compat.set_group_timeout(None, peer_wait.bound_s(None))  # joined: the collectives' own bound from here
     heartbeat = Heartbeat(launch, peer_wait.silence_s).start()
     ranks = Ranks(launch, device, wait=wait, peer_wait=peer_wait, heartbeat=heartbeat)
@@ -456,7 +464,8 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
     finally:
         heartbeat.stop(left=ended)
         outlive_launcher_stop()
-        dist.destroy_process_group()
+        if owned:
+            dist.destroy_process_group()
 
 
 def join(launch: LaunchEnvironment, backend: str, timeout_s: float) -> None:

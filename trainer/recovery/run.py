@@ -19,6 +19,7 @@ and export.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -29,10 +30,11 @@ from typing import Callable, Iterator
 
 import torch
 
+from trainer.cli import exit_process, report_exit_status
 from trainer.config import RunConfig
 from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, TrainerError, UsageError
 from trainer.parallel.launch import LaunchEnvironment
-from trainer.parallel.ranks import StepAgreement, process_group
+from trainer.parallel.ranks import Ranks, StepAgreement, process_group
 from trainer.run.cadence import StepPoint
 from trainer.run.checksum import parameter_checksum
 from trainer.run.events import TrainingEvents
@@ -47,6 +49,8 @@ from trainer.location import parse_location
 from trainer.workload import BoundWorkload
 from trainer.recovery.bundle import bundle_options, bundled
 from trainer.recovery.data import KeyedData, UnkeyedData
+from trainer.recovery.parallel import data_parallel_settings, plain_model
+from trainer.recovery.said import announced
 
 log = logging.getLogger("trainer")
 
@@ -99,6 +103,7 @@ class RecoveryRun:
         """`closing(exit status, message)`: told how the attempt ended (a tracker's final status)."""
         self.config, self.events, self.closing = config, events, closing
         self.session: AttemptSession | None = None
+        self.ranks: Ranks | None = None
         self.held = contextlib.ExitStack()
         self.state: TrainingState | None = None
         self.data: KeyedData | None = None
@@ -110,11 +115,9 @@ class RecoveryRun:
         held = self.held.__enter__()
         try:
             launch = LaunchEnvironment.from_environ(os.environ)
-            if launch.distributed:
-                raise UsageError("recovery.open_run runs in one process for now; under torchrun use "
-                                 "`python -m trainer --workload MODULE:FACTORY`")
+            held.enter_context(announced(launch.rank))
             self.ranks = held.enter_context(process_group(launch, resolve_device(self.config.device),
-                                                          self.config.background_wait))
+                                                          self.config.background_wait, self.config.peer_wait))
             self.preemption = held.enter_context(PreemptionGuard(self.config.preempt_grace_s))
             self.session = AttemptSession(self.config, self.ranks, self.events)
             held.enter_context(self.session.refusals_recorded())
@@ -130,20 +133,26 @@ class RecoveryRun:
         (a fresh start leaves it as built). `optimizer`/`scheduler`: one, or several by name;
         `extras`: any other objects with state_dict/load_state_dict (an EMA, a curriculum);
         `data`: the keyed order (`KeyedData`), whose position is the progress. Returns where
-        to continue (`global_step`, `epoch`, `position` = batches done in that epoch)."""
+        to continue (`global_step`, `epoch`, `position` = batches done in that epoch).
+
+        Under torchrun `model` may be wrapped already, in DistributedDataParallel or by
+        FSDP2's `fully_shard` (wrap, then build the optimizer, then restore): an FSDP2 model
+        is restored shard by shard, each rank reading only its own."""
         if self.state is not None:
             raise UsageError("restore() was called twice on one run; call it once, after building the model")
         if self.session is None:
             raise UsageError("restore() outside `with recovery.open_run(...) as run:`; open the run first")
         import torch.distributed.checkpoint  # noqa: F401  (DCP, 0.7 s once: here, not inside the restore's or the first save's time)
 
-        self.data = data
-        state = TrainingState(model, optimizer, scheduler if scheduler is not None else {},
-                                   scaler or torch.amp.GradScaler("cpu", enabled=False), extras=dict(extras or {}),
-                                   cursors=data.cursors() if data else {})
+        self.data, ranks = data, self.ranks
+        state = TrainingState(plain_model(model), optimizer, scheduler if scheduler is not None else {},
+                              scaler or torch.amp.GradScaler("cpu", enabled=False), rank=ranks.rank,
+                              world_size=ranks.world_size, extras=dict(extras or {}),
+                              cursors=data.cursors(ranks.world_size) if data else {})
         self.workload = BoundWorkload(OwnLoop(state.extras, dict(architecture or {})), script_files(),
                                       "your training script")
-        config = replace(self.config, workload=data.settings()) if data else self.config
+        settings = data_parallel_settings(model, data.settings() if data else self.config.workload, ranks)
+        config = replace(self.config, workload=settings)
         self.saves, checked = self.session.begin(self.claim, self.workload, data.source if data else UnkeyedData(),
                                                  self.preemption, config)
         self.parameters, self.state = list(model.parameters()), state  # now the attempt ends by close or failed
@@ -167,6 +176,15 @@ class RecoveryRun:
     def progress(self) -> Progress:
         return self.state.progress
 
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 in one process): rank 0 is the one that logs and records."""
+        return self.ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks.world_size
+
     def epochs(self, total: int) -> Iterator[int]:
         """The epochs left of `total`, each to be read with `batches()`."""
         while self.progress.epoch < total:
@@ -176,16 +194,40 @@ class RecoveryRun:
                 raise UsageError(f"epoch {epoch} did not end: read it with batches() and call step() once per batch")
 
     def batches(self) -> Iterator:
-        """The rest of the current epoch in the keyed order, one batch per `step()`."""
+        """The rest of the current epoch in the keyed order, one batch per `step()`, or with
+        `KeyedData(grad_accum=N)` N micro-batches per `step()` (`window_ends` says at which;
+        an epoch's last window may be shorter). Under torchrun each rank gets its share of
+        every global batch (`KeyedData.batch_size` is the global batch), as the trainer's own
+        loop shares it."""
         if self.data is None:
             raise UsageError("batches() needs the data: restore(..., data=recovery.KeyedData(dataset, batch_size))")
-        for ids, batch in self.data.epoch_batches(self.progress.epoch, self.progress.position):
-            self.consumed(ids)
-            yield batch
+        ranks, seen = self.ranks, 0
+        for fetched in self.data.shares(self.progress.epoch, self.progress.position, ranks.rank, ranks.world_size):
+            if seen == 0:  # a window opens where the last step left the position
+                self.window = min(self.data.grad_accum, self.data.batches_per_epoch - self.progress.position)
+            seen += 1
+            self.window_ends = seen == self.window
+            self.weight = fetched.weight / self.window
+            self.consumed(fetched.ids, fetched.padded)
+            yield fetched.batch
+            if self.window_ends:
+                seen = 0
 
-    def consumed(self, ids) -> None:
-        """The sample ids of the batch the next `step` trains on (`batches()` says so itself)."""
-        self.saves.ledger.consumed(ids)
+    weight: float = 1.0
+    """The loss weight of the micro-batch `batches()` handed out last: 1 ÷ its window's
+    micro-batches (gradient accumulation), times its share's weight: 1, but for an epoch's
+    ragged last batch that the ranks share unevenly (`last_batch="pad"`), world size × this
+    rank's samples ÷ the batch's, and 0 for a rank that has none (it trains a repeated sample
+    that must add nothing). Multiply the loss by it for the gradient of the whole window."""
+    window: int = 1
+    """Micro-batches in the window `batches()` is in: what the next `step()` counts."""
+    window_ends: bool = True
+    """The micro-batch handed out last closes its window: step the optimizer, then `step()`."""
+
+    def consumed(self, ids, padded: bool = False) -> None:
+        """The sample ids of the batch the next `step` trains on (`batches()` says so itself);
+        `padded`: a repeated sample trained at weight 0, counted apart."""
+        self.saves.ledger.consumed(ids, padded)
 
     # -- step ---------------------------------------------------------------------------------
     def step(self, loss) -> bool:
@@ -200,7 +242,7 @@ class RecoveryRun:
         if self.state is None:
             raise UsageError("step() before restore(): hand over the model and optimizer with restore() first")
         state = self.state
-        completed = state.progress.advance(1, self.data.batches_per_epoch if self.data else sys.maxsize)
+        completed = state.progress.advance(self.window, self.data.batches_per_epoch if self.data else sys.maxsize)
         step = state.progress.global_step
         agreed = self.saves.agree(StepPoint(step, state.progress.epoch, completed), torch.as_tensor(loss),
                                   self.preemption.requested)
@@ -243,8 +285,9 @@ class RecoveryRun:
 
     def stopped(self, status: str, reason: str) -> Stopped:
         outcome = self.session.end(status, reason, self.saves, self.state, f"{status}: {reason} (exit 75)")
-        log.warning("trainer: stopped, resumable (exit %d): %s; to continue, run again with resume='auto'",
-                    EXIT_INTERRUPTED, outcome.reason)
+        if self.ranks.is_primary:  # every rank stopped at the same step: rank 0 says so for all
+            log.warning("trainer: stopped, resumable (exit %d): %s; to continue, run again with resume='auto'",
+                        EXIT_INTERRUPTED, outcome.reason)
         self.state = None
         return Stopped(outcome)
 
@@ -266,16 +309,32 @@ class RecoveryRun:
 
     def leave(self, error: BaseException | None) -> None:
         """Let go of the run directory, the signals and the process group; `error` (if any)
-        goes on, a typed trainer error as the command line ends it: one line and its status."""
+        goes on, a typed trainer error as the command line ends it: one line and its status.
+        Under torchrun the ranks that ended together (completed or stopped, 0 or 75) first
+        wait for each other, as the trainer's do; the status goes to TRAINER_EXIT_STATUS_FILE
+        (torchrun itself exits 1 for any failed rank)."""
+        try:
+            if self.ranks is not None and (error is None or isinstance(error, Stopped)):
+                self.ranks.finish()  # no rank leaves while rank 0 still publishes or records
+        except BaseException as raised:
+            error = raised
         try:
             self.held.__exit__(type(error) if error else None, error, error.__traceback__ if error else None)
         except BaseException as raised:
             error = raised
         ignore_late_stop_requests()  # the outcome is recorded: a late SIGTERM cannot change it (as run_training)
+        status, said = exit_status(error)
+        report_exit_status(status)
+        if self.ranks is not None and self.ranks.distributed:
+            exit_without_teardown(status)
         if self.closing is not None:
-            self.closing(*exit_status(error))
+            self.closing(status, said)
         if isinstance(error, TrainerError):
-            log.error("trainer: error: %s", error)
+            rank = self.ranks.rank if self.ranks is not None else 0
+            if rank == 0:
+                log.error("trainer: error: %s", error)
+            elif not getattr(error, "reported_by_primary", False):
+                log.error("trainer: rank %d: error: %s", rank, error)
             raise SystemExit(error.exit_code) from error
         if error is not None:
             raise error
@@ -290,6 +349,24 @@ def exit_status(error: BaseException | None) -> tuple[int, str | None]:
     if isinstance(error, TrainerError):
         return error.exit_code, str(error)
     return 1, f"{error.__class__.__name__}: {error}"
+
+
+def exit_without_teardown(status: int) -> None:
+    """At the interpreter's exit, leave as `python -m trainer` leaves one of several processes
+    (`trainer.cli.exit_process`): the exit handlers run and the streams are flushed, but not the
+    interpreter's teardown, where torch's C++ threads can abort a completed rank (SIGABRT,
+    "terminate called without an active exception": seen on a completed 3-rank FSDP2 run of
+    examples/own_loop_ddp.py), which torchrun then reports for the whole job. The script's code
+    after the `with` block still runs first; if it ends on an uncaught exception, the status is 1."""
+    ran = []
+
+    def leaving() -> None:
+        if ran:  # `exit_process` runs the other exit handlers, which include this one
+            return
+        ran.append(True)
+        exit_process(1 if getattr(sys, "last_value", None) is not None else status)
+
+    atexit.register(leaving)
 
 
 def script_files() -> tuple[Path, ...]:

@@ -1,0 +1,138 @@
+"""Recovery in a user's own loop under torchrun (trainer/recovery/, docs/library.md): the example
+examples/own_loop_ddp.py, a plain loop whose model the script wraps itself (DDP or FSDP2), run by
+real `torchrun` on gloo, a rank killed with kill -9 mid-epoch and restarted in place by
+`--max-restarts`, then SIGTERM to torchrun (every rank saves, the status file says 75), then a
+fresh launch that resumes: the final generation equal field by field to an uninterrupted run at
+the same world size, and the witness's every check passed.
+
+One launch does the kill and its resume (the agent restarts the workers in place) and one more
+the resume after SIGTERM: three launches a cell with the uninterrupted one (about 50 s of CPU at
+3 ranks). Odd world sizes are where a reduction's order shows, so DDP and FSDP2 run at 3; the
+2-rank cell restarts from tier 0 (`memory=`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from support.cli import REPO, compare, finish, run_cli, wait_for_line
+from support.limits import scaled
+from support.runs import attempts, generation, made_once
+from support.torchrun import TORCHRUN, clean_environment
+from test_peer_failures import rank_pid
+
+EXAMPLE = REPO / "examples" / "own_loop_ddp.py"
+FINAL = "step-00000027"
+"""3 epochs of 9 global batches (8 of 12 samples and a ragged one of 4, shared unevenly by 3 ranks)."""
+
+
+def launch(run: Path, nproc: int, *args, restarts: int = 0, status: Path | None = None) -> subprocess.Popen:
+    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), "--max-restarts", str(restarts),
+               str(EXAMPLE), str(run), *map(str, args)]
+    env = clean_environment(**({"TRAINER_EXIT_STATUS_FILE": str(status)} if status else {}))
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def stop_all(process: subprocess.Popen) -> None:
+    """kill -9 torchrun's workers (each in a session of its own), then torchrun."""
+    if process.poll() is None:
+        for child in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(child), signal.SIGKILL)
+        process.kill()
+
+
+@contextlib.contextmanager
+def bounded(process: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """`process`, stopped (workers and all) if it outlives the limit, so a wait for its next
+    line ends; and on every way out."""
+    watchdog = threading.Timer(scaled(600), stop_all, (process,))
+    watchdog.start()
+    try:
+        yield process
+    finally:
+        watchdog.cancel()
+        stop_all(process)
+
+
+def completed(run: Path, nproc: int, *args) -> tuple[str, str]:
+    with bounded(launch(run, nproc, *args)) as process:
+        out, err = finish(process, 600)
+    assert process.returncode == 0, err[-3000:]
+    return out, err
+
+
+def baseline(tmp_path_factory, nproc: int, how: str) -> Path:
+    """The uninterrupted run of the example at `nproc` ranks, made once per session."""
+    return made_once(tmp_path_factory, f"own-loop-{how}-{nproc}p",
+                     lambda folder: completed(folder / "run", nproc, "--data-parallel", how)) / "run"
+
+
+CELLS = {
+    # id: (ranks, the example's options, the resume's own: what only this cell proves)
+    "ddp-3": (3, ("--data-parallel", "ddp"), ("--init-first",)),  # the script's own group, joined before open_run
+    "fsdp-3": (3, ("--data-parallel", "fsdp", "--checkpoint-mode", "async"), ()),  # FSDP2, async saves: each
+    # rank stages and writes its own shards, restores its own (the resume saves sync: the same bytes)
+    "ddp-2-tier0": (2, ("--data-parallel", "ddp", "--memory-dir", "{memory}"), ()),  # the restart from tier 0
+}
+"""Not `--init-first` under `--max-restarts`: torch's own `init_process_group` (2.13, --standalone) never
+rejoins in a restarted round (the agent's store keeps the dead round's keys); `open_run` joins with a
+prefix per round (trainer/parallel/ranks.py `join`)."""
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_a_killed_rank_restarted_in_place_then_sigterm_resumes_equal_to_an_uninterrupted_run(
+        tmp_path, tmp_path_factory, cell):
+    nproc, options, resume_options = CELLS[cell]
+    options = [str(option).format(memory=tmp_path / "memory") for option in options]
+    how = options[1]
+    reference = baseline(tmp_path_factory, nproc, how)
+    run, status = tmp_path / "run", tmp_path / "status"
+
+    with bounded(launch(run, nproc, *options, restarts=1, status=status)) as process:
+        wait_for_line(process, "step=6 ")  # mid-epoch 0: the newest generation is step 4 (or tier 0's)
+        os.kill(rank_pid(process.pid, 1), signal.SIGKILL)
+        wait_for_line(process, "step=14 ")  # the agent restarted every rank in place, and they resumed
+        process.send_signal(signal.SIGTERM)  # torchrun passes it to every rank: all save one step, exit 75
+        out, err = finish(process, 600)
+    assert process.returncode != 0 and int(status.read_text()) == 75, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("trainer:")]
+    assert any(line.startswith("trainer: error: rank 1 is gone") for line in lines), err[-3000:]  # rank 0's line
+    assert lines[-1].startswith("trainer: stopped, resumable (exit 75): SIGTERM after step "), err[-3000:]
+    first, restarted = attempts(run)
+    assert (first["status"], first["peer"]) == ("interrupted", {"state": "lost", "ranks": [1]})
+    assert restarted["status"] == "preempted" and restarted["world_size"] == nproc
+    assert restarted["restored"]["tier"] == ("memory" if "--memory-dir" in options else "disk")
+    stopped_at = restarted["last_step"]
+    assert generation(run, f"step-{stopped_at:08d}").is_dir()  # every rank's shards of the step reached
+
+    with bounded(launch(run, nproc, *options[:2], *resume_options)) as resumed:  # a fresh launch
+        out, err = finish(resumed, 600)
+    assert resumed.returncode == 0, err[-3000:]
+    # Said without the script configuring logging, by rank 0 alone:
+    said = [line for line in err.splitlines() if line.startswith("restored ")]
+    assert len(said) == 1 and said[0].startswith(f"restored step-{stopped_at:08d} (step={stopped_at} "), err[-3000:]
+    assert "from the local disk" in said[0]
+
+    compared = compare(generation(reference, FINAL), generation(run, FINAL))
+    assert compared.returncode == 0, compared.stdout
+    if nproc > 1:
+        assert f"rng_by_rank.{nproc - 1}.torch" in compared.stdout  # every rank's own state, compared
+    report = run_cli("report", run)
+    assert "exactness witness  every check passed" in report.stdout and "NOT EXACT" not in report.stdout, report.stdout
+    assert "samples: none repeated or skipped" in report.stdout, report.stdout
+    if "async" not in options:  # a lost peer's attempt may not record its last async generation's samples
+        assert "300 samples: none repeated or skipped" in report.stdout, report.stdout
+    records = attempts(run)
+    assert [r["status"] for r in records] == ["interrupted", "preempted", "completed"]
+    assert all(record["restore_check"]["matched"] for record in records[1:])
+    replay = records[1].get("replay", {"matched": 0, "of": 0})  # tier 0 every step may leave none to replay
+    assert replay["matched"] == replay["of"] and (replay["of"] > 0 or "--memory-dir" in options)  # the kill's lost steps
