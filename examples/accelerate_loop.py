@@ -35,8 +35,8 @@ def main() -> None:
     with recovery.open_run(args.output, resume="auto", recover=recovery.CadenceConfig(every_steps=10)) as run:
         accelerated.load_state(accelerator, run, data=recovery.KeyedData(dataset, batch_size=16, seed=0))
         for epoch in run.epochs(args.epochs):
-            for x, y in run.batches():  # the keyed order, not a prepared DataLoader: see docs/library.md
-                loss = nn.functional.mse_loss(model(x.to(accelerator.device)), y.to(accelerator.device))
+            for x, y in accelerated.batches(accelerator, run):  # the keyed order on accelerator.device
+                loss = nn.functional.mse_loss(model(x), y)
                 accelerator.backward(loss)
                 optimizer.step()
                 scheduler.step()

@@ -5,7 +5,7 @@
     with recovery.open_run("runs/acc", resume="auto") as run:
         accelerated.load_state(accelerator, run, data=recovery.KeyedData(dataset, batch_size=16))
         for epoch in run.epochs(8):
-            for batch in run.batches():
+            for batch in accelerated.batches(accelerator, run):  # on accelerator.device
                 ...  # accelerator.backward(loss), optimizer.step(), scheduler.step(), optimizer.zero_grad()
                 run.step(loss)
 
@@ -14,12 +14,16 @@ scheduler, the GradScaler of mixed precision, the registered objects) becomes th
 restored in place from the newest verified generation; `save_state` writes a generation of it.
 Accelerate's own resume is not exact (a skipping DataLoader draws a new shuffle; with a
 seedable sampler creating its iterator takes a draw from the restored RNG): read the data
-through `run.batches()` (the trainer's keyed order) instead of a prepared DataLoader.
+through `batches(accelerator, run)` (the trainer's keyed order, on `accelerator.device` as a
+prepared DataLoader's batches are) instead of a prepared DataLoader.
 """
 
 from __future__ import annotations
 
+from typing import Iterator
+
 from accelerate import Accelerator
+from accelerate.utils import send_to_device
 
 from trainer.errors import UsageError
 from trainer.recovery.data import KeyedData
@@ -44,3 +48,10 @@ def load_state(accelerator: Accelerator, run: RecoveryRun, data: KeyedData | Non
 def save_state(run: RecoveryRun) -> None:
     """`accelerator.save_state()`: a generation of everything `load_state` handed over."""
     run.save()
+
+
+def batches(accelerator: Accelerator, run: RecoveryRun) -> Iterator:
+    """`run.batches()` moved to `accelerator.device`, as a prepared DataLoader yields them: the
+    keyed order is fetched on the CPU (in worker processes, with `num_workers`)."""
+    for batch in run.batches():
+        yield send_to_device(batch, accelerator.device, non_blocking=accelerator.non_blocking)
