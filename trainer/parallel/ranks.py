@@ -380,6 +380,11 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
 
     An error escaping a multi-process run that is really a peer's disappearance (including
     one DCP wrapped, or one raised inside DDP's backward) is reported as a `PeerFailure`.
+
+    A group the process already joined (a user's script or a framework called
+    `init_process_group` before `recovery.open_run`) is used as it is and left to its owner:
+    not joined again, not destroyed on the way out; its timeout becomes the training group's
+    bound (`--peer-timeout-secs`), as ours would.
     """
     if not launch.distributed:
         yield Ranks(launch, device, wait=wait, peer_wait=peer_wait)
@@ -388,7 +393,11 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
         device = torch.device("cuda", launch.local_rank)
         torch.cuda.set_device(device)
     began, age = time.monotonic(), process_age_s()
-    join(launch, "nccl" if device.type == "cuda" else "gloo", peer_wait.bound_s(None))
+    owned = not dist.is_initialized()
+    if owned:
+        join(launch, "nccl" if device.type == "cuda" else "gloo", peer_wait.bound_s(None))
+    else:
+        compat.set_group_timeout(None, peer_wait.bound_s(None))
     heartbeat = Heartbeat(launch).start()
     ranks = Ranks(launch, device, wait=wait, peer_wait=peer_wait, heartbeat=heartbeat)
     ranks.joined = {"at_s": age, "join_s": round(time.monotonic() - began, 3)}
@@ -404,7 +413,8 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
     finally:
         heartbeat.stop()
         outlive_launcher_stop()
-        dist.destroy_process_group()
+        if owned:
+            dist.destroy_process_group()
 
 
 def join(launch: LaunchEnvironment, backend: str, timeout_s: float) -> None:

@@ -14,10 +14,10 @@ saved too, as the trainer's does.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from trainer.config import WorkloadConfig
-from trainer.run.batching import EpochShape
+from trainer.run.batching import EpochShape, Fetched, epoch_shape
 from trainer.run.streaming import DataSource, cursors, source_of
 
 
@@ -36,6 +36,11 @@ class KeyedData:
     (MLM masking) draws the same numbers wherever a resume starts."""
     shuffle_buffer: int = WorkloadConfig.shuffle_buffer
     """Streams only: records per shuffle block (see `WorkloadConfig.shuffle_buffer`)."""
+    last_batch: str = WorkloadConfig.last_batch
+    """pad | drop | refuse: an epoch's ragged last batch, as `--last-batch` (trainer/run/
+    batching.py): `pad` trains it (under torchrun each rank's loss weighted by its share:
+    `RecoveryRun.weight`), `drop` leaves it out (the ledger counts it), `refuse` stops a run
+    whose processes cannot share it evenly."""
     source: DataSource = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -44,24 +49,30 @@ class KeyedData:
     def settings(self) -> WorkloadConfig:
         """The trainer's options this order is made of (what the fingerprint's `config` holds)."""
         return WorkloadConfig(batch_size=self.batch_size, seed=self.seed, num_workers=self.num_workers,
-                              shuffle_buffer=self.shuffle_buffer, workload="your own loop")
+                              shuffle_buffer=self.shuffle_buffer, last_batch=self.last_batch,
+                              workload="your own loop")
 
     @property
     def shape(self) -> EpochShape:
-        """An epoch's batches (one process: a short last batch is trained as it is)."""
-        return EpochShape(len(self.source), self.batch_size, self.settings().last_batch)
+        """An epoch's global batches (`batch_size` samples each; the last one by `last_batch`)."""
+        return epoch_shape(len(self.source), self.settings())
 
     @property
     def batches_per_epoch(self) -> int:
         return self.shape.batches
 
-    def cursors(self) -> dict:
+    def cursors(self, world_size: int = 1) -> dict:
         """What a generation stores of the position beyond the progress (a stream's cursor)."""
-        return cursors(self.source, self.shape, 1)
+        return cursors(self.source, self.shape, world_size)
 
-    def epoch_batches(self, epoch: int, start_batch: int):
-        """(sample ids, batch) of one process for the rest of `epoch`, from `start_batch`."""
-        for fetched in self.source.loader(self.shape, epoch, start_batch, 0, 1, self.num_workers):
+    def shares(self, epoch: int, start_batch: int, rank: int = 0, world_size: int = 1) -> Iterator[Fetched]:
+        """This rank's share of every global batch of `epoch` from `start_batch` (`Fetched`:
+        its sample ids, the batch, its loss weight), as the trainer's own loop reads it."""
+        return self.source.loader(self.shape, epoch, start_batch, rank, world_size, self.num_workers)
+
+    def epoch_batches(self, epoch: int, start_batch: int, rank: int = 0, world_size: int = 1):
+        """(sample ids, batch) of this rank for the rest of `epoch`, from `start_batch`."""
+        for fetched in self.shares(epoch, start_batch, rank, world_size):
             yield fetched.ids, fetched.batch
 
 

@@ -29,10 +29,11 @@ from typing import Callable, Iterator
 
 import torch
 
+from trainer.cli import report_exit_status
 from trainer.config import RunConfig
 from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, TrainerError, UsageError
 from trainer.parallel.launch import LaunchEnvironment
-from trainer.parallel.ranks import StepAgreement, process_group
+from trainer.parallel.ranks import Ranks, StepAgreement, process_group
 from trainer.run.cadence import StepPoint
 from trainer.run.checksum import parameter_checksum
 from trainer.run.events import TrainingEvents
@@ -47,6 +48,8 @@ from trainer.location import parse_location
 from trainer.workload import BoundWorkload
 from trainer.recovery.bundle import bundle_options, bundled
 from trainer.recovery.data import KeyedData, UnkeyedData
+from trainer.recovery.parallel import data_parallel_settings, plain_model
+from trainer.recovery.said import announced
 
 log = logging.getLogger("trainer")
 
@@ -99,6 +102,7 @@ class RecoveryRun:
         """`closing(exit status, message)`: told how the attempt ended (a tracker's final status)."""
         self.config, self.events, self.closing = config, events, closing
         self.session: AttemptSession | None = None
+        self.ranks: Ranks | None = None
         self.held = contextlib.ExitStack()
         self.state: TrainingState | None = None
         self.data: KeyedData | None = None
@@ -110,11 +114,9 @@ class RecoveryRun:
         held = self.held.__enter__()
         try:
             launch = LaunchEnvironment.from_environ(os.environ)
-            if launch.distributed:
-                raise UsageError("recovery.open_run runs in one process for now; under torchrun use "
-                                 "`python -m trainer --workload MODULE:FACTORY`")
+            held.enter_context(announced(launch.rank))
             self.ranks = held.enter_context(process_group(launch, resolve_device(self.config.device),
-                                                          self.config.background_wait))
+                                                          self.config.background_wait, self.config.peer_wait))
             self.preemption = held.enter_context(PreemptionGuard(self.config.preempt_grace_s))
             self.session = AttemptSession(self.config, self.ranks, self.events)
             held.enter_context(self.session.refusals_recorded())
@@ -132,18 +134,24 @@ class RecoveryRun:
         `extras`: any other objects with state_dict/load_state_dict (an EMA, a curriculum);
         `data`: the keyed order (`KeyedData`), whose position is the progress (an `UnkeyedData`
         names who orders the data instead, for `report`: an adapter's framework). Returns where
-        to continue (`global_step`, `epoch`, `position` = batches done in that epoch)."""
+        to continue (`global_step`, `epoch`, `position` = batches done in that epoch).
+
+        Under torchrun `model` may be wrapped already, in DistributedDataParallel or by
+        FSDP2's `fully_shard` (wrap, then build the optimizer, then restore): an FSDP2 model
+        is restored shard by shard, each rank reading only its own."""
         if self.state is not None:
             raise UsageError("restore() was called twice on one run; call it once, after building the model")
         if self.session is None:
             raise UsageError("restore() outside `with recovery.open_run(...) as run:`; open the run first")
-        self.data = data
-        state = TrainingState(model, optimizer, scheduler if scheduler is not None else {},
-                                   scaler or torch.amp.GradScaler("cpu", enabled=False), extras=dict(extras or {}),
-                                   cursors=data.cursors() if data else {})
+        self.data, ranks = data, self.ranks
+        state = TrainingState(plain_model(model), optimizer, scheduler if scheduler is not None else {},
+                              scaler or torch.amp.GradScaler("cpu", enabled=False), rank=ranks.rank,
+                              world_size=ranks.world_size, extras=dict(extras or {}),
+                              cursors=data.cursors(ranks.world_size) if data else {})
         self.workload = BoundWorkload(OwnLoop(state.extras, dict(architecture or {})), script_files(),
                                       "your training script")
-        config = replace(self.config, workload=data.settings()) if data else self.config
+        settings = data_parallel_settings(model, data.settings() if data else self.config.workload, ranks)
+        config = replace(self.config, workload=settings)
         source = data.source if isinstance(data, KeyedData) else data if data is not None else UnkeyedData()
         self.saves, checked = self.session.begin(self.claim, self.workload, source,
                                                  self.preemption, config)
@@ -168,6 +176,15 @@ class RecoveryRun:
     def progress(self) -> Progress:
         return self.state.progress
 
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 in one process): rank 0 is the one that logs and records."""
+        return self.ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks.world_size
+
     def epochs(self, total: int) -> Iterator[int]:
         """The epochs left of `total`, each to be read with `batches()`."""
         while self.progress.epoch < total:
@@ -177,16 +194,27 @@ class RecoveryRun:
                 raise UsageError(f"epoch {epoch} did not end: read it with batches() and call step() once per batch")
 
     def batches(self) -> Iterator:
-        """The rest of the current epoch in the keyed order, one batch per `step()`."""
+        """The rest of the current epoch in the keyed order, one batch per `step()`. Under
+        torchrun each rank gets its share of every global batch (`KeyedData.batch_size` is
+        the global batch), as the trainer's own loop shares it."""
         if self.data is None:
             raise UsageError("batches() needs the data: restore(..., data=recovery.KeyedData(dataset, batch_size))")
-        for ids, batch in self.data.epoch_batches(self.progress.epoch, self.progress.position):
-            self.consumed(ids)
-            yield batch
+        ranks = self.ranks
+        for fetched in self.data.shares(self.progress.epoch, self.progress.position, ranks.rank, ranks.world_size):
+            self.weight = fetched.weight
+            self.consumed(fetched.ids, fetched.padded)
+            yield fetched.batch
 
-    def consumed(self, ids) -> None:
-        """The sample ids of the batch the next `step` trains on (`batches()` says so itself)."""
-        self.saves.ledger.consumed(ids)
+    weight: float = 1.0
+    """The loss weight of the batch `batches()` handed out last: 1, but for an epoch's ragged
+    last batch that the ranks share unevenly (`last_batch="pad"`): world size × this rank's
+    samples ÷ the batch's, and 0 for a rank that has none (it trains a repeated sample that
+    must add nothing). Multiply the loss by it for the gradient of the whole batch."""
+
+    def consumed(self, ids, padded: bool = False) -> None:
+        """The sample ids of the batch the next `step` trains on (`batches()` says so itself);
+        `padded`: a repeated sample trained at weight 0, counted apart."""
+        self.saves.ledger.consumed(ids, padded)
 
     # -- step ---------------------------------------------------------------------------------
     def step(self, loss) -> bool:
@@ -244,8 +272,9 @@ class RecoveryRun:
 
     def stopped(self, status: str, reason: str) -> Stopped:
         outcome = self.session.end(status, reason, self.saves, self.state, f"{status}: {reason} (exit 75)")
-        log.warning("trainer: stopped, resumable (exit %d): %s; to continue, run again with resume='auto'",
-                    EXIT_INTERRUPTED, outcome.reason)
+        if self.ranks.is_primary:  # every rank stopped at the same step: rank 0 says so for all
+            log.warning("trainer: stopped, resumable (exit %d): %s; to continue, run again with resume='auto'",
+                        EXIT_INTERRUPTED, outcome.reason)
         self.state = None
         return Stopped(outcome)
 
@@ -267,16 +296,30 @@ class RecoveryRun:
 
     def leave(self, error: BaseException | None) -> None:
         """Let go of the run directory, the signals and the process group; `error` (if any)
-        goes on, a typed trainer error as the command line ends it: one line and its status."""
+        goes on, a typed trainer error as the command line ends it: one line and its status.
+        Under torchrun the ranks that ended together (completed or stopped, 0 or 75) first
+        wait for each other, as the trainer's do; the status goes to TRAINER_EXIT_STATUS_FILE
+        (torchrun itself exits 1 for any failed rank)."""
+        try:
+            if self.ranks is not None and (error is None or isinstance(error, Stopped)):
+                self.ranks.finish()  # no rank leaves while rank 0 still publishes or records
+        except BaseException as raised:
+            error = raised
         try:
             self.held.__exit__(type(error) if error else None, error, error.__traceback__ if error else None)
         except BaseException as raised:
             error = raised
         ignore_late_stop_requests()  # the outcome is recorded: a late SIGTERM cannot change it (as run_training)
+        status, said = exit_status(error)
+        report_exit_status(status)
         if self.closing is not None:
-            self.closing(*exit_status(error))
+            self.closing(status, said)
         if isinstance(error, TrainerError):
-            log.error("trainer: error: %s", error)
+            rank = self.ranks.rank if self.ranks is not None else 0
+            if rank == 0:
+                log.error("trainer: error: %s", error)
+            elif not getattr(error, "reported_by_primary", False):
+                log.error("trainer: rank %d: error: %s", rank, error)
             raise SystemExit(error.exit_code) from error
         if error is not None:
             raise error

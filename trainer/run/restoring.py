@@ -24,6 +24,8 @@ from trainer.storage.memory.tier import MemoryTier
 from trainer.workload import BoundWorkload
 
 log = logging.getLogger("trainer")
+ANNOUNCED = {"announce": True}
+"""The restore line is said even where a user's script configured no logging (trainer/recovery/said.py)."""
 
 
 class Restorer:
@@ -59,7 +61,7 @@ class Restorer:
             self.memory.set_aside_later_than(restored.step)  # each rank's own tier 0
         log.info("restored %s (step=%d epoch=%d position=%d) from %s in %.3fs (%d bytes)", restored.name,
                  progress.global_step, progress.epoch, progress.position, RESTORED_FROM[tier], recorder.restore_s,
-                 claim.restored_bytes)
+                 claim.restored_bytes, extra=ANNOUNCED)
 
     def load(self, claim: Claim, generation: Verification, state: TrainingState,
              recorder: AttemptRecorder) -> tuple[Restored, str]:

@@ -1,0 +1,70 @@
+"""Recovery in your own PyTorch loop on several processes (docs/library.md): DDP or FSDP2 under
+torchrun, surviving kill -9 of any rank and SIGTERM, resuming bit for bit at the same world size:
+
+    torchrun --nproc_per_node 2 examples/own_loop_ddp.py runs/own-loop-ddp
+    torchrun --nproc_per_node 3 examples/own_loop_ddp.py runs/own-loop-fsdp --data-parallel fsdp
+
+`open_run` joins the process group torchrun describes (or uses the one your script already
+created with `init_process_group`); wrap the model after it, build the optimizer on the wrapped
+model, then `restore`. No logging set up here: `open_run` still says on stderr what it restored.
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer import recovery
+
+
+def wrapped(model: nn.Module, how: str) -> nn.Module:
+    """The model as the processes share it: DDP (every rank the whole model) or FSDP2 (each
+    layer sharded across the ranks, then the root)."""
+    if not dist.is_initialized():  # one process
+        return model
+    if how == "ddp":
+        return DistributedDataParallel(model)
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("output", help="the run directory (a path every rank sees, or s3://bucket/run)")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--data-parallel", choices=("ddp", "fsdp"), default="ddp")
+    parser.add_argument("--memory-dir", type=Path, help="tier 0: a directory on a memory filesystem (/dev/shm/...)")
+    args = parser.parse_args()
+
+    recovery.seed_everything(0)  # the same seed on every rank: every rank builds the same model
+    inputs = torch.randn(100, 16)  # 8 batches of 12 and a ragged one of 4 per epoch
+    dataset = torch.utils.data.TensorDataset(inputs, inputs @ torch.randn(16, 1) + 0.1 * torch.randn(100, 1))
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
+    memory = recovery.MemoryTierConfig(args.memory_dir, every_steps=1) if args.memory_dir else recovery.MemoryTierConfig()
+
+    with recovery.open_run(args.output, resume="auto", recover=recovery.CadenceConfig(every_steps=4),
+                           memory=memory) as run:
+        model = wrapped(model, args.data_parallel)  # wrap, then build the optimizer, then restore
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * 9)
+        run.restore(model, optimizer, scheduler, data=recovery.KeyedData(dataset, batch_size=12, seed=0))
+        for epoch in run.epochs(args.epochs):
+            for x, y in run.batches():  # this rank's share of each global batch of 12
+                loss = nn.functional.mse_loss(model(x), y) * run.weight  # the ragged last batch's share
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+                run.step(loss)  # the witness, saves on cadence; SIGTERM to any rank: all save, exit 75
+                if run.rank == 0:
+                    print(f"step={run.progress.global_step} epoch={epoch} loss={loss.item():.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

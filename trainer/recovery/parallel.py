@@ -1,0 +1,44 @@
+"""The model as a user's script wrapped it under torchrun: DistributedDataParallel or FSDP2.
+
+The state is read from and loaded into the module itself (DDP's `module`, which shares its
+parameters; an FSDP2 module is its own, sharded in place), so a generation's keys are the same
+at any world size and under either wrapping, as in the trainer's own loop. What the wrapping
+changes in the trained bits is part of the run's settings (`data_parallel`,
+`gradient_reduction`: fingerprinted, and what the record says of exactness).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.config import WorkloadConfig
+from trainer.parallel.ranks import Ranks
+from trainer.parallel.reduction import BUCKETED, PER_PARAMETER, per_parameter_mean
+
+
+def plain_model(model: nn.Module) -> nn.Module:
+    """The module whose state is saved: DDP's wrapped module, else the model itself."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def data_parallel_settings(model: nn.Module, settings: WorkloadConfig, ranks: Ranks) -> WorkloadConfig:
+    """`settings` with the wrapping `model` came in. A DDP model gets the trainer's own
+    gradient reduction (`per_parameter_mean`: exact at any world size, trainer/parallel/
+    reduction.py) unless it has a communication hook already; then its reduction is the
+    user's, which an exact resume at 3 or more ranks cannot rest on (the record says so)."""
+    if not ranks.distributed:
+        return settings
+    from torch.distributed.fsdp import FSDPModule  # only several processes pay for importing it
+
+    if isinstance(model, FSDPModule):
+        return replace(settings, data_parallel="fsdp")
+    if not isinstance(model, DistributedDataParallel):
+        return settings
+    try:
+        model.register_comm_hook(ranks.group, per_parameter_mean)
+    except RuntimeError:  # "can only be called once": the script registered its own
+        return replace(settings, data_parallel="ddp", gradient_reduction=BUCKETED)
+    return replace(settings, data_parallel="ddp", gradient_reduction=PER_PARAMETER)
