@@ -1,8 +1,10 @@
 """Hugging Face `Trainer` with the trainer's recovery (docs/library.md): HF keeps its loop; the
 checkpoints are verified generations, SIGTERM saves the step reached and exits 75, and a
-rerun resumes exactly. A tiny GPT-2 on generated tokens, on the CPU:
+rerun resumes exactly. A tiny GPT-2 on generated tokens, on the CPU, in one process or several
+(HF's DDP; each rank's share of every batch from HF's own distributed sampler):
 
     PYTHONPATH=. python examples/hf_trainer.py runs/hf
+    torchrun --nproc_per_node 2 examples/hf_trainer.py runs/hf-ddp
 """
 
 import argparse
@@ -20,7 +22,6 @@ def main() -> None:
     parser.add_argument("output", help="the run directory (a path, or s3://bucket/run)")
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     recovery.seed_everything(0)
     tokens = torch.randint(0, 64, (48, 16), generator=torch.Generator().manual_seed(0))
@@ -29,6 +30,7 @@ def main() -> None:
     training = TrainingArguments(output_dir=f"{args.output}/hf", num_train_epochs=args.epochs, learning_rate=3e-3,
                                  per_device_train_batch_size=8, save_strategy="steps", save_steps=5, seed=0,
                                  logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True)
+    logging.basicConfig(level=logging.INFO if training.process_index == 0 else logging.WARNING, format="%(message)s")
 
     with recovery.open_run(args.output, resume="auto") as run:
         hf.train(Trainer(model=model, args=training, train_dataset=dataset, callbacks=[StepLines()]), run)
@@ -36,7 +38,8 @@ def main() -> None:
 
 class StepLines(hf.TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
-        print(f"step={state.global_step} epoch={state.epoch:.3f}", flush=True)
+        if state.is_world_process_zero:
+            print(f"step={state.global_step} epoch={state.epoch:.3f}", flush=True)
 
 
 if __name__ == "__main__":

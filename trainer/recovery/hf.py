@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import TrainerState
 
@@ -73,6 +74,11 @@ def placeholder(args, step: int) -> TrainerState:
                         eval_steps=args.eval_steps, save_steps=args.save_steps)
 
 
+PROCESS_FACTS = ("is_local_process_zero", "is_world_process_zero")
+"""TrainerState fields that say which process holds it, not where training is: left out of the
+stored state, which is the same on every rank (and stored once), and never restored."""
+
+
 class HFTrainerState:
     """HF's `TrainerState` (step, epoch, log history, callbacks' state) as one stored JSON text.
     Empty until restored or trained, so a restore allocates it at its stored size."""
@@ -83,13 +89,14 @@ class HFTrainerState:
     def state_dict(self) -> dict:
         if not self.live:
             return {}
-        text = json.dumps(asdict(self.state), sort_keys=True).encode()
+        values = {name: value for name, value in asdict(self.state).items() if name not in PROCESS_FACTS}
+        text = json.dumps(values, sort_keys=True).encode()
         return {"json": torch.frombuffer(bytearray(text), dtype=torch.uint8)}
 
     def load_state_dict(self, stored: dict) -> None:
         values = json.loads(bytes(stored["json"].tolist()).decode())
         for name in (field.name for field in fields(TrainerState)):
-            if name in values:
+            if name in values and name not in PROCESS_FACTS:
                 setattr(self.state, name, values[name])
         self.live = True
 
@@ -117,12 +124,15 @@ class RecoveryCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         trainer_state = HFTrainerState(state)
-        self.run.restore(model, unwrapped(optimizer, "optimizer"), unwrapped(lr_scheduler, "scheduler"),
-                         data=HF_ORDER, extras={"hf_trainer_state": trainer_state}, architecture=architecture(model))
+        wrapped = self.trainer.model_wrapped  # DDP under torchrun: the run gives it its exact reduction
+        self.run.restore(wrapped if isinstance(wrapped, DistributedDataParallel) else model,
+                         unwrapped(optimizer, "optimizer"), unwrapped(lr_scheduler, "scheduler"), data=HF_ORDER,
+                         extras={"hf_trainer_state": trainer_state}, architecture=architecture(model))
         trainer_state.live = True
         if self.resume_dir is not None:
+            rng_file = RNG_STATE if args.world_size == 1 else f"rng_state_{args.process_index}.pth"  # HF's names
             torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
-                        "cpu": torch.random.get_rng_state()}, self.resume_dir / RNG_STATE)
+                        "cpu": torch.random.get_rng_state()}, self.resume_dir / rng_file)
             if state.global_step >= state.max_steps:
                 self.run.save()  # restored at the last step: the final generation, before HF's summary
 
