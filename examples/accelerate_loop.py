@@ -1,8 +1,11 @@
 """An Accelerate training loop with the trainer's recovery (docs/library.md): `save_state` and
 `load_state` go through verified generations, the data through the keyed order, so a kill -9
-or a SIGTERM mid-epoch resumes bit for bit:
+or a SIGTERM mid-epoch resumes bit for bit, in one process or several (each rank its share of
+every global batch of 16):
 
     PYTHONPATH=. python examples/accelerate_loop.py runs/accelerate
+    accelerate launch --cpu --num_processes 2 examples/accelerate_loop.py runs/accelerate-ddp
+    torchrun --nproc_per_node 2 examples/accelerate_loop.py runs/accelerate-ddp
 """
 
 import argparse
@@ -21,10 +24,10 @@ def main() -> None:
     parser.add_argument("output", help="the run directory (a path, or s3://bucket/run)")
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     recovery.seed_everything(0)
     accelerator = Accelerator(cpu=True)
+    logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING, format="%(message)s")
     inputs = torch.randn(192, 16)
     dataset = torch.utils.data.TensorDataset(inputs, inputs @ torch.randn(16, 1) + 0.1 * torch.randn(192, 1))
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
@@ -42,7 +45,8 @@ def main() -> None:
                 scheduler.step()
                 optimizer.zero_grad()
                 run.step(loss)  # the witness, saves on cadence; SIGTERM: save, then exit 75
-                print(f"step={run.progress.global_step} epoch={epoch} loss={loss.item():.4f}", flush=True)
+                if accelerator.is_main_process:
+                    print(f"step={run.progress.global_step} epoch={epoch} loss={loss.item():.4f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,12 @@ Accelerate's own resume is not exact (a skipping DataLoader draws a new shuffle;
 seedable sampler creating its iterator takes a draw from the restored RNG): read the data
 through `batches(accelerator, run)` (the trainer's keyed order, on `accelerator.device` as a
 prepared DataLoader's batches are) instead of a prepared DataLoader.
+
+On several processes (`accelerate launch` or torchrun) `KeyedData.batch_size` is the global
+batch and each rank trains its share of it, as Accelerate's `split_batches=True` has it: so
+the prepared scheduler steps once per optimizer step (Accelerate steps it once per process
+otherwise, for a prepared DataLoader whose length shrinks with the number of processes). The
+prepared DDP model is handed to the run, which gives it the trainer's exact gradient reduction.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from accelerate import Accelerator
+from torch.nn.parallel import DistributedDataParallel
 from accelerate.utils import send_to_device
 
 from trainer.errors import UsageError
@@ -39,8 +46,11 @@ def load_state(accelerator: Accelerator, run: RecoveryRun, data: KeyedData | Non
         raise UsageError(f"accelerated.load_state takes one prepared model and optimizer and at most one scheduler "
                          f"(prepared: {len(models)}, {len(optimizers)}, {len(schedulers)}); prepare them in one "
                          f"accelerator.prepare(model, optimizer[, scheduler]) call")
+    if data is not None and schedulers:
+        schedulers[0].split_batches = True  # one step per optimizer step: see the module's docstring
     extras = {f"registered_{index}": kept for index, kept in enumerate(accelerator._custom_objects)}
-    return run.restore(accelerator.unwrap_model(models[0]), optimizers[0].optimizer,
+    model = models[0] if isinstance(models[0], DistributedDataParallel) else accelerator.unwrap_model(models[0])
+    return run.restore(model, optimizers[0].optimizer,
                        schedulers[0].scheduler if schedulers else None, scaler=accelerator.scaler, data=data,
                        extras=extras)
 
