@@ -4,12 +4,14 @@ or a SIGTERM mid-epoch resumes bit for bit, in one process or several (each rank
 every global batch of 16):
 
     PYTHONPATH=. python examples/accelerate_loop.py runs/accelerate
-    accelerate launch --cpu --num_processes 2 examples/accelerate_loop.py runs/accelerate-ddp
     torchrun --nproc_per_node 2 examples/accelerate_loop.py runs/accelerate-ddp
+    torchrun --nproc_per_node 3 --max-restarts 1 examples/accelerate_loop.py runs/acc-3 --batch-size 24 \
+        --memory-dir /dev/shm/acc-3    # a lost rank: every rank restarts in place, from tier 0
 """
 
 import argparse
 import logging
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -23,6 +25,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("output", help="the run directory (a path, or s3://bucket/run)")
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=16, help="the global batch (a multiple of the processes)")
+    parser.add_argument("--memory-dir", type=Path, help="tier 0: a directory on a memory filesystem (/dev/shm/...)")
     args = parser.parse_args()
 
     recovery.seed_everything(0)
@@ -32,11 +36,13 @@ def main() -> None:
     dataset = torch.utils.data.TensorDataset(inputs, inputs @ torch.randn(16, 1) + 0.1 * torch.randn(192, 1))
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * 12)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * 192 // args.batch_size)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
-    with recovery.open_run(args.output, resume="auto", recover=recovery.CadenceConfig(every_steps=10)) as run:
-        accelerated.load_state(accelerator, run, data=recovery.KeyedData(dataset, batch_size=16, seed=0))
+    memory = recovery.MemoryTierConfig(args.memory_dir, every_steps=1) if args.memory_dir else recovery.MemoryTierConfig()
+    with recovery.open_run(args.output, resume="auto", recover=recovery.CadenceConfig(every_steps=10),
+                           memory=memory) as run:
+        accelerated.load_state(accelerator, run, data=recovery.KeyedData(dataset, batch_size=args.batch_size, seed=0))
         for epoch in run.epochs(args.epochs):
             for x, y in accelerated.batches(accelerator, run):  # the keyed order on accelerator.device
                 loss = nn.functional.mse_loss(model(x), y)

@@ -43,15 +43,16 @@ def main() -> None:
     parser.add_argument("output", help="the run directory (a path, or s3://bucket/run)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--devices", type=int, default=1, help="processes (strategy='ddp' from 2, on gloo)")
+    parser.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step (accumulate_grad_batches)")
     args = parser.parse_args()
 
     recovery.seed_everything(0)  # the same seed on every rank: every rank builds the same model
     inputs = torch.randn(192, 16)
     dataset = torch.utils.data.TensorDataset(inputs, inputs @ torch.randn(16, 1) + 0.1 * torch.randn(192, 1))
     module = Regression()
-    trainer = pl.Trainer(max_epochs=args.epochs, devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
-                         enable_checkpointing=False, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, accelerator="cpu")
+    trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=args.devices,
+                         strategy="ddp" if args.devices > 1 else "auto", accumulate_grad_batches=args.accumulate,
+                         enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False)
     lightning.launch(trainer)  # several devices: the other ranks start now, before the run is opened
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
                         format="%(message)s")

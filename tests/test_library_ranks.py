@@ -31,10 +31,12 @@ class Cell:
     nproc: int
     lightning: bool = False
 
-    def launch(self, output: Path, status: Path) -> subprocess.Popen:
-        script = str(REPO / "examples" / self.script)
-        command = [sys.executable, script, str(output), *self.args, "--devices", str(self.nproc)] if self.lightning \
-            else [str(TORCHRUN), "--standalone", "--nproc_per_node", str(self.nproc), script, str(output), *self.args]
+    def launch(self, output: Path, status: Path, *extra, restarts: int = 0) -> subprocess.Popen:
+        """`extra`: the script's options beyond `args`; `restarts`: torchrun's --max-restarts."""
+        script, args = str(REPO / "examples" / self.script), (*self.args, *map(str, extra))
+        command = [sys.executable, script, str(output), *args, "--devices", str(self.nproc)] if self.lightning \
+            else [str(TORCHRUN), "--standalone", "--nproc_per_node", str(self.nproc), "--max-restarts", str(restarts),
+                  script, str(output), *args]
         env = clean_environment(PYTHONUNBUFFERED="1", TRAINER_EXIT_STATUS_FILE=str(status))
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -136,15 +138,49 @@ def test_accelerate_on_two_processes_survives_a_killed_rank_and_sigterm_exactly(
     assert compared.returncode == 0, compared.stdout[-3000:]
 
 
-LIGHTNING = Cell("lightning_loop.py", (), 2, lightning=True)
-"""As ACCELERATE: 12 steps an epoch, 36 steps, a generation every 10."""
+LIGHTNING = Cell("lightning_loop.py", ("--accumulate", "2"), 2, lightning=True)
+"""192 samples in global batches of 16, accumulate_grad_batches=2: 12 batches, 6 optimizer steps
+an epoch, 18 steps; a generation every 10 steps, so step 10's is mid-epoch (position 8 of 12).
+Its lines say `step=N` for each batch of step N."""
 
 
 def test_lightning_ddp_on_two_processes_survives_a_killed_rank_and_sigterm_exactly(tmp_path, tmp_path_factory):
     """Lightning's `strategy="ddp"`, `devices=2`, started by its own launcher (`python SCRIPT`,
-    `lightning.launch`): no SIGKILL of rank 0 when the other rank exits, no refusal. Cost: four
-    launches of 2 processes importing Lightning, one of them shared."""
+    `lightning.launch`): no SIGKILL of rank 0 when the other rank exits, no refusal; with
+    `accumulate_grad_batches=2` (the position counted in optimizer steps). Cost: four launches
+    of 2 processes importing Lightning, one of them shared."""
     baseline = uninterrupted(tmp_path_factory, "lightning", LIGHTNING)
-    run = killed_preempted_and_resumed(tmp_path, LIGHTNING, kill_at=13, left="step-00000010", stop_at=24)
-    compared = compare(generation(baseline, "step-00000036"), generation(run, "step-00000036"))
+    run = killed_preempted_and_resumed(tmp_path, LIGHTNING, kill_at=12, left="step-00000010", stop_at=14)
+    compared = compare(generation(baseline, "step-00000018"), generation(run, "step-00000018"))
+    assert compared.returncode == 0, compared.stdout[-3000:]
+
+
+ACCELERATE_3 = Cell("accelerate_loop.py", ("--batch-size", "24"), 3)
+"""192 samples in global batches of 24, 8 a rank: 8 steps an epoch, 24 steps."""
+
+
+def test_accelerate_on_three_processes_restarts_in_place_from_tier0_and_resumes_exactly(tmp_path, tmp_path_factory):
+    """3 processes (a sum of three depends on its order) under `torchrun --max-restarts 1` with
+    tier 0 every step: kill -9 of rank 2 mid-epoch, torchrun's agent restarts every worker in
+    place and they restore from tier 0; SIGTERM to rank 0 (75, the restart spent, torchrun 1);
+    a new launch resumes to the end, equal to an uninterrupted 3-process run. Cost: three
+    torchrun launches of 3 ranks (the first one's restarted), one shared."""
+    baseline = uninterrupted(tmp_path_factory, "accelerate", ACCELERATE_3)
+    run, status, memory = tmp_path / "run", tmp_path / "status", tmp_path / "memory"
+    restarting = ACCELERATE_3.launch(run, status, "--memory-dir", memory, restarts=1)
+    until_step(restarting, 11)
+    os.kill(ACCELERATE_3.worker(restarting, 2), signal.SIGKILL)
+    until_step(restarting, 18)  # the restarted workers' lines: none printed step 18 before the kill
+    os.kill(ACCELERATE_3.worker(restarting, 0), signal.SIGTERM)
+    assert "stopped, resumable (exit 75)" in ACCELERATE_3.ended(restarting, status, expect=75)
+    ACCELERATE_3.ended(ACCELERATE_3.launch(run, status, "--memory-dir", memory), status, expect=0)
+
+    killed, stopped, completed = attempts(run)
+    assert (killed["status"], killed["peer"]["ranks"]) == ("interrupted", [2]), killed
+    assert stopped["status"] == "preempted" and stopped["restored"]["tier"] == "memory", stopped
+    assert 11 <= stopped["restored"]["step"] < 18 and completed["restored"]["step"] == stopped["last_step"]
+    assert stopped["replay"]["matched"] == stopped["replay"]["of"]
+    assert all(record["restore_check"]["matched"] for record in (stopped, completed))
+    assert "NOT EXACT" not in run_cli("report", run).stdout
+    compared = compare(generation(baseline, "step-00000024"), generation(run, "step-00000024"))
     assert compared.returncode == 0, compared.stdout[-3000:]

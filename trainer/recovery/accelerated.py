@@ -17,7 +17,7 @@ seedable sampler creating its iterator takes a draw from the restored RNG): read
 through `batches(accelerator, run)` (the trainer's keyed order, on `accelerator.device` as a
 prepared DataLoader's batches are) instead of a prepared DataLoader.
 
-On several processes (`accelerate launch` or torchrun) `KeyedData.batch_size` is the global
+On several processes (under torchrun) `KeyedData.batch_size` is the global
 batch and each rank trains its share of it, as Accelerate's `split_batches=True` has it: so
 the prepared scheduler steps once per optimizer step (Accelerate steps it once per process
 otherwise, for a prepared DataLoader whose length shrinks with the number of processes). The

@@ -109,6 +109,8 @@ class RecoveryCallback(pl.Callback):
         self.batches = KeyedBatches(run, data)
         self.stop_signals = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
         """The run's own handlers (installed by open_run), put back over Lightning's."""
+        self.window, self.loss = 0, None
+        """Batches (and the sum of their losses) since the last optimizer step."""
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         signal.signal(signal.SIGTERM, self.stop_signals[0])
@@ -124,6 +126,10 @@ class RecoveryCallback(pl.Callback):
         model = trainer.strategy.model  # DDP on several processes: the run gives it its exact reduction
         progress = self.run.restore(model if isinstance(model, DistributedDataParallel) else module, trainer.optimizers[0],
                                     schedulers[0].scheduler if schedulers else None, data=self.data)
+        if progress.position % trainer.accumulate_grad_batches:
+            raise UsageError(f"accumulate_grad_batches={trainer.accumulate_grad_batches} does not divide the restored "
+                             f"position ({progress.position} batches into epoch {progress.epoch}): resume with the "
+                             f"accumulation the run was saved with")
         loop = trainer.fit_loop
         for counter in (loop.epoch_progress.current, loop.epoch_progress.total):
             counter.ready = counter.started = counter.processed = counter.completed = progress.epoch
@@ -134,6 +140,13 @@ class RecoveryCallback(pl.Callback):
             iter(loop._data_fetcher)  # made before the restore: its length, and the epoch's batches, from here
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        """After every batch: its samples to the ledger; after the batch that ended an
+        accumulation window (`accumulate_grad_batches`; Lightning stepped the optimizer), the
+        run's step over the window's batches, with the sum of their losses."""
         self.run.consumed(*self.batches.pending.popleft())
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.run.step(loss.detach())
+        loss = (outputs["loss"] if isinstance(outputs, dict) else outputs).detach()
+        self.window, self.loss = self.window + 1, loss if self.loss is None else self.loss + loss
+        if trainer.global_step == self.run.progress.global_step:
+            return  # inside a window: Lightning did not step the optimizer
+        window, loss, self.window, self.loss = self.window, self.loss, 0, None
+        self.run.step(loss, micro_batches=window)

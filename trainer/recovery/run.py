@@ -217,19 +217,21 @@ class RecoveryRun:
         self.saves.ledger.consumed(ids, padded)
 
     # -- step ---------------------------------------------------------------------------------
-    def step(self, loss) -> bool:
+    def step(self, loss, micro_batches: int = 1) -> bool:
         """After each optimizer step (and scheduler step): the witness's digest, a save when a
         cadence fires, and on a stop signal a save of this step and `Stopped` (exit 75).
+        `micro_batches`: the batches this step accumulated (gradient accumulation): the data
+        position moves by them, the step count by one, so a generation never splits a window.
         Returns whether a generation of this step was saved."""
-        return self.saved_on_cadence(self.stepped(loss))
+        return self.saved_on_cadence(self.stepped(loss, micro_batches))
 
-    def stepped(self, loss) -> StepAgreement:
+    def stepped(self, loss, micro_batches: int = 1) -> StepAgreement:
         """The first half of `step`: the step counted and witnessed, and what its cadences and
         the stop signals call for (an adapter saves where its framework's save point is)."""
         if self.state is None:
             raise UsageError("step() before restore(): hand over the model and optimizer with restore() first")
         state = self.state
-        completed = state.progress.advance(1, self.data.batches_per_epoch if self.data else sys.maxsize)
+        completed = state.progress.advance(micro_batches, self.data.batches_per_epoch if self.data else sys.maxsize)
         step = state.progress.global_step
         agreed = self.saves.agree(StepPoint(step, state.progress.epoch, completed), torch.as_tensor(loss),
                                   self.preemption.requested)
