@@ -11,6 +11,7 @@ every global batch of 16):
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -30,18 +31,18 @@ def main() -> None:
     args = parser.parse_args()
 
     recovery.seed_everything(0)
-    accelerator = Accelerator(cpu=True)
-    logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING, format="%(message)s")
-    inputs = torch.randn(192, 16)
-    dataset = torch.utils.data.TensorDataset(inputs, inputs @ torch.randn(16, 1) + 0.1 * torch.randn(192, 1))
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * 192 // args.batch_size)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-
+    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
+                        format="%(message)s")
     memory = recovery.MemoryTierConfig(args.memory_dir, every_steps=1) if args.memory_dir else recovery.MemoryTierConfig()
     with recovery.open_run(args.output, resume="auto", recover=recovery.CadenceConfig(every_steps=10),
-                           memory=memory) as run:
+                           memory=memory) as run:  # first: under torchrun it joins the process group Accelerate uses
+        accelerator = Accelerator(cpu=True)
+        inputs = torch.randn(192, 16)
+        dataset = torch.utils.data.TensorDataset(inputs, inputs @ torch.randn(16, 1) + 0.1 * torch.randn(192, 1))
+        model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * 192 // args.batch_size)
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
         accelerated.load_state(accelerator, run, data=recovery.KeyedData(dataset, batch_size=args.batch_size, seed=0))
         for epoch in run.epochs(args.epochs):
             for x, y in accelerated.batches(accelerator, run):  # the keyed order on accelerator.device

@@ -9,6 +9,7 @@ rerun resumes exactly. A tiny GPT-2 on generated tokens, on the CPU, in one proc
 
 import argparse
 import logging
+import os
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -24,15 +25,16 @@ def main() -> None:
     args = parser.parse_args()
 
     recovery.seed_everything(0)
+    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
+                        format="%(message)s")
     tokens = torch.randint(0, 64, (48, 16), generator=torch.Generator().manual_seed(0))
     dataset = [{"input_ids": row, "labels": row} for row in tokens]
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
-    training = TrainingArguments(output_dir=f"{args.output}/hf", num_train_epochs=args.epochs, learning_rate=3e-3,
-                                 per_device_train_batch_size=8, save_strategy="steps", save_steps=5, seed=0,
-                                 logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True)
-    logging.basicConfig(level=logging.INFO if training.process_index == 0 else logging.WARNING, format="%(message)s")
 
-    with recovery.open_run(args.output, resume="auto") as run:
+    with recovery.open_run(args.output, resume="auto") as run:  # first: under torchrun it joins the group HF uses
+        training = TrainingArguments(output_dir=f"{args.output}/hf", num_train_epochs=args.epochs, learning_rate=3e-3,
+                                     per_device_train_batch_size=8, save_strategy="steps", save_steps=5, seed=0,
+                                     logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True)
         hf.train(Trainer(model=model, args=training, train_dataset=dataset, callbacks=[StepLines()]), run)
 
 
