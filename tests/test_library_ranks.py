@@ -179,7 +179,8 @@ def test_accelerate_on_three_processes_restarts_in_place_from_tier0_and_resumes_
     assert (killed["status"], killed["peer"]["ranks"]) == ("interrupted", [2]), killed
     assert stopped["status"] == "preempted" and stopped["restored"]["tier"] == "memory", stopped
     assert 11 <= stopped["restored"]["step"] < 18 and completed["restored"]["step"] == stopped["last_step"]
-    assert stopped["replay"]["matched"] == stopped["replay"]["of"]
+    replay = stopped.get("replay")  # none when tier 0 held the very step the kill ended on
+    assert replay is None or replay["matched"] == replay["of"], replay
     assert all(record["restore_check"]["matched"] for record in (stopped, completed))
     assert "NOT EXACT" not in run_cli("report", run).stdout
     compared = compare(generation(baseline, "step-00000024"), generation(run, "step-00000024"))
