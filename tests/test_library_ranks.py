@@ -176,7 +176,7 @@ def test_accelerate_on_three_processes_restarts_in_place_from_tier0_and_resumes_
     ACCELERATE_3.ended(ACCELERATE_3.launch(run, status, "--memory-dir", memory), status, expect=0)
 
     killed, stopped, completed = attempts(run)
-    assert (killed["status"], killed["peer"]["ranks"]) == ("interrupted", [2]), killed
+    assert killed["status"] == "interrupted" and 2 in killed["peer"]["ranks"], killed  # the lost rank named (and any it took along)
     assert stopped["status"] == "preempted" and stopped["restored"]["tier"] == "memory", stopped
     assert 11 <= stopped["restored"]["step"] < 18 and completed["restored"]["step"] == stopped["last_step"]
     replay = stopped.get("replay")  # none when tier 0 held the very step the kill ended on
