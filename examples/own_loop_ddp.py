@@ -40,7 +40,13 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--data-parallel", choices=("ddp", "fsdp"), default="ddp")
     parser.add_argument("--memory-dir", type=Path, help="tier 0: a directory on a memory filesystem (/dev/shm/...)")
+    parser.add_argument("--checkpoint-mode", choices=("auto", "sync", "async"), default="auto",
+                        help="async: staged in memory, written in the background (auto: async on CUDA)")
+    parser.add_argument("--init-first", action="store_true",
+                        help="join the process group before open_run, as a framework does (open_run then uses it)")
     args = parser.parse_args()
+    if args.init_first:
+        dist.init_process_group("gloo")
 
     recovery.seed_everything(0)  # the same seed on every rank: every rank builds the same model
     inputs = torch.randn(100, 16)  # 8 batches of 12 and a ragged one of 4 per epoch
@@ -49,7 +55,7 @@ def main() -> None:
     memory = recovery.MemoryTierConfig(args.memory_dir, every_steps=1) if args.memory_dir else recovery.MemoryTierConfig()
 
     with recovery.open_run(args.output, resume="auto", recover=recovery.CadenceConfig(every_steps=4),
-                           memory=memory) as run:
+                           memory=memory, checkpoint_mode=args.checkpoint_mode) as run:
         model = wrapped(model, args.data_parallel)  # wrap, then build the optimizer, then restore
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * 9)
@@ -64,6 +70,9 @@ def main() -> None:
                 run.step(loss)  # the witness, saves on cadence; SIGTERM to any rank: all save, exit 75
                 if run.rank == 0:
                     print(f"step={run.progress.global_step} epoch={epoch} loss={loss.item():.4f}", flush=True)
+    if args.init_first:  # the script's own group is the script's to leave: open_run left it usable
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,187 +1,138 @@
-"""The framework adapters on several processes (trainer/recovery/hf.py, accelerated.py,
-lightning.py; docs/library.md), through the real frameworks and their real launchers on gloo:
-the example scripts, an uninterrupted run made once per world size, then one run that loses a
-rank to kill -9 mid-epoch, is resumed, is stopped by SIGTERM (every rank saves, the trainer's
-status 75, in TRAINER_EXIT_STATUS_FILE under torchrun), and is resumed to the end: its final
-generation equals the uninterrupted run's field by field, and the exactness witness (replayed
-steps, restore checks) found nothing."""
+"""Recovery in a user's own loop under torchrun (trainer/recovery/, docs/library.md): the example
+examples/own_loop_ddp.py, a plain loop whose model the script wraps itself (DDP or FSDP2), run by
+real `torchrun` on gloo, a rank killed with kill -9 mid-epoch and restarted in place by
+`--max-restarts`, then SIGTERM to torchrun (every rank saves, the status file says 75), then a
+fresh launch that resumes: the final generation equal field by field to an uninterrupted run at
+the same world size, and the witness's every check passed.
+
+One launch does the kill and its resume (the agent restarts the workers in place) and one more
+the resume after SIGTERM: three launches a cell with the uninterrupted one (about 50 s of CPU at
+3 ranks). Odd world sizes are where a reduction's order shows, so DDP and FSDP2 run at 3; the
+2-rank cell restarts from tier 0 (`memory=`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
-import sys
-from dataclasses import dataclass
+import threading
 from pathlib import Path
+from typing import Iterator
 
-from support.cli import REPO, compare, run_cli
+import pytest
+
+from support.cli import REPO, compare, finish, run_cli, wait_for_line
 from support.limits import scaled
 from support.runs import attempts, generation, made_once
-from support.torchrun import TORCHRUN, TORCHRUN_CHILD_FAILED, clean_environment
+from support.torchrun import TORCHRUN, clean_environment
+from test_peer_failures import rank_pid
 
-@dataclass(frozen=True)
-class Cell:
-    """An example script on `nproc` processes: under torchrun (the trainer's status read from
-    TRAINER_EXIT_STATUS_FILE, torchrun's own 0 or 1), or under Lightning's own launcher
-    (`python SCRIPT --devices N`: rank 0 is the process started, its status the trainer's)."""
+EXAMPLE = REPO / "examples" / "own_loop_ddp.py"
+FINAL = "step-00000027"
+"""3 epochs of 9 global batches (8 of 12 samples and a ragged one of 4, shared unevenly by 3 ranks)."""
 
-    script: str
-    args: tuple
-    nproc: int
-    lightning: bool = False
 
-    def launch(self, output: Path, status: Path, *extra, restarts: int = 0) -> subprocess.Popen:
-        """`extra`: the script's options beyond `args`; `restarts`: torchrun's --max-restarts."""
-        script, args = str(REPO / "examples" / self.script), (*self.args, *map(str, extra))
-        command = [sys.executable, script, str(output), *args, "--devices", str(self.nproc)] if self.lightning \
-            else [str(TORCHRUN), "--standalone", "--nproc_per_node", str(self.nproc), "--max-restarts", str(restarts),
-                  script, str(output), *args]
-        env = clean_environment(PYTHONUNBUFFERED="1", TRAINER_EXIT_STATUS_FILE=str(status))
-        return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def launch(run: Path, nproc: int, *args, restarts: int = 0, status: Path | None = None) -> subprocess.Popen:
+    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), "--max-restarts", str(restarts),
+               str(EXAMPLE), str(run), *map(str, args)]
+    env = clean_environment(**({"TRAINER_EXIT_STATUS_FILE": str(status)} if status else {}))
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
-    def worker(self, process: subprocess.Popen, rank: int) -> int:
-        """The pid of `rank`: among torchrun's children, or among rank 0's under Lightning."""
-        if self.lightning and rank == 0:
-            return process.pid
-        variable = f"{'LOCAL_RANK' if self.lightning else 'RANK'}={rank}".encode()
+
+def stop_all(process: subprocess.Popen) -> None:
+    """kill -9 torchrun's workers (each in a session of its own), then torchrun."""
+    if process.poll() is None:
         for child in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split():
-            if variable in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
-                return int(child)
-        raise AssertionError(f"no process of rank {rank} under {process.pid}")
-
-    def ended(self, process: subprocess.Popen, status: Path, expect: int) -> str:
-        """Its stderr, once it ended with the trainer's status `expect`."""
-        try:
-            out, err = process.communicate(timeout=scaled(300))
-        finally:
-            process.kill()
-        if self.lightning:
-            assert process.returncode == expect, err[-3000:]
-        else:
-            assert process.returncode == (0 if expect == 0 else TORCHRUN_CHILD_FAILED), err[-3000:]
-            assert int(status.read_text()) == expect, err[-3000:]
-        return err
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(child), signal.SIGKILL)
+        process.kill()
 
 
-def until_step(process: subprocess.Popen, step: int) -> None:
-    """Rank 0's lines up to the first `step=N` with N >= `step` (progress, not time)."""
-    lines = []
-    for line in process.stdout:
-        lines.append(line)
-        if line.startswith("step=") and int(line.split()[0].split("=")[1]) >= step:
-            return
-    raise AssertionError(f"the run ended before step {step}: {''.join(lines)[-2000:]}{process.stderr.read()[-3000:]}")
+@contextlib.contextmanager
+def bounded(process: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """`process`, stopped (workers and all) if it outlives the limit, so a wait for its next
+    line ends; and on every way out."""
+    watchdog = threading.Timer(scaled(600), stop_all, (process,))
+    watchdog.start()
+    try:
+        yield process
+    finally:
+        watchdog.cancel()
+        stop_all(process)
 
 
-def uninterrupted(tmp_path_factory, name: str, cell: Cell) -> Path:
-    def make(folder: Path) -> None:
-        status = folder / "status"
-        cell.ended(cell.launch(folder / "run", status), status, expect=0)
+def completed(run: Path, nproc: int, *args) -> tuple[str, str]:
+    with bounded(launch(run, nproc, *args)) as process:
+        out, err = finish(process, 600)
+    assert process.returncode == 0, err[-3000:]
+    return out, err
 
-    return made_once(tmp_path_factory, f"library-ranks-{name}-{cell.nproc}", make) / "run"
+
+def baseline(tmp_path_factory, nproc: int, how: str) -> Path:
+    """The uninterrupted run of the example at `nproc` ranks, made once per session."""
+    return made_once(tmp_path_factory, f"own-loop-{how}-{nproc}p",
+                     lambda folder: completed(folder / "run", nproc, "--data-parallel", how)) / "run"
 
 
-def killed_preempted_and_resumed(tmp_path: Path, cell: Cell, kill_at: int, left: str, stop_at: int) -> Path:
-    """kill -9 of the last rank once rank 0 printed `step=KILL_AT` (the newest generation then is
-    `left`, mid-epoch: rank 0 names the lost rank, 75); resumed, SIGTERM to rank 0 once it
-    printed `step=STOP_AT` (every rank saves the step reached, 75); resumed to the end."""
+CELLS = {
+    # id: (ranks, the example's options, the resume's own: what only this cell proves)
+    "ddp-3": (3, ("--data-parallel", "ddp"), ("--init-first",)),  # the script's own group, joined before open_run
+    "fsdp-3": (3, ("--data-parallel", "fsdp", "--checkpoint-mode", "async"), ()),  # FSDP2, async saves: each
+    # rank stages and writes its own shards, restores its own (the resume saves sync: the same bytes)
+    "ddp-2-tier0": (2, ("--data-parallel", "ddp", "--memory-dir", "{memory}"), ()),  # the restart from tier 0
+}
+"""Not `--init-first` under `--max-restarts`: torch's own `init_process_group` (2.13, --standalone) never
+rejoins in a restarted round (the agent's store keeps the dead round's keys); `open_run` joins with a
+prefix per round (trainer/parallel/ranks.py `join`)."""
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_a_killed_rank_restarted_in_place_then_sigterm_resumes_equal_to_an_uninterrupted_run(
+        tmp_path, tmp_path_factory, cell):
+    nproc, options, resume_options = CELLS[cell]
+    options = [str(option).format(memory=tmp_path / "memory") for option in options]
+    how = options[1]
+    reference = baseline(tmp_path_factory, nproc, how)
     run, status = tmp_path / "run", tmp_path / "status"
-    killing = cell.launch(run, status)
-    until_step(killing, kill_at)
-    os.kill(cell.worker(killing, cell.nproc - 1), signal.SIGKILL)
-    cell.ended(killing, status, expect=75)
-    assert sorted(path.name for path in (run / "checkpoints").glob("step-*"))[-1] == left
 
-    stopping = cell.launch(run, status)
-    until_step(stopping, stop_at)
-    os.kill(cell.worker(stopping, 0), signal.SIGTERM)
-    assert "stopped, resumable (exit 75)" in cell.ended(stopping, status, expect=75)
-    stopped_at = attempts(run)[-1]["last_step"]
-    assert stopped_at >= stop_at and generation(run, f"step-{stopped_at:08d}").is_dir()
+    with bounded(launch(run, nproc, *options, restarts=1, status=status)) as process:
+        wait_for_line(process, "step=6 ")  # mid-epoch 0: the newest generation is step 4 (or tier 0's)
+        os.kill(rank_pid(process.pid, 1), signal.SIGKILL)
+        wait_for_line(process, "step=14 ")  # the agent restarted every rank in place, and they resumed
+        process.send_signal(signal.SIGTERM)  # torchrun passes it to every rank: all save one step, exit 75
+        out, err = finish(process, 600)
+    assert process.returncode != 0 and int(status.read_text()) == 75, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("trainer:")]
+    assert any(line.startswith("trainer: error: rank 1 is gone") for line in lines), err[-3000:]  # rank 0's line
+    assert lines[-1].startswith("trainer: stopped, resumable (exit 75): SIGTERM after step "), err[-3000:]
+    first, restarted = attempts(run)
+    assert (first["status"], first["peer"]) == ("interrupted", {"state": "lost", "ranks": [1]})
+    assert restarted["status"] == "preempted" and restarted["world_size"] == nproc
+    assert restarted["restored"]["tier"] == ("memory" if "--memory-dir" in options else "disk")
+    stopped_at = restarted["last_step"]
+    assert generation(run, f"step-{stopped_at:08d}").is_dir()  # every rank's shards of the step reached
 
-    cell.ended(cell.launch(run, status), status, expect=0)
+    with bounded(launch(run, nproc, *options[:2], *resume_options)) as resumed:  # a fresh launch
+        out, err = finish(resumed, 600)
+    assert resumed.returncode == 0, err[-3000:]
+    # Said without the script configuring logging, by rank 0 alone:
+    said = [line for line in err.splitlines() if line.startswith("restored ")]
+    assert len(said) == 1 and said[0].startswith(f"restored step-{stopped_at:08d} (step={stopped_at} "), err[-3000:]
+    assert "from the local disk" in said[0]
+
+    compared = compare(generation(reference, FINAL), generation(run, FINAL))
+    assert compared.returncode == 0, compared.stdout
+    if nproc > 1:
+        assert f"rng_by_rank.{nproc - 1}.torch" in compared.stdout  # every rank's own state, compared
+    report = run_cli("report", run)
+    assert "exactness witness  every check passed" in report.stdout and "NOT EXACT" not in report.stdout, report.stdout
+    assert "samples: none repeated or skipped" in report.stdout, report.stdout
+    if "async" not in options:  # a lost peer's attempt may not record its last async generation's samples
+        assert "300 samples: none repeated or skipped" in report.stdout, report.stdout
     records = attempts(run)
-    assert [record["status"] for record in records] == ["interrupted", "preempted", "completed"], records
-    assert records[0]["peer"]["ranks"] == [cell.nproc - 1]
-    assert records[1]["restored"]["name"] == left and records[2]["restored"]["step"] == stopped_at
-    assert records[1]["replay"]["matched"] == records[1]["replay"]["of"] > 0  # the steps the kill lost, equal
+    assert [r["status"] for r in records] == ["interrupted", "preempted", "completed"]
     assert all(record["restore_check"]["matched"] for record in records[1:])
-    assert "NOT EXACT" not in run_cli("report", run).stdout
-    return run
-
-
-HF = Cell("hf_trainer.py", ("--epochs", "5"), 2)
-"""48 sequences, 8 a rank: 3 steps an epoch on 2 ranks, 15 steps; generations every 5 (HF's
-save_steps), so step 5's is mid-epoch (epoch 1 is steps 4-6)."""
-
-
-def test_hugging_face_trainer_on_two_processes_survives_a_killed_rank_and_sigterm_exactly(tmp_path, tmp_path_factory):
-    """HF's DDP under torchrun, its own distributed sampler and skip. Cost: four torchrun
-    launches of 2 ranks importing transformers, one of them shared."""
-    baseline = uninterrupted(tmp_path_factory, "hf", HF)
-    run = killed_preempted_and_resumed(tmp_path, HF, kill_at=7, left="step-00000005", stop_at=8)
-    compared = compare(generation(baseline, "step-00000015"), generation(run, "step-00000015"))
-    assert compared.returncode == 0, compared.stdout[-3000:]
-
-
-ACCELERATE = Cell("accelerate_loop.py", (), 2)
-"""192 samples in global batches of 16: 12 steps an epoch, 36 steps; a generation every 10."""
-
-
-def test_accelerate_on_two_processes_survives_a_killed_rank_and_sigterm_exactly(tmp_path, tmp_path_factory):
-    """Accelerate under torchrun (the prepared DDP model and scheduler, the keyed order's shares).
-    Cost: four torchrun launches of 2 ranks importing accelerate, one of them shared."""
-    baseline = uninterrupted(tmp_path_factory, "accelerate", ACCELERATE)
-    run = killed_preempted_and_resumed(tmp_path, ACCELERATE, kill_at=13, left="step-00000010", stop_at=24)
-    compared = compare(generation(baseline, "step-00000036"), generation(run, "step-00000036"))
-    assert compared.returncode == 0, compared.stdout[-3000:]
-
-
-LIGHTNING = Cell("lightning_loop.py", ("--accumulate", "2"), 2, lightning=True)
-"""192 samples in global batches of 16, accumulate_grad_batches=2: 12 batches, 6 optimizer steps
-an epoch, 18 steps; a generation every 10 steps, so step 10's is mid-epoch (position 8 of 12).
-Its lines say `step=N` for each batch of step N."""
-
-
-def test_lightning_ddp_on_two_processes_survives_a_killed_rank_and_sigterm_exactly(tmp_path, tmp_path_factory):
-    """Lightning's `strategy="ddp"`, `devices=2`, started by its own launcher (`python SCRIPT`,
-    `lightning.launch`): no SIGKILL of rank 0 when the other rank exits, no refusal; with
-    `accumulate_grad_batches=2` (the position counted in optimizer steps). Cost: four launches
-    of 2 processes importing Lightning, one of them shared."""
-    baseline = uninterrupted(tmp_path_factory, "lightning", LIGHTNING)
-    run = killed_preempted_and_resumed(tmp_path, LIGHTNING, kill_at=12, left="step-00000010", stop_at=14)
-    compared = compare(generation(baseline, "step-00000018"), generation(run, "step-00000018"))
-    assert compared.returncode == 0, compared.stdout[-3000:]
-
-
-ACCELERATE_3 = Cell("accelerate_loop.py", ("--batch-size", "24"), 3)
-"""192 samples in global batches of 24, 8 a rank: 8 steps an epoch, 24 steps."""
-
-
-def test_accelerate_on_three_processes_restarts_in_place_from_tier0_and_resumes_exactly(tmp_path, tmp_path_factory):
-    """3 processes (a sum of three depends on its order) under `torchrun --max-restarts 1` with
-    tier 0 every step: kill -9 of rank 2 mid-epoch, torchrun's agent restarts every worker in
-    place and they restore from tier 0; SIGTERM to rank 0 (75, the restart spent, torchrun 1);
-    a new launch resumes to the end, equal to an uninterrupted 3-process run. Cost: three
-    torchrun launches of 3 ranks (the first one's restarted), one shared."""
-    baseline = uninterrupted(tmp_path_factory, "accelerate", ACCELERATE_3)
-    run, status, memory = tmp_path / "run", tmp_path / "status", tmp_path / "memory"
-    restarting = ACCELERATE_3.launch(run, status, "--memory-dir", memory, restarts=1)
-    until_step(restarting, 11)
-    os.kill(ACCELERATE_3.worker(restarting, 2), signal.SIGKILL)
-    until_step(restarting, 18)  # the restarted workers' lines: none printed step 18 before the kill
-    os.kill(ACCELERATE_3.worker(restarting, 0), signal.SIGTERM)
-    assert "stopped, resumable (exit 75)" in ACCELERATE_3.ended(restarting, status, expect=75)
-    ACCELERATE_3.ended(ACCELERATE_3.launch(run, status, "--memory-dir", memory), status, expect=0)
-
-    killed, stopped, completed = attempts(run)
-    assert killed["status"] == "interrupted" and 2 in killed["peer"]["ranks"], killed  # the lost rank named (and any it took along)
-    assert stopped["status"] == "preempted" and stopped["restored"]["tier"] == "memory", stopped
-    assert 11 <= stopped["restored"]["step"] < 18 and completed["restored"]["step"] == stopped["last_step"]
-    replay = stopped.get("replay")  # none when tier 0 held the very step the kill ended on
-    assert replay is None or replay["matched"] == replay["of"], replay
-    assert all(record["restore_check"]["matched"] for record in (stopped, completed))
-    assert "NOT EXACT" not in run_cli("report", run).stdout
-    compared = compare(generation(baseline, "step-00000024"), generation(run, "step-00000024"))
-    assert compared.returncode == 0, compared.stdout[-3000:]
+    replay = records[1].get("replay", {"matched": 0, "of": 0})  # tier 0 every step may leave none to replay
+    assert replay["matched"] == replay["of"] and (replay["of"] > 0 or "--memory-dir" in options)  # the kill's lost steps

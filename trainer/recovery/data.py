@@ -41,6 +41,10 @@ class KeyedData:
     batching.py): `pad` trains it (under torchrun each rank's loss weighted by its share:
     `RecoveryRun.weight`), `drop` leaves it out (the ledger counts it), `refuse` stops a run
     whose processes cannot share it evenly."""
+    grad_accum: int = WorkloadConfig.grad_accum
+    """Micro-batches per optimizer step (`--grad-accum`): `batch_size` is then a micro-batch's.
+    The progress counts optimizer steps and the micro-batches done in the epoch; an epoch's
+    last window may be shorter (windows never span epochs)."""
     source: DataSource = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -50,7 +54,7 @@ class KeyedData:
         """The trainer's options this order is made of (what the fingerprint's `config` holds)."""
         return WorkloadConfig(batch_size=self.batch_size, seed=self.seed, num_workers=self.num_workers,
                               shuffle_buffer=self.shuffle_buffer, last_batch=self.last_batch,
-                              workload="your own loop")
+                              grad_accum=self.grad_accum, workload="your own loop")
 
     @property
     def shape(self) -> EpochShape:

@@ -148,5 +148,5 @@ class RecoveryCallback(pl.Callback):
         self.window, self.loss = self.window + 1, loss if self.loss is None else self.loss + loss
         if trainer.global_step == self.run.progress.global_step:
             return  # inside a window: Lightning did not step the optimizer
-        window, loss, self.window, self.loss = self.window, self.loss, 0, None
-        self.run.step(loss, micro_batches=window)
+        self.run.window, loss, self.window, self.loss = self.window, self.loss, 0, None  # what step() counts
+        self.run.step(loss)

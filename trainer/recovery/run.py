@@ -19,6 +19,7 @@ and export.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -29,7 +30,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from trainer.cli import report_exit_status
+from trainer.cli import exit_process, report_exit_status
 from trainer.config import RunConfig
 from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, TrainerError, UsageError
 from trainer.parallel.launch import LaunchEnvironment
@@ -194,22 +195,35 @@ class RecoveryRun:
                 raise UsageError(f"epoch {epoch} did not end: read it with batches() and call step() once per batch")
 
     def batches(self) -> Iterator:
-        """The rest of the current epoch in the keyed order, one batch per `step()`. Under
-        torchrun each rank gets its share of every global batch (`KeyedData.batch_size` is
-        the global batch), as the trainer's own loop shares it."""
+        """The rest of the current epoch in the keyed order, one batch per `step()`, or with
+        `KeyedData(grad_accum=N)` N micro-batches per `step()` (`window_ends` says at which;
+        an epoch's last window may be shorter). Under torchrun each rank gets its share of
+        every global batch (`KeyedData.batch_size` is the global batch), as the trainer's own
+        loop shares it."""
         if self.data is None:
             raise UsageError("batches() needs the data: restore(..., data=recovery.KeyedData(dataset, batch_size))")
-        ranks = self.ranks
+        ranks, seen = self.ranks, 0
         for fetched in self.data.shares(self.progress.epoch, self.progress.position, ranks.rank, ranks.world_size):
-            self.weight = fetched.weight
+            if seen == 0:  # a window opens where the last step left the position
+                self.window = min(self.data.grad_accum, self.data.batches_per_epoch - self.progress.position)
+            seen += 1
+            self.window_ends = seen == self.window
+            self.weight = fetched.weight / self.window
             self.consumed(fetched.ids, fetched.padded)
             yield fetched.batch
+            if self.window_ends:
+                seen = 0
 
     weight: float = 1.0
-    """The loss weight of the batch `batches()` handed out last: 1, but for an epoch's ragged
-    last batch that the ranks share unevenly (`last_batch="pad"`): world size × this rank's
-    samples ÷ the batch's, and 0 for a rank that has none (it trains a repeated sample that
-    must add nothing). Multiply the loss by it for the gradient of the whole batch."""
+    """The loss weight of the micro-batch `batches()` handed out last: 1 ÷ its window's
+    micro-batches (gradient accumulation), times its share's weight: 1, but for an epoch's
+    ragged last batch that the ranks share unevenly (`last_batch="pad"`), world size × this
+    rank's samples ÷ the batch's, and 0 for a rank that has none (it trains a repeated sample
+    that must add nothing). Multiply the loss by it for the gradient of the whole window."""
+    window: int = 1
+    """Micro-batches in the window `batches()` is in: what the next `step()` counts."""
+    window_ends: bool = True
+    """The micro-batch handed out last closes its window: step the optimizer, then `step()`."""
 
     def consumed(self, ids, padded: bool = False) -> None:
         """The sample ids of the batch the next `step` trains on (`batches()` says so itself);
@@ -217,21 +231,19 @@ class RecoveryRun:
         self.saves.ledger.consumed(ids, padded)
 
     # -- step ---------------------------------------------------------------------------------
-    def step(self, loss, micro_batches: int = 1) -> bool:
+    def step(self, loss) -> bool:
         """After each optimizer step (and scheduler step): the witness's digest, a save when a
         cadence fires, and on a stop signal a save of this step and `Stopped` (exit 75).
-        `micro_batches`: the batches this step accumulated (gradient accumulation): the data
-        position moves by them, the step count by one, so a generation never splits a window.
         Returns whether a generation of this step was saved."""
-        return self.saved_on_cadence(self.stepped(loss, micro_batches))
+        return self.saved_on_cadence(self.stepped(loss))
 
-    def stepped(self, loss, micro_batches: int = 1) -> StepAgreement:
+    def stepped(self, loss) -> StepAgreement:
         """The first half of `step`: the step counted and witnessed, and what its cadences and
         the stop signals call for (an adapter saves where its framework's save point is)."""
         if self.state is None:
             raise UsageError("step() before restore(): hand over the model and optimizer with restore() first")
         state = self.state
-        completed = state.progress.advance(micro_batches, self.data.batches_per_epoch if self.data else sys.maxsize)
+        completed = state.progress.advance(self.window, self.data.batches_per_epoch if self.data else sys.maxsize)
         step = state.progress.global_step
         agreed = self.saves.agree(StepPoint(step, state.progress.epoch, completed), torch.as_tensor(loss),
                                   self.preemption.requested)
@@ -314,6 +326,8 @@ class RecoveryRun:
         ignore_late_stop_requests()  # the outcome is recorded: a late SIGTERM cannot change it (as run_training)
         status, said = exit_status(error)
         report_exit_status(status)
+        if self.ranks is not None and self.ranks.distributed:
+            exit_without_teardown(status)
         if self.closing is not None:
             self.closing(status, said)
         if isinstance(error, TrainerError):
@@ -336,6 +350,24 @@ def exit_status(error: BaseException | None) -> tuple[int, str | None]:
     if isinstance(error, TrainerError):
         return error.exit_code, str(error)
     return 1, f"{error.__class__.__name__}: {error}"
+
+
+def exit_without_teardown(status: int) -> None:
+    """At the interpreter's exit, leave as `python -m trainer` leaves one of several processes
+    (`trainer.cli.exit_process`): the exit handlers run and the streams are flushed, but not the
+    interpreter's teardown, where torch's C++ threads can abort a completed rank (SIGABRT,
+    "terminate called without an active exception": seen on a completed 3-rank FSDP2 run of
+    examples/own_loop_ddp.py), which torchrun then reports for the whole job. The script's code
+    after the `with` block still runs first; if it ends on an uncaught exception, the status is 1."""
+    ran = []
+
+    def leaving() -> None:
+        if ran:  # `exit_process` runs the other exit handlers, which include this one
+            return
+        ran.append(True)
+        exit_process(1 if getattr(sys, "last_value", None) is not None else status)
+
+    atexit.register(leaving)
 
 
 def script_files() -> tuple[Path, ...]:
