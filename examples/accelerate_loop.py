@@ -43,7 +43,8 @@ def main() -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * 192 // args.batch_size)
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-        accelerated.load_state(accelerator, run, data=recovery.KeyedData(dataset, batch_size=args.batch_size, seed=0))
+        accelerated.load_state(accelerator, run, data=recovery.KeyedData(dataset, batch_size=args.batch_size, seed=0),
+                               model=model)  # as prepared: DDP on several processes
         for epoch in run.epochs(args.epochs):
             for x, y in accelerated.batches(accelerator, run):  # the keyed order on accelerator.device
                 loss = nn.functional.mse_loss(model(x), y)

@@ -154,3 +154,34 @@ def test_lightning_ddp_on_two_processes_survives_a_killed_rank_and_sigterm_exact
     compared = compare(generation(baseline, "step-00000018"), generation(run, "step-00000018"))
     assert compared.returncode == 0, compared.stdout[-3000:]
 
+
+ACCELERATE_3 = Cell("accelerate_loop.py", ("--batch-size", "24"), 3)
+"""192 samples in global batches of 24, 8 a rank: 8 steps an epoch, 24 steps."""
+
+
+def test_accelerate_on_three_processes_restarts_in_place_from_tier0_and_resumes_exactly(tmp_path, tmp_path_factory):
+    """3 processes (a sum of three depends on its order) under `torchrun --max-restarts 1` with
+    tier 0 every step: kill -9 of rank 2 mid-epoch, torchrun's agent restarts every worker in
+    place and they restore from tier 0; SIGTERM to rank 0 (75, the restart spent, torchrun 1);
+    a new launch resumes to the end, equal to an uninterrupted 3-process run. Cost: three
+    torchrun launches of 3 ranks (the first one's restarted), one shared."""
+    baseline = uninterrupted(tmp_path_factory, "accelerate", ACCELERATE_3)
+    run, status, memory = tmp_path / "run", tmp_path / "status", tmp_path / "memory"
+    restarting = ACCELERATE_3.launch(run, status, "--memory-dir", memory, restarts=1)
+    until_step(restarting, 13)  # steps 11-13 saved to tier 0 only (the durable one is step 10's)
+    os.kill(ACCELERATE_3.worker(restarting, 2), signal.SIGKILL)
+    until_step(restarting, 18)  # the restarted workers' lines: none printed step 18 before the kill
+    os.kill(ACCELERATE_3.worker(restarting, 0), signal.SIGTERM)
+    assert "stopped, resumable (exit 75)" in ACCELERATE_3.ended(restarting, status, expect=75)
+    ACCELERATE_3.ended(ACCELERATE_3.launch(run, status, "--memory-dir", memory), status, expect=0)
+
+    killed, stopped, completed = attempts(run)
+    assert killed["status"] == "interrupted" and 2 in killed["peer"]["ranks"], killed  # the lost rank named (and any it took along)
+    assert stopped["status"] == "preempted" and stopped["restored"]["tier"] == "memory", stopped
+    assert 12 <= stopped["restored"]["step"] < 18 and completed["restored"]["step"] == stopped["last_step"]
+    replay = stopped.get("replay")  # none when tier 0 held the very step the kill ended on
+    assert replay is None or replay["matched"] == replay["of"], replay
+    assert all(record["restore_check"]["matched"] for record in (stopped, completed))
+    assert "NOT EXACT" not in run_cli("report", run).stdout
+    compared = compare(generation(baseline, "step-00000024"), generation(run, "step-00000024"))
+    assert compared.returncode == 0, compared.stdout[-3000:]

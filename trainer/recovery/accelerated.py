@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from accelerate import Accelerator
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from accelerate.utils import send_to_device
 
@@ -38,9 +39,12 @@ from trainer.recovery.run import RecoveryRun
 from trainer.run.state import Progress
 
 
-def load_state(accelerator: Accelerator, run: RecoveryRun, data: KeyedData | None = None) -> Progress:
+def load_state(accelerator: Accelerator, run: RecoveryRun, data: KeyedData | None = None,
+               model: nn.Module | None = None) -> Progress:
     """`accelerator.load_state()` from the run's newest verified generation (a fresh start: the
-    state as prepared); call it once, after `accelerator.prepare`. Returns where to continue."""
+    state as prepared); call it once, after `accelerator.prepare`. Returns where to continue.
+    `model`: the model as `prepare` returned it; on several processes its DDP wrapper, which
+    the run gives the trainer's exact reduction (Accelerate keeps only the unwrapped one)."""
     models, optimizers, schedulers = accelerator._models, accelerator._optimizers, accelerator._schedulers
     if len(models) != 1 or len(optimizers) != 1 or len(schedulers) > 1:
         raise UsageError(f"accelerated.load_state takes one prepared model and optimizer and at most one scheduler "
@@ -49,7 +53,7 @@ def load_state(accelerator: Accelerator, run: RecoveryRun, data: KeyedData | Non
     if data is not None and schedulers:
         schedulers[0].split_batches = True  # one step per optimizer step: see the module's docstring
     extras = {f"registered_{index}": kept for index, kept in enumerate(accelerator._custom_objects)}
-    model = models[0] if isinstance(models[0], DistributedDataParallel) else accelerator.unwrap_model(models[0])
+    model = model if isinstance(model, DistributedDataParallel) else accelerator.unwrap_model(models[0])
     return run.restore(model, optimizers[0].optimizer,
                        schedulers[0].scheduler if schedulers else None, scaler=accelerator.scaler, data=data,
                        extras=extras)
