@@ -1,12 +1,15 @@
 """Hugging Face `Trainer` with the trainer's recovery (docs/library.md): HF keeps its loop; the
 checkpoints are verified generations, SIGTERM saves the step reached and exits 75, and a
-rerun resumes exactly. A tiny GPT-2 on generated tokens, on the CPU:
+rerun resumes exactly. A tiny GPT-2 on generated tokens, on the CPU, in one process or several
+(HF's DDP; each rank's share of every batch from HF's own distributed sampler):
 
     python examples/hf_trainer.py runs/hf
+    torchrun --nproc_per_node 2 examples/hf_trainer.py runs/hf-ddp
 """
 
 import argparse
 import logging
+import os
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -20,23 +23,25 @@ def main() -> None:
     parser.add_argument("output", help="the run directory (a path, or s3://bucket/run)")
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     recovery.seed_everything(0)
+    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
+                        format="%(message)s")
     tokens = torch.randint(0, 64, (48, 16), generator=torch.Generator().manual_seed(0))
     dataset = [{"input_ids": row, "labels": row} for row in tokens]
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
-    training = TrainingArguments(output_dir=f"{args.output}/hf", num_train_epochs=args.epochs, learning_rate=3e-3,
-                                 per_device_train_batch_size=8, save_strategy="steps", save_steps=5, seed=0,
-                                 logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True)
 
-    with recovery.open_run(args.output, resume="auto") as run:
+    with recovery.open_run(args.output, resume="auto") as run:  # first: under torchrun it joins the group HF uses
+        training = TrainingArguments(output_dir=f"{args.output}/hf", num_train_epochs=args.epochs, learning_rate=3e-3,
+                                     per_device_train_batch_size=8, save_strategy="steps", save_steps=5, seed=0,
+                                     logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True)
         hf.train(Trainer(model=model, args=training, train_dataset=dataset, callbacks=[StepLines()]), run)
 
 
 class StepLines(hf.TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
-        print(f"step={state.global_step} epoch={state.epoch:.3f}", flush=True)
+        if state.is_world_process_zero:
+            print(f"step={state.global_step} epoch={state.epoch:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,15 @@ checkpoints, the trainer's keyed data order, SIGTERM saves and exits 75, a rerun
 for bit (Lightning's own `fit(ckpt_path="last")` does not: no RNG state, a new shuffle):
 
     python examples/lightning_loop.py runs/lightning
+    python examples/lightning_loop.py runs/lightning-ddp --devices 2   # strategy="ddp", gloo
+
+With `--devices 2` Lightning's own launcher starts the second process (`lightning.launch`, before
+`open_run`), which runs this script from the top; each rank trains its share of every batch.
 """
 
 import argparse
 import logging
+import os
 
 import lightning.pytorch as pl
 import torch
@@ -24,7 +29,8 @@ class Regression(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
-        print(f"step={self.trainer.global_step + 1} loss={loss.item():.4f}", flush=True)
+        if self.trainer.is_global_zero:
+            print(f"step={self.trainer.global_step + 1} loss={loss.item():.4f}", flush=True)
         return loss
 
     def configure_optimizers(self):
@@ -36,17 +42,23 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("output", help="the run directory (a path, or s3://bucket/run)")
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--devices", type=int, default=1, help="processes (strategy='ddp' from 2, on gloo)")
+    parser.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step (accumulate_grad_batches)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    recovery.seed_everything(0)
+    recovery.seed_everything(0)  # the same seed on every rank: every rank builds the same model
     inputs = torch.randn(192, 16)
     dataset = torch.utils.data.TensorDataset(inputs, inputs @ torch.randn(16, 1) + 0.1 * torch.randn(192, 1))
     module = Regression()
+    trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=args.devices,
+                         strategy="ddp" if args.devices > 1 else "auto", accumulate_grad_batches=args.accumulate,
+                         enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    lightning.launch(trainer)  # several devices: the other ranks start now, before the run is opened
+    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
+                        format="%(message)s")
     with recovery.open_run(args.output, resume="auto", recover=recovery.CadenceConfig(every_steps=10)) as run:
         callback = lightning.RecoveryCallback(run, recovery.KeyedData(dataset, batch_size=16, seed=0))
-        trainer = pl.Trainer(max_epochs=args.epochs, callbacks=[callback], enable_checkpointing=False, logger=False,
-                             enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+        trainer.callbacks.append(callback)
         trainer.fit(module, train_dataloaders=callback.batches)
 
 

@@ -417,7 +417,7 @@ FOREIGN_OPTIONS = {
 READERS_OWN_FILES = {"my_workload.py", "trainer.py", "train.py", "my_trainer.py"}
 """Files a page tells the reader to write (docs/workloads.md's walk-through), or names as the
 reader's own (docs/library.md: a `trainer.py` of yours shadows the package)."""
-READERS_OWN_NAMES = {"trainer.train", "trainer.fit", "trainer.py"}
+READERS_OWN_NAMES = {"trainer.train", "trainer.fit", "trainer.py", "trainer.callbacks.append"}
 """`trainer.…` names that are the reader's objects, not our package (a Hugging Face or
 Lightning `trainer` in docs/library.md)."""
 REPO_PATH = re.compile(r"(?<![\w./-])((?:trainer|tests|bench|examples|docs|polyaxonfiles|presets|docker)"

@@ -6,11 +6,14 @@ attempt records that `report` reads."""
 from __future__ import annotations
 
 import signal
+import struct
 import subprocess
 
 import pytest
 
-from conftest import REPO, attempts, compare, generation, run_cli, scaled, trainer_env, zygote
+from support.cli import REPO, compare, run_cli, trainer_env, zygote
+from support.limits import scaled
+from support.runs import attempts, generation, made_once
 
 EXAMPLES = {
     # name: (script, its options, the step after which kill -9 lands, the generation it leaves
@@ -33,12 +36,22 @@ def run_until(script, output, step: int, stop: int, *args) -> tuple[subprocess.P
     return process, err
 
 
+def example_baseline(tmp_path_factory, name: str):
+    """The example's uninterrupted run, made once per session for every test that compares with it."""
+    script, options = EXAMPLES[name][:2]
+
+    def make(folder):
+        finished = run_cli(REPO / "examples" / script, folder / "run", *options)
+        assert finished.returncode == 0, finished.stderr[-3000:]
+
+    return made_once(tmp_path_factory, f"library-{name}", make) / "run"
+
+
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_killed_and_preempted_mid_epoch_resumes_equal_to_an_uninterrupted_run(tmp_path, name):
+def test_killed_and_preempted_mid_epoch_resumes_equal_to_an_uninterrupted_run(tmp_path, tmp_path_factory, name):
     script, options, kill_at, left, stop_at, final = EXAMPLES[name]
     script = REPO / "examples" / script
-    baseline, run = tmp_path / "baseline", tmp_path / "run"
-    assert run_cli(script, baseline, *options).returncode == 0
+    baseline, run = example_baseline(tmp_path_factory, name), tmp_path / "run"
 
     killed, _ = run_until(script, run, kill_at, signal.SIGKILL, *options)
     assert killed.returncode == -signal.SIGKILL
@@ -96,3 +109,87 @@ def test_a_loop_with_its_own_shuffle_is_reported_not_exact(tmp_path):
     assert run_cli(script, run).returncode == 0
     assert attempts(run)[1]["replay"]["first_mismatch"] == 6
     assert "replay DIFFERS from step 6" in run_cli("report", run).stdout
+
+
+HF_STOPPED_AT_ITS_LAST_STEP = """
+import os, signal, sys
+sys.path.insert(0, os.path.join(os.getcwd(), "examples"))
+import hf_trainer
+
+class StoppedAtTheLastStep(hf_trainer.StepLines):
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == state.max_steps:
+            os.kill(os.getpid(), signal.SIGTERM)  # a preemption inside the last step
+
+hf_trainer.StepLines = StoppedAtTheLastStep
+hf_trainer.main()
+"""
+
+
+def test_hugging_face_preempted_in_its_last_step_resumes_to_the_uninterrupted_run(tmp_path, tmp_path_factory):
+    """examples/hf_trainer.py sent SIGTERM inside its last step (18): the generation of step 18,
+    exit 75; the rerun has nothing left to train, and HF appends its end-of-training summary
+    (wall-clock runtimes) to `log_history` before `train()` returns. The final generation must
+    still equal the uninterrupted run's, summary-free (issue 47). The rerun does not warn that
+    HF's arguments differ from the resumed `trainer_state.json`'s; every step's digest holds
+    the loss HF logged for it; `report` says the data order is HF's and not tracked. Cost: two
+    HF processes (~10 CPU-s) and the shared baseline."""
+    script, run = tmp_path / "hf_stopped.py", tmp_path / "run"
+    script.write_text(HF_STOPPED_AT_ITS_LAST_STEP)
+    stopped = run_cli(script, run)
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert attempts(run)[0]["last_step"] == 18 and generation(run, "step-00000018").is_dir()
+
+    resumed = run_cli(script, run)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "do not match the ones in the `trainer_state.json`" not in resumed.stderr, resumed.stderr[-3000:]
+    assert "train_runtime" in resumed.stdout  # HF did append its summary before train() returned
+    compared = compare(generation(example_baseline(tmp_path_factory, "hf-trainer"), "step-00000018"),
+                       generation(run, "step-00000018"))
+    assert compared.returncode == 0, compared.stdout[-3000:]
+
+    logged = [float(line.split("'loss': '")[1].split("'")[0]) for line in stopped.stdout.splitlines()
+              if line.startswith("{'loss': ")]
+    digests = (run / "attempts" / attempts(run)[0]["id"] / "step_digests").read_text().split("\n")
+    losses = [struct.unpack(">d", bytes.fromhex(line.split()[1].split(":")[0]))[0] for line in digests if line]
+    assert len(losses) == len(logged) == 18
+    assert all(abs(loss - hf) <= 5e-4 * hf for loss, hf in zip(losses, logged)), (losses, logged)
+
+    report = run_cli("report", run).stdout
+    assert "0 samples" not in report
+    assert "not tracked: Hugging Face Trainer's data order is its own" in report, report
+
+
+ACCELERATE_ON_ITS_DEVICE = """
+import sys
+import torch
+from accelerate import Accelerator
+from torch import nn
+from trainer import recovery
+from trainer.recovery import accelerated
+
+recovery.seed_everything(0)
+accelerator = Accelerator(cpu=True)
+model = nn.Linear(2, 1)
+model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+Accelerator.device = property(lambda self: torch.device("meta"))  # this machine has no accelerator
+data = torch.utils.data.TensorDataset(torch.randn(8, 2), torch.randn(8, 1))
+with recovery.open_run(sys.argv[1]) as run:
+    accelerated.load_state(accelerator, run, data=recovery.KeyedData(data, batch_size=4))
+    for epoch in run.epochs(1):
+        for x, y in accelerated.batches(accelerator, run):
+            print("batch on", x.device, y.device)
+            run.step(0.0)
+"""
+
+
+def test_accelerate_batches_arrive_on_the_accelerators_device(tmp_path):
+    """`accelerated.batches(accelerator, run)` hands the keyed order over on
+    `accelerator.device`, as a prepared DataLoader does (`run.batches()` fetches on the CPU,
+    issue 47). This machine has no accelerator: the Accelerator's device is `meta` there, a
+    device any tensor moves to and none starts on. Cost: ~3 CPU-s (the accelerate import)."""
+    script = tmp_path / "on_device.py"
+    script.write_text(ACCELERATE_ON_ITS_DEVICE)
+    finished = run_cli(script, tmp_path / "run")
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert finished.stdout.splitlines() == ["batch on meta meta"] * 2

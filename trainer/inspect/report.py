@@ -201,6 +201,9 @@ class LedgerCheck:
     """{epoch: samples its ragged last batch left untrained} (`--last-batch drop`)."""
     padded: int = 0
     """Repeated samples trained at loss weight 0 (`--last-batch pad`, a rank with no share)."""
+    untracked: str = ""
+    """Why no sample is accounted for: the loop read its data itself, in an order of its own
+    (the newest attempt's dataset fingerprint says whose); empty when the ledgers track it."""
 
 
 @dataclass(frozen=True)
@@ -411,9 +414,11 @@ def check_ledgers(records: list[AttemptRecord]) -> LedgerCheck:
     for record in records:
         for entry in record.ledger:
             entries[entry["step"]], sources[entry["step"]] = entry, record.id
+    untracked = entries and not any(entry.get("epoch_samples") or entry["samples"] for entry in entries.values())
     return LedgerCheck(len(entries), len(set(sources.values())), sum(entry["samples"] for entry in entries.values()),
                        tuple(ledger_problems(entries)), dropped_by_epoch(entries),
-                       sum(entry.get("padded", 0) for entry in entries.values()))
+                       sum(entry.get("padded", 0) for entry in entries.values()),
+                       str(records[-1].fingerprint.get("dataset", "the loop's own data")) if untracked else "")
 
 
 @dataclass(frozen=True)
@@ -581,8 +586,10 @@ CHECKS = ("restore", "replay")
 def format_ledger(check: LedgerCheck) -> list[str]:
     if not check.generations:
         return []
-    head = (f"  sample ledger      {plural(check.generations, 'generation')} from {plural(check.attempts, 'attempt')}, "
-            f"{check.samples} samples: ")
+    head = f"  sample ledger      {plural(check.generations, 'generation')} from {plural(check.attempts, 'attempt')}"
+    if check.untracked:
+        return ["", f"{head}: not tracked: {check.untracked}"]
+    head += f", {check.samples} samples: "
     per_epoch = ", ".join(f"epoch {epoch}: {count}" for epoch, count in sorted(check.dropped.items()))
     last_batch = [f"    dropped (--last-batch drop): {per_epoch}"] if check.dropped else []
     if check.padded:

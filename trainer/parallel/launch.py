@@ -52,6 +52,10 @@ class LaunchEnvironment:
         if world_size == 1:
             return cls()
         missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+        if missing == ["RANK"] and "NODE_RANK" in env:  # what Lightning's launcher sets at fit()
+            raise UsageError(f"WORLD_SIZE={world_size} but RANK not set: Lightning's launcher started this "
+                             f"process inside fit(), after rank 0 opened the run alone; call "
+                             f"trainer.recovery.lightning.launch(trainer) before open_run")
         if missing:
             raise UsageError(f"WORLD_SIZE={world_size} but {', '.join(missing)} not set; start the "
                              f"trainer with torchrun (it sets RANK, MASTER_ADDR and MASTER_PORT)")

@@ -80,12 +80,16 @@ class KeyedData:
             yield fetched.ids, fetched.batch
 
 
+@dataclass(frozen=True)
 class UnkeyedData:
     """What a run knows of a loop that reads its own data: nothing (no samples, no order, not
-    fingerprinted). Its resume is exact only where the loop restores its own position."""
+    fingerprinted), but whose order it is (`report` says it). Its resume is exact only where
+    the loop restores its own position. No samples: false, as an empty dataset is."""
+
+    order: str = "your own loop's data order is its own (read it through recovery.KeyedData to have it tracked)"
 
     def __len__(self) -> int:
         return 0
 
     def fingerprint(self) -> str:
-        return "your own loop's data (not fingerprinted: read it through recovery.KeyedData)"
+        return f"{self.order}; not fingerprinted, not in the sample ledger"

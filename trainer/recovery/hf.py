@@ -14,12 +14,17 @@ its checkpoint files with our generations:
   the model, optimizer, scheduler, RNGs and HF's `TrainerState`, written where HF would write
   its checkpoint-N directory (`Trainer._save_checkpoint`, after the step's log entry), which
   HF then no longer writes;
-- every optimizer step feeds the witness (its digest: the parameters; HF keeps the loss) and
-  the preemption check (SIGTERM: save, then `Stopped`, exit 75, out of `trainer.train()`);
+- every optimizer step feeds the witness (its digest: the step's loss, summed over its
+  micro-batches as `training_step` returned them, and the parameters) and the preemption
+  check (SIGTERM: save, then `Stopped`, exit 75, out of `trainer.train()`);
+- the final generation is saved at the last step's save point, before `train()` appends its
+  end-of-training summary (wall-clock runtimes) to `log_history`: an uninterrupted run and one
+  resumed from its last step store the same `TrainerState`;
 - on resume, `train` gives HF a `resume_from_checkpoint` directory holding only what HF reads
-  before its loop (`trainer_state.json` at the restored step: the batches to skip), and the
-  generation is restored into HF's live model, optimizer and scheduler at `on_train_begin`;
-  HF's `rng_state.pth` is written from the restored RNGs, for HF to apply where it does.
+  before its loop (`trainer_state.json` at the restored step: the batches to skip, and the
+  arguments HF checks it against), and the generation is restored into HF's live model,
+  optimizer and scheduler at `on_train_begin`; HF's `rng_state.pth` is written from the
+  restored RNGs, for HF to apply where it does.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from trainer.origin import missing_extra
 
@@ -42,10 +48,13 @@ except ModuleNotFoundError as error:
     raise missing_extra(error, "hf") from None
 
 from trainer.parallel.ranks import StepAgreement
+from trainer.recovery.data import UnkeyedData
 from trainer.recovery.run import RecoveryRun
 
 TRAINER_STATE = "trainer_state.json"
 RNG_STATE = "rng_state.pth"
+HF_ORDER = UnkeyedData("Hugging Face Trainer's data order is its own (its sampler, its skip of the trained batches "
+                       "on resume)")
 
 
 def train(trainer: Trainer, run: RecoveryRun, **train_options):
@@ -55,12 +64,25 @@ def train(trainer: Trainer, run: RecoveryRun, **train_options):
     with tempfile.TemporaryDirectory(prefix="hf-resume-") as resume:
         if run.restoring_step is not None:
             callback.resume_dir = Path(resume)
-            TrainerState(global_step=run.restoring_step, train_batch_size=trainer.args.train_batch_size).save_to_json(
-                str(callback.resume_dir / TRAINER_STATE))
+            placeholder(trainer.args, run.restoring_step).save_to_json(str(callback.resume_dir / TRAINER_STATE))
             # The weights come from the generation (on_train_begin), not from files HF looks for here.
             trainer._load_from_checkpoint = lambda *args, **kwargs: None
         return trainer.train(resume_from_checkpoint=resume if run.restoring_step is not None else None,
                              **train_options)
+
+
+def placeholder(args, step: int) -> TrainerState:
+    """What HF reads of a checkpoint's `trainer_state.json` before its loop: the step (the
+    batches to skip), and the values it warns about when they differ from `args` (the logging,
+    evaluation and save intervals and the batch size, as given), which are then `args`' own.
+    The generation's stored TrainerState replaces it at `on_train_begin`."""
+    return TrainerState(global_step=step, train_batch_size=args.train_batch_size, logging_steps=args.logging_steps,
+                        eval_steps=args.eval_steps, save_steps=args.save_steps)
+
+
+PROCESS_FACTS = ("is_local_process_zero", "is_world_process_zero")
+"""TrainerState fields that say which process holds it, not where training is: left out of the
+stored state, which is the same on every rank (and stored once), and never restored."""
 
 
 class HFTrainerState:
@@ -73,13 +95,14 @@ class HFTrainerState:
     def state_dict(self) -> dict:
         if not self.live:
             return {}
-        text = json.dumps(asdict(self.state), sort_keys=True).encode()
+        values = {name: value for name, value in asdict(self.state).items() if name not in PROCESS_FACTS}
+        text = json.dumps(values, sort_keys=True).encode()
         return {"json": torch.frombuffer(bytearray(text), dtype=torch.uint8)}
 
     def load_state_dict(self, stored: dict) -> None:
         values = json.loads(bytes(stored["json"].tolist()).decode())
         for name in (field.name for field in fields(TrainerState)):
-            if name in values:
+            if name in values and name not in PROCESS_FACTS:
                 setattr(self.state, name, values[name])
         self.live = True
 
@@ -93,20 +116,36 @@ class RecoveryCallback(TrainerCallback):
         self.resume_dir: Path | None = None
         """Where `train` pointed HF's resume: HF reads the restored RNGs from here."""
         self.agreed: StepAgreement | None = None
+        self.loss = None
+        """The step's loss so far: the sum of what `training_step` returned for its micro-batches."""
         trainer._save_checkpoint = self.save_checkpoint  # HF's save point writes a generation instead
+        training_step = trainer.training_step
+
+        def counted(*args, **kwargs):
+            loss = training_step(*args, **kwargs)
+            self.loss = loss if self.loss is None else self.loss + loss
+            return loss
+
+        trainer.training_step = counted
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         trainer_state = HFTrainerState(state)
-        self.run.restore(model, unwrapped(optimizer, "optimizer"), unwrapped(lr_scheduler, "scheduler"),
+        wrapped = self.trainer.model_wrapped  # DDP under torchrun: the run gives it its exact reduction
+        self.run.restore(wrapped if isinstance(wrapped, DistributedDataParallel) else model,
+                         unwrapped(optimizer, "optimizer"), unwrapped(lr_scheduler, "scheduler"), data=HF_ORDER,
                          extras={"hf_trainer_state": trainer_state}, architecture=architecture(model))
         trainer_state.live = True
         if self.resume_dir is not None:
+            rng_file = RNG_STATE if args.world_size == 1 else f"rng_state_{args.process_index}.pth"  # HF's names
             torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
-                        "cpu": torch.random.get_rng_state()}, self.resume_dir / RNG_STATE)
+                        "cpu": torch.random.get_rng_state()}, self.resume_dir / rng_file)
+            if state.global_step >= state.max_steps:
+                self.run.save()  # restored at the last step: the final generation, before HF's summary
 
     def on_step_end(self, args, state, control, **kwargs):
-        agreed = self.agreed = self.run.stepped(0.0)
-        if agreed.recover or agreed.preempt or agreed.memory or agreed.export:
+        loss, self.loss = self.loss, None
+        agreed = self.agreed = self.run.stepped(loss if loss is not None else 0.0)
+        if agreed.recover or agreed.preempt or agreed.memory or agreed.export or state.global_step >= state.max_steps:
             control.should_save = True  # HF logs the step, then calls save_checkpoint
 
     def save_checkpoint(self, model, trial=None) -> None:

@@ -15,23 +15,77 @@ scheduler and RNGs, and Lightning's epoch and step counters are set to the resto
 epochs. After each optimizer step (`on_train_batch_end`) the witness, the cadences and
 preemption run as in `run.step`; SIGTERM saves the step reached and exits 75 (the stop signal
 stays the run's: Lightning's own handler would end `fit` before a save).
+
+Several processes (`strategy="ddp", devices=N`, Lightning's own launcher, `python train.py`):
+
+    trainer = L.Trainer(strategy="ddp", devices=2, ..., enable_checkpointing=False)
+    lightning.launch(trainer)  # the other ranks start now and run this script from the top
+    with recovery.open_run("runs/pl", resume="auto") as run:
+        callback = lightning.RecoveryCallback(run, recovery.KeyedData(dataset, batch_size=16))
+        trainer.callbacks.append(callback)
+        trainer.fit(module, train_dataloaders=callback.batches)
+
+Lightning's launcher starts the other ranks only inside `fit()`, after rank 0 has opened the
+run alone, and without `RANK`; `launch` starts them before `open_run` instead (Lightning's
+own `_call_children_scripts`, so `fit()` finds them started and starts none) and sets `RANK`
+and `LOCAL_WORLD_SIZE` as Lightning computes them, so every rank opens the run together and
+`fit()` uses the process group `open_run` joined. Lightning's child-process observer, which
+SIGKILLs rank 0 seconds after another rank exits non-zero (75 included), is not started: a
+lost rank is the run's to name (75), and rank 0 waits for the others before it exits.
+Lightning's DDP model is handed to the run, which gives it the trainer's exact reduction.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
+import os
 import signal
+import subprocess
+
+from torch.nn.parallel import DistributedDataParallel
 
 from trainer.origin import missing_extra
 
 try:
     import lightning.pytorch as pl
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 except ModuleNotFoundError as error:
     raise missing_extra(error, "lightning") from None
 
 from trainer.errors import UsageError
 from trainer.recovery.data import KeyedData
 from trainer.recovery.run import RecoveryRun
+
+
+def launch(trainer: pl.Trainer) -> None:
+    """Start the trainer's other processes now (see the module's docstring); call it before
+    `open_run`. In a process Lightning or torchrun started, and with one process, it only
+    sets `RANK` where Lightning left it out."""
+    launcher = trainer.strategy.launcher
+    if launcher is None:
+        return
+    if not isinstance(launcher, _SubprocessScriptLauncher):
+        raise UsageError(f"recovery.lightning.launch runs Lightning's script launcher (strategy='ddp'); "
+                         f"{type(launcher).__name__} starts processes that cannot open the run first: use "
+                         f"strategy='ddp' or torchrun")
+    environment = launcher.cluster_environment
+    if not environment.creates_processes_externally:
+        launcher._call_children_scripts()  # what fit() would do, less its observer
+        atexit.register(wait_for, launcher.procs)
+    os.environ.setdefault("RANK", str(environment.node_rank() * launcher.num_processes + environment.local_rank()))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(launcher.num_processes))
+
+
+def wait_for(children: list[subprocess.Popen], bound_s: float = 300.0) -> None:
+    """Rank 0 leaves after the ranks it started: they end with the run (their collectives are
+    bounded), and a caller that sees rank 0 end may start the next attempt at once."""
+    for child in children:
+        try:
+            child.wait(timeout=bound_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
 
 
 class KeyedBatches:
@@ -49,10 +103,10 @@ class KeyedBatches:
         return self.data.batches_per_epoch - done
 
     def __iter__(self):
-        progress = self.run.progress
-        for ids, batch in self.data.epoch_batches(progress.epoch, progress.position):
-            self.pending.append(ids)
-            yield batch
+        run = self.run
+        for fetched in self.data.shares(run.progress.epoch, run.progress.position, run.rank, run.world_size):
+            self.pending.append((fetched.ids, fetched.padded))
+            yield fetched.batch
 
 
 class RecoveryCallback(pl.Callback):
@@ -61,6 +115,8 @@ class RecoveryCallback(pl.Callback):
         self.batches = KeyedBatches(run, data)
         self.stop_signals = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
         """The run's own handlers (installed by open_run), put back over Lightning's."""
+        self.window, self.loss = 0, None
+        """Batches (and the sum of their losses) since the last optimizer step."""
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         signal.signal(signal.SIGTERM, self.stop_signals[0])
@@ -69,9 +125,17 @@ class RecoveryCallback(pl.Callback):
             raise UsageError(f"recovery.lightning takes one optimizer and at most one scheduler (configure_optimizers "
                              f"gave {len(trainer.optimizers)} and {len(trainer.lr_scheduler_configs)}); use the trainer's "
                              f"own loop (python -m trainer) for several")
+        if trainer.world_size != self.run.world_size:
+            raise UsageError(f"Lightning trains on {trainer.world_size} processes but the run was opened by "
+                             f"{self.run.world_size}: call recovery.lightning.launch(trainer) before open_run")
         schedulers = trainer.lr_scheduler_configs
-        progress = self.run.restore(module, trainer.optimizers[0], schedulers[0].scheduler if schedulers else None,
-                                    data=self.data)
+        model = trainer.strategy.model  # DDP on several processes: the run gives it its exact reduction
+        progress = self.run.restore(model if isinstance(model, DistributedDataParallel) else module, trainer.optimizers[0],
+                                    schedulers[0].scheduler if schedulers else None, data=self.data)
+        if progress.position % trainer.accumulate_grad_batches:
+            raise UsageError(f"accumulate_grad_batches={trainer.accumulate_grad_batches} does not divide the restored "
+                             f"position ({progress.position} batches into epoch {progress.epoch}): resume with the "
+                             f"accumulation the run was saved with")
         loop = trainer.fit_loop
         for counter in (loop.epoch_progress.current, loop.epoch_progress.total):
             counter.ready = counter.started = counter.processed = counter.completed = progress.epoch
@@ -82,6 +146,13 @@ class RecoveryCallback(pl.Callback):
             iter(loop._data_fetcher)  # made before the restore: its length, and the epoch's batches, from here
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        self.run.consumed(self.batches.pending.popleft())
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.run.step(loss.detach())
+        """After every batch: its samples to the ledger; after the batch that ended an
+        accumulation window (`accumulate_grad_batches`; Lightning stepped the optimizer), the
+        run's step over the window's batches, with the sum of their losses."""
+        self.run.consumed(*self.batches.pending.popleft())
+        loss = (outputs["loss"] if isinstance(outputs, dict) else outputs).detach()
+        self.window, self.loss = self.window + 1, loss if self.loss is None else self.loss + loss
+        if trainer.global_step == self.run.progress.global_step:
+            return  # inside a window: Lightning did not step the optimizer
+        self.run.window, loss, self.window, self.loss = self.window, self.loss, 0, None  # what step() counts
+        self.run.step(loss)

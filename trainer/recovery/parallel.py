@@ -20,8 +20,11 @@ from trainer.parallel.reduction import BUCKETED, PER_PARAMETER, per_parameter_me
 
 
 def plain_model(model: nn.Module) -> nn.Module:
-    """The module whose state is saved: DDP's wrapped module, else the model itself."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    """The module whose state is saved: DDP's wrapped module, else the model itself (Lightning
+    wraps its LightningModule once more, in `_forward_module`, before DDP: the keys are the
+    LightningModule's, as in one process)."""
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    return getattr(inner, "_forward_module", inner)
 
 
 def data_parallel_settings(model: nn.Module, settings: WorkloadConfig, ranks: Ranks) -> WorkloadConfig:

@@ -127,12 +127,14 @@ class RecoveryRun:
         return self
 
     # -- restore ------------------------------------------------------------------------------
-    def restore(self, model: torch.nn.Module, optimizer, scheduler=None, *, scaler=None, data: KeyedData | None = None,
+    def restore(self, model: torch.nn.Module, optimizer, scheduler=None, *, scaler=None,
+                data: KeyedData | UnkeyedData | None = None,
                 extras: dict | None = None, architecture: dict | None = None) -> Progress:
         """Hand over the state and get it back from the newest verified generation, in place
         (a fresh start leaves it as built). `optimizer`/`scheduler`: one, or several by name;
         `extras`: any other objects with state_dict/load_state_dict (an EMA, a curriculum);
-        `data`: the keyed order (`KeyedData`), whose position is the progress. Returns where
+        `data`: the keyed order (`KeyedData`), whose position is the progress (an `UnkeyedData`
+        names who orders the data instead, for `report`: an adapter's framework). Returns where
         to continue (`global_step`, `epoch`, `position` = batches done in that epoch).
 
         Under torchrun `model` may be wrapped already, in DistributedDataParallel or by
@@ -153,7 +155,8 @@ class RecoveryRun:
                                       "your training script")
         settings = data_parallel_settings(model, data.settings() if data else self.config.workload, ranks)
         config = replace(self.config, workload=settings)
-        self.saves, checked = self.session.begin(self.claim, self.workload, data.source if data else UnkeyedData(),
+        source = data.source if isinstance(data, KeyedData) else data if data is not None else UnkeyedData()
+        self.saves, checked = self.session.begin(self.claim, self.workload, source,
                                                  self.preemption, config)
         self.parameters, self.state = list(model.parameters()), state  # now the attempt ends by close or failed
         try:
