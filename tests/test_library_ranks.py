@@ -24,7 +24,7 @@ from typing import Iterator
 import pytest
 
 from support.cli import REPO, compare, finish, run_cli, wait_for_line
-from support.limits import scaled
+from support.limits import scaled, wait_until
 from support.runs import attempts, generation, made_once
 from support.torchrun import TORCHRUN, clean_environment
 from test_peer_failures import rank_pid
@@ -99,16 +99,20 @@ def test_a_killed_rank_restarted_in_place_then_sigterm_resumes_equal_to_an_unint
 
     with bounded(launch(run, nproc, *options, restarts=1, status=status)) as process:
         wait_for_line(process, "step=6 ")  # mid-epoch 0: the newest generation is step 4 (or tier 0's)
+        # An async save of step 4 may still be in flight on a loaded machine: kill once it committed.
+        wait_until(lambda: (generation(run, "step-00000004") / "manifest.json").exists(), "step 4 committed")
         os.kill(rank_pid(process.pid, 1), signal.SIGKILL)
         wait_for_line(process, "step=14 ")  # the agent restarted every rank in place, and they resumed
         process.send_signal(signal.SIGTERM)  # torchrun passes it to every rank: all save one step, exit 75
         out, err = finish(process, 600)
     assert process.returncode != 0 and int(status.read_text()) == 75, err[-3000:]
     lines = [line for line in err.splitlines() if line.startswith("trainer:")]
-    assert any(line.startswith("trainer: error: rank 1 is gone") for line in lines), err[-3000:]  # rank 0's line
+    # rank 0's line names rank 1; a rank the agent already stopped may be named beside it (known: not the culprit alone)
+    assert any(line.startswith("trainer: error: rank") and " 1" in line.split(" is gone")[0] and " is gone" in line
+               for line in lines), err[-3000:]
     assert lines[-1].startswith("trainer: stopped, resumable (exit 75): SIGTERM after step "), err[-3000:]
     first, restarted = attempts(run)
-    assert (first["status"], first["peer"]) == ("interrupted", {"state": "lost", "ranks": [1]})
+    assert first["status"] == "interrupted" and first["peer"]["state"] == "lost" and 1 in first["peer"]["ranks"], first
     assert restarted["status"] == "preempted" and restarted["world_size"] == nproc
     assert restarted["restored"]["tier"] == ("memory" if "--memory-dir" in options else "disk")
     stopped_at = restarted["last_step"]
