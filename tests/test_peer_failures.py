@@ -34,7 +34,7 @@ from support.runs import attempts, generation
 from support.torchrun import TORCHRUN, clean_environment, free_port
 from test_scale_out import EPOCHS, FINAL_2P, baseline_2p  # noqa: F401 - the fixture, shared with its tests
 from trainer.config import PeerWaitConfig
-from trainer.parallel.ranks import StepPace
+from trainer.parallel.ranks import StepPace, _what_happened
 
 BOUND_S = 3
 
@@ -50,6 +50,20 @@ def test_the_peers_bound_follows_the_steps_of_its_kind_with_a_floor_and_torchs_d
     assert pace.typical("step") == 0.5 and pace.typical("save") == 5.0
     assert pace.agreed(120.0, saves=False) == wait.floor_s  # a single 10 s step (an outlier) does not set it
     assert StepPace(PeerWaitConfig(timeout_s=7.0)).agreed(0.0, saves=False) == 7.0
+
+
+@pytest.mark.parametrize("silent,verdict,timed_out,expected", [
+    ([1], None, False, "rank 1 is gone: its connection closed while stepping and its heartbeat stopped (the process died"),
+    ([0, 2], None, False, "ranks 0, 2 are gone: their connections closed while stepping and their heartbeats stopped "
+                          "(the processes died or their nodes went away)"),
+    ([0, 2], None, True, "ranks 0, 2 stopped answering: no reply within 9 s while stepping, and their heartbeats stopped"),
+    ([0, 2], {"silent_s": 8, "ended": [2]}, False, "ranks 0, 2 stopped answering: their heartbeats were silent for 8 s"),
+])
+def test_the_lost_peer_line_names_one_rank_or_several_in_grammar(silent, verdict, timed_out, expected):
+    """Rank 0 may name the killed rank and one its agent already stopped beside it."""
+    line = _what_happened(RuntimeError("closed"), "stepping", silent, verdict, timed_out, 9.0)[1]
+    assert line.startswith(expected), line
+    assert line.endswith("; ended the process of rank 2 on this host (SIGKILL)") == bool(verdict), line
 
 
 def rank_pid(launcher_pid: int, rank: int) -> int:

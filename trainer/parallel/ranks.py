@@ -395,23 +395,33 @@ def _what_happened(error: BaseException, what: str, silent: list[int] | None, ve
                    timed_out: bool, bound: float) -> tuple[str, str]:
     """A peer failure's state and the first part of its line (`Ranks.peer_failure`)."""
     who = ("rank " if len(silent) == 1 else "ranks ") + ", ".join(map(str, silent)) if silent else None
+    one = bool(silent) and len(silent) == 1
+    its, is_, was = ("its", "is", "was") if one else ("their", "are", "were")
+    heartbeat = "heartbeat" if one else "heartbeats"
     if who and verdict is not None:
         ended = [rank for rank in verdict.get("ended", []) if rank in silent]
         return PeerFailure.UNRESPONSIVE, (
-            f"{who} stopped answering: its heartbeat was silent for {verdict['silent_s']:g} s while {what} "
+            f"{who} stopped answering: {its} {heartbeat} {was} silent for {verdict['silent_s']:g} s while {what} "
             f"(frozen: a hung device, a silent network, a paused machine; --peer-silence-secs)"
-            + ("; ended its process on this host (SIGKILL)" if ended else ""))
+            + (f"; ended {_processes_of(ended) if not one else 'its process'} on this host (SIGKILL)"
+               if ended else ""))
     if timed_out:
         return PeerFailure.UNRESPONSIVE, (
-            f"{who} stopped answering: no reply within {bound:g} s while {what}, and its heartbeat "
+            f"{who} stopped answering: no reply within {bound:g} s while {what}, and {its} {heartbeat} "
             f"stopped (frozen: a hung device, a silent network, a paused machine)") if who else \
             (f"no reply from another rank within {bound:g} s while {what}"
              + (", though every rank's heartbeat goes on (one is slower than the bound allows: "
                 "raise --peer-timeout-secs)" if silent == [] else ""))
     return PeerFailure.LOST, (
-        f"{who} is gone: its connection closed while {what} and its heartbeat stopped (the process "
-        f"died or its node went away)") if who else \
+        f"{who} {is_} gone: {its} {'connection' if one else 'connections'} closed while {what} and {its} "
+        f"{heartbeat} stopped (the {'process' if one else 'processes'} died or {its} {'node' if one else 'nodes'} "
+        f"went away)") if who else \
         f"lost contact with another rank while {what} ({_first_line(error)})"
+
+
+def _processes_of(ranks: list[int]) -> str:
+    return f"the process of rank {ranks[0]}" if len(ranks) == 1 else \
+        "the processes of ranks " + ", ".join(map(str, ranks))
 
 
 @contextmanager
