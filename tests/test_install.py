@@ -93,11 +93,12 @@ def test_the_wheel_installed_in_a_fresh_venv_runs_the_hf_example_from_elsewhere_
     where = in_venv(python, "-c", "import trainer; print(trainer.__file__)", cwd=elsewhere)
     assert where.stdout.startswith(str(tmp_path / "venv")) and where.stderr == "", where
     script = python.parent / "training-recovery"
-    for command in ([str(script)], [str(python), "-m", "trainer"]):  # the same command, the same exit code
-        missing = subprocess.run([*command, "list", str(tmp_path / "nothing")], cwd=elsewhere, env=user_env(),
-                                 capture_output=True, text=True, timeout=scaled(CLI_TIMEOUT_S))
-        assert missing.returncode == 66 and missing.stderr.startswith("trainer: error: "), missing
-    assert in_venv(script, "--help", cwd=elsewhere).stdout.startswith("usage: training-recovery --output ")
+    # The same command, the same exit code; each names itself as the user typed it (the usage line)
+    for command, said in (([str(script)], "training-recovery"), ([str(python), "-m", "trainer"], "python -m trainer")):
+        wrong = subprocess.run([*command, "list", str(tmp_path / "nothing"), "--nope"], cwd=elsewhere, env=user_env(),
+                               capture_output=True, text=True, timeout=scaled(CLI_TIMEOUT_S))
+        assert wrong.returncode == 2 and wrong.stderr.startswith("trainer: error: "), wrong
+        assert wrong.stderr.rstrip().endswith(f"(see {said} list --help)"), wrong.stderr
     # A checkout on PYTHONPATH wins over the installed copy, silently (the suite runs that way).
     checkout = in_venv(python, "-c", "import trainer; print(trainer.__file__)", cwd=elsewhere,
                        env={**user_env(), "PYTHONPATH": str(REPO)})

@@ -294,6 +294,7 @@ def train_in(config: RunConfig, launch: LaunchEnvironment, events=None) -> int:
     from trainer.run.events import TrainingEvents
     from trainer.run.loop import run_training  # imports torch: after cheap validation
     import torch.distributed.checkpoint  # noqa: F401  (every run saves through DCP: imported before the freeze)
+    import torch._dynamo  # noqa: F401  (torch.optim imports it at its first load_state_dict or step: before the freeze)
 
     collect_after_start_up()
 
