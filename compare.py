@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("compare: interrupted by a signal; nothing was compared", file=sys.stderr)
         return 75
-    return run_compare(sys.argv[1:] if argv is None else argv, "python compare.py")
+    return run_compare(sys.argv[1:] if argv is None else argv, prog="python compare.py")
 
 
 if __name__ == "__main__":

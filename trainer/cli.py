@@ -383,15 +383,16 @@ def run_report(argv: list[str], program: str = PROGRAM) -> int:
     return print_report(source.report(), source.where, args.json, args.png, args.assume_mtbf_secs)
 
 
-def run_compare(argv: list[str], program: str = PROGRAM) -> int:
+def run_compare(argv: list[str], program: str = PROGRAM, prog: str | None = None) -> int:
     """Exit 0 iff every field is bit-identical, 1 if any differs, 2 if an input is unreadable,
     65 if one holds a pickle that loading would have to run code for (never unpickled), 74 if
-    a store cannot be reached or refuses our credentials, 75 if interrupted."""
+    a store cannot be reached or refuses our credentials, 75 if interrupted. `prog`: the whole
+    command as usage names it (`python compare.py`), when not `PROGRAM compare`."""
     from trainer.errors import StorageFailure, UntrustedGeneration
 
     # Store retries are reported as they happen, on stdout as the trainer does; nothing at INFO.
     logging.getLogger().setLevel(logging.WARNING)
-    parser = OneLineParser(prog=f"{program} compare",
+    parser = OneLineParser(prog=prog or f"{program} compare",
                            description="Prove two recovery generations hold the same training state: every field "
                                        "bit for bit, and the samples each trained on.")
     parser.add_argument("a", type=location_argument,
