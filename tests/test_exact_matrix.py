@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from support.cli import compare, one_error_line, train
-from support.runs import attempts, generation
+from support.runs import attempts, generation, made_once
 from support.s3 import store_env
 from support.torchrun import torchrun
 
@@ -46,20 +46,18 @@ ON_DISK = [cell(3, "ddp"), cell(4, "fsdp")]
 IN_THE_STORE = [cell(3, "fsdp"), cell(4, "ddp")]
 
 
+def matrix_baseline(tmp_path_factory, world_size: int, parallel: str) -> Path:
+    """The uninterrupted run of a cell, made once per session (test_store_pods.py's ring of three
+    nodes ends equal to the 3-process DDP one)."""
+    return made_once(tmp_path_factory, f"matrix-{world_size}-{parallel}", lambda root: torchrun(
+        root / "run", *STEPS_ARGS, "--data-parallel", parallel, "--checkpoint-mode", "sync", nproc=world_size,
+        tmp=root)) / "run"
+
+
 @pytest.fixture(scope="module")
 def baselines(tmp_path_factory):
     """The uninterrupted run of each cell, made on first use."""
-    made: dict[tuple[int, str], Path] = {}
-
-    def baseline(world_size: int, parallel: str) -> Path:
-        if (world_size, parallel) not in made:
-            root = tmp_path_factory.mktemp(f"baseline-{world_size}-{parallel}")
-            torchrun(root / "run", *STEPS_ARGS, "--data-parallel", parallel, "--checkpoint-mode", "sync",
-                     nproc=world_size, tmp=root)
-            made[world_size, parallel] = root / "run"
-        return made[world_size, parallel]
-
-    return baseline
+    return lambda world_size, parallel: matrix_baseline(tmp_path_factory, world_size, parallel)
 
 
 def assert_witnessed_exact(record: dict, replayed: int) -> None:

@@ -18,6 +18,8 @@ import pytest
 from support.cli import REPO, compare, finish, one_error_line, run_cli, start, wait_for_line
 from support.s3 import committed, keys, store_env
 from support.torchrun import TORCHRUN, clean_environment, free_port
+from test_exact_matrix import matrix_baseline
+from test_scale_out import baseline_2p  # noqa: F401 - the fixture, shared with its tests
 
 EPOCHS = ("--epochs", 2)  # 16 steps with two processes
 FINAL = "step-00000016"
@@ -72,12 +74,11 @@ def download(server, bucket: str, prefix: str, target: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def baseline_two_nodes(s3_server, tmp_path_factory):
-    """An uninterrupted two-node run in the store, downloaded for comparison."""
-    bucket, tmp = s3_server.create_bucket(), tmp_path_factory.mktemp("two-node-baseline")
-    results = two_nodes(f"s3://{bucket}/run", tmp, env=store_env(s3_server))
-    assert statuses(results) == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
-    return download(s3_server, bucket, f"run/checkpoints/{FINAL}", tmp / "final")
+def baseline_two_nodes(baseline_2p) -> Path:
+    """The final generation of the uninterrupted 2-process run (`torchrun --standalone` on one
+    disk, made once per session and shared with test_scale_out.py): two nodes on one store
+    must end bit-identical to it (the same two ranks; where they run and store is no input)."""
+    return baseline_2p / "checkpoints" / FINAL
 
 
 def test_two_nodes_without_a_shared_disk_survive_an_interrupt_and_a_node_killed_mid_save(
@@ -389,21 +390,20 @@ def test_a_damaged_part_without_a_replica_leaves_the_object_store_to_serve(s3_se
     assert_exact(s3_server, bucket, tmp, baseline_two_nodes)
 
 
-def test_three_nodes_a_lost_node_fetches_from_the_next_node_while_its_own_replica_is_lost_too(tmp_path):
+def test_three_nodes_a_lost_node_fetches_from_the_next_node_while_its_own_replica_is_lost_too(tmp_path,
+                                                                                             tmp_path_factory):
     """A ring of three nodes (one process each, one shared run directory, async saves): rank r's replica is
     kept by rank r+1, so a node's sender and receiver are different peers. Node 1 lost (memory
     wiped): rank 1 fetches its part from rank 2; the replica of rank 0 that node 1 kept is gone,
-    but rank 0's own part serves. Exact against an uninterrupted three-node run."""
+    but rank 0's own part serves. Exact against the uninterrupted 3-process DDP run of
+    test_exact_matrix.py (`torchrun --standalone`, the same 12 steps; shared)."""
     three = ("--samples", 144, "--batch-size", 12, "--epochs", 1, *TIER0, "--checkpoint-mode", "async")
     """12 steps, 4 samples per rank per step; async saves: a part is replicated once its
     background commit is reported."""
 
-    def run(folder: Path, *args, memory: bool = True) -> list[subprocess.CompletedProcess]:
-        return two_nodes(str(folder / "run"), folder, *(three if memory else three[:8]), *args, env={}, count=3,
-                         memory=memory)
+    def run(folder: Path, *args) -> list[subprocess.CompletedProcess]:
+        return two_nodes(str(folder / "run"), folder, *three, *args, env={}, count=3, memory=True)
 
-    baseline = run(tmp_path / "baseline", memory=False)
-    assert statuses(baseline) == [0, 0, 0], baseline[0].stderr[-3000:]
     interrupted = run(tmp_path, "--interrupt-at-step", 7)
     assert statuses(interrupted) == [75, 75, 75], interrupted[0].stderr[-3000:]
     for node in range(3):  # its own part and its keeper's replica: rank r's on node r and r + 1
@@ -417,7 +417,8 @@ def test_three_nodes_a_lost_node_fetches_from_the_next_node_while_its_own_replic
     assert f"tier 0 of rank 1 cannot serve {TIER0_STEP}" in output and "tier 0 of rank 0" not in output
     assert f"restored {TIER0_STEP} (step=6 epoch=0 position=6) from tier 0 and a peer's replica" in output
     final = "step-00000012"
-    result = compare(tmp_path / "baseline" / "run" / "checkpoints" / final, tmp_path / "run" / "checkpoints" / final)
+    result = compare(matrix_baseline(tmp_path_factory, 3, "ddp") / "checkpoints" / final,
+                     tmp_path / "run" / "checkpoints" / final)
     assert result.returncode == 0 and "all equal" in result.stdout, result.stdout
 
 
