@@ -30,12 +30,11 @@ from pathlib import Path
 import pytest
 
 from support.cli import compare, one_error_line, train
-from support.runs import attempts, generation, made_once
+from support.runs import MATRIX_ARGS, attempts, generation, matrix_baseline
 from support.s3 import store_env
 from support.torchrun import torchrun
 
-STEPS_ARGS = ("--samples", 144, "--batch-size", 12, "--epochs", 1, "--recover-every-steps", 4, "--keep-last", 10)
-"""12 steps; the batch splits evenly over 2, 3 and 4 ranks."""
+STEPS_ARGS = MATRIX_ARGS
 FINAL = "step-00000012"
 def cell(world_size: int, parallel: str):
     """A (world size, data parallel) cell, on one worker with every test of its baseline."""
@@ -44,14 +43,6 @@ def cell(world_size: int, parallel: str):
 
 ON_DISK = [cell(3, "ddp"), cell(4, "fsdp")]
 IN_THE_STORE = [cell(3, "fsdp"), cell(4, "ddp")]
-
-
-def matrix_baseline(tmp_path_factory, world_size: int, parallel: str) -> Path:
-    """The uninterrupted run of a cell, made once per session (test_store_pods.py's ring of three
-    nodes ends equal to the 3-process DDP one)."""
-    return made_once(tmp_path_factory, f"matrix-{world_size}-{parallel}", lambda root: torchrun(
-        root / "run", *STEPS_ARGS, "--data-parallel", parallel, "--checkpoint-mode", "sync", nproc=world_size,
-        tmp=root)) / "run"
 
 
 @pytest.fixture(scope="module")

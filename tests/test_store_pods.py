@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from support.cli import REPO, compare, finish, one_error_line, run_cli, start, wait_for_line
+from support.cli import compare, finish, one_error_line, run_cli, start, wait_for_line
+from support.runs import matrix_baseline
 from support.s3 import committed, keys, store_env
-from support.torchrun import TORCHRUN, clean_environment, free_port
-from test_exact_matrix import matrix_baseline
-from test_scale_out import baseline_2p  # noqa: F401 - the fixture, shared with its tests
+from support.torchrun import clean_environment, free_port, launch
 
 EPOCHS = ("--epochs", 2)  # 16 steps with two processes
 FINAL = "step-00000016"
@@ -39,13 +38,12 @@ def two_nodes(url: str, tmp: Path, *args, env: dict, fault: dict | None = None, 
         status = tmp / f"status-{node}-{len(list(tmp.glob(f'status-{node}-*')))}"
         tiers = (["--local-tier", str(tmp / f"node-{node}")] if url.startswith("s3://") else []) + \
             (["--memory-dir", str(memory_dir(tmp, node))] if memory else [])
-        command = [str(TORCHRUN), "--nnodes", str(count), "--node_rank", str(node), "--nproc_per_node", "1",
+        command = ["--nnodes", str(count), "--node_rank", str(node), "--nproc_per_node", "1",
                    "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "trainer",
                    "--output", url, *tiers, *map(str, EPOCHS + args + (node_args or {}).get(node, ()))]
         node_env = clean_environment(TRAINER_EXIT_STATUS_FILE=str(status),
                                      **{**env, **(fault or {}), **(per_node or {}).get(node, {})})
-        processes.append((subprocess.Popen(command, cwd=REPO, env=node_env, stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True), status))
+        processes.append((launch(command, node_env), status))
     results = []
     for process, status in processes:
         out, err = finish(process, timeout)
@@ -75,9 +73,9 @@ def download(server, bucket: str, prefix: str, target: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def baseline_two_nodes(baseline_2p) -> Path:
-    """The final generation of the uninterrupted 2-process run (`torchrun --standalone` on one
-    disk, made once per session and shared with test_scale_out.py): two nodes on one store
-    must end bit-identical to it (the same two ranks; where they run and store is no input)."""
+    """The final generation of the shared uninterrupted 2-process run (`torchrun --standalone`
+    on one disk, support.runs): two nodes on one store must end bit-identical to it (the same
+    two ranks; where they run and store is no input)."""
     return baseline_2p / "checkpoints" / FINAL
 
 
@@ -200,15 +198,14 @@ def test_a_paused_rank_0_of_two_nodes_is_fenced_after_a_takeover(s3_server, s3_b
     url, env = f"s3://{bucket}/run", store_env(s3_server)
     port, processes = free_port(), []
     for node in (0, 1):
-        command = [str(TORCHRUN), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+        command = ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
                    "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "trainer", "--output", url,
                    "--local-tier", str(tmp_path / f"node-{node}"), *map(str, EPOCHS), "--checkpoint-mode", "async",
                    "--lease-ttl-secs", "2", "--export-every-epochs", "3",  # the first commit is step-00000008's
                    "--peer-silence-secs", "600"]  # paused, not frozen: rank 1 must not end it (it is the zombie)
-        processes.append(subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                          env=clean_environment(**env, TRAINER_EXIT_STATUS_FILE=str(tmp_path / f"s-{node}"),
-                                                                TRAINER_PAUSE_POINT="store-before-manifest",
-                                                                TRAINER_FAULT_RANK="0")))
+        processes.append(launch(command, clean_environment(**env, TRAINER_EXIT_STATUS_FILE=str(tmp_path / f"s-{node}"),
+                                                           TRAINER_PAUSE_POINT="store-before-manifest",
+                                                           TRAINER_FAULT_RANK="0")))
     successor = None
     try:
         for line in processes[0].stderr:  # torchrun's stderr carries its child's
@@ -395,8 +392,8 @@ def test_three_nodes_a_lost_node_fetches_from_the_next_node_while_its_own_replic
     """A ring of three nodes (one process each, one shared run directory, async saves): rank r's replica is
     kept by rank r+1, so a node's sender and receiver are different peers. Node 1 lost (memory
     wiped): rank 1 fetches its part from rank 2; the replica of rank 0 that node 1 kept is gone,
-    but rank 0's own part serves. Exact against the uninterrupted 3-process DDP run of
-    test_exact_matrix.py (`torchrun --standalone`, the same 12 steps; shared)."""
+    but rank 0's own part serves. Exact against the shared uninterrupted 3-process DDP run of
+    test_exact_matrix.py (`torchrun --standalone`, the same 12 steps; support.runs)."""
     three = ("--samples", 144, "--batch-size", 12, "--epochs", 1, *TIER0, "--checkpoint-mode", "async")
     """12 steps, 4 samples per rank per step; async saves: a part is replicated once its
     background commit is reported."""
