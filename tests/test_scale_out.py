@@ -242,8 +242,10 @@ def test_pytorchjob_polyaxonfile_is_valid_and_its_launcher_reports_the_trainer_s
                              timeout=scaled(600), env={**os.environ, "HOME": str(home)})
     assert checked.returncode == 0 and "Polyaxonfile valid" in checked.stdout, checked.stdout + checked.stderr
 
-    rendered = render_pytorchjob(home, {"workers": 0, "epochs": 1, "interrupt_at_step": 3,
-                                        "allow_drift": ["world_size"]})
+    rendered, baked = render_pytorchjob(home, {"workers": 0, "epochs": 1, "interrupt_at_step": 3,
+                                               "allow_drift": ["world_size"]},
+                                        {"workers": 0, "epochs": 1, "interrupt_at_step": 3,
+                                         "allow_drift": ["world_size"], "install_requirements": False})
     master, worker = rendered["master"], rendered["worker"]
     assert master == worker and rendered["replicas"] == [1, 0] and rendered["nProcPerNode"] == 2
     assert "-m trainer --tracked --epochs=1 --interrupt-at-step=3 --resume=auto" in master
@@ -255,8 +257,7 @@ def test_pytorchjob_polyaxonfile_is_valid_and_its_launcher_reports_the_trainer_s
     # Run the rendered launcher as the master pod of the baked image would, without PET_* (the
     # fallback path), in this checkout instead of the image's copy, with a local output
     # directory instead of --tracked.
-    baked = render_pytorchjob(home, {"workers": 0, "epochs": 1, "interrupt_at_step": 3, "allow_drift": ["world_size"],
-                                     "install_requirements": False})["master"]
+    baked = baked["master"]
     assert "pip" not in baked  # the baked image holds the requirements (docker/Dockerfile)
     script = baked.replace("--tracked", f"--output {tmp_path / 'run'}").replace("/opt/training-recovery", str(REPO))
     env = clean_environment(RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
@@ -274,21 +275,24 @@ import json, sys
 from polyaxon._polyaxonfile import check_polyaxonfile
 from polyaxon._polyaxonfile.specs import CompiledOperationSpecification, OperationSpecification
 
-op = check_polyaxonfile(polyaxonfile="polyaxonfiles/pytorchjob.yaml", params=json.loads(sys.argv[1]),
-                        is_cli=False, verbose=False)
-compiled = OperationSpecification.compile_operation(op)
-compiled = CompiledOperationSpecification.apply_params(compiled, params={k: v.to_dict() for k, v in op.params.items()})
-compiled = CompiledOperationSpecification.apply_operation_contexts(compiled)
-context = {"globals": {"run_artifacts_path": "/artifacts/run"}}
-compiled = CompiledOperationSpecification.apply_runtime_contexts(compiled, contexts={"master": context, "worker": context})
-run = compiled.run
-print(json.dumps({"master": run.master.container.args[0], "worker": run.worker.container.args[0],
-                  "replicas": [run.master.replicas, run.worker.replicas], "nProcPerNode": run.n_proc_per_node}))
+def render(params):
+    op = check_polyaxonfile(polyaxonfile="polyaxonfiles/pytorchjob.yaml", params=params, is_cli=False, verbose=False)
+    compiled = OperationSpecification.compile_operation(op)
+    compiled = CompiledOperationSpecification.apply_params(compiled, params={k: v.to_dict() for k, v in op.params.items()})
+    compiled = CompiledOperationSpecification.apply_operation_contexts(compiled)
+    context = {"globals": {"run_artifacts_path": "/artifacts/run"}}
+    compiled = CompiledOperationSpecification.apply_runtime_contexts(compiled, contexts={"master": context, "worker": context})
+    run = compiled.run
+    return {"master": run.master.container.args[0], "worker": run.worker.container.args[0],
+            "replicas": [run.master.replicas, run.worker.replicas], "nProcPerNode": run.n_proc_per_node}
+
+print(json.dumps([render(params) for params in json.loads(sys.argv[1])]))
 """
 
 
-def render_pytorchjob(home: Path, params: dict) -> dict:
-    """The container scripts as Polyaxon's own compiler resolves them for these params."""
+def render_pytorchjob(home: Path, *params: dict) -> list[dict]:
+    """The container scripts as Polyaxon's own compiler resolves them for each set of params
+    (one interpreter for all: Polyaxon's import is most of a render's cost)."""
     result = subprocess.run([sys.executable, "-c", RENDER, json.dumps(params)], cwd=REPO, capture_output=True,
                             text=True, timeout=scaled(600), env={**os.environ, "HOME": str(home)})
     assert result.returncode == 0, result.stderr[-3000:]
