@@ -28,11 +28,11 @@ from pathlib import Path
 
 import pytest
 
-from support.cli import REPO, compare, run_cli, start, wait_for_line
+from support.cli import compare, run_cli, start, wait_for_line
 from support.limits import scaled
-from support.runs import attempts, generation
-from support.torchrun import TORCHRUN, clean_environment, free_port
-from test_scale_out import EPOCHS, FINAL_2P, baseline_2p  # noqa: F401 - the fixture, shared with its tests
+from support.runs import FINAL_2P, attempts, generation
+from support.runs import TWO_PROCESS_EPOCHS as EPOCHS
+from support.torchrun import clean_environment, free_port, launch as launch_torchrun
 from trainer.config import PeerWaitConfig
 from trainer.parallel.ranks import StepPace, _what_happened
 
@@ -81,12 +81,10 @@ def launch(tmp_path: Path, run: Path, *args, restarts: int = 0, static: bool = F
     status = tmp_path / "status"
     rendezvous = ["--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())] if static \
         else ["--standalone"]
-    command = [str(TORCHRUN), *rendezvous, "--nproc_per_node", "2", "--max-restarts", str(restarts),
+    command = [*rendezvous, "--nproc_per_node", "2", "--max-restarts", str(restarts),
                "-m", "trainer", "--output", str(run), "--threads", "1", "--epochs", str(EPOCHS),
                "--log-every-steps", "1", *map(str, args)]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status)))
-    return process, status
+    return launch_torchrun(command, clean_environment(TRAINER_EXIT_STATUS_FILE=str(status))), status
 
 
 @pytest.mark.parametrize("mode,found_by", [("sync", "timeout"), ("async", "silence")])

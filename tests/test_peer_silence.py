@@ -31,7 +31,8 @@ import pytest
 from support.cli import REPO, compare, wait_for_line
 from support.limits import scaled
 from support.runs import attempts, generation, made_once
-from support.torchrun import TORCHRUN, clean_environment, free_port, torchrun
+from support.torchrun import clean_environment, free_port, torchrun
+from support.torchrun import launch as launch_torchrun
 from test_peer_failures import rank_pid
 from trainer.config import PeerWaitConfig
 from trainer.parallel.heartbeat import Heartbeat
@@ -95,10 +96,9 @@ def test_a_pid_is_ended_only_where_it_is_provably_the_peers(tmp_path):
 
 
 def launch(run: Path, status: Path, *args, env: dict) -> subprocess.Popen:
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--max-restarts", "1", "-m", "trainer",
+    command = ["--standalone", "--nproc_per_node", "2", "--max-restarts", "1", "-m", "trainer",
                "--output", str(run), "--threads", "1", "--log-every-steps", "1", *map(str, (*WORKLOAD, *args))]
-    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), PYTHONUNBUFFERED="1", **env))
+    return launch_torchrun(command, clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), PYTHONUNBUFFERED="1", **env))
 
 
 def test_a_frozen_rank_with_slow_steps_is_named_by_its_silence_ended_and_the_restart_is_exact(tmp_path, baseline_slow):
@@ -158,12 +158,11 @@ def test_three_ranks_name_the_same_frozen_rank_and_end_resumable(tmp_path):
     """Rank 1 of three frozen, no restart: the two others (rank 0 watches 1 and 2, rank 2 watches
     0 and 1) end 75, each with one line naming rank 1 alone, and rank 0's record names it."""
     run, status = tmp_path / "run", tmp_path / "status"
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "3", "-m", "trainer", "--output", str(run),
+    command = ["--standalone", "--nproc_per_node", "3", "-m", "trainer", "--output", str(run),
                "--threads", "1", "--log-every-steps", "1", "--workload", WORKLOAD[1], "--toy-samples", "24",
                "--batch-size", "6", "--epochs", "3", "--peer-silence-secs", str(SILENCE_S)]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), PYTHONUNBUFFERED="1",
-                                                     SLOW_STEP_SECS="0.5"))
+    process = launch_torchrun(command, clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), PYTHONUNBUFFERED="1",
+                                                         SLOW_STEP_SECS="0.5"))
     frozen = None
     try:
         wait_for_line(process, "step=2 ")

@@ -1,6 +1,8 @@
 """Several trainer processes under `torchrun` (always fresh interpreters: a fork cannot be a
 launcher's rank), a free port for a rendezvous, and an environment without an outer launcher's
-variables."""
+variables. The launcher itself (torchrun's agent) is forked from the worker's zygote where it
+can be (`launch`): it is a Python program that imports torch before it does anything (about
+2 s of CPU, a third of a 2-process launch) and then starts its ranks as fresh interpreters."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support.cli import REPO
+from support.cli import REPO, completed, forked, zygote, zygote_environment
 from support.limits import scaled
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
+AGENT = ("-m", "torch.distributed.run")
+"""What the `torchrun` script runs (its entry point, `torch.distributed.run:main`)."""
 TORCHRUN_CHILD_FAILED = 1
 """What torchrun itself exits with when any child exits non-zero, 75 included (measured)."""
 
@@ -31,16 +35,29 @@ def clean_environment(**extra: str) -> dict:
     return {**env, "PYTHONPATH": str(REPO), **extra}
 
 
+def launch(args, env: dict, start_new_session: bool = False) -> subprocess.Popen:
+    """`torchrun ARGS` as a live process with text pipes. Its agent is forked from the worker's
+    zygote (tests/forking.py) unless a fork cannot stand in for the script (TEST_FORK=0, or an
+    environment torch reads at import that differs from the zygote's); PYTHONUNBUFFERED alone
+    may differ: it sets the agent's own output buffering, and the ranks, fresh interpreters,
+    read it from the environment they inherit, `env` as given."""
+    args = [*map(str, args)]
+    if forked({**env, "PYTHONUNBUFFERED": zygote_environment().get("PYTHONUNBUFFERED", "")}, {}):
+        return zygote().spawn([*AGENT, *args], REPO, env, new_session=start_new_session)
+    return subprocess.Popen([str(TORCHRUN), *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=start_new_session)
+
+
 def torchrun(output, *args, nproc: int = 2, expect: int = 0, env: dict | None = None,
              tmp: Path) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node NPROC -m trainer --output OUTPUT --threads 1 ARGS`;
     `expect` is the trainer's status (every rank's), read from TRAINER_EXIT_STATUS_FILE;
     torchrun's own status must be 0 for 0 and 1 for anything else."""
     status_file = tmp / f"status-{len(list(tmp.glob('status-*')))}"
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), "-m", "trainer",
-               "--output", str(output), "--threads", "1", *map(str, args)]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=scaled(600),
-                            env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status_file), **(env or {})))
+    command = ["--standalone", "--nproc_per_node", str(nproc), "-m", "trainer", "--output", str(output),
+               "--threads", "1", *map(str, args)]
+    result = completed(launch(command, clean_environment(TRAINER_EXIT_STATUS_FILE=str(status_file), **(env or {}))),
+                      600)
     trainer_status = int(status_file.read_text()) if status_file.exists() else None
     assert trainer_status == expect, (f"trainer status {trainer_status}, wanted {expect} (torchrun {result.returncode})\n"
                                       f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
