@@ -21,6 +21,7 @@ slow rank 11 s (33 s wall), three ranks 12 s (20 s wall), the restarted round 3 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -182,6 +183,46 @@ def test_three_ranks_name_the_same_frozen_rank_and_end_resumable(tmp_path):
     assert [line.split(" stopped answering: its heartbeat was silent for ")[0] for line in lines] == \
         ["trainer: error: rank 1", "trainer: rank 2: error: rank 1"], err[-3000:]
     assert "exitcode  : 75" in err, err[-3000:]  # ranks 0 and 2 (rank 1: killed)
+    record = attempts(run)[-1]
+    assert (record["status"], record["exit_code"], record["peer"]) == \
+        ("interrupted", 75, {"state": "unresponsive", "ranks": [1]})
+
+
+def test_a_frozen_peer_in_the_scripts_own_process_group_is_cut_off_by_its_silence(tmp_path):
+    """`recovery.open_run` in a group the script created before it (its sockets opened before the
+    run looked): rank 1, in a pid namespace of its own (another pod on the node: not provably a
+    process here, so never ended), frozen in step 4 while rank 0 waits in DDP's reduction with a
+    30-minute bound. Rank 0 finds the group's connections through the ranks' listeners, cuts
+    them when rank 1's heartbeat goes silent, and ends 75 in one line naming rank 1; before,
+    it waited out the bound. Cost: two fresh interpreters, about 8 CPU-s."""
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "--user", "--pid", "--fork", "--map-root-user", "true"],
+                                         capture_output=True).returncode != 0:
+        pytest.skip("no unshare --user --pid here (a pid namespace stands for another host)")
+    script, run, port = REPO / "tests" / "workloads" / "own_loop_frozen.py", tmp_path / "run", str(free_port())
+
+    def rank(number: int, *prefix: str) -> subprocess.Popen:
+        env = clean_environment(RANK=str(number), LOCAL_RANK=str(number), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                MASTER_PORT=port, SILENCE_S=str(SILENCE_S), PYTHONUNBUFFERED="1")
+        return subprocess.Popen([*prefix, sys.executable, str(script), str(run)], cwd=REPO, env=env, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    primary = rank(0)
+    other = rank(1, unshare, "--user", "--pid", "--fork", "--map-root-user", "--kill-child")
+    try:
+        wait_for_line(other, "waiting")
+        frozen = int(Path(f"/proc/{other.pid}/task/{other.pid}/children").read_text().split()[0])
+        os.kill(frozen, signal.SIGSTOP)
+        out, err = primary.communicate(timeout=scaled(120))  # the bound is 30 minutes: only the silence ends it
+    finally:
+        for process in (primary, other):
+            process.kill()
+            process.wait()
+    assert primary.returncode == 75, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("trainer:")]
+    assert len(lines) == 1 and lines[0].startswith("trainer: error: rank 1 stopped answering: its heartbeat was "
+                                                   "silent for "), err[-3000:]
+    assert "ended its process" not in lines[0]  # another pid namespace: not provably the peer, never signalled
     record = attempts(run)[-1]
     assert (record["status"], record["exit_code"], record["peer"]) == \
         ("interrupted", 75, {"state": "unresponsive", "ranks": [1]})
