@@ -12,10 +12,14 @@ CPU: tests/workloads/slow_steps.py), no assertion on speed (bench/restart_bench.
   silence bound: the run completes, nobody is named;
 - a restarted round (torchrun's restart count 1) whose peer never comes: one line, 75.
 - three ranks, rank 1 frozen: ranks 0 and 2 each end 75 with one line naming rank 1.
+- `recovery.open_run` in the script's own process group, rank 1 in a pid namespace of its own
+  (another pod on the node: never ended from here) frozen: rank 0 cuts the group's connections
+  found through the ranks' listeners and ends 75 in one line, with a 30-minute bound.
 The pure parts (the robust bound, the ring of watchers, proving a pid is the peer's) are tested
 without torchrun. Cost (TEST_CPU_LOG, load average about 12 from other jobs): the frozen rank's
 restart 29 s of CPU with its baseline (69 s of wall, plus 35 s for the shared baseline), the
-slow rank 11 s (33 s wall), three ranks 12 s (20 s wall), the restarted round 3 s (8 s wall).
+slow rank 11 s (33 s wall), three ranks 12 s (20 s wall), the restarted round 3 s (8 s wall), the
+script's own group 4 s counted (rank 1, reaped outside the test, about 3 s more; 41 s wall, load 8).
 """
 
 from __future__ import annotations
