@@ -16,14 +16,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer import recovery
-from trainer.config import PeerWaitConfig
 
 dist.init_process_group("gloo")
 recovery.seed_everything(0)
 inputs = torch.randn(48, 4)
 dataset = torch.utils.data.TensorDataset(inputs, inputs.sum(1, keepdim=True))
 model = nn.Linear(4, 1)
-with recovery.open_run(sys.argv[1], peer_wait=PeerWaitConfig(timeout_s=1800.0, silence_s=float(os.environ["SILENCE_S"]))) as run:
+bound = recovery.PeerWaitConfig(timeout_s=1800.0, silence_s=float(os.environ["SILENCE_S"]))
+with recovery.open_run(sys.argv[1], peer_wait=bound) as run:
     model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     run.restore(model, optimizer, data=recovery.KeyedData(dataset, batch_size=4))
