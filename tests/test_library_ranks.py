@@ -147,6 +147,8 @@ def test_a_killed_rank_restarted_in_place_then_sigterm_resumes_equal_to_an_unint
     compared = compare(generation(reference, FINAL), generation(run, FINAL))
     assert compared.returncode == 0, compared.stdout
     assert f"rng_by_rank.{nproc - 1}.torch" in compared.stdout  # every rank's own state, compared
+    if "--stream" in options:  # the stream's cursor (the run's 6 lanes, where each lane's block starts), compared
+        assert "stream.run_lanes " in compared.stdout and "stream.blocks " in compared.stdout, compared.stdout
     if "async" not in options:  # the samples of every step, in the uninterrupted run's order (the stream's too)
         assert "ledgers: same samples in the same order since step 0" in compared.stdout, compared.stdout
     report = run_cli("report", run)
