@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,7 @@ from trainer.config import PeerWaitConfig
 from trainer.parallel.heartbeat import Heartbeat
 from trainer.parallel.launch import LaunchEnvironment
 from trainer.parallel.ranks import StepPace
-from trainer.parallel.silence import ProcessIdentity, end_if_here, is_dead_here
+from trainer.parallel.silence import GroupSockets, ProcessIdentity, end_if_here, is_dead_here
 
 WORKLOAD = ("--workload", f"{REPO}/tests/workloads/slow_steps.py:SlowSteps", "--toy-samples", 24,
             "--batch-size", 4, "--epochs", 1)
@@ -97,6 +98,41 @@ def test_a_pid_is_ended_only_where_it_is_provably_the_peers(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_groups_connections_are_found_through_the_ranks_listeners_and_nothing_else_is_cut():
+    """A group created before the run looked: its connections are the ones accepted on a rank's
+    listener or connected to one (here: in this process, both ends), a listener bound to every
+    address by its port alone; another connection and the listeners themselves are left alone."""
+    opened = []
+
+    def listening(host: str) -> socket.socket:
+        sock = socket.socket()
+        sock.bind((host, 0))
+        sock.listen()
+        opened.append(sock)
+        return sock
+
+    def connected(to: socket.socket) -> tuple[socket.socket, socket.socket]:
+        client = socket.create_connection(("127.0.0.1", to.getsockname()[1]))
+        accepted = to.accept()[0]
+        opened.extend((client, accepted))
+        return client, accepted
+
+    try:
+        gloo, anywhere, other = listening("127.0.0.1"), listening("0.0.0.0"), listening("127.0.0.1")
+        group = [*connected(gloo), *connected(anywhere)]
+        unrelated = connected(other)
+        sockets = GroupSockets(store_port=1)
+        sockets.adopt([[("127.0.0.1", gloo.getsockname()[1])], [("0.0.0.0", anywhere.getsockname()[1])]])
+        assert sockets.inodes == {os.fstat(sock.fileno()).st_ino for sock in group}
+        assert sockets.cut() == 4
+        assert all(sock.recv(1) == b"" for sock in group)  # shut down: a wait on them ends at once
+        unrelated[0].sendall(b"x")
+        assert unrelated[1].recv(1) == b"x" and gloo.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    finally:
+        for sock in opened:
+            sock.close()
 
 
 def launch(run: Path, status: Path, *args, env: dict) -> subprocess.Popen:
