@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-mode", choices=("auto", "sync", "async"), default="auto",
                         help="async: staged in memory, written in the background (auto: async on CUDA)")
     parser.add_argument("--stream", action="store_true",
-                        help="read the samples as a stream of shards, in 6 lanes (one order at 1, 2, 3 or 6 processes)")
+                        help="read the samples as a stream of shards in 6 lanes (one order at 1, 2, 3 or 6 processes)")
     parser.add_argument("--init-first", action="store_true",
                         help="join the process group before open_run, as a framework does (open_run then uses it)")
     args = parser.parse_args()

@@ -9,9 +9,10 @@ One launch does the kill and its resume (the agent restarts the workers in place
 the resume after SIGTERM; the uninterrupted run's ranks are forked from the zygote (no torchrun,
 no fresh interpreters), one per world size and bits, shared by the cells whose bits are the same.
 Two epochs (18 steps): the kill lands in the first, the SIGTERM in the second. Cost (TEST_CPU_LOG,
-load 8 to 15): 152 to 153 CPU-s for the four cells, 295 to 396 s of wall. Odd world sizes are where a reduction's order shows, so DDP and FSDP2
-run at 3; at 2 both restart from tier 0 (`memory=`), and FSDP2's run ends equal to DDP's
-uninterrupted one (a mean of two gradients is the same bits in either order: one baseline).
+load 8 to 15): 152 to 153 CPU-s for the four cells, 295 to 396 s of wall. Odd world sizes are
+where a reduction's order shows, so DDP and FSDP2 run at 3; at 2 both restart from tier 0
+(`memory=`), and FSDP2's run ends equal to DDP's uninterrupted one (a mean of two gradients is
+the same bits in either order: one baseline).
 The DDP cell at 3 reads a stream (`KeyedData` over shards, 6 lanes) and its ledger is checked.
 """
 
