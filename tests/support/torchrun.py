@@ -2,7 +2,9 @@
 launcher's rank), a free port for a rendezvous, and an environment without an outer launcher's
 variables. The launcher itself (torchrun's agent) is forked from the worker's zygote where it
 can be (`launch`): it is a Python program that imports torch before it does anything (about
-2 s of CPU, a third of a 2-process launch) and then starts its ranks as fresh interpreters."""
+2 s of CPU, a third of a 2-process launch) and then starts its ranks as fresh interpreters.
+An uninterrupted reference run's ranks may be forked from the zygote too, with the variables a
+launcher sets (`forked_ranks`: no agent, no fresh interpreters)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support.cli import REPO, completed, forked, zygote, zygote_environment
+from support.cli import REPO, completed, forked, trainer_env, zygote, zygote_environment
 from support.limits import scaled
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -63,3 +65,30 @@ def torchrun(output, *args, nproc: int = 2, expect: int = 0, env: dict | None = 
                                       f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
     assert result.returncode == (0 if expect == 0 else TORCHRUN_CHILD_FAILED), result.stderr[-3000:]
     return result
+
+
+def forked_ranks(script: Path, *args, nproc: int) -> list[str]:
+    """`python SCRIPT ARGS` as `nproc` ranks started the way any launcher may start them (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT set; rank 0 hosts the rendezvous store), each forked
+    from this worker's zygote (tests/forking.py) unless the environment asks for a fresh
+    interpreter: a reference run without torchrun's agent and N interpreters' start (about 2 +
+    3N CPU-seconds less). Every rank must exit 0; their stdouts, in rank order."""
+    port = str(free_port())
+    processes = []
+    try:
+        for rank in range(nproc):
+            env = trainer_env(clean_environment(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                                                LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+            argv = [str(script), *map(str, args)]
+            processes.append(zygote().spawn(argv, REPO, env, new_session=False) if forked(env, {}) else
+                             subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True))
+        outputs = [process.communicate(timeout=scaled(600)) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    for rank, (process, (out, err)) in enumerate(zip(processes, outputs)):
+        assert process.returncode == 0, f"rank {rank} exited {process.returncode}\n{out[-2000:]}\n{err[-3000:]}"
+    return [out for out, _ in outputs]

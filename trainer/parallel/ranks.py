@@ -57,7 +57,7 @@ from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageErr
 from trainer.parallel.heartbeat import Heartbeat, round_prefix
 from trainer.parallel.launch import PRIMARY, LaunchEnvironment, process_age_s
 from trainer.parallel.reduction import PER_PARAMETER, per_parameter_mean
-from trainer.parallel.silence import GroupSockets, socket_inodes
+from trainer.parallel.silence import GroupSockets, listeners, socket_inodes
 from trainer.layout import RunDirectory
 
 T = TypeVar("T")
@@ -438,7 +438,8 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
     `init_process_group` before `recovery.open_run`) is used as it is and left to its owner:
     not joined again, not destroyed on the way out; its timeout becomes the training group's
     bound (`--peer-timeout-secs`), as ours would. Its sockets were opened before this rank
-    looked, so a silent peer is not cut off (`GroupSockets`): the group's timeout ends the wait.
+    looked: they are found as the connections to and from every rank's gloo listener (gathered
+    over the group once, `GroupSockets.adopt`), so a silent peer is cut off as in our own group.
     """
     if not launch.distributed:
         yield Ranks(launch, device, wait=wait, peer_wait=peer_wait)
@@ -456,8 +457,10 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
     heartbeat = Heartbeat(launch, peer_wait.silence_s).start()
     ranks = Ranks(launch, device, wait=wait, peer_wait=peer_wait, heartbeat=heartbeat)
     ranks.sockets = GroupSockets(launch.master_port)
-    if device.type != "cuda":
+    if device.type != "cuda" and owned:
         ranks.sockets.opened(before)  # gloo's; NCCL's connections are its own (docs/scale-out.md, On NCCL)
+    elif device.type != "cuda":
+        ranks.sockets.adopt(ranks.gather(listeners(launch.master_port), "finding the process group's connections"))
     heartbeat.on_silence = ranks.sockets.cut  # the main thread leaves its wait with "connection closed"
     ranks.joined = {"at_s": age, "join_s": round(time.monotonic() - began, 3)}
     ended = False
