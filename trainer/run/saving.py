@@ -184,10 +184,12 @@ class DurablePath:
 
     def finalize(self, step: int) -> None:
         self.heard(self.checkpointer.finalize(), step)
+        self.checkpointer.local.settle()  # retention deletes beside the loop; done when the attempt ends
         self.drain_uploads()
 
     def close_after_failure(self, peers_lost: bool) -> None:
         self.heard([] if peers_lost else self.checkpointer.close_after_failure(), None, prune=False)
+        self.checkpointer.local.settle()
 
 
 class Tier0Path:
@@ -360,7 +362,6 @@ class CadencedSaves:
         (they make it durable), before the attempt ends."""
         for path in self.paths:
             path.finalize(step)
-        self.generations.settle()  # retention's deletions end with the attempt
         newest = self.generations.names()[-1:] + [self.recorder.newest_generation or ""]  # the record's: no local copy
         self.memory.retire(sorted(name for name in newest if name)[-1:])  # older: never restored (none durable: none)
 
@@ -375,7 +376,6 @@ class CadencedSaves:
         peer), then the uploads drain; never raises."""
         for path in self.paths:
             path.close_after_failure(peers_lost)
-        self.generations.settle()
         try:  # what is published may still become durable
             self.record_durable([] if peers_lost else self.durability.drain())
         except Exception as error:  # noqa: BLE001 - the original failure is what ends the attempt
@@ -419,7 +419,6 @@ class CadencedSaves:
         keep_last, keep_every = ((retention.keep_last, retention.keep_every) if kind == GENERATIONS
                                  else (retention.keep_exports, None))
         kept = self.durability.kept_locally(kind) | (self.lineage.protected if kind == GENERATIONS else frozenset())
-        # A generation's files are deleted beside the loop (the save need not wait for it).
         for name in apply_retention(self.sections[kind], keep_last, keep_every, kept, later=kind == GENERATIONS):
             log.info("retention removed %s %s", NOUN[kind], name)
             self.events.removed(NOUN[kind], name)
