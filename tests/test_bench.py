@@ -3,7 +3,8 @@ those `make bench` runs, through `make bench` in a fresh clone (as the README sa
 the others one by one. Each one's results are checked where a check says more than "it ran".
 
 Cost: `make bench` about 40 s, scale_out_bench.py about 45 s, goodput_validation.py about 25 s,
-memory_tier_bench.py about 20 s (12 s before it restored from the peer: two spawned processes)."""
+memory_tier_bench.py about 20 s (12 s before it restored from the peer: two spawned processes),
+library_bench.py 23 CPU s (14 before its plain row on two processes: two more imports of torch)."""
 
 from __future__ import annotations
 
@@ -137,11 +138,15 @@ def heartbeat_bench_checks(report: dict) -> None:
 
 
 def library_bench_checks(report: dict) -> None:
-    """Every adapter measured against its framework, both ways, on a generation of the state."""
+    """Every adapter measured against its framework, both ways, on a generation of the state;
+    the plain loop on two processes too, both modes against both baselines."""
     assert sorted(report["rows"]) == ["accelerate", "hf", "lightning", "plain"]
     for row in report["rows"].values():
         assert row["mb"] > 0 and all(row[key] > 0 for key in ("save_ratio", "restore_ratio", "async_save_ratio",
-                                                              "sync_vs_dcp_durable")), row
+                                                              "sync_vs_dcp_durable", "sync_cpu_vs_dcp_durable")), row
+    ranks = report["ranks"]
+    assert ranks["nproc"] == 2 and ranks["mb"] > 0, ranks
+    assert all(ranks[key] > 0 for key in ("async_save_ratio", "sync_vs_dcp_durable")), ranks
 
 
 CHECKS = {"heartbeat_bench.py": heartbeat_bench_checks, "library_bench.py": library_bench_checks, "memory_tier_bench.py": memory_tier_bench_checks,

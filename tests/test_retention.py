@@ -41,3 +41,18 @@ def test_retention_across_a_resume_keeps_restored_and_ignores_foreign(tmp_path):
     # restored step-20 is protected; 32 is a milestone; 60 and 64 are the newest two
     assert kept == ["README.txt"] + names(20, 32, 60, 64) + ["step-foreign"]
     assert generation(run).exists()
+
+
+def test_a_removal_later_hides_the_generation_at_once_and_settle_deletes_its_files(tmp_path):
+    from trainer.checkpoint.section import LocalSection
+
+    section = LocalSection(tmp_path)
+    for name in names(8, 16):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text("{}")
+        (tmp_path / name / "__0_0.distcp").write_bytes(b"x" * 4096)
+    section.remove("step-00000008", later=True)
+    assert section.names() == names(16), "no reader sees the removed generation, even while its files go"
+    section.remove("step-00000016", later=True)  # waits for the first deletion: one at a time
+    section.settle()
+    assert os.listdir(tmp_path) == [], "every file of both is deleted once settled, no .deleting- sibling left"

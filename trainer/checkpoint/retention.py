@@ -39,12 +39,16 @@ def select_deletions(candidates: list[Candidate], keep_last: int | None, keep_ev
 
 
 def apply_retention(section: LocalSection, keep_last: int | None, keep_every: int | None,
-                    protected: frozenset[str]) -> list[str]:
-    """Delete what `select_deletions` picks; call only after a new publish, under the lock."""
+                    protected: frozenset[str], later: bool = False) -> list[str]:
+    """Delete what `select_deletions` picks; call only after a new publish, under the lock.
+    `later`: their files are deleted in the background (`LocalSection.remove`)."""
     candidates = [Candidate(name, section.verify(name, cached=True).ok) for name in section.names()]
     doomed = select_deletions(candidates, keep_last, keep_every, protected)
     for name in doomed:
         seams.crash_point("before-retention")
-        section.remove(name)
+        if later:
+            section.remove(name, later=True)
+        else:
+            section.remove(name)
     return doomed
 

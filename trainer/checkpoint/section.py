@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Protocol, Self
@@ -80,6 +81,8 @@ class LocalSection:
         # Verification re-hashes every file; remember results per manifest identity so
         # retention after each save does not re-read every kept generation.
         self._verified: dict[tuple[str, int, int, bool], Verification] = {}
+        self._deleting: threading.Thread | None = None
+        """The files of the last directory removed `later`, being deleted (one at a time)."""
 
     def names(self) -> list[str]:
         """Committed generation names, oldest first (names sort by step): a `step-%08d`
@@ -173,12 +176,29 @@ class LocalSection:
             fsync_dir(self.root)
         return later
 
-    def remove(self, name: str) -> None:
+    def remove(self, name: str, later: bool = False) -> None:
         """Delete a published generation atomically: rename it to a hidden `.deleting-`
-        sibling (never selected), make the rename durable, then delete the files."""
+        sibling (never selected), make the rename durable, then delete the files. `later`:
+        the files are deleted on a thread of its own (a save's retention: unlinking a
+        generation costs the kernel about as much as fsyncing it, and the generation is
+        already gone for every reader); a crash leaves the `.deleting-` sibling, which the
+        next attempt removes with the temporaries. At most one such deletion runs at once;
+        `settle()` waits for it."""
         doomed = rename_aside(self.path(name), DELETING)
         fsync_dir(self.root)
-        shutil.rmtree(doomed, ignore_errors=True)
+        if not later:
+            shutil.rmtree(doomed, ignore_errors=True)
+            return
+        self.settle()
+        self._deleting = threading.Thread(target=shutil.rmtree, args=(doomed,), kwargs={"ignore_errors": True},
+                                          name="recovery-retention")
+        self._deleting.start()
+
+    def settle(self) -> None:
+        """Wait until the files of every directory removed `later` are deleted."""
+        if self._deleting is not None:
+            self._deleting.join()
+            self._deleting = None
 
     def remove_stale_temporaries(self) -> list[str]:
         """Delete temporaries left by crashed attempts. Safe only while holding the output

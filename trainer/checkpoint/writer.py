@@ -12,7 +12,7 @@ and `__0_N.distcp` files, each tensor a `torch.save` record at a recorded offset
   thread's `fsync` wait overlaps another's hashing;
 * computes each file's sha256 from the very bytes handed to the kernel, so publishing does
   not read the files back (`digests` is what the manifest records);
-* starts the disk writeback of each written range right away (Linux `sync_file_range`),
+* starts the disk writeback of every few MB written right away (Linux `sync_file_range`),
   so the device writes while the CPU hashes the next bytes instead of everything waiting
   for the final `fsync`;
 * optionally skips the zip CRC-32 that `torch.save` computes by default: the manifest's
@@ -43,6 +43,12 @@ from trainer.errors import UnloadableState
 from trainer.layout import SNAPSHOT_SHARD_SUFFIX
 
 _CHUNK = 8 << 20
+_WRITEBACK_BATCH = 4 << 20
+"""Bytes written before their writeback is started. torch.save writes many small records
+(zip headers, padding, the pickle) between tensors; a `sync_file_range` per write cost a
+system call each and put the page the next record lands in under writeback (measured: 117
+calls, about 50 ms of a 4 MB save's 270, on the loop's thread)."""
+_PAGE = 4096
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages, do not wait
 
 
@@ -73,6 +79,8 @@ class _HashingFile(io.RawIOBase):
         super().__init__()
         self.fd = fd
         self.position = 0
+        self.started = 0
+        """Bytes whose writeback was started: whole pages, never the one still being filled."""
         self.digest = hashlib.sha256()
         self.start_writeback = start_writeback
 
@@ -87,8 +95,11 @@ class _HashingFile(io.RawIOBase):
             written = 0
             while written < len(chunk):
                 written += os.write(self.fd, chunk[written:])
-            self.start_writeback(self.fd, self.position, written)
             self.position += written
+            if self.position - self.started >= _WRITEBACK_BATCH:
+                end = self.position - self.position % _PAGE
+                self.start_writeback(self.fd, self.started, end - self.started)
+                self.started = end
         return len(view)
 
     def tell(self) -> int:

@@ -184,10 +184,12 @@ class DurablePath:
 
     def finalize(self, step: int) -> None:
         self.heard(self.checkpointer.finalize(), step)
+        self.checkpointer.local.settle()  # retention deletes beside the loop; done when the attempt ends
         self.drain_uploads()
 
     def close_after_failure(self, peers_lost: bool) -> None:
         self.heard([] if peers_lost else self.checkpointer.close_after_failure(), None, prune=False)
+        self.checkpointer.local.settle()
 
 
 class Tier0Path:
@@ -417,6 +419,6 @@ class CadencedSaves:
         keep_last, keep_every = ((retention.keep_last, retention.keep_every) if kind == GENERATIONS
                                  else (retention.keep_exports, None))
         kept = self.durability.kept_locally(kind) | (self.lineage.protected if kind == GENERATIONS else frozenset())
-        for name in apply_retention(self.sections[kind], keep_last, keep_every, kept):
+        for name in apply_retention(self.sections[kind], keep_last, keep_every, kept, later=kind == GENERATIONS):
             log.info("retention removed %s %s", NOUN[kind], name)
             self.events.removed(NOUN[kind], name)
