@@ -1,10 +1,13 @@
 """The framework adapters on several processes (trainer/recovery/hf.py, accelerated.py,
-lightning.py; docs/library.md), through the real frameworks and their real launchers on gloo:
-the example scripts, an uninterrupted run made once per framework and world size, then one run that loses a
-rank to kill -9 mid-epoch, is resumed, is stopped by SIGTERM (every rank saves, the trainer's
-status 75, in TRAINER_EXIT_STATUS_FILE under torchrun), and is resumed to the end: its final
-generation equals the uninterrupted run's field by field, and the exactness witness (replayed
-steps, restore checks) found nothing."""
+lightning.py; docs/library.md), through the real frameworks and their real launchers on gloo
+(torchrun, `accelerate launch`, Lightning's own): the example scripts, an uninterrupted run
+made once per framework and world size, then one run that loses a rank to kill -9 mid-epoch,
+is resumed (by a new launch, or in place under --max-restarts from tier 0), is stopped by
+SIGTERM (every rank saves, the trainer's status 75, in TRAINER_EXIT_STATUS_FILE under an
+agent) and is resumed to the end: its final generation equals the uninterrupted run's field
+by field, and the exactness witness (replayed steps, restore checks) found nothing. What a
+cell costs is almost all interpreters' start (torch and the framework imported by every
+rank and agent): a cell takes 4 x its world size of them, restarted in place or not."""
 
 from __future__ import annotations
 
