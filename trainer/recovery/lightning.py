@@ -31,7 +31,11 @@ own `_call_children_scripts`, so `fit()` finds them started and starts none) and
 and `LOCAL_WORLD_SIZE` as Lightning computes them, so every rank opens the run together and
 `fit()` uses the process group `open_run` joined. Lightning's child-process observer, which
 SIGKILLs rank 0 seconds after another rank exits non-zero (75 included), is not started: a
-lost rank is the run's to name (75), and rank 0 waits for the others before it exits.
+lost rank is the run's to name (75), and rank 0 waits for the others before it exits. Until
+the group is joined rank 0 watches the ranks it started: one that ends before is named at
+once, and rank 0 exits 75 (`lost_before_join`), not after the join's bound. Lightning's
+`accumulate_grad_batches` is the keyed order's `grad_accum`, fingerprinted: a resume with
+another is refused (65).
 Lightning's DDP model is handed to the run, which gives it the trainer's exact reduction.
 """
 
