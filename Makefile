@@ -30,7 +30,7 @@ demo: $(STAMP)
 	$(PY) -m trainer --output outputs/recovery --interrupt-at-step 27; test $$? -eq 75
 	$(PY) -m trainer --output outputs/recovery --resume
 	$(PY) -m trainer --output outputs/baseline
-	$(PY) compare.py outputs/baseline/checkpoints/step-00000064 outputs/recovery/checkpoints/step-00000064
+	$(PY) -m trainer compare outputs/baseline/checkpoints/step-00000064 outputs/recovery/checkpoints/step-00000064
 	$(PY) -m trainer list outputs/recovery
 	$(PY) -m trainer report outputs/recovery
 

@@ -3,6 +3,7 @@ torchrun, surviving kill -9 of any rank and SIGTERM, resuming bit for bit at the
 
     torchrun --nproc_per_node 2 examples/own_loop_ddp.py runs/own-loop-ddp
     torchrun --nproc_per_node 3 examples/own_loop_ddp.py runs/own-loop-fsdp --data-parallel fsdp
+    torchrun --nproc_per_node 3 examples/own_loop_ddp.py runs/own-loop-stream --stream
 
 `open_run` joins the process group torchrun describes (or uses the one your script already
 created with `init_process_group`); wrap the model after it, build the optimizer on the wrapped
@@ -34,6 +35,23 @@ def wrapped(model: nn.Module, how: str) -> nn.Module:
     return fully_shard(model)
 
 
+class Shards:
+    """The samples as a stream: shards read from an offset, as files on a disk or objects in a
+    bucket are (`shards()` names them and their records, `read` reads one from a record on).
+    KeyedData owns the order, the shuffle and the cursor; a resume reads from the cursor."""
+
+    def __init__(self, dataset, size: int = 25):
+        self.dataset, self.size = dataset, size
+
+    def shards(self):
+        return [(f"part-{start // self.size}", len(range(start, min(start + self.size, len(self.dataset)))))
+                for start in range(0, len(self.dataset), self.size)]
+
+    def read(self, shard, offset):
+        start = int(shard[0].removeprefix("part-")) * self.size
+        return (self.dataset[at] for at in range(start + offset, start + shard[1]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("output", help="the run directory (a path every rank sees, or s3://bucket/run)")
@@ -42,6 +60,8 @@ def main() -> None:
     parser.add_argument("--memory-dir", type=Path, help="tier 0: a directory on a memory filesystem (/dev/shm/...)")
     parser.add_argument("--checkpoint-mode", choices=("auto", "sync", "async"), default="auto",
                         help="async: staged in memory, written in the background (auto: async on CUDA)")
+    parser.add_argument("--stream", action="store_true",
+                        help="read the samples as a stream of shards in 6 lanes (one order at 1, 2, 3 or 6 processes)")
     parser.add_argument("--init-first", action="store_true",
                         help="join the process group before open_run, as a framework does (open_run then uses it)")
     args = parser.parse_args()
@@ -59,7 +79,11 @@ def main() -> None:
         model = wrapped(model, args.data_parallel)  # wrap, then build the optimizer, then restore
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * 9)
-        run.restore(model, optimizer, scheduler, data=recovery.KeyedData(dataset, batch_size=12, seed=0))
+        data = recovery.KeyedData(Shards(dataset), batch_size=12, seed=0, stream_lanes=6) if args.stream else \
+            recovery.KeyedData(dataset, batch_size=12, seed=0)
+        progress = run.restore(model, optimizer, scheduler, data=data)
+        if run.rank == 0:
+            print(f"from step={progress.global_step} epoch={progress.epoch} position={progress.position}", flush=True)
         for epoch in run.epochs(args.epochs):
             for x, y in run.batches():  # this rank's share of each global batch of 12
                 loss = nn.functional.mse_loss(model(x), y) * run.weight  # the ragged last batch's share

@@ -12,14 +12,13 @@ waited 30 minutes (measured: with an 1800 s bound the same run was still waiting
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import pytest
 
-from support.cli import REPO
+from support.cli import completed
 from support.limits import scaled
-from support.torchrun import TORCHRUN, clean_environment
+from support.torchrun import clean_environment, launch
 from trainer.config import BackgroundWaitConfig
 from trainer.cli import trainer_parser
 from trainer.flags import DEFAULTS, config_from_values
@@ -44,13 +43,12 @@ def test_the_bound_follows_the_slowest_save_with_a_floor_and_an_option():
 @pytest.mark.parametrize("point", ["after-staging", "after-write"])  # the staging thread, the committer thread
 def test_a_background_failure_on_one_rank_reaches_every_rank_within_the_bound(point, tmp_path):
     status = tmp_path / "status"
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "trainer", "--output",
+    command = ["--standalone", "--nproc_per_node", "2", "-m", "trainer", "--output",
                str(tmp_path / "run"), "--threads", "1", "--epochs", "1", "--checkpoint-mode", "async",
                "--background-timeout-secs", str(BOUND_S)]
     started = time.monotonic()
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=scaled(150),
-                            env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), TRAINER_RAISE_POINT=point,
-                                                  TRAINER_FAULT_RANK="1"))
+    result = completed(launch(command, clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), TRAINER_RAISE_POINT=point,
+                                                        TRAINER_FAULT_RANK="1")), 150)
     elapsed = time.monotonic() - started
     assert int(status.read_text()) == 74, result.stderr[-3000:]  # the seam's error is an I/O error (EIO)
     lines = [line for line in result.stderr.splitlines() if line.startswith("trainer:")]

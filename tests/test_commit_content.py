@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from support.cli import REPO, finish
+from support.cli import finish
 from support.limits import scaled
 from support.s3 import committed, keys, store_env
-from support.torchrun import TORCHRUN, clean_environment
+from support.torchrun import clean_environment, launch
 from trainer.checkpoint.content import ContentMismatch, check_content, checking, writers_of
 
 GENERATION = "step-00000008"  # the first save of a 2-process run of one epoch
@@ -89,12 +89,10 @@ def test_a_zombies_same_size_late_write_is_never_committed(backend, tmp_path, re
     else:
         output, env, extra = tmp_path / "run", {"TRAINER_PAUSE_POINT": "before-seal"}, ()
     status = tmp_path / "status"
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "trainer", "--output", str(output),
+    command = ["--standalone", "--nproc_per_node", "2", "-m", "trainer", "--output", str(output),
                "--threads", "1", "--epochs", "1", *map(str, extra),
                "--peer-silence-secs", "600"]  # the seam's pause stands in for a zombie, not a frozen rank to end
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), TRAINER_FAULT_RANK="0",
-                                                     **env))
+    process = launch(command, clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), TRAINER_FAULT_RANK="0", **env))
     try:
         rank_0 = stopped_child(process)
         # The zombie's late write: same size, other bytes, after rank 1 wrote (it waits for rank 0).

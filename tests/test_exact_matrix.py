@@ -30,12 +30,11 @@ from pathlib import Path
 import pytest
 
 from support.cli import compare, one_error_line, train
-from support.runs import attempts, generation
+from support.runs import MATRIX_ARGS, attempts, generation, matrix_baseline
 from support.s3 import store_env
 from support.torchrun import torchrun
 
-STEPS_ARGS = ("--samples", 144, "--batch-size", 12, "--epochs", 1, "--recover-every-steps", 4, "--keep-last", 10)
-"""12 steps; the batch splits evenly over 2, 3 and 4 ranks."""
+STEPS_ARGS = MATRIX_ARGS
 FINAL = "step-00000012"
 def cell(world_size: int, parallel: str):
     """A (world size, data parallel) cell, on one worker with every test of its baseline."""
@@ -49,17 +48,7 @@ IN_THE_STORE = [cell(3, "fsdp"), cell(4, "ddp")]
 @pytest.fixture(scope="module")
 def baselines(tmp_path_factory):
     """The uninterrupted run of each cell, made on first use."""
-    made: dict[tuple[int, str], Path] = {}
-
-    def baseline(world_size: int, parallel: str) -> Path:
-        if (world_size, parallel) not in made:
-            root = tmp_path_factory.mktemp(f"baseline-{world_size}-{parallel}")
-            torchrun(root / "run", *STEPS_ARGS, "--data-parallel", parallel, "--checkpoint-mode", "sync",
-                     nproc=world_size, tmp=root)
-            made[world_size, parallel] = root / "run"
-        return made[world_size, parallel]
-
-    return baseline
+    return lambda world_size, parallel: matrix_baseline(tmp_path_factory, world_size, parallel)
 
 
 def assert_witnessed_exact(record: dict, replayed: int) -> None:

@@ -95,10 +95,19 @@ def test_write_failure_exits_74_keeps_earlier_generations_and_resumes(tmp_path, 
     assert compare(generation(short_baseline, "step-00000024"), generation(run, "step-00000024")).returncode == 0
 
 
+LONG = ("--epochs", 40)
+"""320 steps: still running when a signal sent after step 20 arrives, however slow the machine."""
+
+
+@pytest.fixture(scope="module")
+def long_baseline(tmp_path_factory) -> Path:
+    """The uninterrupted `LONG` run both preemptions below must end equal to (made once)."""
+    return made_once(tmp_path_factory, "long-baseline", lambda folder: train(folder / "run", *LONG)) / "run"
+
+
 @pytest.mark.parametrize("signum, mode", [(signal.SIGTERM, "sync"), (signal.SIGINT, "async")])
-def test_preemption_saves_at_the_current_step_and_exits_75(tmp_path, signum, mode):
-    run, base = tmp_path / "run", tmp_path / "base"
-    long = ("--epochs", 40)
+def test_preemption_saves_at_the_current_step_and_exits_75(tmp_path, signum, mode, long_baseline):
+    run, long = tmp_path / "run", LONG
     process = start(run, *long, "--checkpoint-mode", mode)
     wait_for_line(process, "step=20 ")
     process.send_signal(signum)
@@ -111,8 +120,7 @@ def test_preemption_saves_at_the_current_step_and_exits_75(tmp_path, signum, mod
     assert generation(run, f"step-{step:08d}").exists()  # a generation at the step reached, mid-epoch too
     assert record["checkpoint_mode"] == mode
     train(run, *long, "--resume")
-    train(base, *long)
-    assert compare(generation(base, "step-00000320"), generation(run, "step-00000320")).returncode == 0
+    assert compare(generation(long_baseline, "step-00000320"), generation(run, "step-00000320")).returncode == 0
 
 
 def test_preemption_grace_too_short_exits_75_without_publishing(tmp_path):

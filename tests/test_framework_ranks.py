@@ -21,7 +21,7 @@ from pathlib import Path
 from support.cli import REPO, compare, run_cli
 from support.limits import scaled
 from support.runs import attempts, generation, made_once
-from support.torchrun import TORCHRUN, TORCHRUN_CHILD_FAILED, clean_environment, free_port
+from support.torchrun import TORCHRUN, TORCHRUN_CHILD_FAILED, clean_environment, forked_ranks, free_port
 from trainer.parallel.launch import watch_children
 
 ACCELERATE_LAUNCH = Path(sys.executable).with_name("accelerate")
@@ -90,11 +90,14 @@ def until_step(process: subprocess.Popen, step: int) -> None:
 
 
 def uninterrupted(tmp_path_factory, name: str, cell: Cell) -> Path:
-    def make(folder: Path) -> None:
-        status = folder / "status"
-        cell.ended(cell.launch(folder / "run", status), status, expect=0)
-
-    return made_once(tmp_path_factory, f"library-ranks-{name}-{cell.nproc}", make) / "run"
+    """The cell's script run through to the end at its world size, made once per session for
+    every cell of that framework and world size, its ranks forked from the zygote with the
+    variables any launcher sets (`forked_ranks`: no agent, no fresh interpreters; the bits are
+    the launcher's, as the cells' compare proves)."""
+    devices = ("--devices", cell.nproc) if cell.launcher == "lightning" else ()
+    script = REPO / "examples" / cell.script
+    return made_once(tmp_path_factory, f"library-ranks-{name}-{cell.nproc}",
+                     lambda folder: forked_ranks(script, folder / "run", *cell.args, *devices, nproc=cell.nproc)) / "run"
 
 
 def killed_preempted_and_resumed(tmp_path: Path, cell: Cell, kill_at: int, left: str, stop_at: int) -> Path:

@@ -9,6 +9,7 @@ import torch
 from support.cli import compare, run_cli
 from support.runs import attempts, generation
 from trainer.recovery import KeyedData
+from trainer.run.state import Progress
 
 
 def test_the_ranks_shares_together_are_every_global_batch_once_weighted_to_its_whole():
@@ -52,6 +53,23 @@ def test_a_streams_lanes_give_each_rank_its_share_of_every_global_batch():
             assert share.ids.tolist() == share.batch.flatten().tolist()  # ids number the records in shard order
     assert [share.weight for share in (of_rank[-1] for of_rank in shares)] == [1.5, 0.75, 0.75]
     assert data.cursors(3)["stream"].world_size == 3
+
+
+def test_a_streams_lanes_given_keep_one_order_at_every_world_size_that_divides_them():
+    """`stream_lanes=6` (as --stream-lanes): the run's lanes whatever the world size it starts
+    at, so 2 and 3 ranks train the same global batches, and the fingerprint holds the count."""
+    data = KeyedData(Numbers(), batch_size=12, seed=3, shuffle_buffer=8, stream_lanes=6)
+    assert data.settings().stream_lanes == 6 and data.settings().training_relevant()["stream_lanes"] == 6
+
+    def global_batches(world_size: int) -> list[list[int]]:
+        shares = [list(data.shares(0, 0, rank, world_size)) for rank in range(world_size)]
+        return [sorted(sample for of_rank in shares for sample in of_rank[batch].ids.tolist())
+                for batch in range(data.batches_per_epoch)]
+
+    assert data.cursors(2)["stream"].state(Progress())["run_lanes"] == 6
+    assert global_batches(2) == global_batches(3)
+    assert global_batches(3) != [sorted(share.ids.tolist()) for share in
+                                 KeyedData(Numbers(), batch_size=12, seed=3, shuffle_buffer=8).shares(0, 0)]
 
 
 ACCUMULATING = """

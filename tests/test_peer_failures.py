@@ -28,13 +28,13 @@ from pathlib import Path
 
 import pytest
 
-from support.cli import REPO, compare, run_cli, start, wait_for_line
+from support.cli import compare, run_cli, start, wait_for_line
 from support.limits import scaled
-from support.runs import attempts, generation
-from support.torchrun import TORCHRUN, clean_environment, free_port
-from test_scale_out import EPOCHS, FINAL_2P, baseline_2p  # noqa: F401 - the fixture, shared with its tests
+from support.runs import FINAL_2P, attempts, generation
+from support.runs import TWO_PROCESS_EPOCHS as EPOCHS
+from support.torchrun import clean_environment, free_port, launch as launch_torchrun
 from trainer.config import PeerWaitConfig
-from trainer.parallel.ranks import StepPace
+from trainer.parallel.ranks import StepPace, _what_happened
 
 BOUND_S = 3
 
@@ -52,6 +52,20 @@ def test_the_peers_bound_follows_the_steps_of_its_kind_with_a_floor_and_torchs_d
     assert StepPace(PeerWaitConfig(timeout_s=7.0)).agreed(0.0, saves=False) == 7.0
 
 
+@pytest.mark.parametrize("silent,verdict,timed_out,expected", [
+    ([1], None, False, "rank 1 is gone: its connection closed while stepping and its heartbeat stopped (the process died"),
+    ([0, 2], None, False, "ranks 0, 2 are gone: their connections closed while stepping and their heartbeats stopped "
+                          "(the processes died or their nodes went away)"),
+    ([0, 2], None, True, "ranks 0, 2 stopped answering: no reply within 9 s while stepping, and their heartbeats stopped"),
+    ([0, 2], {"silent_s": 8, "ended": [2]}, False, "ranks 0, 2 stopped answering: their heartbeats were silent for 8 s"),
+])
+def test_the_lost_peer_line_names_one_rank_or_several_in_grammar(silent, verdict, timed_out, expected):
+    """Rank 0 may name the killed rank and one its agent already stopped beside it."""
+    line = _what_happened(RuntimeError("closed"), "stepping", silent, verdict, timed_out, 9.0)[1]
+    assert line.startswith(expected), line
+    assert line.endswith("; ended the process of rank 2 on this host (SIGKILL)") == bool(verdict), line
+
+
 def rank_pid(launcher_pid: int, rank: int) -> int:
     """The pid of the worker of `rank` among the launcher's children (its environment says)."""
     for child in Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split():
@@ -67,12 +81,10 @@ def launch(tmp_path: Path, run: Path, *args, restarts: int = 0, static: bool = F
     status = tmp_path / "status"
     rendezvous = ["--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())] if static \
         else ["--standalone"]
-    command = [str(TORCHRUN), *rendezvous, "--nproc_per_node", "2", "--max-restarts", str(restarts),
+    command = [*rendezvous, "--nproc_per_node", "2", "--max-restarts", str(restarts),
                "-m", "trainer", "--output", str(run), "--threads", "1", "--epochs", str(EPOCHS),
                "--log-every-steps", "1", *map(str, args)]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status)))
-    return process, status
+    return launch_torchrun(command, clean_environment(TRAINER_EXIT_STATUS_FILE=str(status))), status
 
 
 @pytest.mark.parametrize("mode,found_by", [("sync", "timeout"), ("async", "silence")])

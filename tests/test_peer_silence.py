@@ -12,16 +12,22 @@ CPU: tests/workloads/slow_steps.py), no assertion on speed (bench/restart_bench.
   silence bound: the run completes, nobody is named;
 - a restarted round (torchrun's restart count 1) whose peer never comes: one line, 75.
 - three ranks, rank 1 frozen: ranks 0 and 2 each end 75 with one line naming rank 1.
+- `recovery.open_run` in the script's own process group, rank 1 in a pid namespace of its own
+  (another pod on the node: never ended from here) frozen: rank 0 cuts the group's connections
+  found through the ranks' listeners and ends 75 in one line, with a 30-minute bound.
 The pure parts (the robust bound, the ring of watchers, proving a pid is the peer's) are tested
 without torchrun. Cost (TEST_CPU_LOG, load average about 12 from other jobs): the frozen rank's
 restart 29 s of CPU with its baseline (69 s of wall, plus 35 s for the shared baseline), the
-slow rank 11 s (33 s wall), three ranks 12 s (20 s wall), the restarted round 3 s (8 s wall).
+slow rank 11 s (33 s wall), three ranks 12 s (20 s wall), the restarted round 3 s (8 s wall), the
+script's own group 4 s counted (rank 1, reaped outside the test, about 3 s more; 41 s wall, load 8).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,13 +37,14 @@ import pytest
 from support.cli import REPO, compare, wait_for_line
 from support.limits import scaled
 from support.runs import attempts, generation, made_once
-from support.torchrun import TORCHRUN, clean_environment, free_port, torchrun
+from support.torchrun import clean_environment, free_port, torchrun
+from support.torchrun import launch as launch_torchrun
 from test_peer_failures import rank_pid
 from trainer.config import PeerWaitConfig
 from trainer.parallel.heartbeat import Heartbeat
 from trainer.parallel.launch import LaunchEnvironment
 from trainer.parallel.ranks import StepPace
-from trainer.parallel.silence import ProcessIdentity, end_if_here, is_dead_here
+from trainer.parallel.silence import GroupSockets, ProcessIdentity, end_if_here, is_dead_here
 
 WORKLOAD = ("--workload", f"{REPO}/tests/workloads/slow_steps.py:SlowSteps", "--toy-samples", 24,
             "--batch-size", 4, "--epochs", 1)
@@ -94,11 +101,45 @@ def test_a_pid_is_ended_only_where_it_is_provably_the_peers(tmp_path):
         child.wait()
 
 
+def test_a_groups_connections_are_found_through_the_ranks_listeners_and_nothing_else_is_cut():
+    """A group created before the run looked: its connections are the ones accepted on a rank's
+    listener or connected to one (here: in this process, both ends), a listener bound to every
+    address by its port alone; another connection and the listeners themselves are left alone."""
+    opened = []
+
+    def listening(host: str) -> socket.socket:
+        sock = socket.socket()
+        sock.bind((host, 0))
+        sock.listen()
+        opened.append(sock)
+        return sock
+
+    def connected(to: socket.socket) -> tuple[socket.socket, socket.socket]:
+        client = socket.create_connection(("127.0.0.1", to.getsockname()[1]))
+        accepted = to.accept()[0]
+        opened.extend((client, accepted))
+        return client, accepted
+
+    try:
+        gloo, anywhere, other = listening("127.0.0.1"), listening("0.0.0.0"), listening("127.0.0.1")
+        group = [*connected(gloo), *connected(anywhere)]
+        unrelated = connected(other)
+        sockets = GroupSockets(store_port=1)
+        sockets.adopt([[("127.0.0.1", gloo.getsockname()[1])], [("0.0.0.0", anywhere.getsockname()[1])]])
+        assert sockets.inodes == {os.fstat(sock.fileno()).st_ino for sock in group}
+        assert sockets.cut() == 4
+        assert all(sock.recv(1) == b"" for sock in group)  # shut down: a wait on them ends at once
+        unrelated[0].sendall(b"x")
+        assert unrelated[1].recv(1) == b"x" and gloo.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    finally:
+        for sock in opened:
+            sock.close()
+
+
 def launch(run: Path, status: Path, *args, env: dict) -> subprocess.Popen:
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--max-restarts", "1", "-m", "trainer",
+    command = ["--standalone", "--nproc_per_node", "2", "--max-restarts", "1", "-m", "trainer",
                "--output", str(run), "--threads", "1", "--log-every-steps", "1", *map(str, (*WORKLOAD, *args))]
-    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), PYTHONUNBUFFERED="1", **env))
+    return launch_torchrun(command, clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), PYTHONUNBUFFERED="1", **env))
 
 
 def test_a_frozen_rank_with_slow_steps_is_named_by_its_silence_ended_and_the_restart_is_exact(tmp_path, baseline_slow):
@@ -158,12 +199,11 @@ def test_three_ranks_name_the_same_frozen_rank_and_end_resumable(tmp_path):
     """Rank 1 of three frozen, no restart: the two others (rank 0 watches 1 and 2, rank 2 watches
     0 and 1) end 75, each with one line naming rank 1 alone, and rank 0's record names it."""
     run, status = tmp_path / "run", tmp_path / "status"
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "3", "-m", "trainer", "--output", str(run),
+    command = ["--standalone", "--nproc_per_node", "3", "-m", "trainer", "--output", str(run),
                "--threads", "1", "--log-every-steps", "1", "--workload", WORKLOAD[1], "--toy-samples", "24",
                "--batch-size", "6", "--epochs", "3", "--peer-silence-secs", str(SILENCE_S)]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), PYTHONUNBUFFERED="1",
-                                                     SLOW_STEP_SECS="0.5"))
+    process = launch_torchrun(command, clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), PYTHONUNBUFFERED="1",
+                                                         SLOW_STEP_SECS="0.5"))
     frozen = None
     try:
         wait_for_line(process, "step=2 ")
@@ -182,6 +222,46 @@ def test_three_ranks_name_the_same_frozen_rank_and_end_resumable(tmp_path):
     assert [line.split(" stopped answering: its heartbeat was silent for ")[0] for line in lines] == \
         ["trainer: error: rank 1", "trainer: rank 2: error: rank 1"], err[-3000:]
     assert "exitcode  : 75" in err, err[-3000:]  # ranks 0 and 2 (rank 1: killed)
+    record = attempts(run)[-1]
+    assert (record["status"], record["exit_code"], record["peer"]) == \
+        ("interrupted", 75, {"state": "unresponsive", "ranks": [1]})
+
+
+def test_a_frozen_peer_in_the_scripts_own_process_group_is_cut_off_by_its_silence(tmp_path):
+    """`recovery.open_run` in a group the script created before it (its sockets opened before the
+    run looked): rank 1, in a pid namespace of its own (another pod on the node: not provably a
+    process here, so never ended), frozen in step 4 while rank 0 waits in DDP's reduction with a
+    30-minute bound. Rank 0 finds the group's connections through the ranks' listeners, cuts
+    them when rank 1's heartbeat goes silent, and ends 75 in one line naming rank 1; before,
+    it waited out the bound. Cost: two fresh interpreters, about 8 CPU-s."""
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "--user", "--pid", "--fork", "--map-root-user", "true"],
+                                         capture_output=True).returncode != 0:
+        pytest.skip("no unshare --user --pid here (a pid namespace stands for another host)")
+    script, run, port = REPO / "tests" / "workloads" / "own_loop_frozen.py", tmp_path / "run", str(free_port())
+
+    def rank(number: int, *prefix: str) -> subprocess.Popen:
+        env = clean_environment(RANK=str(number), LOCAL_RANK=str(number), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                MASTER_PORT=port, SILENCE_S=str(SILENCE_S), PYTHONUNBUFFERED="1")
+        return subprocess.Popen([*prefix, sys.executable, str(script), str(run)], cwd=REPO, env=env, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    primary = rank(0)
+    other = rank(1, unshare, "--user", "--pid", "--fork", "--map-root-user", "--kill-child")
+    try:
+        wait_for_line(other, "waiting")
+        frozen = int(Path(f"/proc/{other.pid}/task/{other.pid}/children").read_text().split()[0])
+        os.kill(frozen, signal.SIGSTOP)
+        out, err = primary.communicate(timeout=scaled(120))  # the bound is 30 minutes: only the silence ends it
+    finally:
+        for process in (primary, other):
+            process.kill()
+            process.wait()
+    assert primary.returncode == 75, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("trainer:")]
+    assert len(lines) == 1 and lines[0].startswith("trainer: error: rank 1 stopped answering: its heartbeat was "
+                                                   "silent for "), err[-3000:]
+    assert "ended its process" not in lines[0]  # another pid namespace: not provably the peer, never signalled
     record = attempts(run)[-1]
     assert (record["status"], record["exit_code"], record["peer"]) == \
         ("interrupted", 75, {"state": "unresponsive", "ranks": [1]})

@@ -491,7 +491,12 @@ def test_dockerfile_installs_exactly_the_requirements_and_the_code():
     text = (REPO / "docker" / "Dockerfile").read_text()
     instructions = [line for line in re.sub(r"\\\n", " ", text).splitlines() if line and not line.startswith("#")]
     installs = [i for i in instructions if "pip install" in i]
-    assert len(installs) == 1 and installs[0].startswith("RUN ")
+    assert len(installs) == 2 and all(install.startswith("RUN ") for install in installs)
+    # then the project itself, its dependencies being the pins above: nothing else is resolved
+    project = shlex.split(installs[1].split("&&")[0])
+    assert project[project.index("install") + 1:] == ["--root-user-action=ignore", "--no-deps", "."]
+    assert instructions.index("COPY pyproject.toml README.md ./") < instructions.index(installs[1])
+    assert instructions.index("COPY trainer/ trainer/") < instructions.index(installs[1])
     words = shlex.split(installs[0].split("&&")[0])
     assert words[words.index("install") + 1:] == ["--root-user-action=ignore", "--extra-index-url",
                                                    "https://download.pytorch.org/whl/${TORCH_BUILD}",
@@ -515,8 +520,8 @@ def test_dockerfile_installs_exactly_the_requirements_and_the_code():
         assert result.returncode == status, result.stderr
     assert "is not the cu128 build" in result.stderr
     ignored = (REPO / ".dockerignore").read_text().splitlines()
-    assert ignored[ignored.index("*"):ignored.index("*") + 5] == ["*", "!requirements.txt", "!trainer/", "!compare.py",
-                                                                  "!examples/"]
+    assert ignored[ignored.index("*"):ignored.index("*") + 7] == ["*", "!requirements.txt", "!trainer/", "!compare.py",
+                                                                  "!examples/", "!pyproject.toml", "!README.md"]
     assert "COPY examples/ examples/" in instructions  # the example workloads run in the image too
 
 

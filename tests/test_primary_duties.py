@@ -7,14 +7,13 @@ Cost: about 8 s of CPU per case (2 processes, 1 epoch, gloo; 15-19 s of wall tim
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import pytest
 
-from support.cli import REPO
+from support.cli import completed
 from support.limits import scaled
-from support.torchrun import TORCHRUN, clean_environment
+from support.torchrun import clean_environment, launch
 
 
 @pytest.mark.parametrize("point, args, line", [
@@ -26,12 +25,11 @@ from support.torchrun import TORCHRUN, clean_environment
 ])
 def test_rank_0s_retention_or_export_failure_ends_every_rank_with_one_line(point, args, line, tmp_path):
     status = tmp_path / "status"
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "trainer", "--output",
+    command = ["--standalone", "--nproc_per_node", "2", "-m", "trainer", "--output",
                str(tmp_path / "run"), "--threads", "1", "--epochs", "1", *args]
     started = time.monotonic()
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=scaled(150),
-                            env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), TRAINER_RAISE_POINT=point,
-                                                  TRAINER_FAULT_RANK="0"))
+    result = completed(launch(command, clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), TRAINER_RAISE_POINT=point,
+                                                        TRAINER_FAULT_RANK="0")), 150)
     assert int(status.read_text()) == 74, result.stderr[-3000:]
     assert result.stderr.count("exitcode  : 74") == 2, "every rank exits 74, none is stopped by torchrun"
     lines = [text for text in result.stderr.splitlines() if text.startswith("trainer:")]

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from support.cli import REPO, compare, finish, one_error_line, run_cli, train
+from support.cli import REPO, compare, completed, finish, one_error_line, run_cli, train
 from support.limits import scaled, wait_until
-from support.runs import attempts, generation, made_once
-from support.torchrun import TORCHRUN, TORCHRUN_CHILD_FAILED, clean_environment, free_port, torchrun as run_torchrun
+from support.runs import FINAL_2P, TWO_PROCESS_EPOCHS, attempts, generation
+from support.torchrun import TORCHRUN, TORCHRUN_CHILD_FAILED, clean_environment, free_port, launch
+from support.torchrun import torchrun as run_torchrun
 
-EPOCHS = 2  # 16 steps: enough for mid-run generations, short enough for CI
-FINAL_2P = "step-00000016"
+EPOCHS = TWO_PROCESS_EPOCHS  # 16 steps: enough for mid-run generations, short enough for CI
 
 
 def torchrun(output: Path, *args, expect: int = 0, env: dict | None = None, tmp: Path) -> subprocess.CompletedProcess:
@@ -32,19 +32,12 @@ def trainer_error_lines(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("trainer:")]
 
 
-@pytest.fixture(scope="module")
-def baseline_2p(tmp_path_factory) -> Path:
-    """An uninterrupted 2-process run, the reference for every 2-process resume."""
-    return made_once(tmp_path_factory, "baseline-2p", lambda root: torchrun(root / "run", tmp=root)) / "run"
-
-
 def crash(run: Path, point: str, rank: int, *args) -> subprocess.CompletedProcess:
     """A resume during which rank `rank` dies by SIGKILL at crash point `point`; torchrun
     reports the failure (nothing is written for a killed child)."""
-    crashed = subprocess.run(
-        [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "trainer", "--output", str(run),
-         "--epochs", str(EPOCHS), "--threads", "1", "--resume", *args], cwd=REPO, capture_output=True, text=True,
-        timeout=scaled(600), env=clean_environment(TRAINER_FAULT_POINT=point, TRAINER_FAULT_RANK=str(rank)))
+    crashed = completed(launch(
+        ["--standalone", "--nproc_per_node", "2", "-m", "trainer", "--output", run, "--epochs", EPOCHS, "--threads", 1,
+         "--resume", *args], clean_environment(TRAINER_FAULT_POINT=point, TRAINER_FAULT_RANK=str(rank))), 600)
     assert crashed.returncode == TORCHRUN_CHILD_FAILED
     assert f"fault injection: killing at {point}" in crashed.stderr and "exitcode  : -9" in crashed.stderr
     return crashed
@@ -118,10 +111,8 @@ def test_async_staging_with_several_ranks_holds_the_values_of_the_moment_it_was_
     """FSDP2 on two ranks: after staging, every rank mutates its parameter shards and optimizer
     state in place before the background write starts; the generation still holds the staged
     values (tests/rank_staging_isolation.py compares it with a sync save of the same state)."""
-    result = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2",
-                             str(REPO / "tests" / "rank_staging_isolation.py"), str(tmp_path)],
-                            cwd=REPO, capture_output=True, text=True, timeout=scaled(600),
-                            env=clean_environment(PYTHONPATH=str(REPO)))
+    result = completed(launch(["--standalone", "--nproc_per_node", "2", REPO / "tests" / "rank_staging_isolation.py",
+                              tmp_path], clean_environment(PYTHONPATH=str(REPO))), 600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "isolated 12 tensors" in result.stdout
 
@@ -133,10 +124,9 @@ def test_a_disk_full_on_one_rank_fails_every_rank_with_74_and_commits_nothing(tm
     wrapper = tmp_path / "one-rank-limited.sh"
     wrapper.write_text(f'#!/bin/bash\nif [ "$RANK" = 1 ]; then ulimit -f 1; fi\nexec {sys.executable} -m trainer "$@"\n')
     wrapper.chmod(0o755)
-    result = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--no-python", str(wrapper),
-                             "--output", str(run), "--epochs", str(EPOCHS), "--threads", "1",
-                             "--checkpoint-mode", "async"], cwd=REPO, capture_output=True, text=True,
-                            timeout=scaled(600), env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status_file)))
+    result = completed(launch(["--standalone", "--nproc_per_node", "2", "--no-python", wrapper, "--output", run,
+                              "--epochs", EPOCHS, "--threads", 1, "--checkpoint-mode", "async"],
+                             clean_environment(TRAINER_EXIT_STATUS_FILE=str(status_file))), 600)
     status = int(status_file.read_text()) if status_file.exists() else None
     assert result.returncode == TORCHRUN_CHILD_FAILED and status == 74, result.stdout[-2000:] + result.stderr[-4000:]
     assert result.stderr.count("exitcode  : 74") == 2, "every rank exits 74"
@@ -156,11 +146,10 @@ def test_sigterm_to_torchrun_saves_once_on_every_rank_and_exits_75(tmp_path):
     ranks disagreed on a save, one would wait in the save while the other trains: a hang).
     Async saves: the last one is drained and committed on the way out."""
     run, status_file = tmp_path / "run", tmp_path / "status"
-    launcher = subprocess.Popen(
-        [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "trainer", "--output", str(run),
-         "--epochs", "2000", "--recover-every-epochs", "0", "--recover-every-secs", "0.5", "--checkpoint-mode", "async"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status_file)))
+    launcher = launch(
+        ["--standalone", "--nproc_per_node", "2", "-m", "trainer", "--output", run, "--epochs", "2000",
+         "--recover-every-epochs", "0", "--recover-every-secs", "0.5", "--checkpoint-mode", "async"],
+        clean_environment(TRAINER_EXIT_STATUS_FILE=str(status_file)))
     try:
         wait_until(lambda: len(list((run / "checkpoints").glob("step-*"))) >= 2 or launcher.poll() is not None,
                    "two time-triggered generations", every=0.2)
@@ -253,8 +242,10 @@ def test_pytorchjob_polyaxonfile_is_valid_and_its_launcher_reports_the_trainer_s
                              timeout=scaled(600), env={**os.environ, "HOME": str(home)})
     assert checked.returncode == 0 and "Polyaxonfile valid" in checked.stdout, checked.stdout + checked.stderr
 
-    rendered = render_pytorchjob(home, {"workers": 0, "epochs": 1, "interrupt_at_step": 3,
-                                        "allow_drift": ["world_size"]})
+    rendered, baked = render_pytorchjob(home, {"workers": 0, "epochs": 1, "interrupt_at_step": 3,
+                                               "allow_drift": ["world_size"]},
+                                        {"workers": 0, "epochs": 1, "interrupt_at_step": 3,
+                                         "allow_drift": ["world_size"], "install_requirements": False})
     master, worker = rendered["master"], rendered["worker"]
     assert master == worker and rendered["replicas"] == [1, 0] and rendered["nProcPerNode"] == 2
     assert "-m trainer --tracked --epochs=1 --interrupt-at-step=3 --resume=auto" in master
@@ -266,8 +257,7 @@ def test_pytorchjob_polyaxonfile_is_valid_and_its_launcher_reports_the_trainer_s
     # Run the rendered launcher as the master pod of the baked image would, without PET_* (the
     # fallback path), in this checkout instead of the image's copy, with a local output
     # directory instead of --tracked.
-    baked = render_pytorchjob(home, {"workers": 0, "epochs": 1, "interrupt_at_step": 3, "allow_drift": ["world_size"],
-                                     "install_requirements": False})["master"]
+    baked = baked["master"]
     assert "pip" not in baked  # the baked image holds the requirements (docker/Dockerfile)
     script = baked.replace("--tracked", f"--output {tmp_path / 'run'}").replace("/opt/training-recovery", str(REPO))
     env = clean_environment(RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
@@ -285,21 +275,24 @@ import json, sys
 from polyaxon._polyaxonfile import check_polyaxonfile
 from polyaxon._polyaxonfile.specs import CompiledOperationSpecification, OperationSpecification
 
-op = check_polyaxonfile(polyaxonfile="polyaxonfiles/pytorchjob.yaml", params=json.loads(sys.argv[1]),
-                        is_cli=False, verbose=False)
-compiled = OperationSpecification.compile_operation(op)
-compiled = CompiledOperationSpecification.apply_params(compiled, params={k: v.to_dict() for k, v in op.params.items()})
-compiled = CompiledOperationSpecification.apply_operation_contexts(compiled)
-context = {"globals": {"run_artifacts_path": "/artifacts/run"}}
-compiled = CompiledOperationSpecification.apply_runtime_contexts(compiled, contexts={"master": context, "worker": context})
-run = compiled.run
-print(json.dumps({"master": run.master.container.args[0], "worker": run.worker.container.args[0],
-                  "replicas": [run.master.replicas, run.worker.replicas], "nProcPerNode": run.n_proc_per_node}))
+def render(params):
+    op = check_polyaxonfile(polyaxonfile="polyaxonfiles/pytorchjob.yaml", params=params, is_cli=False, verbose=False)
+    compiled = OperationSpecification.compile_operation(op)
+    compiled = CompiledOperationSpecification.apply_params(compiled, params={k: v.to_dict() for k, v in op.params.items()})
+    compiled = CompiledOperationSpecification.apply_operation_contexts(compiled)
+    context = {"globals": {"run_artifacts_path": "/artifacts/run"}}
+    compiled = CompiledOperationSpecification.apply_runtime_contexts(compiled, contexts={"master": context, "worker": context})
+    run = compiled.run
+    return {"master": run.master.container.args[0], "worker": run.worker.container.args[0],
+            "replicas": [run.master.replicas, run.worker.replicas], "nProcPerNode": run.n_proc_per_node}
+
+print(json.dumps([render(params) for params in json.loads(sys.argv[1])]))
 """
 
 
-def render_pytorchjob(home: Path, params: dict) -> dict:
-    """The container scripts as Polyaxon's own compiler resolves them for these params."""
+def render_pytorchjob(home: Path, *params: dict) -> list[dict]:
+    """The container scripts as Polyaxon's own compiler resolves them for each set of params
+    (one interpreter for all: Polyaxon's import is most of a render's cost)."""
     result = subprocess.run([sys.executable, "-c", RENDER, json.dumps(params)], cwd=REPO, capture_output=True,
                             text=True, timeout=scaled(600), env={**os.environ, "HOME": str(home)})
     assert result.returncode == 0, result.stderr[-3000:]

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from support.cli import REPO, compare, finish, one_error_line, run_cli, start, wait_for_line
+from support.cli import compare, finish, one_error_line, run_cli, start, wait_for_line
+from support.runs import matrix_baseline
 from support.s3 import committed, keys, store_env
-from support.torchrun import TORCHRUN, clean_environment, free_port
+from support.torchrun import clean_environment, free_port, launch
 
 EPOCHS = ("--epochs", 2)  # 16 steps with two processes
 FINAL = "step-00000016"
@@ -37,13 +38,12 @@ def two_nodes(url: str, tmp: Path, *args, env: dict, fault: dict | None = None, 
         status = tmp / f"status-{node}-{len(list(tmp.glob(f'status-{node}-*')))}"
         tiers = (["--local-tier", str(tmp / f"node-{node}")] if url.startswith("s3://") else []) + \
             (["--memory-dir", str(memory_dir(tmp, node))] if memory else [])
-        command = [str(TORCHRUN), "--nnodes", str(count), "--node_rank", str(node), "--nproc_per_node", "1",
+        command = ["--nnodes", str(count), "--node_rank", str(node), "--nproc_per_node", "1",
                    "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "trainer",
                    "--output", url, *tiers, *map(str, EPOCHS + args + (node_args or {}).get(node, ()))]
         node_env = clean_environment(TRAINER_EXIT_STATUS_FILE=str(status),
                                      **{**env, **(fault or {}), **(per_node or {}).get(node, {})})
-        processes.append((subprocess.Popen(command, cwd=REPO, env=node_env, stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True), status))
+        processes.append((launch(command, node_env), status))
     results = []
     for process, status in processes:
         out, err = finish(process, timeout)
@@ -72,12 +72,11 @@ def download(server, bucket: str, prefix: str, target: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def baseline_two_nodes(s3_server, tmp_path_factory):
-    """An uninterrupted two-node run in the store, downloaded for comparison."""
-    bucket, tmp = s3_server.create_bucket(), tmp_path_factory.mktemp("two-node-baseline")
-    results = two_nodes(f"s3://{bucket}/run", tmp, env=store_env(s3_server))
-    assert statuses(results) == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
-    return download(s3_server, bucket, f"run/checkpoints/{FINAL}", tmp / "final")
+def baseline_two_nodes(baseline_2p) -> Path:
+    """The final generation of the shared uninterrupted 2-process run (`torchrun --standalone`
+    on one disk, support.runs): two nodes on one store must end bit-identical to it (the same
+    two ranks; where they run and store is no input)."""
+    return baseline_2p / "checkpoints" / FINAL
 
 
 def test_two_nodes_without_a_shared_disk_survive_an_interrupt_and_a_node_killed_mid_save(
@@ -199,15 +198,14 @@ def test_a_paused_rank_0_of_two_nodes_is_fenced_after_a_takeover(s3_server, s3_b
     url, env = f"s3://{bucket}/run", store_env(s3_server)
     port, processes = free_port(), []
     for node in (0, 1):
-        command = [str(TORCHRUN), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+        command = ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
                    "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "trainer", "--output", url,
                    "--local-tier", str(tmp_path / f"node-{node}"), *map(str, EPOCHS), "--checkpoint-mode", "async",
                    "--lease-ttl-secs", "2", "--export-every-epochs", "3",  # the first commit is step-00000008's
                    "--peer-silence-secs", "600"]  # paused, not frozen: rank 1 must not end it (it is the zombie)
-        processes.append(subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                          env=clean_environment(**env, TRAINER_EXIT_STATUS_FILE=str(tmp_path / f"s-{node}"),
-                                                                TRAINER_PAUSE_POINT="store-before-manifest",
-                                                                TRAINER_FAULT_RANK="0")))
+        processes.append(launch(command, clean_environment(**env, TRAINER_EXIT_STATUS_FILE=str(tmp_path / f"s-{node}"),
+                                                           TRAINER_PAUSE_POINT="store-before-manifest",
+                                                           TRAINER_FAULT_RANK="0")))
     successor = None
     try:
         for line in processes[0].stderr:  # torchrun's stderr carries its child's
@@ -389,21 +387,20 @@ def test_a_damaged_part_without_a_replica_leaves_the_object_store_to_serve(s3_se
     assert_exact(s3_server, bucket, tmp, baseline_two_nodes)
 
 
-def test_three_nodes_a_lost_node_fetches_from_the_next_node_while_its_own_replica_is_lost_too(tmp_path):
+def test_three_nodes_a_lost_node_fetches_from_the_next_node_while_its_own_replica_is_lost_too(tmp_path,
+                                                                                             tmp_path_factory):
     """A ring of three nodes (one process each, one shared run directory, async saves): rank r's replica is
     kept by rank r+1, so a node's sender and receiver are different peers. Node 1 lost (memory
     wiped): rank 1 fetches its part from rank 2; the replica of rank 0 that node 1 kept is gone,
-    but rank 0's own part serves. Exact against an uninterrupted three-node run."""
+    but rank 0's own part serves. Exact against the shared uninterrupted 3-process DDP run of
+    test_exact_matrix.py (`torchrun --standalone`, the same 12 steps; support.runs)."""
     three = ("--samples", 144, "--batch-size", 12, "--epochs", 1, *TIER0, "--checkpoint-mode", "async")
     """12 steps, 4 samples per rank per step; async saves: a part is replicated once its
     background commit is reported."""
 
-    def run(folder: Path, *args, memory: bool = True) -> list[subprocess.CompletedProcess]:
-        return two_nodes(str(folder / "run"), folder, *(three if memory else three[:8]), *args, env={}, count=3,
-                         memory=memory)
+    def run(folder: Path, *args) -> list[subprocess.CompletedProcess]:
+        return two_nodes(str(folder / "run"), folder, *three, *args, env={}, count=3, memory=True)
 
-    baseline = run(tmp_path / "baseline", memory=False)
-    assert statuses(baseline) == [0, 0, 0], baseline[0].stderr[-3000:]
     interrupted = run(tmp_path, "--interrupt-at-step", 7)
     assert statuses(interrupted) == [75, 75, 75], interrupted[0].stderr[-3000:]
     for node in range(3):  # its own part and its keeper's replica: rank r's on node r and r + 1
@@ -417,7 +414,8 @@ def test_three_nodes_a_lost_node_fetches_from_the_next_node_while_its_own_replic
     assert f"tier 0 of rank 1 cannot serve {TIER0_STEP}" in output and "tier 0 of rank 0" not in output
     assert f"restored {TIER0_STEP} (step=6 epoch=0 position=6) from tier 0 and a peer's replica" in output
     final = "step-00000012"
-    result = compare(tmp_path / "baseline" / "run" / "checkpoints" / final, tmp_path / "run" / "checkpoints" / final)
+    result = compare(matrix_baseline(tmp_path_factory, 3, "ddp") / "checkpoints" / final,
+                     tmp_path / "run" / "checkpoints" / final)
     assert result.returncode == 0 and "all equal" in result.stdout, result.stdout
 
 

@@ -31,9 +31,10 @@ def main() -> None:
         sys.exit(UsageError.exit_code)
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # the console script: `--workload my_module:F` as `python -m` finds it
-    from trainer.cli import exit_process, main as run_command  # after the handlers: importing torch takes a while
+    from trainer.cli import PROGRAM, exit_process, main as run_command  # after the handlers: importing torch takes a while
 
-    exit_process(run_command())
+    ran = os.path.basename(sys.argv[0])  # the console script's own name, or `-m`'s trainer/__main__.py
+    exit_process(run_command(program=PROGRAM if ran in ("__main__.py", "") else ran))
 
 
 if __name__ == "__main__":

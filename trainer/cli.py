@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 import gc
+import json
 import logging
 import os
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 from typing import NoReturn
@@ -31,6 +33,8 @@ from trainer.parallel.launch import LaunchEnvironment, is_multi_process, local_r
 from trainer.options import AUTO, location_argument, path_argument, positive_float
 
 EXIT_STATUS_ENV = "TRAINER_EXIT_STATUS_FILE"
+PROGRAM = "python -m trainer"
+"""How usage and `--help` name the command unless the console script says its own name."""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -53,11 +57,11 @@ def train_parser(workload: str = DEFAULT_WORKLOAD) -> OneLineParser:
     return workload_parser(workload)[0]
 
 
-def workload_parser(workload: str) -> tuple[OneLineParser, tuple[str, ...]]:
+def workload_parser(workload: str, program: str = PROGRAM) -> tuple[OneLineParser, tuple[str, ...]]:
     """The training parser with `workload`'s options, and their names."""
     from trainer.workload.loading import find_factory  # imports the workload (and torch)
 
-    parser = trainer_parser()
+    parser = trainer_parser(program)
     trainer_names = set(vars(parser.parse_known_args([])[0]))
     found = find_factory(workload)
     declared = found.add_options(parser.add_argument_group(f"options of the workload {workload}"))
@@ -75,12 +79,14 @@ def chosen_workload(argv: list[str]) -> str:
     return finder.parse_known_args(argv)[0].workload
 
 
-def trainer_parser() -> OneLineParser:
-    parser = OneLineParser(prog="python -m trainer", formatter_class=ShowDefaults,
-                           usage="python -m trainer --output DIR|URL [options]\n"
-                                 "       python -m trainer list|verify|report DIR|URL [--json] (see COMMAND --help)",
-                           description="Train with exact, crash-safe recovery. "
-                                       "Other commands: `list DIR|URL`, `report DIR|URL`, `verify DIR|GEN|URL`.")
+def trainer_parser(program: str = PROGRAM) -> OneLineParser:
+    """`program`: what the user ran (`training-recovery`, or `python -m trainer`)."""
+    parser = OneLineParser(prog=program, formatter_class=ShowDefaults,
+                           usage=f"{program} --output DIR|URL [options]\n"
+                                 f"       {program} list|verify|report DIR|URL [--json] (see COMMAND --help)\n"
+                                 f"       {program} compare GENERATION GENERATION [--json]",
+                           description="Train with exact, crash-safe recovery. Other commands: `list DIR|URL`, "
+                                       "`report DIR|URL`, `verify DIR|GEN|URL`, `compare A B`.")
     parser.add_argument("--output", type=location_argument, metavar="DIR|URL",
                         help="run directory (generations, exports, attempt records): a local path, or an object "
                              "store URL s3://BUCKET/PREFIX (gs://, az://) to make every generation durable there")
@@ -231,10 +237,10 @@ def config_from_args(args: argparse.Namespace, argv: list[str], location: Locati
                    workload=replace(config.workload, given=getattr(args, "given_settings", frozenset())))
 
 
-def run_train(argv: list[str]) -> int:
+def run_train(argv: list[str], program: str = PROGRAM) -> int:
     gc.disable()  # until the start-up's imports are done: see collect_after_start_up
     launch = LaunchEnvironment.from_environ(os.environ)
-    parser, workload_options = workload_parser(chosen_workload(argv))
+    parser, workload_options = workload_parser(chosen_workload(argv), program)
     args = parser.parse_args(argv)
     args.given_settings = given_settings(parser, argv)  # a DataLoader from build_dataset fills the others
     check_option_combinations(args, launch)
@@ -288,6 +294,7 @@ def train_in(config: RunConfig, launch: LaunchEnvironment, events=None) -> int:
     from trainer.run.events import TrainingEvents
     from trainer.run.loop import run_training  # imports torch: after cheap validation
     import torch.distributed.checkpoint  # noqa: F401  (every run saves through DCP: imported before the freeze)
+    import torch._dynamo  # noqa: F401  (torch.optim imports it at its first load_state_dict or step: before the freeze)
 
     collect_after_start_up()
 
@@ -303,8 +310,8 @@ def train_in(config: RunConfig, launch: LaunchEnvironment, events=None) -> int:
 RUN_OR_URL = "a run directory, or the store URL of one (s3://BUCKET/RUN)"
 
 
-def run_list(argv: list[str]) -> int:
-    parser = OneLineParser(prog="python -m trainer list",
+def run_list(argv: list[str], program: str = PROGRAM) -> int:
+    parser = OneLineParser(prog=f"{program} list",
                            description="Generations, exports and attempts; for a run in a store, also which "
                                        "generations are durable and which this machine's local tier holds.")
     parser.add_argument("directory", type=location_argument, metavar="DIR|URL", help=RUN_OR_URL)
@@ -341,8 +348,8 @@ def listed_location(args: argparse.Namespace, require_run_directory) -> Location
     return args.store.with_local_tier(args.directory.root)
 
 
-def run_verify(argv: list[str]) -> int:
-    parser = OneLineParser(prog="python -m trainer verify",
+def run_verify(argv: list[str], program: str = PROGRAM) -> int:
+    parser = OneLineParser(prog=f"{program} verify",
                            description="Apply every check --resume applies to generations and exports: each file "
                                        "re-hashed against its manifest, name, run, signature, and every stored "
                                        "value loaded without running code (docs/security.md).")
@@ -358,8 +365,8 @@ def run_verify(argv: list[str]) -> int:
     return print_verifications(open_source(args.path, signing).verifications(), args.json)
 
 
-def run_report(argv: list[str]) -> int:
-    parser = OneLineParser(prog="python -m trainer report",
+def run_report(argv: list[str], program: str = PROGRAM) -> int:
+    parser = OneLineParser(prog=f"{program} report",
                            description="Recovery report: per attempt, steps computed, replayed and lost and what "
                                        "restores and saves cost; goodput and time lost for the run.")
     parser.add_argument("directory", type=location_argument, metavar="DIR|URL", help=RUN_OR_URL)
@@ -376,10 +383,62 @@ def run_report(argv: list[str]) -> int:
     return print_report(source.report(), source.where, args.json, args.png, args.assume_mtbf_secs)
 
 
-COMMANDS = {"list": run_list, "report": run_report, "verify": run_verify}
+def run_compare(argv: list[str], program: str = PROGRAM, prog: str | None = None) -> int:
+    """Exit 0 iff every field is bit-identical, 1 if any differs, 2 if an input is unreadable,
+    65 if one holds a pickle that loading would have to run code for (never unpickled), 74 if
+    a store cannot be reached or refuses our credentials, 75 if interrupted. `prog`: the whole
+    command as usage names it (`python compare.py`), when not `PROGRAM compare`."""
+    from trainer.errors import StorageFailure, UntrustedGeneration
+
+    # Store retries are reported as they happen, on stdout as the trainer does; nothing at INFO.
+    logging.getLogger().setLevel(logging.WARNING)
+    parser = OneLineParser(prog=prog or f"{program} compare",
+                           description="Prove two recovery generations hold the same training state: every field "
+                                       "bit for bit, and the samples each trained on.")
+    parser.add_argument("a", type=location_argument,
+                        help="baseline generation, e.g. outputs/baseline/checkpoints/step-00000064, or its store "
+                             "URL s3://BUCKET/RUN/checkpoints/step-00000064")
+    parser.add_argument("b", type=location_argument, help="resumed generation (a directory or a store URL)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    try:
+        args = parser.parse_args(argv)
+        results, ledgers = compare_inputs(args.a, args.b)
+    except TrainerError as error:
+        print(f"compare: error: {error}", file=sys.stderr)
+        return error.exit_code if error.exit_code in (EXIT_INTERRUPTED, StorageFailure.exit_code,
+                                                      UntrustedGeneration.exit_code) else 2
+    except KeyboardInterrupt:
+        print("compare: interrupted by a signal; nothing was compared", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    from trainer.inspect.compare import as_json, format_ledgers, format_table
+
+    try:
+        print(json.dumps(as_json(args.a, args.b, results, ledgers), indent=2) if args.json
+              else format_ledgers(*ledgers) + format_table(results), flush=True)
+    except BrokenPipeError:
+        # `compare A B | head`: the reader left; the verdict is still the exit status.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0 if all(r.equal for r in results) else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def compare_inputs(a, b) -> tuple[list, tuple[dict, dict]]:
+    """Field results of two generations and their sample ledgers; one named by store URL is
+    downloaded (verified while it streams) into a temporary directory that is gone afterwards."""
+    from trainer.inspect.compare import compare_states, load_generation
+    from trainer.inspect.sources import open_source
+
+    collect_after_start_up()
+    with tempfile.TemporaryDirectory(prefix="compare-") as scratch:
+        first = load_generation(open_source(a).generation(Path(scratch) / "a"))
+        second = load_generation(open_source(b).generation(Path(scratch) / "b"))
+        return compare_states(first.state, second.state), (first.ledger, second.ledger)
+
+
+COMMANDS = {"list": run_list, "report": run_report, "verify": run_verify, "compare": run_compare}
+
+
+def main(argv: list[str] | None = None, program: str = PROGRAM) -> int:
+    """`program`: the command the user ran, as usage and `--help` name it."""
     argv = sys.argv[1:] if argv is None else argv
     rank = rank_of(os.environ)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
@@ -393,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(chatty).setLevel(logging.WARNING)
     command = COMMANDS.get(argv[0]) if argv else None
     try:
-        status = command(argv[1:]) if command else run_train(argv)
+        status = command(argv[1:], program) if command else run_train(argv, program)
     except TrainerError as error:
         sys.stdout.flush()
         if rank == 0:

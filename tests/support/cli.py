@@ -34,13 +34,18 @@ def run_cli(*args, env: dict | None = None, timeout: float = CLI_TIMEOUT_S, **op
         return subprocess.run([sys.executable, *argv], cwd=REPO, env=environment, capture_output=True, text=True,
                               timeout=scaled(timeout), **options)
     with zygote().spawn(argv, REPO, environment, new_session=False) as process:
-        try:
-            out, err = process.communicate(timeout=scaled(timeout))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            raise
-    return subprocess.CompletedProcess(argv, process.returncode, out, err)
+        return completed(process, timeout)
+
+
+def completed(process: subprocess.Popen, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """A started process's output once it exited (killed past the scaled `timeout`)."""
+    try:
+        out, err = process.communicate(timeout=scaled(timeout))
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
 def start(output, *args, env: dict | None = None, command: tuple = TRAINER,

@@ -1,5 +1,6 @@
 """What a run leaves behind (generations, attempt records, report PNGs), and the reference runs
-every worker shares (`baseline`, `short_baseline`, made once per session by `made_once`)."""
+every worker shares (`baseline`, `short_baseline`, `baseline_2p`, `matrix_baseline`, made once
+per session by `made_once`)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,17 @@ from pathlib import Path
 import pytest
 
 from support.cli import train
+from support.torchrun import torchrun
 
 FINAL = "step-00000064"
 SHORT = ("--epochs", 3)
 """A 24-step run (3 epochs of the default workload): what `short_baseline` trains."""
 SHORT_FINAL = "step-00000024"
+TWO_PROCESS_EPOCHS = 2
+"""16 steps on two processes: what `baseline_2p` trains."""
+FINAL_2P = "step-00000016"
+MATRIX_ARGS = ("--samples", 144, "--batch-size", 12, "--epochs", 1, "--recover-every-steps", 4, "--keep-last", 10)
+"""12 steps; the batch splits evenly over 2, 3 and 4 ranks (test_exact_matrix.py's cells)."""
 
 
 def generation(output: Path, name: str = FINAL) -> Path:
@@ -64,3 +71,21 @@ def short_baseline(tmp_path_factory) -> Path:
     """An uninterrupted 3-epoch local run (`SHORT`), shared by every short local and store run
     that must end equal to it."""
     return made_once(tmp_path_factory, "short-baseline", lambda folder: train(folder / "run", *SHORT)) / "run"
+
+
+@pytest.fixture(scope="session")
+def baseline_2p(tmp_path_factory) -> Path:
+    """An uninterrupted 2-process run (`torchrun --standalone`, one disk), the reference for
+    every 2-process resume: test_scale_out.py's, test_peer_failures.py's, and two nodes on one
+    store in test_store_pods.py (where the ranks run and store is no input)."""
+    return made_once(tmp_path_factory, "baseline-2p", lambda root: torchrun(
+        root / "run", "--epochs", TWO_PROCESS_EPOCHS, nproc=2, tmp=root)) / "run"
+
+
+def matrix_baseline(tmp_path_factory, world_size: int, parallel: str) -> Path:
+    """The uninterrupted `MATRIX_ARGS` run on `world_size` processes (sync saves), made once per
+    session: test_exact_matrix.py's cell baselines, and test_store_pods.py's ring of three nodes
+    ends equal to the 3-process DDP one."""
+    return made_once(tmp_path_factory, f"matrix-{world_size}-{parallel}", lambda root: torchrun(
+        root / "run", *MATRIX_ARGS, "--data-parallel", parallel, "--checkpoint-mode", "sync", nproc=world_size,
+        tmp=root)) / "run"

@@ -1,6 +1,10 @@
 """Several trainer processes under `torchrun` (always fresh interpreters: a fork cannot be a
 launcher's rank), a free port for a rendezvous, and an environment without an outer launcher's
-variables."""
+variables. The launcher itself (torchrun's agent) is forked from the worker's zygote where it
+can be (`launch`): it is a Python program that imports torch before it does anything (about
+2 s of CPU, a third of a 2-process launch) and then starts its ranks as fresh interpreters.
+An uninterrupted reference run's ranks may be forked from the zygote too, with the variables a
+launcher sets (`forked_ranks`: no agent, no fresh interpreters)."""
 
 from __future__ import annotations
 
@@ -10,10 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support.cli import REPO
+from support.cli import REPO, completed, forked, trainer_env, zygote, zygote_environment
 from support.limits import scaled
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
+AGENT = ("-m", "torch.distributed.run")
+"""What the `torchrun` script runs (its entry point, `torch.distributed.run:main`)."""
 TORCHRUN_CHILD_FAILED = 1
 """What torchrun itself exits with when any child exits non-zero, 75 included (measured)."""
 
@@ -31,18 +37,58 @@ def clean_environment(**extra: str) -> dict:
     return {**env, "PYTHONPATH": str(REPO), **extra}
 
 
+def launch(args, env: dict, start_new_session: bool = False) -> subprocess.Popen:
+    """`torchrun ARGS` as a live process with text pipes. Its agent is forked from the worker's
+    zygote (tests/forking.py) unless a fork cannot stand in for the script (TEST_FORK=0, or an
+    environment torch reads at import that differs from the zygote's); PYTHONUNBUFFERED alone
+    may differ: it sets the agent's own output buffering, and the ranks, fresh interpreters,
+    read it from the environment they inherit, `env` as given."""
+    args = [*map(str, args)]
+    if forked({**env, "PYTHONUNBUFFERED": zygote_environment().get("PYTHONUNBUFFERED", "")}, {}):
+        return zygote().spawn([*AGENT, *args], REPO, env, new_session=start_new_session)
+    return subprocess.Popen([str(TORCHRUN), *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=start_new_session)
+
+
 def torchrun(output, *args, nproc: int = 2, expect: int = 0, env: dict | None = None,
              tmp: Path) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node NPROC -m trainer --output OUTPUT --threads 1 ARGS`;
     `expect` is the trainer's status (every rank's), read from TRAINER_EXIT_STATUS_FILE;
     torchrun's own status must be 0 for 0 and 1 for anything else."""
     status_file = tmp / f"status-{len(list(tmp.glob('status-*')))}"
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), "-m", "trainer",
-               "--output", str(output), "--threads", "1", *map(str, args)]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=scaled(600),
-                            env=clean_environment(TRAINER_EXIT_STATUS_FILE=str(status_file), **(env or {})))
+    command = ["--standalone", "--nproc_per_node", str(nproc), "-m", "trainer", "--output", str(output),
+               "--threads", "1", *map(str, args)]
+    result = completed(launch(command, clean_environment(TRAINER_EXIT_STATUS_FILE=str(status_file), **(env or {}))),
+                      600)
     trainer_status = int(status_file.read_text()) if status_file.exists() else None
     assert trainer_status == expect, (f"trainer status {trainer_status}, wanted {expect} (torchrun {result.returncode})\n"
                                       f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
     assert result.returncode == (0 if expect == 0 else TORCHRUN_CHILD_FAILED), result.stderr[-3000:]
     return result
+
+
+def forked_ranks(script: Path, *args, nproc: int) -> list[str]:
+    """`python SCRIPT ARGS` as `nproc` ranks started the way any launcher may start them (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT set; rank 0 hosts the rendezvous store), each forked
+    from this worker's zygote (tests/forking.py) unless the environment asks for a fresh
+    interpreter: a reference run without torchrun's agent and N interpreters' start (about 2 +
+    3N CPU-seconds less). Every rank must exit 0; their stdouts, in rank order."""
+    port = str(free_port())
+    processes = []
+    try:
+        for rank in range(nproc):
+            env = trainer_env(clean_environment(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                                                LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+            argv = [str(script), *map(str, args)]
+            processes.append(zygote().spawn(argv, REPO, env, new_session=False) if forked(env, {}) else
+                             subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True))
+        outputs = [process.communicate(timeout=scaled(600)) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    for rank, (process, (out, err)) in enumerate(zip(processes, outputs)):
+        assert process.returncode == 0, f"rank {rank} exited {process.returncode}\n{out[-2000:]}\n{err[-3000:]}"
+    return [out for out, _ in outputs]

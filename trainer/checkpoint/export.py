@@ -11,7 +11,6 @@ import shutil
 import time
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from trainer import seams
@@ -58,6 +57,8 @@ def write_export(section: LocalSection, weights: dict[str, torch.Tensor], step: 
     try:
         seams.crash_point("before-export")
         temporary = section.begin(step, attempt_id)
+        from safetensors.torch import save_file  # at the first export: a restart's start-up need not load it
+
         save_file(tensors, str(temporary / EXPORT_WEIGHTS), metadata={"step": str(step)})
         write_file_durably(temporary / EXPORT_CONFIG, encode_json(config))
         digest = section.publish(temporary, step, lambda files: Manifest.for_export(step, epoch, attempt_id, files))

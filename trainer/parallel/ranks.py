@@ -57,7 +57,7 @@ from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageErr
 from trainer.parallel.heartbeat import Heartbeat, round_prefix
 from trainer.parallel.launch import PRIMARY, LaunchEnvironment, process_age_s
 from trainer.parallel.reduction import PER_PARAMETER, per_parameter_mean
-from trainer.parallel.silence import GroupSockets, socket_inodes
+from trainer.parallel.silence import GroupSockets, listeners, socket_inodes
 from trainer.layout import RunDirectory
 
 T = TypeVar("T")
@@ -395,23 +395,33 @@ def _what_happened(error: BaseException, what: str, silent: list[int] | None, ve
                    timed_out: bool, bound: float) -> tuple[str, str]:
     """A peer failure's state and the first part of its line (`Ranks.peer_failure`)."""
     who = ("rank " if len(silent) == 1 else "ranks ") + ", ".join(map(str, silent)) if silent else None
+    one = bool(silent) and len(silent) == 1
+    its, is_, was = ("its", "is", "was") if one else ("their", "are", "were")
+    heartbeat = "heartbeat" if one else "heartbeats"
     if who and verdict is not None:
         ended = [rank for rank in verdict.get("ended", []) if rank in silent]
         return PeerFailure.UNRESPONSIVE, (
-            f"{who} stopped answering: its heartbeat was silent for {verdict['silent_s']:g} s while {what} "
+            f"{who} stopped answering: {its} {heartbeat} {was} silent for {verdict['silent_s']:g} s while {what} "
             f"(frozen: a hung device, a silent network, a paused machine; --peer-silence-secs)"
-            + ("; ended its process on this host (SIGKILL)" if ended else ""))
+            + (f"; ended {_processes_of(ended) if not one else 'its process'} on this host (SIGKILL)"
+               if ended else ""))
     if timed_out:
         return PeerFailure.UNRESPONSIVE, (
-            f"{who} stopped answering: no reply within {bound:g} s while {what}, and its heartbeat "
+            f"{who} stopped answering: no reply within {bound:g} s while {what}, and {its} {heartbeat} "
             f"stopped (frozen: a hung device, a silent network, a paused machine)") if who else \
             (f"no reply from another rank within {bound:g} s while {what}"
              + (", though every rank's heartbeat goes on (one is slower than the bound allows: "
                 "raise --peer-timeout-secs)" if silent == [] else ""))
     return PeerFailure.LOST, (
-        f"{who} is gone: its connection closed while {what} and its heartbeat stopped (the process "
-        f"died or its node went away)") if who else \
+        f"{who} {is_} gone: {its} {'connection' if one else 'connections'} closed while {what} and {its} "
+        f"{heartbeat} stopped (the {'process' if one else 'processes'} died or {its} {'node' if one else 'nodes'} "
+        f"went away)") if who else \
         f"lost contact with another rank while {what} ({_first_line(error)})"
+
+
+def _processes_of(ranks: list[int]) -> str:
+    return f"the process of rank {ranks[0]}" if len(ranks) == 1 else \
+        "the processes of ranks " + ", ".join(map(str, ranks))
 
 
 @contextmanager
@@ -428,7 +438,8 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
     `init_process_group` before `recovery.open_run`) is used as it is and left to its owner:
     not joined again, not destroyed on the way out; its timeout becomes the training group's
     bound (`--peer-timeout-secs`), as ours would. Its sockets were opened before this rank
-    looked, so a silent peer is not cut off (`GroupSockets`): the group's timeout ends the wait.
+    looked: they are found as the connections to and from every rank's gloo listener (gathered
+    over the group once, `GroupSockets.adopt`), so a silent peer is cut off as in our own group.
     """
     if not launch.distributed:
         yield Ranks(launch, device, wait=wait, peer_wait=peer_wait)
@@ -446,8 +457,10 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
     heartbeat = Heartbeat(launch, peer_wait.silence_s).start()
     ranks = Ranks(launch, device, wait=wait, peer_wait=peer_wait, heartbeat=heartbeat)
     ranks.sockets = GroupSockets(launch.master_port)
-    if device.type != "cuda":
+    if device.type != "cuda" and owned:
         ranks.sockets.opened(before)  # gloo's; NCCL's connections are its own (docs/scale-out.md, On NCCL)
+    elif device.type != "cuda":
+        ranks.sockets.adopt(ranks.gather(listeners(launch.master_port), "finding the process group's connections"))
     heartbeat.on_silence = ranks.sockets.cut  # the main thread leaves its wait with "connection closed"
     ranks.joined = {"at_s": age, "join_s": round(time.monotonic() - began, 3)}
     ended = False

@@ -107,9 +107,46 @@ def socket_inodes() -> dict[int, int]:
     return found
 
 
+WILDCARD = ("0.0.0.0", "::", "")
+
+
+def _host(address: str) -> str:
+    return address.removeprefix("::ffff:")  # an IPv4 address seen through an IPv6 socket
+
+
+def _ends(fd: int) -> tuple[tuple, tuple | None, bool]:
+    """(local end, remote end or None, listening) of a socket this process holds."""
+    with socket.socket(fileno=os.dup(fd)) as sock:
+        try:
+            remote = sock.getpeername()
+        except OSError:
+            remote = None
+        return sock.getsockname(), remote, bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+
+
+def _is_tcp(end) -> bool:
+    return isinstance(end, tuple) and len(end) > 1
+
+
+def listeners(store_port: int) -> list[tuple[str, int]]:
+    """(host, port) of every TCP socket this process listens on, less the rendezvous store's:
+    a gloo group's own listener among them (each rank's peers connect to it)."""
+    found = []
+    for fd in socket_inodes().values():
+        try:
+            local, _, listening = _ends(fd)
+        except OSError:
+            continue
+        if listening and _is_tcp(local) and local[1] != store_port:
+            found.append((_host(local[0]), local[1]))
+    return found
+
+
 class GroupSockets:
-    """The sockets a process group opened (found as the ones that appeared while it connected),
-    less the rendezvous store's: cutting them ends every wait on the group at once."""
+    """The sockets a process group opened (found as the ones that appeared while it connected,
+    or, for a group the script created before the run looked, as the connections to and from
+    the ranks' listeners), less the rendezvous store's: cutting them ends every wait on the
+    group at once."""
 
     def __init__(self, store_port: int):
         self.store_port = store_port
@@ -119,6 +156,26 @@ class GroupSockets:
         """The group was created since `before` (a `socket_inodes()`): keep what it opened."""
         for inode, fd in socket_inodes().items():
             if inode not in before and not self._is_store(fd):
+                self.inodes.add(inode)
+
+    def adopt(self, ranks_listeners: list[list[tuple[str, int]]]) -> None:
+        """A group created before this process looked (`listeners()` of every rank, gathered
+        over it): gloo's connections are each accepted on one rank's listener and connected
+        from another's socket to it, so a connection with either end at a listener is the group's
+        (a peer's listener on another host: its address; one bound to every address: its port)."""
+        at = {(host, port) for found in ranks_listeners for host, port in found}
+        anywhere = {port for host, port in at if host in WILDCARD}
+
+        def listener(end) -> bool:
+            return _is_tcp(end) and (end[1] in anywhere or (_host(end[0]), end[1]) in at)
+
+        for inode, fd in socket_inodes().items():
+            try:
+                local, remote, listening = _ends(fd)
+            except OSError:
+                continue
+            if not listening and remote is not None and (listener(local) or listener(remote)) \
+                    and not self._is_store(fd):
                 self.inodes.add(inode)
 
     def _is_store(self, fd: int) -> bool:

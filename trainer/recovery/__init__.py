@@ -18,7 +18,8 @@ from trainer.origin import require_ours
 
 require_ours()  # before any other import: under a foreign `trainer`, one line instead of a puzzle
 
-from trainer.config import CadenceConfig, MemoryTierConfig, RetentionConfig, RunConfig, SigningConfig, StoreConfig
+from trainer.config import (CadenceConfig, MemoryTierConfig, PeerWaitConfig, RetentionConfig, RunConfig, SigningConfig,
+                            StoreConfig)
 from trainer.recovery.data import KeyedData
 from trainer.recovery.run import RecoveryRun, Stopped, open_run
 from trainer.run.runtime import seed_everything as _seed_everything
@@ -31,5 +32,5 @@ def seed_everything(seed: int, threads: int = 1) -> None:
     unseeded starts from the OS's entropy, so two fresh runs (and a resumed one) differ there."""
     _seed_everything(seed, threads)
 
-__all__ = ["CadenceConfig", "KeyedData", "MemoryTierConfig", "RecoveryRun", "RetentionConfig", "RunConfig", "SigningConfig", "Stopped",
+__all__ = ["CadenceConfig", "KeyedData", "MemoryTierConfig", "PeerWaitConfig", "RecoveryRun", "RetentionConfig", "RunConfig", "SigningConfig", "Stopped",
            "StoreConfig", "capture_rng", "open_run", "restore_rng", "seed_everything"]

@@ -41,6 +41,10 @@ class KeyedData:
     batching.py): `pad` trains it (under torchrun each rank's loss weighted by its share:
     `RecoveryRun.weight`), `drop` leaves it out (the ledger counts it), `refuse` stops a run
     whose processes cannot share it evenly."""
+    stream_lanes: int | None = WorkloadConfig.stream_lanes
+    """Streams only: the lanes the stream is cut into, fixed for the run (`--stream-lanes`;
+    None: the world size the run starts with). One order at every world size that divides
+    them, each record read once an epoch; fingerprinted once given (trainer/run/streaming.py)."""
     grad_accum: int = WorkloadConfig.grad_accum
     """Micro-batches per optimizer step (`--grad-accum`): `batch_size` is then a micro-batch's.
     The progress counts optimizer steps and the micro-batches done in the epoch; an epoch's
@@ -54,7 +58,8 @@ class KeyedData:
         """The trainer's options this order is made of (what the fingerprint's `config` holds)."""
         return WorkloadConfig(batch_size=self.batch_size, seed=self.seed, num_workers=self.num_workers,
                               shuffle_buffer=self.shuffle_buffer, last_batch=self.last_batch,
-                              grad_accum=self.grad_accum, workload="your own loop")
+                              grad_accum=self.grad_accum, stream_lanes=self.stream_lanes,
+                              workload="your own loop")
 
     @property
     def shape(self) -> EpochShape:
