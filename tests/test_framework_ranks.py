@@ -7,7 +7,8 @@ SIGTERM (every rank saves, the trainer's status 75, in TRAINER_EXIT_STATUS_FILE 
 agent) and is resumed to the end: its final generation equals the uninterrupted run's field
 by field, and the exactness witness (replayed steps, restore checks) found nothing. What a
 cell costs is almost all interpreters' start (torch and the framework imported by every
-rank and agent): a cell takes 4 x its world size of them, restarted in place or not."""
+rank and agent): besides its baseline (forked ranks) a cell takes 3 x its world size of
+them, restarted in place or not."""
 
 from __future__ import annotations
 
