@@ -22,7 +22,7 @@ from pathlib import Path
 from support.cli import REPO, compare, run_cli
 from support.limits import scaled
 from support.runs import attempts, generation, made_once
-from support.torchrun import TORCHRUN, TORCHRUN_CHILD_FAILED, clean_environment, forked_ranks, free_port
+from support.torchrun import TORCHRUN_CHILD_FAILED, clean_environment, forked_ranks, free_port, launch
 from trainer.parallel.launch import watch_children
 
 ACCELERATE_LAUNCH = Path(sys.executable).with_name("accelerate")
@@ -44,15 +44,15 @@ class Cell:
     def launch(self, output: Path, status: Path, *extra, restarts: int = 0) -> subprocess.Popen:
         """`extra`: the script's options beyond `args`; `restarts`: the agent's --max-restarts."""
         script, args = str(REPO / "examples" / self.script), (str(output), *self.args, *map(str, extra))
+        env = clean_environment(PYTHONUNBUFFERED="1", TRAINER_EXIT_STATUS_FILE=str(status))
+        if self.launcher == "torchrun":  # its agent forked from the zygote (support.torchrun.launch)
+            return launch(["--standalone", "--nproc_per_node", self.nproc, "--max-restarts", restarts, script, *args], env)
         command = {
             "lightning": [sys.executable, script, *args, "--devices", str(self.nproc)],
-            "torchrun": [str(TORCHRUN), "--standalone", "--nproc_per_node", str(self.nproc),
-                         "--max-restarts", str(restarts), script, *args],
             "accelerate": [str(ACCELERATE_LAUNCH), "launch", "--multi_gpu", "--num_processes", str(self.nproc),
                            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                            "--main_process_port", str(free_port()), "--max_restarts", str(restarts), script, *args],
         }[self.launcher]
-        env = clean_environment(PYTHONUNBUFFERED="1", TRAINER_EXIT_STATUS_FILE=str(status))
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def worker(self, process: subprocess.Popen, rank: int) -> int:
