@@ -5,11 +5,14 @@ rerun resumes exactly. A tiny GPT-2 on generated tokens, on the CPU, in one proc
 
     python examples/hf_trainer.py runs/hf
     torchrun --nproc_per_node 2 examples/hf_trainer.py runs/hf-ddp
+    torchrun --nproc_per_node 3 --max-restarts 1 examples/hf_trainer.py runs/hf-3 --memory-dir /dev/shm/hf-3
+                                                # a lost rank: every rank restarts in place, from tier 0
 """
 
 import argparse
 import logging
 import os
+from pathlib import Path
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -22,6 +25,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("output", help="the run directory (a path, or s3://bucket/run)")
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--memory-dir", type=Path, help="tier 0: a directory on a memory filesystem (/dev/shm/...)")
     args = parser.parse_args()
 
     recovery.seed_everything(0)
@@ -31,7 +35,8 @@ def main() -> None:
     dataset = [{"input_ids": row, "labels": row} for row in tokens]
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
 
-    with recovery.open_run(args.output, resume="auto") as run:  # first: under torchrun it joins the group HF uses
+    memory = recovery.MemoryTierConfig(args.memory_dir, every_steps=1) if args.memory_dir else recovery.MemoryTierConfig()
+    with recovery.open_run(args.output, resume="auto", memory=memory) as run:  # first: under torchrun it joins the group HF uses
         training = TrainingArguments(output_dir=f"{args.output}/hf", num_train_epochs=args.epochs, learning_rate=3e-3,
                                      per_device_train_batch_size=8, save_strategy="steps", save_steps=5, seed=0,
                                      logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True)

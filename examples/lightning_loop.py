@@ -4,14 +4,18 @@ for bit (Lightning's own `fit(ckpt_path="last")` does not: no RNG state, a new s
 
     python examples/lightning_loop.py runs/lightning
     python examples/lightning_loop.py runs/lightning-ddp --devices 2   # strategy="ddp", gloo
+    torchrun --nproc_per_node 2 --max-restarts 1 examples/lightning_loop.py runs/lightning-t0 --devices 2 \
+        --memory-dir /dev/shm/lightning-t0    # a lost rank: every rank restarts in place, from tier 0
 
 With `--devices 2` Lightning's own launcher starts the second process (`lightning.launch`, before
 `open_run`), which runs this script from the top; each rank trains its share of every batch.
+Under torchrun Lightning finds the ranks torchrun started and starts none.
 """
 
 import argparse
 import logging
 import os
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -44,6 +48,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--devices", type=int, default=1, help="processes (strategy='ddp' from 2, on gloo)")
     parser.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step (accumulate_grad_batches)")
+    parser.add_argument("--batch-size", type=int, default=16, help="the global batch (a multiple of the processes)")
+    parser.add_argument("--memory-dir", type=Path, help="tier 0: a directory on a memory filesystem (/dev/shm/...)")
     args = parser.parse_args()
 
     recovery.seed_everything(0)  # the same seed on every rank: every rank builds the same model
@@ -56,8 +62,10 @@ def main() -> None:
     lightning.launch(trainer)  # several devices: the other ranks start now, before the run is opened
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
                         format="%(message)s")
-    with recovery.open_run(args.output, resume="auto", recover=recovery.CadenceConfig(every_steps=10)) as run:
-        callback = lightning.RecoveryCallback(run, recovery.KeyedData(dataset, batch_size=16, seed=0))
+    memory = recovery.MemoryTierConfig(args.memory_dir, every_steps=1) if args.memory_dir else recovery.MemoryTierConfig()
+    with recovery.open_run(args.output, resume="auto", recover=recovery.CadenceConfig(every_steps=10),
+                           memory=memory) as run:
+        callback = lightning.RecoveryCallback(run, recovery.KeyedData(dataset, batch_size=args.batch_size, seed=0))
         trainer.callbacks.append(callback)
         trainer.fit(module, train_dataloaders=callback.batches)
 

@@ -410,6 +410,7 @@ FOREIGN_OPTIONS = {
     "polyaxon": {"--strict-params", "--recompile", "--kind", "--from-file", "--copy"},
     "docker": {"--build-arg"},
     "pytest": {"--dist"},
+    "accelerate launch": {"--multi_gpu", "--num_processes"},
     "pip": {"--no-deps", "--force-reinstall", "--no-build-isolation", "--no-index"},
     "argparse": {"--help"},
 }

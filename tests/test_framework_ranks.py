@@ -1,10 +1,14 @@
 """The framework adapters on several processes (trainer/recovery/hf.py, accelerated.py,
-lightning.py; docs/library.md), through the real frameworks and their real launchers on gloo:
-the example scripts, an uninterrupted run made once per world size, then one run that loses a
-rank to kill -9 mid-epoch, is resumed, is stopped by SIGTERM (every rank saves, the trainer's
-status 75, in TRAINER_EXIT_STATUS_FILE under torchrun), and is resumed to the end: its final
-generation equals the uninterrupted run's field by field, and the exactness witness (replayed
-steps, restore checks) found nothing."""
+lightning.py; docs/library.md), through the real frameworks and their real launchers on gloo
+(torchrun, `accelerate launch`, Lightning's own): the example scripts, an uninterrupted run
+made once per framework and world size, then one run that loses a rank to kill -9 mid-epoch,
+is resumed (by a new launch, or in place under --max-restarts from tier 0), is stopped by
+SIGTERM (every rank saves, the trainer's status 75, in TRAINER_EXIT_STATUS_FILE under an
+agent) and is resumed to the end: its final generation equals the uninterrupted run's field
+by field, and the exactness witness (replayed steps, restore checks) found nothing. What a
+cell costs is almost all interpreters' start (torch and the framework imported by every
+rank and agent): besides its baseline (forked ranks) a cell takes 3 x its world size of
+them, restarted in place or not."""
 
 from __future__ import annotations
 
@@ -18,33 +22,45 @@ from pathlib import Path
 from support.cli import REPO, compare, run_cli
 from support.limits import scaled
 from support.runs import attempts, generation, made_once
-from support.torchrun import TORCHRUN, TORCHRUN_CHILD_FAILED, clean_environment
+from support.torchrun import TORCHRUN_CHILD_FAILED, clean_environment, forked_ranks, free_port, launch
+from trainer.parallel.launch import watch_children
+
+ACCELERATE_LAUNCH = Path(sys.executable).with_name("accelerate")
+
 
 @dataclass(frozen=True)
 class Cell:
-    """An example script on `nproc` processes: under torchrun (the trainer's status read from
-    TRAINER_EXIT_STATUS_FILE, torchrun's own 0 or 1), or under Lightning's own launcher
-    (`python SCRIPT --devices N`: rank 0 is the process started, its status the trainer's)."""
+    """An example script on `nproc` processes, started by `launcher`: `torchrun` or `accelerate`
+    (`accelerate launch`, which runs torchrun's agent in its own process: the trainer's status
+    read from TRAINER_EXIT_STATUS_FILE, the launcher's own 0 or 1), or `lightning` (Lightning's
+    own launcher, `python SCRIPT --devices N`: rank 0 is the process started, its status the
+    trainer's)."""
 
     script: str
     args: tuple
     nproc: int
-    lightning: bool = False
+    launcher: str = "torchrun"
 
     def launch(self, output: Path, status: Path, *extra, restarts: int = 0) -> subprocess.Popen:
-        """`extra`: the script's options beyond `args`; `restarts`: torchrun's --max-restarts."""
-        script, args = str(REPO / "examples" / self.script), (*self.args, *map(str, extra))
-        command = [sys.executable, script, str(output), *args, "--devices", str(self.nproc)] if self.lightning \
-            else [str(TORCHRUN), "--standalone", "--nproc_per_node", str(self.nproc), "--max-restarts", str(restarts),
-                  script, str(output), *args]
+        """`extra`: the script's options beyond `args`; `restarts`: the agent's --max-restarts."""
+        script, args = str(REPO / "examples" / self.script), (str(output), *self.args, *map(str, extra))
         env = clean_environment(PYTHONUNBUFFERED="1", TRAINER_EXIT_STATUS_FILE=str(status))
+        if self.launcher == "torchrun":  # its agent forked from the zygote (support.torchrun.launch)
+            return launch(["--standalone", "--nproc_per_node", self.nproc, "--max-restarts", restarts, script, *args], env)
+        command = {
+            "lightning": [sys.executable, script, *args, "--devices", str(self.nproc)],
+            "accelerate": [str(ACCELERATE_LAUNCH), "launch", "--multi_gpu", "--num_processes", str(self.nproc),
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                           "--main_process_port", str(free_port()), "--max_restarts", str(restarts), script, *args],
+        }[self.launcher]
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def worker(self, process: subprocess.Popen, rank: int) -> int:
-        """The pid of `rank`: among torchrun's children, or among rank 0's under Lightning."""
-        if self.lightning and rank == 0:
+        """The pid of `rank`: among the agent's children, or among rank 0's under Lightning."""
+        lightning = self.launcher == "lightning"
+        if lightning and rank == 0:
             return process.pid
-        variable = f"{'LOCAL_RANK' if self.lightning else 'RANK'}={rank}".encode()
+        variable = f"{'LOCAL_RANK' if lightning else 'RANK'}={rank}".encode()
         for child in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split():
             if variable in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
                 return int(child)
@@ -56,7 +72,7 @@ class Cell:
             out, err = process.communicate(timeout=scaled(300))
         finally:
             process.kill()
-        if self.lightning:
+        if self.launcher == "lightning":
             assert process.returncode == expect, err[-3000:]
         else:
             assert process.returncode == (0 if expect == 0 else TORCHRUN_CHILD_FAILED), err[-3000:]
@@ -75,11 +91,14 @@ def until_step(process: subprocess.Popen, step: int) -> None:
 
 
 def uninterrupted(tmp_path_factory, name: str, cell: Cell) -> Path:
-    def make(folder: Path) -> None:
-        status = folder / "status"
-        cell.ended(cell.launch(folder / "run", status), status, expect=0)
-
-    return made_once(tmp_path_factory, f"library-ranks-{name}-{cell.nproc}", make) / "run"
+    """The cell's script run through to the end at its world size, made once per session for
+    every cell of that framework and world size, its ranks forked from the zygote with the
+    variables any launcher sets (`forked_ranks`: no agent, no fresh interpreters; the bits are
+    the launcher's, as the cells' compare proves)."""
+    devices = ("--devices", cell.nproc) if cell.launcher == "lightning" else ()
+    script = REPO / "examples" / cell.script
+    return made_once(tmp_path_factory, f"library-ranks-{name}-{cell.nproc}",
+                     lambda folder: forked_ranks(script, folder / "run", *cell.args, *devices, nproc=cell.nproc)) / "run"
 
 
 def killed_preempted_and_resumed(tmp_path: Path, cell: Cell, kill_at: int, left: str, stop_at: int) -> Path:
@@ -111,6 +130,37 @@ def killed_preempted_and_resumed(tmp_path: Path, cell: Cell, kill_at: int, left:
     return run
 
 
+def restarted_in_place_preempted_and_resumed(tmp_path: Path, cell: Cell, kill_at: int, stop_at: int) -> Path:
+    """Under the agent's --max-restarts 1 with tier 0 every step: kill -9 of the last rank once
+    rank 0 printed `step=KILL_AT` (the steps since the newest generation saved to tier 0 only);
+    the agent restarts every worker in place and they restore from tier 0; SIGTERM to rank 0
+    once a restarted rank 0 printed `step=STOP_AT` (75, the restart spent, the launcher 1); a
+    new launch resumes to the end. One launch fewer than `killed_preempted_and_resumed`."""
+    run, status, memory = tmp_path / "run", tmp_path / "status", tmp_path / "memory"
+    restarting = cell.launch(run, status, "--memory-dir", memory, restarts=1)
+    until_step(restarting, kill_at)
+    os.kill(cell.worker(restarting, cell.nproc - 1), signal.SIGKILL)
+    until_step(restarting, stop_at)  # the restarted workers' lines: no rank passed step KILL_AT + 1 before the kill
+    os.kill(cell.worker(restarting, 0), signal.SIGTERM)
+    assert "stopped, resumable (exit 75)" in cell.ended(restarting, status, expect=75)
+    cell.ended(cell.launch(run, status, "--memory-dir", memory), status, expect=0)
+
+    killed, stopped, completed = attempts(run)
+    assert killed["status"] == "interrupted" and cell.nproc - 1 in killed["peer"]["ranks"], killed  # the lost rank named (and any it took along)
+    assert stopped["status"] == "preempted" and stopped["restored"]["tier"] == "memory", stopped
+    assert kill_at - 1 <= stopped["restored"]["step"] < stop_at and completed["restored"]["step"] == stopped["last_step"]
+    replay = stopped.get("replay")  # none when tier 0 held the very step the kill ended on
+    assert replay is None or replay["matched"] == replay["of"], replay
+    assert all(record["restore_check"]["matched"] for record in (stopped, completed))
+    assert "NOT EXACT" not in run_cli("report", run).stdout
+    return run
+
+
+def equal_at(baseline: Path, run: Path, final: str) -> None:
+    compared = compare(generation(baseline, final), generation(run, final))
+    assert compared.returncode == 0, compared.stdout[-3000:]
+
+
 HF = Cell("hf_trainer.py", ("--epochs", "5"), 2)
 """48 sequences, 8 a rank: 3 steps an epoch on 2 ranks, 15 steps; generations every 5 (HF's
 save_steps), so step 5's is mid-epoch (epoch 1 is steps 4-6)."""
@@ -121,38 +171,36 @@ def test_hugging_face_trainer_on_two_processes_survives_a_killed_rank_and_sigter
     launches of 2 ranks importing transformers, one of them shared."""
     baseline = uninterrupted(tmp_path_factory, "hf", HF)
     run = killed_preempted_and_resumed(tmp_path, HF, kill_at=7, left="step-00000005", stop_at=8)
-    compared = compare(generation(baseline, "step-00000015"), generation(run, "step-00000015"))
-    assert compared.returncode == 0, compared.stdout[-3000:]
+    equal_at(baseline, run, "step-00000015")
 
 
-ACCELERATE = Cell("accelerate_loop.py", (), 2)
+HF_3 = Cell("hf_trainer.py", ("--epochs", "7"), 3)
+"""48 sequences, 8 a rank: 2 steps an epoch on 3 ranks, 14 steps; the kill at step 7 is
+mid-epoch (epoch 3 is steps 7-8)."""
+
+
+def test_hugging_face_trainer_on_three_processes_restarts_in_place_from_tier0_and_resumes_exactly(
+        tmp_path, tmp_path_factory):
+    """HF's DDP on 3 processes (a sum of three depends on its order) under `torchrun
+    --max-restarts 1` with tier 0 every step (HF's save point writes it). Cost: three torchrun
+    launches of 3 ranks importing transformers (the first one's restarted), one shared."""
+    baseline = uninterrupted(tmp_path_factory, "hf", HF_3)
+    run = restarted_in_place_preempted_and_resumed(tmp_path, HF_3, kill_at=7, stop_at=11)
+    equal_at(baseline, run, "step-00000014")
+
+
+ACCELERATE = Cell("accelerate_loop.py", (), 2, launcher="accelerate")
 """192 samples in global batches of 16: 12 steps an epoch, 36 steps; a generation every 10."""
 
 
-def test_accelerate_on_two_processes_survives_a_killed_rank_and_sigterm_exactly(tmp_path, tmp_path_factory):
-    """Accelerate under torchrun (the prepared DDP model and scheduler, the keyed order's shares).
-    Cost: four torchrun launches of 2 ranks importing accelerate, one of them shared."""
+def test_accelerate_launched_on_two_processes_survives_a_killed_rank_and_sigterm_exactly(tmp_path, tmp_path_factory):
+    """`accelerate launch --multi_gpu --num_processes 2` (on the CPU; its launcher exits 1 for a
+    failed worker, as torchrun does: the trainer's 75 is in TRAINER_EXIT_STATUS_FILE), the
+    prepared DDP model and scheduler, the keyed order's shares. Cost: four launches of 2 ranks
+    importing accelerate (the launcher too), one of them shared."""
     baseline = uninterrupted(tmp_path_factory, "accelerate", ACCELERATE)
     run = killed_preempted_and_resumed(tmp_path, ACCELERATE, kill_at=13, left="step-00000010", stop_at=24)
-    compared = compare(generation(baseline, "step-00000036"), generation(run, "step-00000036"))
-    assert compared.returncode == 0, compared.stdout[-3000:]
-
-
-LIGHTNING = Cell("lightning_loop.py", ("--accumulate", "2"), 2, lightning=True)
-"""192 samples in global batches of 16, accumulate_grad_batches=2: 12 batches, 6 optimizer steps
-an epoch, 18 steps; a generation every 10 steps, so step 10's is mid-epoch (position 8 of 12).
-Its lines say `step=N` for each batch of step N."""
-
-
-def test_lightning_ddp_on_two_processes_survives_a_killed_rank_and_sigterm_exactly(tmp_path, tmp_path_factory):
-    """Lightning's `strategy="ddp"`, `devices=2`, started by its own launcher (`python SCRIPT`,
-    `lightning.launch`): no SIGKILL of rank 0 when the other rank exits, no refusal; with
-    `accumulate_grad_batches=2` (the position counted in optimizer steps). Cost: four launches
-    of 2 processes importing Lightning, one of them shared."""
-    baseline = uninterrupted(tmp_path_factory, "lightning", LIGHTNING)
-    run = killed_preempted_and_resumed(tmp_path, LIGHTNING, kill_at=12, left="step-00000010", stop_at=14)
-    compared = compare(generation(baseline, "step-00000018"), generation(run, "step-00000018"))
-    assert compared.returncode == 0, compared.stdout[-3000:]
+    equal_at(baseline, run, "step-00000036")
 
 
 ACCELERATE_3 = Cell("accelerate_loop.py", ("--batch-size", "24"), 3)
@@ -160,28 +208,61 @@ ACCELERATE_3 = Cell("accelerate_loop.py", ("--batch-size", "24"), 3)
 
 
 def test_accelerate_on_three_processes_restarts_in_place_from_tier0_and_resumes_exactly(tmp_path, tmp_path_factory):
-    """3 processes (a sum of three depends on its order) under `torchrun --max-restarts 1` with
-    tier 0 every step: kill -9 of rank 2 mid-epoch, torchrun's agent restarts every worker in
-    place and they restore from tier 0; SIGTERM to rank 0 (75, the restart spent, torchrun 1);
-    a new launch resumes to the end, equal to an uninterrupted 3-process run. Cost: three
-    torchrun launches of 3 ranks (the first one's restarted), one shared."""
+    """3 processes (a sum of three depends on its order) under `torchrun --max-restarts 1`
+    with tier 0 every step; the kill at step 13 is mid-epoch (epoch 1 is steps 9-16). Cost:
+    three torchrun launches of 3 ranks (the first one's restarted), one shared."""
     baseline = uninterrupted(tmp_path_factory, "accelerate", ACCELERATE_3)
-    run, status, memory = tmp_path / "run", tmp_path / "status", tmp_path / "memory"
-    restarting = ACCELERATE_3.launch(run, status, "--memory-dir", memory, restarts=1)
-    until_step(restarting, 13)  # steps 11-13 saved to tier 0 only (the durable one is step 10's)
-    os.kill(ACCELERATE_3.worker(restarting, 2), signal.SIGKILL)
-    until_step(restarting, 18)  # the restarted workers' lines: none printed step 18 before the kill
-    os.kill(ACCELERATE_3.worker(restarting, 0), signal.SIGTERM)
-    assert "stopped, resumable (exit 75)" in ACCELERATE_3.ended(restarting, status, expect=75)
-    ACCELERATE_3.ended(ACCELERATE_3.launch(run, status, "--memory-dir", memory), status, expect=0)
+    run = restarted_in_place_preempted_and_resumed(tmp_path, ACCELERATE_3, kill_at=13, stop_at=18)
+    equal_at(baseline, run, "step-00000024")
 
-    killed, stopped, completed = attempts(run)
-    assert killed["status"] == "interrupted" and 2 in killed["peer"]["ranks"], killed  # the lost rank named (and any it took along)
-    assert stopped["status"] == "preempted" and stopped["restored"]["tier"] == "memory", stopped
-    assert 12 <= stopped["restored"]["step"] < 18 and completed["restored"]["step"] == stopped["last_step"]
-    replay = stopped.get("replay")  # none when tier 0 held the very step the kill ended on
-    assert replay is None or replay["matched"] == replay["of"], replay
-    assert all(record["restore_check"]["matched"] for record in (stopped, completed))
-    assert "NOT EXACT" not in run_cli("report", run).stdout
-    compared = compare(generation(baseline, "step-00000024"), generation(run, "step-00000024"))
-    assert compared.returncode == 0, compared.stdout[-3000:]
+
+LIGHTNING = Cell("lightning_loop.py", ("--accumulate", "2", "--devices", "2"), 2)
+"""192 samples in global batches of 16, accumulate_grad_batches=2: 12 batches, 6 optimizer steps
+an epoch, 18 steps; the kill at step 8 is mid-epoch (epoch 1 is steps 7-12). Its lines say
+`step=N` for each batch of step N."""
+
+
+def test_lightning_ddp_on_two_processes_under_torchrun_restarts_in_place_from_tier0_and_resumes_exactly(
+        tmp_path, tmp_path_factory):
+    """Lightning's `strategy="ddp"`, `devices=2` under `torchrun --max-restarts 1` (Lightning
+    finds torchrun's ranks and starts none) with tier 0 every step and
+    `accumulate_grad_batches=2` (the position counted in optimizer steps). Cost: three torchrun
+    launches of 2 ranks importing Lightning (the first one's restarted), one shared."""
+    baseline = uninterrupted(tmp_path_factory, "lightning", LIGHTNING)
+    run = restarted_in_place_preempted_and_resumed(tmp_path, LIGHTNING, kill_at=8, stop_at=13)
+    equal_at(baseline, run, "step-00000018")
+
+
+LIGHTNING_3 = Cell("lightning_loop.py", ("--batch-size", "24"), 3, launcher="lightning")
+"""192 samples in global batches of 24, 8 a rank: 8 steps an epoch, 24 steps; a generation
+every 10 steps, so step 10's is mid-epoch (epoch 1 is steps 9-16)."""
+
+
+def test_lightning_ddp_on_three_processes_survives_a_killed_rank_and_sigterm_exactly(tmp_path, tmp_path_factory):
+    """Lightning's `strategy="ddp"`, `devices=3`, started by its own launcher (`python SCRIPT`,
+    `lightning.launch`): no SIGKILL of rank 0 when another rank exits, no refusal. Cost: four
+    launches of 3 processes importing Lightning, one of them shared."""
+    baseline = uninterrupted(tmp_path_factory, "lightning", LIGHTNING_3)
+    run = killed_preempted_and_resumed(tmp_path, LIGHTNING_3, kill_at=12, left="step-00000010", stop_at=14)
+    equal_at(baseline, run, "step-00000024")
+
+
+def test_a_rank_that_ends_before_the_join_is_named_at_once_and_none_after_it():
+    """Lightning's launcher starts the other ranks from rank 0 (`lightning.launch`): one that
+    ends before every rank joined is named with its status at once (rank 0 then leaves 75,
+    `lightning.lost_before_join`), not after the join's bound; once joined, the run's own
+    collectives and heartbeats watch it instead. Real child processes, no Lightning."""
+    quick = [sys.executable, "-c", "raise SystemExit(3)"]
+    living = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        said: list[str] = []
+        watch_children({1: living, 2: subprocess.Popen(quick)}, lambda: False, said.append, poll_s=0.01).join(scaled(30))
+        assert len(said) == 1 and said[0].startswith("rank 2 (pid ") and "ended with status 3 before every rank joined" \
+            in said[0], said
+        ended = subprocess.Popen(quick)
+        ended.wait()
+        watch_children({1: ended}, lambda: True, said.append, poll_s=0.01).join(scaled(30))
+        assert len(said) == 1, said
+    finally:
+        living.kill()
+        living.wait()

@@ -358,6 +358,7 @@ def test_rank_slices_together_are_exactly_the_global_batch():
     assert uneven_split(EpochShape(100, 16), 8) is None, "--last-batch pad weighs the last batch's shares"
     assert "last batch of an epoch: 4" in uneven_split(EpochShape(100, 16, "refuse"), 8)
     assert "larger than the 10 samples" in uneven_split(EpochShape(10, 16, "drop"), 1)
+    assert uneven_split(EpochShape(0, 16), 3) is None, "a loop that batches its own data (HF's Trainer) shares nothing"
 
 
 def test_each_rank_finds_its_own_rng_entry_in_any_layout():

@@ -10,9 +10,12 @@ child, and the operator sets them for every pod.
 from __future__ import annotations
 
 import os
+import subprocess
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from trainer.errors import UsageError
 
@@ -118,3 +121,25 @@ def _env_int(env: Mapping[str, str], name: str, default: int, minimum: int) -> i
     if value < minimum:
         raise UsageError(f"environment variable {name}={value} must be at least {minimum}")
     return value
+
+
+def watch_children(children: Mapping[int, subprocess.Popen], joined: Callable[[], bool],
+                   lost: Callable[[str], None], poll_s: float = 0.2) -> threading.Thread:
+    """Until `joined()`, watch the ranks (rank: process) a launcher in this process started
+    (Lightning's starts them from rank 0): one that ends before every rank joined would leave
+    this one waiting the whole join bound for it. `lost(line naming it)` is called at once
+    instead. After the join the run's bounded collectives and heartbeats name a lost rank."""
+
+    def watching() -> None:
+        while not joined():
+            for rank, child in children.items():
+                status = child.poll()
+                if status is not None:
+                    lost(f"rank {rank} (pid {child.pid}) ended with status {status} before every rank joined "
+                         f"the run's process group")
+                    return
+            time.sleep(poll_s)
+
+    thread = threading.Thread(target=watching, name="trainer-children", daemon=True)
+    thread.start()
+    return thread

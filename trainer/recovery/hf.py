@@ -144,8 +144,13 @@ class RecoveryCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         loss, self.loss = self.loss, None
-        agreed = self.agreed = self.run.stepped(loss if loss is not None else 0.0)
-        if agreed.recover or agreed.preempt or agreed.memory or agreed.export or state.global_step >= state.max_steps:
+        agreed = self.run.stepped(loss if loss is not None else 0.0)
+        if (control.should_save or state.global_step >= state.max_steps) and not (agreed.recover or agreed.preempt):
+            # HF's save point (its callback decided before this one) or the last step: a generation
+            # even where tier 0 saves this step too, so the final one is saved before HF's summary.
+            agreed = replace(agreed, recover=True)
+        self.agreed = agreed
+        if agreed.recover or agreed.preempt or agreed.memory or agreed.export:
             control.should_save = True  # HF logs the step, then calls save_checkpoint
 
     def save_checkpoint(self, model, trial=None) -> None:

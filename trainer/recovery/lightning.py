@@ -31,7 +31,11 @@ own `_call_children_scripts`, so `fit()` finds them started and starts none) and
 and `LOCAL_WORLD_SIZE` as Lightning computes them, so every rank opens the run together and
 `fit()` uses the process group `open_run` joined. Lightning's child-process observer, which
 SIGKILLs rank 0 seconds after another rank exits non-zero (75 included), is not started: a
-lost rank is the run's to name (75), and rank 0 waits for the others before it exits.
+lost rank is the run's to name (75), and rank 0 waits for the others before it exits. Until
+the group is joined rank 0 watches the ranks it started: one that ends before is named at
+once, and rank 0 exits 75 (`lost_before_join`), not after the join's bound. Lightning's
+`accumulate_grad_batches` is the keyed order's `grad_accum`, fingerprinted: a resume with
+another is refused (65).
 Lightning's DDP model is handed to the run, which gives it the trainer's exact reduction.
 """
 
@@ -39,10 +43,13 @@ from __future__ import annotations
 
 import atexit
 import collections
+import logging
 import os
 import signal
 import subprocess
+from dataclasses import replace
 
+import torch.distributed
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.origin import missing_extra
@@ -53,9 +60,13 @@ try:
 except ModuleNotFoundError as error:
     raise missing_extra(error, "lightning") from None
 
-from trainer.errors import UsageError
+from trainer.cli import exit_process, report_exit_status
+from trainer.errors import EXIT_INTERRUPTED, UsageError
+from trainer.parallel.launch import watch_children
 from trainer.recovery.data import KeyedData
 from trainer.recovery.run import RecoveryRun
+
+log = logging.getLogger("trainer")
 
 
 def launch(trainer: pl.Trainer) -> None:
@@ -73,8 +84,22 @@ def launch(trainer: pl.Trainer) -> None:
     if not environment.creates_processes_externally:
         launcher._call_children_scripts()  # what fit() would do, less its observer
         atexit.register(wait_for, launcher.procs)
+        first = environment.node_rank() * launcher.num_processes + 1  # the children's ranks, in Lightning's order
+        watch_children({first + index: child for index, child in enumerate(launcher.procs)},
+                       torch.distributed.is_initialized, lambda line: lost_before_join(launcher.procs, line))
     os.environ.setdefault("RANK", str(environment.node_rank() * launcher.num_processes + environment.local_rank()))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(launcher.num_processes))
+
+
+def lost_before_join(children: list[subprocess.Popen], line: str) -> None:
+    """A rank this one started ended before the join (`watch_children`): the others are
+    stopped, and this one leaves now, resumable, instead of after the join's bound."""
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+    log.error("%s; stopping (exit 75, resumable: run the script again to resume)", line)
+    report_exit_status(EXIT_INTERRUPTED)
+    exit_process(EXIT_INTERRUPTED)
 
 
 def wait_for(children: list[subprocess.Popen], bound_s: float = 300.0) -> None:
@@ -128,13 +153,18 @@ class RecoveryCallback(pl.Callback):
         if trainer.world_size != self.run.world_size:
             raise UsageError(f"Lightning trains on {trainer.world_size} processes but the run was opened by "
                              f"{self.run.world_size}: call recovery.lightning.launch(trainer) before open_run")
+        accumulate = trainer.accumulate_grad_batches
+        if self.data.grad_accum not in (1, accumulate):
+            raise UsageError(f"KeyedData(grad_accum={self.data.grad_accum}) but Lightning accumulates "
+                             f"accumulate_grad_batches={accumulate}: leave grad_accum out, Lightning's is the run's")
+        self.data = self.batches.data = replace(self.data, grad_accum=accumulate)  # fingerprinted: another is refused (65)
         schedulers = trainer.lr_scheduler_configs
         model = trainer.strategy.model  # DDP on several processes: the run gives it its exact reduction
         progress = self.run.restore(model if isinstance(model, DistributedDataParallel) else module, trainer.optimizers[0],
                                     schedulers[0].scheduler if schedulers else None, data=self.data)
-        if progress.position % trainer.accumulate_grad_batches:
-            raise UsageError(f"accumulate_grad_batches={trainer.accumulate_grad_batches} does not divide the restored "
-                             f"position ({progress.position} batches into epoch {progress.epoch}): resume with the "
+        if progress.position % accumulate:  # a drift allowed (--allow-drift grad_accum) into a split window
+            raise UsageError(f"accumulate_grad_batches={accumulate} does not divide the restored position "
+                             f"({progress.position} batches into epoch {progress.epoch}): resume with the "
                              f"accumulation the run was saved with")
         loop = trainer.fit_loop
         for counter in (loop.epoch_progress.current, loop.epoch_progress.total):

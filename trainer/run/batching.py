@@ -136,6 +136,8 @@ def uneven_split(shape: EpochShape, world_size: int, named: str | None = None) -
     out only the last batch's shares. Under `--last-batch refuse` the last batch must too;
     under `drop`, an epoch must hold at least one full batch. Data the trainer does not batch
     (no samples: a library loop that reads its own, trainer/recovery/) has nothing to share."""
+    if not shape.samples:
+        return None  # e.g. Hugging Face's Trainer under torchrun: its sampler shares its own batches
     named = named or f"--batch-size {shape.batch_size}"
     if shape.batch_size % world_size:
         return (f"{named} does not divide evenly across {world_size} processes (each takes an equal share of "
