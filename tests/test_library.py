@@ -5,6 +5,7 @@ attempt records that `report` reads."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import struct
 import subprocess
@@ -193,3 +194,14 @@ def test_accelerate_batches_arrive_on_the_accelerators_device(tmp_path):
     finished = run_cli(script, tmp_path / "run")
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert finished.stdout.splitlines() == ["batch on meta meta"] * 2
+
+
+def test_lightning_resumed_with_another_accumulate_grad_batches_is_refused_in_one_line(tmp_path, tmp_path_factory):
+    """`accumulate_grad_batches` is in the run's fingerprint, as the trainer's --grad-accum is:
+    a resume with another value would count positions in other optimizer steps (65)."""
+    run = tmp_path / "run"
+    shutil.copytree(example_baseline(tmp_path_factory, "lightning"), run)
+    refused = run_cli(REPO / "examples" / "lightning_loop.py", run, "--epochs", "4", "--accumulate", "2")
+    lines = [line for line in refused.stderr.splitlines() if "error" in line.lower()]
+    assert refused.returncode == 65, refused.stderr[-3000:]
+    assert len(lines) == 1 and "grad_accum" in lines[0] and "Traceback" not in refused.stderr, refused.stderr[-3000:]
