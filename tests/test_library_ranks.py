@@ -19,6 +19,7 @@ The DDP cell at 3 reads a stream (`KeyedData` over shards, 6 lanes) and its ledg
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -29,10 +30,10 @@ from typing import Iterator
 
 import pytest
 
-from support.cli import REPO, compare, finish, run_cli, wait_for_line
+from support.cli import REPO, compare, finish, run_cli, wait_for_line, zygote
 from support.limits import scaled, wait_until
 from support.runs import attempts, generation, made_once
-from support.torchrun import TORCHRUN, clean_environment, forked_ranks
+from support.torchrun import TORCHRUN, clean_environment, forked_ranks, free_port, rank_environment
 from test_peer_failures import rank_pid
 
 EXAMPLE = REPO / "examples" / "own_loop_ddp.py"
@@ -163,3 +164,47 @@ def test_a_killed_rank_restarted_in_place_then_sigterm_resumes_equal_to_an_unint
     assert all(record["restore_check"]["matched"] for record in records[1:])
     replay = records[1].get("replay", {"matched": 0, "of": 0})  # tier 0 every step may leave none to replay
     assert replay["matched"] == replay["of"] and (replay["of"] > 0 or "--memory-dir" in options)  # the kill's lost steps
+
+
+def test_fsdp2_in_one_process_killed_then_preempted_resumes_equal_to_an_uninterrupted_run(tmp_path, tmp_path_factory):
+    """The FSDP2 row's 1-process cell: a script that starts its own group of one (as one GPU's
+    FSDP2 run does) and shards its model with `fully_shard` over it, started as any launcher
+    starts rank 0 of 1 (forked: no agent to test at one rank); kill -9 mid-epoch, resumed;
+    SIGTERM (75), resumed; equal to the uninterrupted run, the witness's every check passed.
+    Cost: four forked processes, about 8 CPU-s."""
+    options = ("--data-parallel", "fsdp", "--init-first")
+    reference = made_once(tmp_path_factory, "own-loop-fsdp-1p",
+                          lambda folder: forked_ranks(EXAMPLE, folder / "run", *EPOCHS, *options, nproc=1)) / "run"
+    run = tmp_path / "run"
+
+    def started() -> subprocess.Popen:
+        return zygote().spawn([str(EXAMPLE), str(run), *EPOCHS, *options], REPO,
+                              rank_environment(0, 1, free_port()), new_session=False)
+
+    killed = started()
+    wait_for_line(killed, "step=6 ")  # mid-epoch 0: the newest generation is step 4's
+    killed.kill()
+    finish(killed)
+    assert killed.returncode == -signal.SIGKILL and (generation(run, "step-00000004") / "manifest.json").exists()
+
+    stopped = started()
+    assert wait_for_line(stopped, "from step=").startswith("from step=4 ")
+    wait_for_line(stopped, "step=10 ")
+    stopped.send_signal(signal.SIGTERM)
+    out, err = finish(stopped)
+    assert stopped.returncode == 75 and "stopped, resumable (exit 75)" in err, err[-3000:]
+
+    resumed = started()
+    out, err = finish(resumed)
+    assert resumed.returncode == 0, err[-3000:]
+    compared = compare(generation(reference, FINAL), generation(run, FINAL))
+    assert compared.returncode == 0, compared.stdout
+    assert "ledgers: same samples in the same order since step 0" in compared.stdout, compared.stdout
+    report = run_cli("report", run)
+    assert "exactness witness  every check passed" in report.stdout and "NOT EXACT" not in report.stdout, report.stdout
+    records = attempts(run)
+    assert [r["status"] for r in records] == ["running", "preempted", "completed"], records
+    assert records[1]["restored"]["name"] == "step-00000004" and records[1]["replay"]["matched"] == records[1]["replay"]["of"] > 0
+    assert all(record["restore_check"]["matched"] for record in records[1:])
+    manifest = json.loads((generation(run, FINAL) / "manifest.json").read_text())
+    assert manifest["fingerprint"]["config"]["data_parallel"] == "fsdp"  # sharded, not taken for a plain model

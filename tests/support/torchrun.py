@@ -67,6 +67,13 @@ def torchrun(output, *args, nproc: int = 2, expect: int = 0, env: dict | None = 
     return result
 
 
+def rank_environment(rank: int, nproc: int, port: int | str) -> dict:
+    """The trainer's environment for `rank` of `nproc` on this node, as a launcher sets it (rank
+    0 hosts the rendezvous store on `port`)."""
+    return trainer_env(clean_environment(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                                         LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+
+
 def forked_ranks(script: Path, *args, nproc: int) -> list[str]:
     """`python SCRIPT ARGS` as `nproc` ranks started the way any launcher may start them (RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT set; rank 0 hosts the rendezvous store), each forked
@@ -77,8 +84,7 @@ def forked_ranks(script: Path, *args, nproc: int) -> list[str]:
     processes = []
     try:
         for rank in range(nproc):
-            env = trainer_env(clean_environment(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                                                LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+            env = rank_environment(rank, nproc, port)
             argv = [str(script), *map(str, args)]
             processes.append(zygote().spawn(argv, REPO, env, new_session=False) if forked(env, {}) else
                              subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -31,14 +32,16 @@ def data_parallel_settings(model: nn.Module, settings: WorkloadConfig, ranks: Ra
     """`settings` with the wrapping `model` came in. A DDP model gets the trainer's own
     gradient reduction (`per_parameter_mean`: exact at any world size, trainer/parallel/
     reduction.py) unless it has a communication hook already; then its reduction is the
-    user's, which an exact resume at 3 or more ranks cannot rest on (the record says so)."""
-    if not ranks.distributed:
+    user's, which an exact resume at 3 or more ranks cannot rest on (the record says so). An
+    FSDP2 model in one process (the script's own group of one) is FSDP2 too: its state holds
+    DTensors, gathered whole for the export."""
+    if not ranks.distributed and not torch.distributed.is_initialized():
         return settings
-    from torch.distributed.fsdp import FSDPModule  # only several processes pay for importing it
+    from torch.distributed.fsdp import FSDPModule  # only a process group's members pay for importing it
 
     if isinstance(model, FSDPModule):
         return replace(settings, data_parallel="fsdp")
-    if not isinstance(model, DistributedDataParallel):
+    if not ranks.distributed or not isinstance(model, DistributedDataParallel):
         return settings
     try:
         model.register_comm_hook(ranks.group, per_parameter_mean)

@@ -251,7 +251,7 @@ class CadencedSaves:
         self.paths: tuple[SavePath, ...] = (self.durable, Tier0Path(self.memory, self.tier0))
         """Where both are due after a step, the first saves."""
         self.export_policy = build_policy(config.export)
-        self.sharded = ranks.distributed and config.workload.data_parallel == "fsdp"
+        self.sharded = config.workload.data_parallel == "fsdp"  # FSDP2 in one process too (a group of one)
         self.upload_failure: TrainerError | None = None
         """Rank 0's background upload failure, held for the next point where every rank agrees."""
 
