@@ -317,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="loop steps per round")
     parser.add_argument("--every", type=int, default=5, help="a tier-0 save every N loop steps")
-    parser.add_argument("--quick", action="store_true", help="64 MB, one round of each, 10 steps: the suite's smoke test (the docs' 64 MB figures: --size-mb 64 --steps 10)")
+    parser.add_argument("--quick", action="store_true", help="64 MB, one round of each, 10 steps: the suite's smoke test "
+                        "(the docs' 64 MB figures: --size-mb 64 --steps 10)")
     parser.add_argument("--dir", type=Path, help="the disk tier's scratch (default: a temporary folder under /tmp)")
     parser.add_argument("--memory-dir", type=Path, help="tier 0's scratch (default: a temporary folder under "
                                                          "/dev/shm, else under --dir)")

@@ -461,7 +461,8 @@ def test_4_processes_then_3_then_4_train_the_samples_in_the_order_of_the_uninter
     started with: the run trains on the samples, in the order, of the uninterrupted run since
     step 0 (compare.py's ledger verdict against one process on 4 lanes, and the chain computed
     from the layout alone), and `report` finds none repeated or skipped.
-    Cost: ~55 CPU-s (one process, then launches of 4, 3 and 4)."""
+    Cost: ~33 CPU-s (one process, 4 forked ranks (`trainer_ranks`), then torchrun's 3 and 4; 53 with
+    torchrun's 4 first)."""
     baseline = uninterrupted(tmp_path_factory, 4, *ELASTIC)
     shards, run = baseline / "shards", tmp_path / "run"
     args, resume = (*ELASTIC, "--lm-shard-dir", shards), ("--resume", "--allow-drift", "world_size")
@@ -485,7 +486,8 @@ def test_8_processes_then_2_train_the_samples_in_the_order_of_the_uninterrupted_
     epoch end, twice: with 0 and with 2 workers. Both train on the samples, in the order, of
     the uninterrupted run on 8 lanes (compare.py's ledger verdict), each of 2 ranks reading its
     4 lanes alone, and end bit-identical: the same change twice gives the same bits.
-    Cost: ~60 CPU-s (one process, then launches of 8, 2 and 2)."""
+    Cost: ~34 CPU-s (one process, 8 forked ranks (`trainer_ranks`), then torchrun's 2 and 2; 60 with
+    torchrun's 8 first)."""
     shape_args = ("--batch-size", "8", "--max-steps", "10")
     baseline = uninterrupted(tmp_path_factory, 8, *ELASTIC, *shape_args)
     shards, once, twice = baseline / "shards", tmp_path / "once", tmp_path / "twice"

@@ -82,7 +82,8 @@ def trainer_ranks(output, *args, nproc: int, expect: int = 0) -> subprocess.Comp
     runs a script: for a run whose launch is not under test (a reference, or the first part of
     a resume that only needs its generations), at no agent's and no interpreter's cost. Every
     rank must exit `expect`; their outputs joined in rank order (as torchrun passes them on)."""
-    results = rank_processes(["-m", "trainer", "--output", str(output), "--threads", "1", *map(str, args)], nproc, expect)
+    argv = ["-m", "trainer", "--output", str(output), "--threads", "1", *map(str, args)]
+    results = rank_processes(argv, nproc, expect)
     return subprocess.CompletedProcess(["trainer_ranks", *map(str, args)], expect,
                                        "".join(result.stdout for result in results),
                                        "".join(result.stderr for result in results))
