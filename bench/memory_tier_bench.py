@@ -1,7 +1,7 @@
 """What does tier 0 (`--memory-dir`) save on a restart, and what does it cost the loop?
 
     python bench/memory_tier_bench.py --size-mb 512 --json out.json
-    python bench/memory_tier_bench.py --quick          # 64 MB, well under a minute
+    python bench/memory_tier_bench.py --quick          # 64 MB, one round each (the suite's smoke test)
 
 Builds the example model + SGD state at about --size-mb, publishes one generation into tier 0
 (a folder under /dev/shm, a memory filesystem) and one onto the disk (--dir, default a folder
@@ -317,14 +317,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="loop steps per round")
     parser.add_argument("--every", type=int, default=5, help="a tier-0 save every N loop steps")
-    parser.add_argument("--quick", action="store_true", help="64 MB, 3 repeats, 10 steps")
+    parser.add_argument("--quick", action="store_true", help="64 MB, one round of each, 10 steps: the suite's smoke test "
+                        "(the docs' 64 MB figures: --size-mb 64 --steps 10)")
     parser.add_argument("--dir", type=Path, help="the disk tier's scratch (default: a temporary folder under /tmp)")
     parser.add_argument("--memory-dir", type=Path, help="tier 0's scratch (default: a temporary folder under "
                                                          "/dev/shm, else under --dir)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.size_mb, args.repeat, args.steps = 64, 3, 10
+        args.size_mb, args.repeat, args.steps = 64, 1, 10
     torch.set_num_threads(1)
     disk = Path(tempfile.mkdtemp(prefix="memory-tier-bench-", dir=args.dir))
     memory_base = args.memory_dir or (SHM if SHM.is_dir() else disk)

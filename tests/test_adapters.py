@@ -18,7 +18,7 @@ import torch
 
 from support.cli import REPO, compare, one_error_line, run_cli, train
 from support.runs import generation, made_once
-from support.torchrun import torchrun
+from support.torchrun import torchrun, trainer_ranks
 
 WORKLOAD = f"{REPO}/tests/workloads/hf_stream.py:HFRegression"
 ARGS = ("--workload", WORKLOAD, "--batch-size", "6", "--shuffle-buffer", "5", "--max-steps", "10",
@@ -140,10 +140,11 @@ def test_a_loaders_batch_size_is_the_global_batch_across_two_processes(form, tmp
     workers per process, resumed with --num-workers 1; equal bit for bit (ledgers included) to
     an uninterrupted 2-process run with --num-workers 0. Every generation's manifest holds the
     loader's batch size (6, not 12) and each rank's ledger 6/2 = 3 samples per step it covers.
-    Cost (2 shared cores): ~25 s each (three torchrun launches; 28 CPU-seconds)."""
+    Cost: ~21-22 CPU-s each (the reference's 2 ranks forked, `trainer_ranks`, then two torchrun
+    launches; 28-31 before)."""
     baseline, run = tmp_path / "baseline", tmp_path / "run"
     args = (*LOADER_ARGS, "--form", form)
-    torchrun(baseline, *args, "--num-workers", "0", tmp=tmp_path)
+    trainer_ranks(baseline, *args, "--num-workers", "0", nproc=2)  # the reference: its launch is not under test
     interrupted = torchrun(run, *args, "--interrupt-at-step", "5", expect=75, tmp=tmp_path)
     assert "batch_size=6 (the global batch, split across processes under torchrun), num_workers=2" \
            in interrupted.stdout + interrupted.stderr
@@ -165,10 +166,11 @@ def test_a_loaders_batch_size_is_the_global_batch_across_two_processes(form, tmp
 def test_a_loader_batch_size_the_processes_cannot_share_is_refused_as_the_flag_is(tmp_path):
     """A loader's batch_size=5 over 24 samples under 2 processes is refused (exit 2, on every
     rank) with the line `--batch-size 5` gets on a plain workload, naming the loader's setting
-    instead of the flag. Cost: ~12-16 s (two torchrun launches, refused before the first step)."""
-    plain = torchrun(tmp_path / "plain", "--workload", f"{REPO}/tests/workloads/toy.py:ToyWorkload",
-                     "--batch-size", "5", "--max-steps", "2", expect=2, tmp=tmp_path)
-    adopted = torchrun(tmp_path / "loader", *LOADER_ARGS, "--loader-batch-size", "5", expect=2, tmp=tmp_path)
+    instead of the flag. Cost: ~2.4 CPU-s (two launches of 2 forked ranks, `trainer_ranks`, refused
+    before the first step; 18 with torchrun)."""
+    plain = trainer_ranks(tmp_path / "plain", "--workload", f"{REPO}/tests/workloads/toy.py:ToyWorkload",
+                          "--batch-size", "5", "--max-steps", "2", nproc=2, expect=2)
+    adopted = trainer_ranks(tmp_path / "loader", *LOADER_ARGS, "--loader-batch-size", "5", nproc=2, expect=2)
     said = "does not divide evenly across 2 processes (each takes an equal share of every batch); choose a " \
            "multiple of 2"
     assert f"trainer: error: --batch-size 5 {said}" in plain.stderr, plain.stderr[-3000:]

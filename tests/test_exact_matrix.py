@@ -32,7 +32,7 @@ import pytest
 from support.cli import compare, one_error_line, train
 from support.runs import MATRIX_ARGS, attempts, generation, matrix_baseline
 from support.s3 import store_env
-from support.torchrun import torchrun
+from support.torchrun import torchrun, trainer_ranks
 
 STEPS_ARGS = MATRIX_ARGS
 FINAL = "step-00000012"
@@ -101,7 +101,7 @@ def test_a_world_size_change_is_deterministic_run_to_run(baselines, tmp_path):
         shutil.copytree(baseline, run)
         for section in ("checkpoints", "exports"):
             shutil.rmtree(run / section / FINAL)
-        torchrun(run, *STEPS_ARGS, "--resume", "--allow-drift", "world_size", nproc=3, tmp=tmp_path)
+        trainer_ranks(run, *STEPS_ARGS, "--resume", "--allow-drift", "world_size", nproc=3)  # launch not under test
         record = attempts(run)[-1]
         assert record["world_size_change"]["exact"] is False
         assert record["replay"]["compared"] is False and "world_size" in record["replay"]["reason"]
@@ -117,13 +117,13 @@ def test_bucketed_reduction_with_three_ranks_is_not_exact_and_says_so(tmp_path):
     first replayed step: without compare.py, on the cluster."""
     args = (*STEPS_ARGS, "--gradient-reduction", "bucketed", "--checkpoint-mode", "sync")
     baseline = tmp_path / "baseline"
-    started = torchrun(baseline, *args, nproc=3, tmp=tmp_path)
+    started = trainer_ranks(baseline, *args, nproc=3)  # the reference: its launch is not under test
     assert "not exact: --gradient-reduction bucketed with 3 processes" in started.stdout + started.stderr
     run = tmp_path / "run"
     shutil.copytree(baseline, run)
     for section in ("checkpoints", "exports"):
         shutil.rmtree(run / section / FINAL)
-    resumed = torchrun(run, *args, "--resume", nproc=3, tmp=tmp_path)
+    resumed = trainer_ranks(run, *args, "--resume", nproc=3)  # its launch is not under test
     assert compare(generation(baseline, FINAL), generation(run, FINAL)).returncode == 1
     record = attempts(run)[-1]
     assert record["exactness"]["exact"] is False and "--gradient-reduction per-parameter" in record["exactness"]["reason"]

@@ -37,7 +37,7 @@ import pytest
 from support.cli import REPO, compare, wait_for_line
 from support.limits import scaled
 from support.runs import attempts, generation, made_once
-from support.torchrun import clean_environment, free_port, torchrun
+from support.torchrun import clean_environment, free_port, torchrun, trainer_ranks
 from support.torchrun import launch as launch_torchrun
 from test_peer_failures import rank_pid
 from trainer.config import PeerWaitConfig
@@ -56,7 +56,7 @@ SILENCE_S = 4
 def baseline_slow(tmp_path_factory) -> Path:
     """The same workload without its sleeps (they come from the environment, unfingerprinted)."""
     return made_once(tmp_path_factory, "slow-steps-2p",
-                     lambda folder: torchrun(folder / "run", *WORKLOAD, tmp=folder)) / "run"
+                     lambda folder: trainer_ranks(folder / "run", *WORKLOAD, nproc=2)) / "run"
 
 
 def test_the_fallback_bound_ignores_the_first_interval_and_one_outlier():

@@ -17,7 +17,7 @@ import pytest
 from support.cli import REPO, compare, completed, finish, one_error_line, run_cli, train
 from support.limits import scaled, wait_until
 from support.runs import FINAL_2P, TWO_PROCESS_EPOCHS, attempts, generation
-from support.torchrun import TORCHRUN, TORCHRUN_CHILD_FAILED, clean_environment, free_port, launch
+from support.torchrun import TORCHRUN, TORCHRUN_CHILD_FAILED, clean_environment, free_port, launch, trainer_ranks
 from support.torchrun import torchrun as run_torchrun
 
 EPOCHS = TWO_PROCESS_EPOCHS  # 16 steps: enough for mid-run generations, short enough for CI
@@ -197,7 +197,7 @@ def test_fsdp_two_process_interrupt_and_resume_matches_uninterrupted_fsdp(tmp_pa
     """--data-parallel fsdp: each rank writes only its shards (sync or async), an async 2-process resume is exact,
     the export holds whole tensors, and a resume must keep the choice (it is fingerprinted)."""
     baseline, run = tmp_path / "baseline", tmp_path / "run"
-    torchrun(baseline, "--data-parallel", "fsdp", tmp=tmp_path)
+    trainer_ranks(baseline, "--epochs", EPOCHS, "--data-parallel", "fsdp", nproc=2)  # the reference
     # Async: each rank stages its own shards (DTensors) and writes them in the background; the
     # resume restores that generation and writes the final one async too.
     # Tier 0 too: each rank saves its own shards alone at step 10 (one node: no replica).

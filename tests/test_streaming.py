@@ -26,7 +26,7 @@ import torch
 
 from support.cli import REPO, compare, finish, one_error_line, run_cli, start, train, wait_for_line
 from support.runs import attempts, generation, made_once
-from support.torchrun import torchrun
+from support.torchrun import torchrun, trainer_ranks
 from trainer.run.ledger import GENESIS, SampleLedger, id_bytes, ledger_problems
 from trainer.run.batching import EpochBatchOrder, EpochShape
 from trainer.run.streaming import StreamEpoch, StreamLayout, StreamSource
@@ -461,11 +461,12 @@ def test_4_processes_then_3_then_4_train_the_samples_in_the_order_of_the_uninter
     started with: the run trains on the samples, in the order, of the uninterrupted run since
     step 0 (compare.py's ledger verdict against one process on 4 lanes, and the chain computed
     from the layout alone), and `report` finds none repeated or skipped.
-    Cost: ~55 CPU-s (one process, then launches of 4, 3 and 4)."""
+    Cost: ~33 CPU-s (one process, 4 forked ranks (`trainer_ranks`), then torchrun's 3 and 4; 53 with
+    torchrun's 4 first)."""
     baseline = uninterrupted(tmp_path_factory, 4, *ELASTIC)
     shards, run = baseline / "shards", tmp_path / "run"
     args, resume = (*ELASTIC, "--lm-shard-dir", shards), ("--resume", "--allow-drift", "world_size")
-    torchrun(run, *args, "--interrupt-at-step", "4", nproc=4, expect=75, tmp=tmp_path)
+    trainer_ranks(run, *args, "--interrupt-at-step", "4", nproc=4, expect=75)  # its launch is not under test
     torchrun(run, *args, *resume, "--num-workers", "2", "--interrupt-at-step", "8", nproc=3, expect=75, tmp=tmp_path)
     torchrun(run, *args, *resume, nproc=4, tmp=tmp_path)
     assert [(r["world_size_change"]["from"], r["world_size_change"]["to"]) for r in attempts(run)[1:]] == [
@@ -485,12 +486,13 @@ def test_8_processes_then_2_train_the_samples_in_the_order_of_the_uninterrupted_
     epoch end, twice: with 0 and with 2 workers. Both train on the samples, in the order, of
     the uninterrupted run on 8 lanes (compare.py's ledger verdict), each of 2 ranks reading its
     4 lanes alone, and end bit-identical: the same change twice gives the same bits.
-    Cost: ~60 CPU-s (one process, then launches of 8, 2 and 2)."""
+    Cost: ~34 CPU-s (one process, 8 forked ranks (`trainer_ranks`), then torchrun's 2 and 2; 60 with
+    torchrun's 8 first)."""
     shape_args = ("--batch-size", "8", "--max-steps", "10")
     baseline = uninterrupted(tmp_path_factory, 8, *ELASTIC, *shape_args)
     shards, once, twice = baseline / "shards", tmp_path / "once", tmp_path / "twice"
     args, resume = (*ELASTIC, *shape_args, "--lm-shard-dir", shards), ("--resume", "--allow-drift", "world_size")
-    torchrun(once, *args, "--interrupt-at-step", "4", nproc=8, expect=75, tmp=tmp_path)
+    trainer_ranks(once, *args, "--interrupt-at-step", "4", nproc=8, expect=75)  # its launch is not under test
     shutil.copytree(once, twice)
     torchrun(once, *args, *resume, nproc=2, tmp=tmp_path)
     torchrun(twice, *args, *resume, "--num-workers", "2", nproc=2, tmp=tmp_path)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from support.cli import train
-from support.torchrun import torchrun
+from support.torchrun import trainer_ranks
 
 FINAL = "step-00000064"
 SHORT = ("--epochs", 3)
@@ -75,17 +75,18 @@ def short_baseline(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def baseline_2p(tmp_path_factory) -> Path:
-    """An uninterrupted 2-process run (`torchrun --standalone`, one disk), the reference for
-    every 2-process resume: test_scale_out.py's, test_peer_failures.py's, and two nodes on one
-    store in test_store_pods.py (where the ranks run and store is no input)."""
-    return made_once(tmp_path_factory, "baseline-2p", lambda root: torchrun(
-        root / "run", "--epochs", TWO_PROCESS_EPOCHS, nproc=2, tmp=root)) / "run"
+    """An uninterrupted 2-process run (one disk; ranks forked as a launcher starts them,
+    `trainer_ranks`: the bits of a torchrun run), the reference for every 2-process resume:
+    test_scale_out.py's, test_peer_failures.py's, and two nodes on one store in
+    test_store_pods.py (where the ranks run and store is no input)."""
+    return made_once(tmp_path_factory, "baseline-2p", lambda root: trainer_ranks(
+        root / "run", "--epochs", TWO_PROCESS_EPOCHS, nproc=2)) / "run"
 
 
 def matrix_baseline(tmp_path_factory, world_size: int, parallel: str) -> Path:
     """The uninterrupted `MATRIX_ARGS` run on `world_size` processes (sync saves), made once per
     session: test_exact_matrix.py's cell baselines, and test_store_pods.py's ring of three nodes
-    ends equal to the 3-process DDP one."""
-    return made_once(tmp_path_factory, f"matrix-{world_size}-{parallel}", lambda root: torchrun(
-        root / "run", *MATRIX_ARGS, "--data-parallel", parallel, "--checkpoint-mode", "sync", nproc=world_size,
-        tmp=root)) / "run"
+    ends equal to the 3-process DDP one. Its ranks are forked (`trainer_ranks`)."""
+    return made_once(tmp_path_factory, f"matrix-{world_size}-{parallel}", lambda root: trainer_ranks(
+        root / "run", *MATRIX_ARGS, "--data-parallel", parallel, "--checkpoint-mode", "sync",
+        nproc=world_size)) / "run"

@@ -4,7 +4,8 @@ variables. The launcher itself (torchrun's agent) is forked from the worker's zy
 can be (`launch`): it is a Python program that imports torch before it does anything (about
 2 s of CPU, a third of a 2-process launch) and then starts its ranks as fresh interpreters.
 An uninterrupted reference run's ranks may be forked from the zygote too, with the variables a
-launcher sets (`forked_ranks`: no agent, no fresh interpreters)."""
+launcher sets (`forked_ranks`, and `trainer_ranks` for the trainer's own command: no agent,
+no fresh interpreters)."""
 
 from __future__ import annotations
 
@@ -80,12 +81,28 @@ def forked_ranks(script: Path, *args, nproc: int) -> list[str]:
     from this worker's zygote (tests/forking.py) unless the environment asks for a fresh
     interpreter: a reference run without torchrun's agent and N interpreters' start (about 2 +
     3N CPU-seconds less). Every rank must exit 0; their stdouts, in rank order."""
+    return [result.stdout for result in rank_processes([str(script), *map(str, args)], nproc, expect=0)]
+
+
+def trainer_ranks(output, *args, nproc: int, expect: int = 0) -> subprocess.CompletedProcess:
+    """`torchrun`'s command (`-m trainer --output OUTPUT --threads 1 ARGS`) as `forked_ranks`
+    runs a script: for a run whose launch is not under test (a reference, or the first part of
+    a resume that only needs its generations), at no agent's and no interpreter's cost. Every
+    rank must exit `expect`; their outputs joined in rank order (as torchrun passes them on)."""
+    argv = ["-m", "trainer", "--output", str(output), "--threads", "1", *map(str, args)]
+    results = rank_processes(argv, nproc, expect)
+    return subprocess.CompletedProcess(["trainer_ranks", *map(str, args)], expect,
+                                       "".join(result.stdout for result in results),
+                                       "".join(result.stderr for result in results))
+
+
+def rank_processes(argv: list[str], nproc: int, expect: int) -> list[subprocess.CompletedProcess]:
+    """`python ARGV` as `nproc` launched ranks (see `forked_ranks`); each must exit `expect`."""
     port = str(free_port())
     processes = []
     try:
         for rank in range(nproc):
             env = rank_environment(rank, nproc, port)
-            argv = [str(script), *map(str, args)]
             processes.append(zygote().spawn(argv, REPO, env, new_session=False) if forked(env, {}) else
                              subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                               stderr=subprocess.PIPE, text=True))
@@ -96,5 +113,7 @@ def forked_ranks(script: Path, *args, nproc: int) -> list[str]:
                 process.kill()
                 process.wait()
     for rank, (process, (out, err)) in enumerate(zip(processes, outputs)):
-        assert process.returncode == 0, f"rank {rank} exited {process.returncode}\n{out[-2000:]}\n{err[-3000:]}"
-    return [out for out, _ in outputs]
+        assert process.returncode == expect, (f"rank {rank} exited {process.returncode}, wanted {expect}\n"
+                                              f"{out[-2000:]}\n{err[-3000:]}")
+    return [subprocess.CompletedProcess(argv, process.returncode, out, err)
+            for process, (out, err) in zip(processes, outputs)]
