@@ -17,6 +17,9 @@ steps (step-4, step-8, step-12), and one resume:
   replays the steps the baseline computed (the witness compares all four);
 - store: a run in the object store interrupted at step 10 with async saves, resumed with sync
   saves on a new node.
+A launcher does not change a bit: the baselines, the disk resumes and the store runs' interrupted
+first attempts fork their ranks with the variables a launcher sets (`trainer_ranks`); the store
+resumes run under real torchrun.
 Two processes are proven by test_scale_out.py (DDP and FSDP2 on disk, async) and
 test_store_pods.py (DDP over two nodes in the store); one by test_async_checkpoint.py and
 test_store.py.
@@ -65,8 +68,8 @@ def test_a_resume_on_disk_is_exact(world_size, parallel, baselines, tmp_path):
     shutil.copytree(baseline, run)  # the worker was lost after step 12 was computed, before its save
     for section in ("checkpoints", "exports"):
         shutil.rmtree(run / section / FINAL)
-    resumed = torchrun(run, *STEPS_ARGS, "--data-parallel", parallel, "--checkpoint-mode", "async", "--resume",
-                       nproc=world_size, tmp=tmp_path)
+    resumed = trainer_ranks(run, *STEPS_ARGS, "--data-parallel", parallel, "--checkpoint-mode", "async", "--resume",
+                            nproc=world_size)  # ranks forked as a launcher starts them: the store cells' resumes run torchrun
     assert "restored step-00000008" in resumed.stdout
     result = compare(generation(baseline, FINAL), generation(run, FINAL))
     assert result.returncode == 0, result.stdout[-3000:]
@@ -78,8 +81,8 @@ def test_a_resume_in_the_object_store_is_exact(world_size, parallel, baselines, 
     baseline = baselines(world_size, parallel)
     url, env = f"s3://{s3_bucket.name}/run", store_env(s3_server)
     common = (*STEPS_ARGS, "--data-parallel", parallel)
-    torchrun(url, *common, "--local-tier", tmp_path / "node-a", "--checkpoint-mode", "async", "--interrupt-at-step", 10,
-             expect=75, nproc=world_size, env=env, tmp=tmp_path)
+    trainer_ranks(url, *common, "--local-tier", tmp_path / "node-a", "--checkpoint-mode", "async",
+                  "--interrupt-at-step", 10, expect=75, nproc=world_size, env=env)  # its launch is not under test
     # A new node: its local tier is empty; the lost attempt's records and step digests come from the store.
     resumed = torchrun(url, *common, "--local-tier", tmp_path / "node-b", "--checkpoint-mode", "sync", "--resume",
                        nproc=world_size, env=env, tmp=tmp_path)

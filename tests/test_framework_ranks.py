@@ -5,10 +5,12 @@ made once per framework and world size, then one run that loses a rank to kill -
 is resumed (by a new launch, or in place under --max-restarts from tier 0), is stopped by
 SIGTERM (every rank saves, the trainer's status 75, in TRAINER_EXIT_STATUS_FILE under an
 agent) and is resumed to the end: its final generation equals the uninterrupted run's field
-by field, and the exactness witness (replayed steps, restore checks) found nothing. What a
-cell costs is almost all interpreters' start (torch and the framework imported by every
-rank and agent): besides its baseline (forked ranks) a cell takes 3 x its world size of
-them, restarted in place or not."""
+by field, and the exactness witness (replayed steps, restore checks) found nothing. The
+launches under test (the kill, the SIGTERM) are the launchers'; the last resume and the
+uninterrupted run fork their ranks from the zygote with the variables a launcher sets (a
+launcher changes no bit). What a cell costs is almost all interpreters' start (torch and the
+framework imported by every rank and agent): besides those forked ranks a cell takes 2 x its
+world size of them, restarted in place or not."""
 
 from __future__ import annotations
 
@@ -55,6 +57,14 @@ class Cell:
         }[self.launcher]
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
+    def run_through(self, output: Path, *extra) -> None:
+        """The script to its end with every rank forked from the zygote and given the variables
+        any launcher sets (`forked_ranks`: no agent, no fresh interpreters; a launcher changes
+        no bit, as the uninterrupted runs' compare proves): a resume whose launch is not under
+        test."""
+        devices = ("--devices", self.nproc) if self.launcher == "lightning" else ()
+        forked_ranks(REPO / "examples" / self.script, output, *self.args, *extra, *devices, nproc=self.nproc)
+
     def worker(self, process: subprocess.Popen, rank: int) -> int:
         """The pid of `rank`: among the agent's children, or among rank 0's under Lightning."""
         lightning = self.launcher == "lightning"
@@ -95,16 +105,15 @@ def uninterrupted(tmp_path_factory, name: str, cell: Cell) -> Path:
     every cell of that framework and world size, its ranks forked from the zygote with the
     variables any launcher sets (`forked_ranks`: no agent, no fresh interpreters; the bits are
     the launcher's, as the cells' compare proves)."""
-    devices = ("--devices", cell.nproc) if cell.launcher == "lightning" else ()
-    script = REPO / "examples" / cell.script
     return made_once(tmp_path_factory, f"library-ranks-{name}-{cell.nproc}",
-                     lambda folder: forked_ranks(script, folder / "run", *cell.args, *devices, nproc=cell.nproc)) / "run"
+                     lambda folder: cell.run_through(folder / "run")) / "run"
 
 
 def killed_preempted_and_resumed(tmp_path: Path, cell: Cell, kill_at: int, left: str, stop_at: int) -> Path:
     """kill -9 of the last rank once rank 0 printed `step=KILL_AT` (the newest generation then is
     `left`, mid-epoch: rank 0 names the lost rank, 75); resumed, SIGTERM to rank 0 once it
-    printed `step=STOP_AT` (every rank saves the step reached, 75); resumed to the end."""
+    printed `step=STOP_AT` (every rank saves the step reached, 75); resumed to the end (its ranks
+    forked: `Cell.run_through`)."""
     run, status = tmp_path / "run", tmp_path / "status"
     killing = cell.launch(run, status)
     until_step(killing, kill_at)
@@ -119,7 +128,7 @@ def killed_preempted_and_resumed(tmp_path: Path, cell: Cell, kill_at: int, left:
     stopped_at = attempts(run)[-1]["last_step"]
     assert stopped_at >= stop_at and generation(run, f"step-{stopped_at:08d}").is_dir()
 
-    cell.ended(cell.launch(run, status), status, expect=0)
+    cell.run_through(run)  # resumed to the end
     records = attempts(run)
     assert [record["status"] for record in records] == ["interrupted", "preempted", "completed"], records
     assert records[0]["peer"]["ranks"] == [cell.nproc - 1]
@@ -135,7 +144,8 @@ def restarted_in_place_preempted_and_resumed(tmp_path: Path, cell: Cell, kill_at
     rank 0 printed `step=KILL_AT` (the steps since the newest generation saved to tier 0 only);
     the agent restarts every worker in place and they restore from tier 0; SIGTERM to rank 0
     once a restarted rank 0 printed `step=STOP_AT` (75, the restart spent, the launcher 1); a
-    new launch resumes to the end. One launch fewer than `killed_preempted_and_resumed`."""
+    new start resumes to the end (its ranks forked: `Cell.run_through`). One launch fewer than
+    `killed_preempted_and_resumed`."""
     run, status, memory = tmp_path / "run", tmp_path / "status", tmp_path / "memory"
     restarting = cell.launch(run, status, "--memory-dir", memory, restarts=1)
     until_step(restarting, kill_at)
@@ -143,7 +153,7 @@ def restarted_in_place_preempted_and_resumed(tmp_path: Path, cell: Cell, kill_at
     until_step(restarting, stop_at)  # the restarted workers' lines: no rank passed step KILL_AT + 1 before the kill
     os.kill(cell.worker(restarting, 0), signal.SIGTERM)
     assert "stopped, resumable (exit 75)" in cell.ended(restarting, status, expect=75)
-    cell.ended(cell.launch(run, status, "--memory-dir", memory), status, expect=0)
+    cell.run_through(run, "--memory-dir", memory)  # resumed to the end
 
     killed, stopped, completed = attempts(run)
     assert killed["status"] == "interrupted" and cell.nproc - 1 in killed["peer"]["ranks"], killed  # the lost rank named (and any it took along)
@@ -167,8 +177,9 @@ save_steps), so step 5's is mid-epoch (epoch 1 is steps 4-6)."""
 
 
 def test_hugging_face_trainer_on_two_processes_survives_a_killed_rank_and_sigterm_exactly(tmp_path, tmp_path_factory):
-    """HF's DDP under torchrun, its own distributed sampler and skip. Cost: four torchrun
-    launches of 2 ranks importing transformers, one of them shared."""
+    """HF's DDP under torchrun, its own distributed sampler and skip. Cost: two torchrun
+    launches of 2 ranks importing transformers, then 2 forked ranks twice (the resume, the
+    shared uninterrupted run)."""
     baseline = uninterrupted(tmp_path_factory, "hf", HF)
     run = killed_preempted_and_resumed(tmp_path, HF, kill_at=7, left="step-00000005", stop_at=8)
     equal_at(baseline, run, "step-00000015")
@@ -182,8 +193,9 @@ mid-epoch (epoch 3 is steps 7-8)."""
 def test_hugging_face_trainer_on_three_processes_restarts_in_place_from_tier0_and_resumes_exactly(
         tmp_path, tmp_path_factory):
     """HF's DDP on 3 processes (a sum of three depends on its order) under `torchrun
-    --max-restarts 1` with tier 0 every step (HF's save point writes it). Cost: three torchrun
-    launches of 3 ranks importing transformers (the first one's restarted), one shared."""
+    --max-restarts 1` with tier 0 every step (HF's save point writes it). Cost: one torchrun
+    launch of 3 ranks importing transformers (restarted once), then 3 forked ranks twice (the
+    resume, the shared uninterrupted run)."""
     baseline = uninterrupted(tmp_path_factory, "hf", HF_3)
     run = restarted_in_place_preempted_and_resumed(tmp_path, HF_3, kill_at=7, stop_at=11)
     equal_at(baseline, run, "step-00000014")
@@ -196,8 +208,9 @@ ACCELERATE = Cell("accelerate_loop.py", (), 2, launcher="accelerate")
 def test_accelerate_launched_on_two_processes_survives_a_killed_rank_and_sigterm_exactly(tmp_path, tmp_path_factory):
     """`accelerate launch --multi_gpu --num_processes 2` (on the CPU; its launcher exits 1 for a
     failed worker, as torchrun does: the trainer's 75 is in TRAINER_EXIT_STATUS_FILE), the
-    prepared DDP model and scheduler, the keyed order's shares. Cost: four launches of 2 ranks
-    importing accelerate (the launcher too), one of them shared."""
+    prepared DDP model and scheduler, the keyed order's shares. Cost: two launches of 2 ranks
+    importing accelerate (the launcher too), then 2 forked ranks twice (the resume, the shared
+    uninterrupted run)."""
     baseline = uninterrupted(tmp_path_factory, "accelerate", ACCELERATE)
     run = killed_preempted_and_resumed(tmp_path, ACCELERATE, kill_at=13, left="step-00000010", stop_at=24)
     equal_at(baseline, run, "step-00000036")
@@ -210,7 +223,8 @@ ACCELERATE_3 = Cell("accelerate_loop.py", ("--batch-size", "24"), 3)
 def test_accelerate_on_three_processes_restarts_in_place_from_tier0_and_resumes_exactly(tmp_path, tmp_path_factory):
     """3 processes (a sum of three depends on its order) under `torchrun --max-restarts 1`
     with tier 0 every step; the kill at step 13 is mid-epoch (epoch 1 is steps 9-16). Cost:
-    three torchrun launches of 3 ranks (the first one's restarted), one shared."""
+    one torchrun launch of 3 ranks (restarted once), then 3 forked ranks twice (the resume, the
+    shared uninterrupted run)."""
     baseline = uninterrupted(tmp_path_factory, "accelerate", ACCELERATE_3)
     run = restarted_in_place_preempted_and_resumed(tmp_path, ACCELERATE_3, kill_at=13, stop_at=18)
     equal_at(baseline, run, "step-00000024")
@@ -226,8 +240,9 @@ def test_lightning_ddp_on_two_processes_under_torchrun_restarts_in_place_from_ti
         tmp_path, tmp_path_factory):
     """Lightning's `strategy="ddp"`, `devices=2` under `torchrun --max-restarts 1` (Lightning
     finds torchrun's ranks and starts none) with tier 0 every step and
-    `accumulate_grad_batches=2` (the position counted in optimizer steps). Cost: three torchrun
-    launches of 2 ranks importing Lightning (the first one's restarted), one shared."""
+    `accumulate_grad_batches=2` (the position counted in optimizer steps). Cost: one torchrun
+    launch of 2 ranks importing Lightning (restarted once), then 2 forked ranks twice (the
+    resume, the shared uninterrupted run)."""
     baseline = uninterrupted(tmp_path_factory, "lightning", LIGHTNING)
     run = restarted_in_place_preempted_and_resumed(tmp_path, LIGHTNING, kill_at=8, stop_at=13)
     equal_at(baseline, run, "step-00000018")
@@ -240,8 +255,9 @@ every 10 steps, so step 10's is mid-epoch (epoch 1 is steps 9-16)."""
 
 def test_lightning_ddp_on_three_processes_survives_a_killed_rank_and_sigterm_exactly(tmp_path, tmp_path_factory):
     """Lightning's `strategy="ddp"`, `devices=3`, started by its own launcher (`python SCRIPT`,
-    `lightning.launch`): no SIGKILL of rank 0 when another rank exits, no refusal. Cost: four
-    launches of 3 processes importing Lightning, one of them shared."""
+    `lightning.launch`): no SIGKILL of rank 0 when another rank exits, no refusal. Cost: two
+    launches of 3 processes importing Lightning, then 3 forked ranks twice (the resume, the
+    shared uninterrupted run)."""
     baseline = uninterrupted(tmp_path_factory, "lightning", LIGHTNING_3)
     run = killed_preempted_and_resumed(tmp_path, LIGHTNING_3, kill_at=12, left="step-00000010", stop_at=14)
     equal_at(baseline, run, "step-00000024")

@@ -41,6 +41,10 @@ DONE = {"succeeded", "failed", "stopped"}
 RUNS = "training-recovery"
 UPLOAD_IGNORE = shutil.ignore_patterns(".git", ".venv*", "outputs*", "__pycache__", ".pytest_cache", "*.pyc")
 EDIT = "\n# A template user's edit: the upload, not the image's copy, is what runs.\n"
+NO_INSTALL = ("-P", "install_requirements=false")
+"""The jobs of every test but the volume store's (which runs the default: requirements.txt
+installed at start, a no-op here of about 3 CPU-s a job) start training at once, as on a baked
+image (presets/baked-image.yaml)."""
 
 
 @pytest.fixture(scope="session")
@@ -216,7 +220,8 @@ def test_upload_copy_and_resume_with_a_bucket_artifacts_store(project, bucket_sa
     plx = project(bucket_sandbox, sidecar_delay_s=4.0)
     bucket = bucket_sandbox.store["schema"]["bucket"]
     env = s3_server.env()
-    u = plx.submit("run", "-p", plx.name, "-f", "polyaxonfiles/polyaxonfile.yaml", "-u", "-P", "interrupt_at_step=27")
+    u = plx.submit("run", "-p", plx.name, "-f", "polyaxonfiles/polyaxonfile.yaml", "-u", "-P", "interrupt_at_step=27",
+                   *NO_INSTALL)
     plx.finish(u, "stopped")
     client = s3_server.client()
     name = bucket.removeprefix("s3://")
@@ -255,7 +260,7 @@ def test_your_own_script_run_copied_and_resumed_by_the_bundle_matches_its_baseli
     store = sandbox.artifacts / RUNS
     own = ("-f", "polyaxonfiles/polyaxonfile.yaml", "-f", "presets/own-script.yaml")
     u = plx.submit("run", "-p", plx.name, *own, "-u", "-P", "interrupt_at_step=13", "-P", "script_args=--epochs 3",
-                   cwd=upload)
+                   *NO_INSTALL, cwd=upload)
     record = plx.finish(u, "stopped")
     assert record["exit"] == 75
     (first,) = attempts_in(store / u)
@@ -343,10 +348,10 @@ def test_statuses_under_a_kubernetes_like_executor_are_the_agents(project, uploa
     `running` when the process exits, and the agent's status follows the exit code (75 stopped,
     2 failed). (f) a pytorchjob is not executable by a process agent: it fails, saying so."""
     plx = project(executor="k8s")
-    short = ["-P", "epochs=1", "-P", "interrupt_at_step=3"]
+    short = ["-P", "epochs=1", "-P", "interrupt_at_step=3", *NO_INSTALL]
     u = plx.submit("run", "-p", plx.name, "-f", "polyaxonfiles/polyaxonfile.yaml", "-u", *short, cwd=upload)
     usage = plx.submit("run", "-p", plx.name, "-f", "polyaxonfiles/polyaxonfile.yaml", "-u",
-                       "-P", "data_parallel=fsdp", cwd=upload)
+                       "-P", "data_parallel=fsdp", *NO_INSTALL, cwd=upload)
     job = plx.submit("run", "-p", plx.name, "-f", "polyaxonfiles/pytorchjob.yaml", "-u", cwd=upload)
     stopped = plx.finish(u, "stopped")
     assert stopped["exit"] == 75 and stopped["status_at_exit"] == "running" and stopped["posted"] == "stopped"
@@ -362,9 +367,9 @@ def test_statuses_under_a_process_sidecar_are_the_trainers(project, upload):
     exit before tracking starts (2: a refused option) is the agent's to record."""
     plx = project()
     nothing = plx.submit("run", "-p", plx.name, "-f", "polyaxonfiles/polyaxonfile.yaml", "-u",
-                         "-P", "resume=latest", cwd=upload)
+                         "-P", "resume=latest", *NO_INSTALL, cwd=upload)
     usage = plx.submit("run", "-p", plx.name, "-f", "polyaxonfiles/polyaxonfile.yaml", "-u",
-                       "-P", "data_parallel=fsdp", cwd=upload)
+                       "-P", "data_parallel=fsdp", *NO_INSTALL, cwd=upload)
     record = plx.finish(nothing, "failed")
     assert record["exit"] == 66 and record["status_at_exit"] == "failed" and record["posted"] is None
     record = plx.finish(usage, "failed")
@@ -378,7 +383,7 @@ def test_a_run_whose_approval_met_the_spurious_405_is_approved_again(project, up
     is handed to that path."""
     plx = project()
     created = plx.cli("run", "-p", plx.name, "-f", "polyaxonfiles/polyaxonfile.yaml", "-u", "--approved=false",
-                      "-P", "data_parallel=fsdp", cwd=upload)
+                      "-P", "data_parallel=fsdp", *NO_INSTALL, cwd=upload)
     run_uuid = run_uuid_of(created)
     assert plx.sandbox.run(plx.name, run_uuid)["pending"] == "approval"
     report = (f"Could not approve run `{run_uuid}`.\nHTTP request: POST \n"

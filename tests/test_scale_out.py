@@ -202,8 +202,8 @@ def test_fsdp_two_process_interrupt_and_resume_matches_uninterrupted_fsdp(tmp_pa
     # resume restores that generation and writes the final one async too.
     # Tier 0 too: each rank saves its own shards alone at step 10 (one node: no replica).
     memory = ("--memory-dir", tmp_path / "shm", "--memory-every-steps", 5)
-    torchrun(run, "--data-parallel", "fsdp", "--interrupt-at-step", 11, "--checkpoint-mode", "async", *memory,
-             expect=75, tmp=tmp_path)
+    trainer_ranks(run, "--epochs", EPOCHS, "--data-parallel", "fsdp", "--interrupt-at-step", 11, "--checkpoint-mode",
+                  "async", *memory, nproc=2, expect=75)  # forked as a launcher starts them: the resume is torchrun's
     assert json.loads((generation(run, "step-00000008") / "manifest.json").read_text())["timings"]["mode"] == "async"
     assert sorted(p.name for p in (tmp_path / "shm").iterdir()) == ["rank-0-of-2", "rank-1-of-2"]
     resumed = torchrun(run, "--data-parallel", "fsdp", "--resume", "--checkpoint-mode", "async", *memory, tmp=tmp_path)
@@ -224,7 +224,7 @@ def test_fsdp_two_process_interrupt_and_resume_matches_uninterrupted_fsdp(tmp_pa
     assert {name: tuple(t.shape) for name, t in exported.items() if name.endswith("weight")} == \
         {"net.0.weight": (64, 16), "net.3.weight": (64, 64), "net.6.weight": (4, 64)}
 
-    refused = torchrun(run, "--resume", "--epochs", 3, expect=65, tmp=tmp_path)  # DDP cannot resume it exactly
+    refused = trainer_ranks(run, "--resume", "--epochs", 3, nproc=2, expect=65)  # DDP cannot resume it exactly
     assert "config.data_parallel fsdp" in trainer_error_lines(refused)[0]
 
 

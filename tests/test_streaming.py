@@ -461,13 +461,13 @@ def test_4_processes_then_3_then_4_train_the_samples_in_the_order_of_the_uninter
     started with: the run trains on the samples, in the order, of the uninterrupted run since
     step 0 (compare.py's ledger verdict against one process on 4 lanes, and the chain computed
     from the layout alone), and `report` finds none repeated or skipped.
-    Cost: ~33 CPU-s (one process, 4 forked ranks (`trainer_ranks`), then torchrun's 3 and 4; 53 with
-    torchrun's 4 first)."""
+    Cost: ~25 CPU-s (one process, 4 then 3 forked ranks (`trainer_ranks`: a launcher changes no
+    bit), then torchrun's 4; 53 with torchrun's 4 and 3 first)."""
     baseline = uninterrupted(tmp_path_factory, 4, *ELASTIC)
     shards, run = baseline / "shards", tmp_path / "run"
     args, resume = (*ELASTIC, "--lm-shard-dir", shards), ("--resume", "--allow-drift", "world_size")
     trainer_ranks(run, *args, "--interrupt-at-step", "4", nproc=4, expect=75)  # its launch is not under test
-    torchrun(run, *args, *resume, "--num-workers", "2", "--interrupt-at-step", "8", nproc=3, expect=75, tmp=tmp_path)
+    trainer_ranks(run, *args, *resume, "--num-workers", "2", "--interrupt-at-step", "8", nproc=3, expect=75)  # forked
     torchrun(run, *args, *resume, nproc=4, tmp=tmp_path)
     assert [(r["world_size_change"]["from"], r["world_size_change"]["to"]) for r in attempts(run)[1:]] == [
         (4, 3), (3, 4)]
@@ -486,8 +486,8 @@ def test_8_processes_then_2_train_the_samples_in_the_order_of_the_uninterrupted_
     epoch end, twice: with 0 and with 2 workers. Both train on the samples, in the order, of
     the uninterrupted run on 8 lanes (compare.py's ledger verdict), each of 2 ranks reading its
     4 lanes alone, and end bit-identical: the same change twice gives the same bits.
-    Cost: ~34 CPU-s (one process, 8 forked ranks (`trainer_ranks`), then torchrun's 2 and 2; 60 with
-    torchrun's 8 first)."""
+    Cost: ~28 CPU-s (one process, 8 forked ranks (`trainer_ranks`), then torchrun's 2 and 2 forked
+    ranks; 60 with torchrun's 8 and 2 first)."""
     shape_args = ("--batch-size", "8", "--max-steps", "10")
     baseline = uninterrupted(tmp_path_factory, 8, *ELASTIC, *shape_args)
     shards, once, twice = baseline / "shards", tmp_path / "once", tmp_path / "twice"
@@ -495,7 +495,7 @@ def test_8_processes_then_2_train_the_samples_in_the_order_of_the_uninterrupted_
     trainer_ranks(once, *args, "--interrupt-at-step", "4", nproc=8, expect=75)  # its launch is not under test
     shutil.copytree(once, twice)
     torchrun(once, *args, *resume, nproc=2, tmp=tmp_path)
-    torchrun(twice, *args, *resume, "--num-workers", "2", nproc=2, tmp=tmp_path)
+    trainer_ranks(twice, *args, *resume, "--num-workers", "2", nproc=2)  # forked: a launcher changes no bit
     same_order(baseline / "run", [once, twice], "step-00000010")
     alike = compare(generation(once, "step-00000010"), generation(twice, "step-00000010"))
     assert alike.returncode == 0, alike.stdout[-3000:]

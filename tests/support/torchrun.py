@@ -68,11 +68,12 @@ def torchrun(output, *args, nproc: int = 2, expect: int = 0, env: dict | None = 
     return result
 
 
-def rank_environment(rank: int, nproc: int, port: int | str) -> dict:
+def rank_environment(rank: int, nproc: int, port: int | str, env: dict | None = None) -> dict:
     """The trainer's environment for `rank` of `nproc` on this node, as a launcher sets it (rank
-    0 hosts the rendezvous store on `port`)."""
+    0 hosts the rendezvous store on `port`), plus `env`."""
     return trainer_env(clean_environment(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                                         LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+                                         LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                         **(env or {})))
 
 
 def forked_ranks(script: Path, *args, nproc: int) -> list[str]:
@@ -84,27 +85,29 @@ def forked_ranks(script: Path, *args, nproc: int) -> list[str]:
     return [result.stdout for result in rank_processes([str(script), *map(str, args)], nproc, expect=0)]
 
 
-def trainer_ranks(output, *args, nproc: int, expect: int = 0) -> subprocess.CompletedProcess:
+def trainer_ranks(output, *args, nproc: int, expect: int = 0, env: dict | None = None) -> subprocess.CompletedProcess:
     """`torchrun`'s command (`-m trainer --output OUTPUT --threads 1 ARGS`) as `forked_ranks`
     runs a script: for a run whose launch is not under test (a reference, or the first part of
     a resume that only needs its generations), at no agent's and no interpreter's cost. Every
     rank must exit `expect`; their outputs joined in rank order (as torchrun passes them on)."""
     argv = ["-m", "trainer", "--output", str(output), "--threads", "1", *map(str, args)]
-    results = rank_processes(argv, nproc, expect)
+    results = rank_processes(argv, nproc, expect, env)
     return subprocess.CompletedProcess(["trainer_ranks", *map(str, args)], expect,
                                        "".join(result.stdout for result in results),
                                        "".join(result.stderr for result in results))
 
 
-def rank_processes(argv: list[str], nproc: int, expect: int) -> list[subprocess.CompletedProcess]:
-    """`python ARGV` as `nproc` launched ranks (see `forked_ranks`); each must exit `expect`."""
+def rank_processes(argv: list[str], nproc: int, expect: int,
+                   env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """`python ARGV` as `nproc` launched ranks (see `forked_ranks`), `env` added to what a launcher
+    sets; each must exit `expect`."""
     port = str(free_port())
     processes = []
     try:
         for rank in range(nproc):
-            env = rank_environment(rank, nproc, port)
-            processes.append(zygote().spawn(argv, REPO, env, new_session=False) if forked(env, {}) else
-                             subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
+            environment = rank_environment(rank, nproc, port, env)
+            processes.append(zygote().spawn(argv, REPO, environment, new_session=False) if forked(environment, {}) else
+                             subprocess.Popen([sys.executable, *argv], cwd=REPO, env=environment, stdout=subprocess.PIPE,
                                               stderr=subprocess.PIPE, text=True))
         outputs = [process.communicate(timeout=scaled(600)) for process in processes]
     finally:
