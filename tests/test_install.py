@@ -77,10 +77,11 @@ def in_venv(python: Path, *args: str, cwd: Path, env: dict | None = None) -> sub
 # ----------------------------------------------------------------------------- installed from a wheel
 def hf_baseline(tmp_path_factory) -> Path:
     """The HF example, uninterrupted, from the checkout (the state compares equal wherever the
-    code was imported from)."""
+    code was imported from): the same run as test_library.py's `example_baseline("hf-trainer")`,
+    under its name, so the session makes it once."""
     def make(folder: Path) -> None:
         assert run_cli(REPO / "examples" / "hf_trainer.py", folder / "run").returncode == 0
-    return made_once(tmp_path_factory, "hf-trainer-baseline", make) / "run"
+    return made_once(tmp_path_factory, "library-hf-trainer", make) / "run"
 
 
 def test_the_wheel_installed_in_a_fresh_venv_runs_the_hf_example_from_elsewhere_exact_after_a_kill_9(
