@@ -30,6 +30,7 @@ from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_f
 from trainer.location import ClaimedByPrimary, OnDisk, Location
 from trainer.run.fingerprint import FIELDS
 from trainer.parallel.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
+from trainer.parallel.spare import from_spare, restarts_possible, start_spare
 from trainer.options import AUTO, location_argument, path_argument, positive_float
 
 EXIT_STATUS_ENV = "TRAINER_EXIT_STATUS_FILE"
@@ -297,6 +298,7 @@ def train_in(config: RunConfig, launch: LaunchEnvironment, events=None) -> int:
     import torch._dynamo  # noqa: F401  (torch.optim imports it at its first load_state_dict or step: before the freeze)
 
     collect_after_start_up()
+    start_warm_spare(config, launch)
 
     events = events or TrainingEvents()
     outcome = run_training(config, launch, events)
@@ -305,6 +307,17 @@ def train_in(config: RunConfig, launch: LaunchEnvironment, events=None) -> int:
         print(f"trainer: stopped, resumable (exit 75): {outcome.reason}; to continue, {events.continue_hint()}",
               file=sys.stderr, flush=True)
     return outcome.status
+
+
+def start_warm_spare(config: RunConfig, launch: LaunchEnvironment) -> None:
+    """Under torchrun with restarts, the node's first worker forks the spare its restarted
+    workers are forked from (trainer/parallel/spare.py): here, every import done, no thread yet."""
+    if not (config.warm_spare and launch.local_rank == 0 and restarts_possible(os.environ)
+            and not from_spare(os.environ)):
+        return
+    if (pid := start_spare(os.environ)) is not None:
+        logging.getLogger("trainer").info("warm spare: pid %d keeps the imports for this node's restarted workers "
+                                          "(--no-warm-spare: none)", pid)
 
 
 RUN_OR_URL = "a run directory, or the store URL of one (s3://BUCKET/RUN)"
