@@ -367,12 +367,13 @@ class Spare:
 
 
 def run_trainer() -> int:
-    """In the forked child: `python -m trainer`, as the front process was started (its argv)."""
+    """In the forked child: the program the front process runs (`sys.argv[0]`: trainer's
+    `__main__.py` under `python -m trainer`, or the console script), as `__main__`."""
     import runpy
     import traceback
 
     try:
-        runpy.run_module(__name__.split(".")[0], run_name="__main__")
+        runpy.run_path(sys.argv[0], run_name="__main__")
         return 0
     except SystemExit as stop:
         if stop.code is None or isinstance(stop.code, int):
