@@ -190,10 +190,12 @@ def start_spare(env) -> int | None:
     """Fork this launch's spare from this process (local rank 0 of the first round, all imports
     done, no thread started yet). The spare's pid, or None when there is none (not possible
     here, or one already serves this launch)."""
+    import threading
+
     agent = os.getppid()
     where = address(env, agent)
-    if where is None or not hasattr(os, "pidfd_open") or _answers(where):
-        return None
+    if where is None or not hasattr(os, "pidfd_open") or threading.active_count() > 1 or _answers(where):
+        return None  # a fork of a process with threads may inherit a lock one of them held
     try:
         os.unlink(where)  # a stale socket (a spare killed hard)
     except FileNotFoundError:
