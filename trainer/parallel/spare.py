@@ -126,10 +126,9 @@ def run_from_spare(argv: list[str], env) -> int | None:
     try:
         connection.settimeout(CONNECT_TIMEOUT_S)
         connection.connect(where)
-        request = json.dumps({"argv": argv, "env": dict(env), "cwd": os.getcwd(),
-                              "executable": sys.executable}).encode()
-        socket.send_fds(connection, [len(request).to_bytes(8, "big") + request], [0, 1, 2])
-        answer = _line(connection).split()
+        send_request(connection, {"argv": argv, "env": dict(env), "cwd": os.getcwd(), "executable": sys.executable},
+                     [0, 1, 2])
+        answer = read_line(connection).split()
     except OSError:
         connection.close()
         return None
@@ -154,7 +153,7 @@ def _follow(connection: socket.socket, pid: int) -> int:
         signal.signal(stop, relay)
     connection.settimeout(None)
     try:
-        return int(_line(connection).split()[1])
+        return int(read_line(connection).split()[1])
     except (OSError, IndexError, ValueError):  # the spare itself is gone: the worker goes too
         if worker is not None:
             try:
@@ -175,14 +174,41 @@ def exit_as(status: int) -> None:
     os._exit(status & 0xFF)
 
 
-def _line(connection: socket.socket) -> bytes:
+def read_line(connection: socket.socket) -> bytes:
+    """One answer line (tests/forking.py's zygote speaks the same framing)."""
     data = b""
     while not data.endswith(b"\n"):
         chunk = connection.recv(256)
         if not chunk:
-            raise ConnectionError("the spare closed the connection")
+            raise ConnectionError("the other end closed the connection")
         data += chunk
     return data
+
+
+def send_request(connection: socket.socket, request: dict, fds: list[int]) -> None:
+    """A JSON request, its length first, with `fds` passed along (SCM_RIGHTS)."""
+    data = json.dumps(request).encode()
+    socket.send_fds(connection, [len(data).to_bytes(8, "big") + data], fds)
+
+
+def receive_request(connection: socket.socket, most_fds: int) -> tuple[dict, list[int]]:
+    """What `send_request` sent: the request and the descriptors that came with it."""
+    data, fds, _, _ = socket.recv_fds(connection, MAX_REQUEST, most_fds)
+    size = int.from_bytes(data[:8], "big")
+    request = data[8:]
+    try:
+        if size > MAX_REQUEST:
+            raise ValueError("request too large")
+        while len(request) < size:
+            chunk = connection.recv(size - len(request))
+            if not chunk:
+                raise ConnectionError("the request was cut short")
+            request += chunk
+        return json.loads(request), fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 # ----------------------------------------------------------------------------- the spare
@@ -292,7 +318,7 @@ class Spare:
         connection, _ = listener.accept()
         try:
             connection.settimeout(CONNECT_TIMEOUT_S)
-            request, fds = self._request(connection)
+            request, fds = receive_request(connection, 3)
             refusal = self._refusal(connection, request, fds)
             if refusal:
                 for fd in fds:
@@ -306,20 +332,6 @@ class Spare:
             self.children[os.pidfd_open(pid)] = (connection, pid)
         except (OSError, ValueError):
             connection.close()
-
-    @staticmethod
-    def _request(connection: socket.socket) -> tuple[dict, list[int]]:
-        data, fds, _, _ = socket.recv_fds(connection, MAX_REQUEST, 3)
-        size = int.from_bytes(data[:8], "big")
-        if size > MAX_REQUEST:
-            raise ValueError("request too large")
-        request = data[8:]
-        while len(request) < size:
-            chunk = connection.recv(size - len(request))
-            if not chunk:
-                raise ConnectionError("the request was cut short")
-            request += chunk
-        return json.loads(request), fds
 
     def _refusal(self, connection: socket.socket, request: dict, fds: list[int]) -> str | None:
         """Why this request is not served (None: it is)."""
