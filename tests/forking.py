@@ -21,6 +21,7 @@ tests/test_forking.py runs one probe (tests/forking_probe.py) both ways and hold
 from __future__ import annotations
 
 import array
+import json
 import os
 import select
 import signal
@@ -29,8 +30,6 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-
-from trainer.parallel.spare import read_line, receive_request, send_request  # the same framing as the product's spare
 
 READ_AT_IMPORT = ("OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "TORCH", "PYTORCH_", "CUDA", "LD_", "PYTHON", "MALLOC_",
                   "LC_", "LANG")
@@ -70,8 +69,8 @@ class Zygote:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             connection.connect(self.address)
-            send_request(connection, {"argv": argv, "cwd": str(cwd), "env": env, "new_session": new_session},
-                         [out_write, err_write])
+            request = json.dumps({"argv": argv, "cwd": str(cwd), "env": env, "new_session": new_session}).encode()
+            socket.send_fds(connection, [len(request).to_bytes(8, "big") + request], [out_write, err_write])
             pid = int(read_line(connection))
         except BaseException:
             connection.close()
@@ -86,6 +85,16 @@ class Zygote:
     def close(self) -> None:
         self.process.stdin.close()
         self.process.wait()
+
+
+def read_line(connection: socket.socket) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = connection.recv(64)
+        if not chunk:
+            raise ConnectionError("the trainer zygote closed the connection")
+        data += chunk
+    return data
 
 
 class Forked(subprocess.Popen):
@@ -184,7 +193,11 @@ def reap(waiting: dict[int, socket.socket]) -> None:
 
 
 def fork_child(connection: socket.socket, listener: socket.socket, waiting: dict) -> int:
-    request, fds = receive_request(connection, 2)
+    size_and_request, fds, _, _ = socket.recv_fds(connection, 1 << 20, 2)
+    size = int.from_bytes(size_and_request[:8], "big")
+    request = size_and_request[8:]
+    while len(request) < size:
+        request += connection.recv(size - len(request))
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -198,7 +211,7 @@ def fork_child(connection: socket.socket, listener: socket.socket, waiting: dict
         connection.close()
         for other in waiting.values():
             other.close()
-        code = run_child(request, *fds)
+        code = run_child(json.loads(request), *fds)
     finally:
         os._exit(code)
 
