@@ -40,11 +40,12 @@ def worker() -> None:
     if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         print(f"spare {start_spare(os.environ)}", flush=True)
         return
+    action = os.environ.get("PROBE_ACTION", "exit:0")
+    if action == "wait":  # before it says it runs: the test signals it then
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(75))
     print(f"worker pid={os.getpid()} from_spare={from_spare(os.environ)} front={os.environ.get(FRONT_ENV)} "
           f"argv={','.join(sys.argv[1:])}", flush=True)
-    action = os.environ.get("PROBE_ACTION", "exit:0")
     if action == "wait":
-        signal.signal(signal.SIGTERM, lambda *_: os._exit(75))
         while True:
             signal.pause()
     code = int(action.split(":")[1])

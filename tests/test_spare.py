@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -44,8 +46,8 @@ def wait_gone(pid: int) -> bool:
 class Agent:
     """The probe's agent: its workers are its children, as torchrun's are."""
 
-    def __init__(self):
-        self.run_id = uuid.uuid4().hex
+    def __init__(self, sockets: Path):
+        self.run_id, self.sockets = uuid.uuid4().hex, sockets
         self.process = subprocess.Popen([sys.executable, str(PROBE)], cwd=REPO, text=True, stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO),
                                                                       "PROBE_ROLE": "agent"})
@@ -61,7 +63,7 @@ class Agent:
     def start(self, restart: int, *argv: str, **env: str) -> int:
         environment = {**os.environ, "PYTHONPATH": str(REPO), "PROBE_ROLE": "worker", "WORLD_SIZE": "2",
                        "TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_RESTART_COUNT": str(restart),
-                       "TORCHELASTIC_RUN_ID": self.run_id, **env}
+                       "TORCHELASTIC_RUN_ID": self.run_id, "XDG_RUNTIME_DIR": str(self.sockets), **env}
         self.process.stdin.write(f"start {json.dumps({'argv': list(argv), 'env': environment})}\n")
         self.process.stdin.flush()
         return int(self.said("started ").split()[1])
@@ -86,22 +88,24 @@ class Agent:
         if self.process.poll() is None:
             self.process.stdin.close()
             self.process.wait(timeout=scaled(30))
-        if self.spare is not None and not gone(self.spare):
+        if self.spare is not None and not wait_gone(self.spare):
             os.kill(self.spare, signal.SIGKILL)
 
 
 @pytest.fixture
 def agent():
-    started = Agent()
+    sockets = Path(tempfile.mkdtemp(prefix="spare-", dir="/tmp"))  # private (0700), and short: a socket's path
+    started = Agent(sockets)                                          # is at most 107 bytes; as $XDG_RUNTIME_DIR
     try:
         yield started
     finally:
         started.close()
+        shutil.rmtree(sockets)
 
 
 def test_a_restarted_worker_is_the_spares_child_and_its_front_ends_as_it_ends(agent):
     spare = agent.first_round()
-    assert spare > 0 and not gone(spare)
+    assert spare > 0 and not gone(spare) and len(list(agent.sockets.iterdir())) == 1
 
     front = agent.start(1, PROBE_ACTION="exit:7")
     worker = agent.worker()
@@ -122,9 +126,10 @@ def test_a_restarted_worker_is_the_spares_child_and_its_front_ends_as_it_ends(ag
     assert agent.status(front) == -signal.SIGKILL
     assert wait_gone(worker["pid"]), "the worker outlived its front"
 
-    agent.process.stdin.close()  # the launch ends: so does the spare
+    agent.process.stdin.close()  # the launch ends: so does the spare, and its socket
     agent.process.wait(timeout=scaled(30))
     assert wait_gone(spare), "the spare outlived its agent"
+    assert list(agent.sockets.iterdir()) == []
 
 
 def test_another_command_or_import_environment_is_refused_and_the_worker_runs_itself(agent):
