@@ -188,7 +188,8 @@ class DurablePath:
         self.drain_uploads()
 
     def close_after_failure(self, peers_lost: bool) -> None:
-        self.heard([] if peers_lost else self.checkpointer.close_after_failure(), None, prune=False)
+        self.heard(self.checkpointer.committed_without_peers() if peers_lost else
+                   self.checkpointer.close_after_failure(), None, prune=False)
         self.checkpointer.local.settle()
 
 
