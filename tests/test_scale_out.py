@@ -346,7 +346,7 @@ def test_launch_environment_reads_the_launcher_variables():
 
 
 def test_rank_slices_together_are_exactly_the_global_batch():
-    from trainer.run.batching import EpochBatchOrder, EpochShape, uneven_split
+    from trainer.data.order import EpochBatchOrder, EpochShape, uneven_split
 
     whole = list(EpochBatchOrder(EpochShape(128, 16), 1234, epoch=3, start_batch=5))
     slices = [list(EpochBatchOrder(EpochShape(128, 16), 1234, 3, 5, rank, 2)) for rank in (0, 1)]

@@ -1,5 +1,5 @@
-"""Streaming data with a cursor the trainer owns (trainer/run/streaming.py), an epoch's ragged
-last batch (trainer/run/batching.py), the sample ledger (trainer/run/ledger.py), and streams
+"""Streaming data with a cursor the trainer owns (trainer/data/stream.py), an epoch's ragged
+last batch (trainer/data/order.py), the sample ledger (trainer/data/ledger.py), and streams
 from an object store (trainer/workload/objects.py); docs/streaming.md.
 
 The layout's properties are pure and tested directly (no process): the same order for every
@@ -27,9 +27,9 @@ import torch
 from support.cli import REPO, compare, finish, one_error_line, run_cli, start, train, wait_for_line
 from support.runs import attempts, generation, made_once
 from support.torchrun import torchrun, trainer_ranks
-from trainer.run.ledger import GENESIS, SampleLedger, id_bytes, ledger_problems
-from trainer.run.batching import EpochBatchOrder, EpochShape
-from trainer.run.streaming import StreamEpoch, StreamLayout, StreamSource
+from trainer.data.ledger import GENESIS, SampleLedger, id_bytes, ledger_problems
+from trainer.data.order import EpochBatchOrder, EpochShape
+from trainer.data.stream import StreamEpoch, StreamLayout, StreamSource
 
 WORKLOAD = f"{REPO}/examples/stream_lm.py:StreamLM"
 STREAM = ("--workload", WORKLOAD, "--lm-shards", "4", "--lm-context", "30", "--batch-size", "6",
@@ -163,7 +163,7 @@ def test_a_resume_at_another_world_size_keeps_the_lanes_the_run_started_with(cap
     import logging
 
     from trainer.run.state import Progress
-    from trainer.run.streaming import cursors
+    from trainer.data.source import cursors
 
     shape, mid = EpochShape(36, 12), Progress(1, 0, 1)
     four = numbers()
@@ -261,9 +261,9 @@ def test_cursors_of_earlier_layouts_mid_epoch_and_uneven_shares_for_a_train_step
     cursor that disagrees with the progress is refused. A workload with its own train_step
     cannot weigh its losses by share (exit 2)."""
     from trainer.errors import CorruptGeneration, UsageError
-    from trainer.run.batching import require_even_split
+    from trainer.data.order import require_even_split
     from trainer.run.state import Progress
-    from trainer.run.streaming import cursors
+    from trainer.data.source import cursors
     from trainer.config import WorkloadConfig
 
     cursor = cursors(numbers(), EpochShape(36, 6), 1)["stream"]

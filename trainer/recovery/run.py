@@ -48,7 +48,7 @@ from trainer.run.witness import step_digest
 from trainer.location import parse_location
 from trainer.workload import BoundWorkload
 from trainer.recovery.bundle import bundle_options, bundled
-from trainer.recovery.data import KeyedData, UnkeyedData
+from trainer.data.keyed import KeyedData, UnkeyedData
 from trainer.recovery.parallel import data_parallel_settings, plain_model
 from trainer.recovery.said import announced
 
