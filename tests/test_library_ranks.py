@@ -34,7 +34,8 @@ import pytest
 from support.cli import REPO, compare, finish, run_cli, wait_for_line, zygote
 from support.limits import scaled, wait_until
 from support.runs import attempts, generation, made_once
-from support.torchrun import TORCHRUN, clean_environment, forked_ranks, free_port, rank_environment, rank_processes
+from support.torchrun import clean_environment, forked_ranks, free_port, rank_environment, rank_processes
+from support.torchrun import launch as launch_torchrun
 from test_peer_failures import rank_pid
 
 EXAMPLE = REPO / "examples" / "own_loop_ddp.py"
@@ -44,10 +45,10 @@ EPOCHS = ("--epochs", "2")
 
 
 def launch(run: Path, nproc: int, *args, restarts: int = 0, status: Path | None = None) -> subprocess.Popen:
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), "--max-restarts", str(restarts),
-               str(EXAMPLE), str(run), *EPOCHS, *map(str, args)]
+    """`torchrun` (its agent forked from the zygote: support.torchrun.launch) running the example."""
+    command = ["--standalone", "--nproc_per_node", nproc, "--max-restarts", restarts, EXAMPLE, run, *EPOCHS, *args]
     env = clean_environment(**({"TRAINER_EXIT_STATUS_FILE": str(status)} if status else {}))
-    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return launch_torchrun(command, env)
 
 
 def stop_all(process: subprocess.Popen) -> None:
