@@ -141,8 +141,8 @@ def test_a_loaders_batch_size_is_the_global_batch_across_two_processes(form, tmp
     an uninterrupted 2-process run with --num-workers 0. Every generation's manifest holds the
     loader's batch size (6, not 12) and each rank's ledger 6/2 = 3 samples per step it covers.
     The reference's and the resume's ranks forked as a launcher starts them (`trainer_ranks`:
-    their launch is not under test). Cost: ~21-22 CPU-s each with two torchrun launches (28-31
-    before the reference was forked)."""
+    their launch is not under test). Cost: ~13 CPU-s each, one torchrun launch (21-22 with two,
+    28-31 before the reference was forked)."""
     baseline, run = tmp_path / "baseline", tmp_path / "run"
     args = (*LOADER_ARGS, "--form", form)
     trainer_ranks(baseline, *args, "--num-workers", "0", nproc=2)  # the reference: its launch is not under test

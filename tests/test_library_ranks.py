@@ -10,7 +10,8 @@ the SIGTERM; the resume after it and the uninterrupted run fork their ranks from
 the variables a launcher sets (no agent, no fresh interpreters: a launcher changes no bit), the
 uninterrupted run one per world size and bits, shared by the cells whose bits are the same.
 Two epochs (18 steps): the kill lands in the first, the SIGTERM in the second. Cost (TEST_CPU_LOG,
-load 8 to 15): 152 to 153 CPU-s for the four cells, 295 to 396 s of wall. Odd world sizes are
+alone, load 6 to 13): 115 CPU-s for the four cells with torchrun's agent forked from the zygote
+(support.torchrun.launch; 139 before), 209 s of wall. Odd world sizes are
 where a reduction's order shows, so DDP and FSDP2 run at 3; at 2 both restart from tier 0
 (`memory=`), and FSDP2's run ends equal to DDP's uninterrupted one (a mean of two gradients is
 the same bits in either order: one baseline).

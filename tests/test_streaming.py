@@ -508,7 +508,7 @@ def test_1_process_then_2_trains_the_samples_in_the_order_of_the_uninterrupted_r
     epoch and mid-block), resumed on 2 processes: the samples, in the order, of the shared
     uninterrupted one-process run (compare.py's ledger verdict; each rank reads the one lane's
     blocks: 2x for the rest of the run, docs/streaming.md). The 2 ranks forked as a launcher starts
-    them (`trainer_ranks`; the 4 → 3 → 4 and 8 → 2 runs end under torchrun). Cost: ~3 CPU-s."""
+    them (`trainer_ranks`; the 4 → 3 → 4 and 8 → 2 runs end under torchrun). Cost: ~4.5 CPU-s (15 with torchrun)."""
     run, args = tmp_path / "run", (*STREAM, "--lm-shard-dir", stream_baseline / "shards")
     train(run, *args, "--interrupt-at-step", "6", expect=75)
     trainer_ranks(run, *args, "--resume", "--allow-drift", "world_size", nproc=2)
