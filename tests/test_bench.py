@@ -4,7 +4,9 @@ the others one by one. Each one's results are checked where a check says more th
 
 Cost: `make bench` about 40 s, scale_out_bench.py about 45 s, goodput_validation.py about 25 s,
 memory_tier_bench.py about 20 s (12 s before it restored from the peer: two spawned processes),
-library_bench.py 23 CPU s (14 before its plain row on two processes: two more imports of torch)."""
+library_bench.py 23 CPU s (14 before its plain row on two processes: two more imports of torch).
+The ones run one by one are forked from the worker's zygote (torch, and transformers for
+library_bench.py, imported once): the seven 127 -> 98 CPU s alone."""
 
 from __future__ import annotations
 
