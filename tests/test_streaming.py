@@ -507,10 +507,11 @@ def test_1_process_then_2_trains_the_samples_in_the_order_of_the_uninterrupted_r
     """The streaming run on one process (lanes 1), interrupted at step 6 (restored from 4, mid-
     epoch and mid-block), resumed on 2 processes: the samples, in the order, of the shared
     uninterrupted one-process run (compare.py's ledger verdict; each rank reads the one lane's
-    blocks: 2x for the rest of the run, docs/streaming.md). Cost: ~15 CPU-s (1, then 2)."""
+    blocks: 2x for the rest of the run, docs/streaming.md). The 2 ranks forked as a launcher starts
+    them (`trainer_ranks`; the 4 → 3 → 4 and 8 → 2 runs end under torchrun). Cost: ~4.5 CPU-s (15 with torchrun)."""
     run, args = tmp_path / "run", (*STREAM, "--lm-shard-dir", stream_baseline / "shards")
     train(run, *args, "--interrupt-at-step", "6", expect=75)
-    torchrun(run, *args, "--resume", "--allow-drift", "world_size", nproc=2, tmp=tmp_path)
+    trainer_ranks(run, *args, "--resume", "--allow-drift", "world_size", nproc=2)
     same_order(stream_baseline / "run", [run], FINAL)
     report = run_cli("report", run)
     assert "4 generations from 2 attempts, 84 samples: none repeated or skipped" in report.stdout, report.stdout
