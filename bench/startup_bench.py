@@ -4,6 +4,10 @@ starting costs"): `from trainer import recovery`, and a resume from exec to its
 Checkouts alternate round by round (each resumes a run of its own: the fingerprint holds the
 trainer's source); medians of the rounds, wall and CPU (the CPU is the process's own, to its
 end or, for the resume, to the line: on a loaded machine it is the steadier figure).
+Each checkout's bytecode is compiled before the rounds (its `__pycache__`, as `pip install`
+writes an installed package's): with PYTHONDONTWRITEBYTECODE=1 and no `__pycache__`, every
+start compiles the trainer's modules again (0.2 s CPU more for `from trainer import recovery`
+on the same machine), which no installed copy does.
 
     python bench/startup_bench.py --rounds 3                 # this checkout
     python bench/startup_bench.py --rounds 3 . /path/to/main # before / after
@@ -40,9 +44,16 @@ CASES = (("import torch", ("-c", "import torch"), None),
          ("resume to 'restored step-'", ("-c", RESUME, "RUN"), "restored-cpu "))
 
 
+def environment(repo: Path) -> dict:
+    """The checkout on the path, and its bytecode written and read (whatever the caller's
+    PYTHONDONTWRITEBYTECODE says)."""
+    return {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}, "PYTHONPATH": str(repo),
+            "PYTHONUNBUFFERED": "1"}
+
+
 def timed(argv: list[str], repo: Path, cwd: Path, until: str | None) -> tuple[float, float]:
     """Wall and CPU seconds of `argv` to its end, or to its first line starting with `until`."""
-    env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"}
+    env = environment(repo)
     before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     process = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     if until is None:
@@ -68,7 +79,9 @@ def main() -> None:
         for index, repo in enumerate(args.checkouts):
             seeds[repo] = work / f"seed-{index}"
             subprocess.run([sys.executable, "-m", "trainer", "--output", str(seeds[repo]), "--interrupt-at-step", "27"],
-                           cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True)
+                           cwd=repo, env=environment(repo), capture_output=True)
+            subprocess.run([sys.executable, "-c", "from trainer import recovery"], cwd=repo, env=environment(repo),
+                           capture_output=True, check=True)  # the library's modules compiled too
         results: dict = {}
         for _ in range(args.rounds):
             for repo in args.checkouts:
@@ -78,7 +91,7 @@ def main() -> None:
                 for name, argv, until in CASES:
                     command = [sys.executable, *(str(run) if part == "RUN" else part for part in argv)]
                     results.setdefault((repo, name), []).append(timed(command, repo, work, until))
-        print(f"load average {os.getloadavg()[0]:.1f}; medians of {args.rounds} rounds")
+        print(f"load average {os.getloadavg()[0]:.1f}; medians of {args.rounds} rounds; bytecode compiled before them")
         for repo in args.checkouts:
             torch_wall, torch_cpu = (statistics.median(v[i] for v in results[(repo, CASES[0][0])]) for i in (0, 1))
             print(f"{repo}: import torch {torch_wall:.2f} s wall, {torch_cpu:.2f} s CPU")

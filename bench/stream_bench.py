@@ -5,7 +5,7 @@ and how much does it read?
     python bench/stream_bench.py --quick
 
 Token shards (uint16 files, memory-mapped) are read two ways, in the same process, alternating
-round by round: the trainer's stream (`trainer.run.streaming.StreamSource`: shard order per
+round by round: the trainer's stream (`trainer.data.stream.StreamSource`: shard order per
 epoch, the block shuffle buffer, sample ids for the ledger) and a plain map-style DataLoader with
 `shuffle=True` over the same windows. Each is timed reading batches alone (the reader's own
 cost) and under a small language model's training step (what a run feels), for each worker
@@ -15,7 +15,7 @@ Read amplification: one epoch read by every rank's loader (ranks x DataLoader wo
 number of lanes: the run's, fixed when it starts; the ranks one after another in this process,
 each with its own worker processes), counting every record the stream's `read()` yields in any
 process; records read / records in the dataset, 1.00 is each record once
-(trainer/run/streaming.py), in batches of 24. 1x0, 2x2 and 4x2 on as many lanes as ranks (a run at the size it
+(trainer/data/stream.py), in batches of 24. 1x0, 2x2 and 4x2 on as many lanes as ranks (a run at the size it
 started with), 2x2 on 4 lanes (a shrink the lanes divide), 3x2 on 4 lanes (one they do not:
 each rank reads every lane, world size / gcd(lanes, world size) = 3x) and 3x2 on 12 (a lane
 count with many divisors).
@@ -50,8 +50,8 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.run.batching import EpochShape  # noqa: E402
-from trainer.run.streaming import StreamSource  # noqa: E402
+from trainer.data.order import EpochShape  # noqa: E402
+from trainer.data.stream import StreamSource  # noqa: E402
 from trainer.workload.objects import ObjectFiles  # noqa: E402
 
 warnings.filterwarnings("ignore")

@@ -1,7 +1,7 @@
 """Registers the shared fixtures and hooks; the helpers live in tests/support/, one module per
 concern (its __init__ lists them), and test files import them from there."""
 
-from support.cpu import pytest_collection_finish, pytest_runtest_protocol  # noqa: F401 - hooks
+from support.cpu import pytest_collection_finish, pytest_runtest_protocol, pytest_sessionstart  # noqa: F401 - hooks
 from support.runs import baseline, baseline_2p, short_baseline  # noqa: F401 - fixtures
 from support.s3 import s3_bucket, s3_server  # noqa: F401 - fixtures
 

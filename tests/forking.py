@@ -32,12 +32,21 @@ import threading
 from pathlib import Path
 
 READ_AT_IMPORT = ("OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "TORCH", "PYTORCH_", "CUDA", "LD_", "PYTHON", "MALLOC_",
-                  "LC_", "LANG")
+                  "LC_", "LANG", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "ACCELERATE_", "USE_TORCH",
+                  "USE_TF", "USE_FLAX")
 """Environment variables a library or the interpreter reads while it is imported or starts (the
-locale picks the standard streams' encoding): a child whose environment differs from the
-zygote's in one of them needs the real interpreter."""
+locale picks the standard streams' encoding; Hugging Face's libraries, which a request may have
+the zygote import: `PRELOADABLE`): a child whose environment differs from the zygote's in one of
+them needs the real interpreter."""
 PRELOADED = ("numpy", "torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
              "torch.utils.data", "safetensors.torch")
+PRELOADABLE = {"transformers": ("transformers.trainer", "transformers.training_args",
+                                "transformers.models.gpt2.modeling_gpt2")}
+"""Libraries a request may ask the zygote to import before it forks (once; every later child has
+them too): transformers costs each rank of the HF example about 3 CPU-s more than torch. Only
+libraries whose import sets nothing from the environment but what READ_AT_IMPORT holds equal,
+starts no thread and changes no environment variable (not Lightning: its import reads the
+process's rank, and sets variables)."""
 
 
 def forkable(env: dict, zygote_env: dict) -> bool:
@@ -62,14 +71,16 @@ class Zygote:
         if self.process.stdout.readline() != b"ready\n":
             raise RuntimeError("the trainer zygote did not start")
 
-    def spawn(self, argv: list[str], cwd: Path, env: dict, new_session: bool) -> "Forked":
-        """A forked child running `argv` (["-m", "trainer", ...] or [script.py, ...])."""
+    def spawn(self, argv: list[str], cwd: Path, env: dict, new_session: bool, preload: str | None = None) -> "Forked":
+        """A forked child running `argv` (["-m", "trainer", ...] or [script.py, ...]); `preload`
+        (a key of PRELOADABLE) imported by the zygote first."""
         out_read, out_write = os.pipe()
         err_read, err_write = os.pipe()
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             connection.connect(self.address)
-            request = json.dumps({"argv": argv, "cwd": str(cwd), "env": env, "new_session": new_session}).encode()
+            request = json.dumps({"argv": argv, "cwd": str(cwd), "env": env, "new_session": new_session,
+                                  "preload": preload}).encode()
             socket.send_fds(connection, [len(request).to_bytes(8, "big") + request], [out_write, err_write])
             pid = int(read_line(connection))
         except BaseException:
@@ -143,35 +154,49 @@ class Forked(subprocess.Popen):
 # ----------------------------------------------------------------------------- the zygote
 def serve(address: str) -> None:
     """Import the libraries once, then fork a child per request until pytest's worker ends."""
-    import gc
-
-    import importlib
-
-    gc.disable()  # as trainer/cli.py's start-up: no collections over torch's import
-    for name in PRELOADED:
-        importlib.import_module(name)
-    gc.freeze()
-    gc.enable()
+    preload(PRELOADED)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     if os.path.exists(address):
         os.unlink(address)
     listener.bind(address)
     listener.listen(64)
+    # A child's end wakes the loop (SIGCHLD through a wakeup pipe): no polling while idle, which
+    # spent about 0.2 CPU-s a minute in each worker's zygote for a whole session.
+    ended, ended_signal = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(ended_signal, warn_on_full_buffer=False)
     sys.stdout.buffer.write(b"ready\n")
     sys.stdout.flush()
     waiting: dict[int, socket.socket] = {}
     while True:
-        ready, _, _ = select.select([listener, sys.stdin], [], [], 0.02)
+        ready, _, _ = select.select([listener, sys.stdin, ended], [], [], 1.0 if waiting else None)
         if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1):
             break  # pytest's worker ended
+        if ended in ready:
+            while True:
+                try:
+                    os.read(ended, 512)
+                except BlockingIOError:
+                    break
         if listener in ready:
             connection, _ = listener.accept()
-            pid = fork_child(connection, listener, waiting)
+            pid = fork_child(connection, listener, waiting, (ended, ended_signal))
             waiting[pid] = connection
             connection.sendall(f"{pid}\n".encode())
         reap(waiting)
     listener.close()
     os.unlink(address)
+
+
+def preload(modules) -> None:
+    import gc
+    import importlib
+
+    gc.disable()  # as trainer/cli.py's start-up: no collections over torch's import
+    for name in modules:
+        importlib.import_module(name)
+    gc.freeze()
+    gc.enable()
 
 
 def reap(waiting: dict[int, socket.socket]) -> None:
@@ -192,12 +217,15 @@ def reap(waiting: dict[int, socket.socket]) -> None:
             connection.close()
 
 
-def fork_child(connection: socket.socket, listener: socket.socket, waiting: dict) -> int:
+def fork_child(connection: socket.socket, listener: socket.socket, waiting: dict, wakeup: tuple[int, int]) -> int:
     size_and_request, fds, _, _ = socket.recv_fds(connection, 1 << 20, 2)
     size = int.from_bytes(size_and_request[:8], "big")
     request = size_and_request[8:]
     while len(request) < size:
         request += connection.recv(size - len(request))
+    request = json.loads(request)
+    if request.get("preload"):
+        preload(PRELOADABLE[request["preload"]])
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -207,11 +235,15 @@ def fork_child(connection: socket.socket, listener: socket.socket, waiting: dict
         return pid
     code = 1
     try:
+        signal.set_wakeup_fd(-1)  # SIGCHLD as a fresh interpreter has it: the default
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in wakeup:
+            os.close(fd)
         listener.close()
         connection.close()
         for other in waiting.values():
             other.close()
-        code = run_child(json.loads(request), *fds)
+        code = run_child(request, *fds)
     finally:
         os._exit(code)
 

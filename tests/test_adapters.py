@@ -140,15 +140,16 @@ def test_a_loaders_batch_size_is_the_global_batch_across_two_processes(form, tmp
     workers per process, resumed with --num-workers 1; equal bit for bit (ledgers included) to
     an uninterrupted 2-process run with --num-workers 0. Every generation's manifest holds the
     loader's batch size (6, not 12) and each rank's ledger 6/2 = 3 samples per step it covers.
-    Cost: ~21-22 CPU-s each (the reference's 2 ranks forked, `trainer_ranks`, then two torchrun
-    launches; 28-31 before)."""
+    The reference's and the resume's ranks forked as a launcher starts them (`trainer_ranks`:
+    their launch is not under test). Cost: ~13 CPU-s each, one torchrun launch (21-22 with two,
+    28-31 before the reference was forked)."""
     baseline, run = tmp_path / "baseline", tmp_path / "run"
     args = (*LOADER_ARGS, "--form", form)
     trainer_ranks(baseline, *args, "--num-workers", "0", nproc=2)  # the reference: its launch is not under test
     interrupted = torchrun(run, *args, "--interrupt-at-step", "5", expect=75, tmp=tmp_path)
     assert "batch_size=6 (the global batch, split across processes under torchrun), num_workers=2" \
            in interrupted.stdout + interrupted.stderr
-    resumed = torchrun(run, *args, "--num-workers", "1", "--resume", tmp=tmp_path)
+    resumed = trainer_ranks(run, *args, "--num-workers", "1", "--resume", nproc=2)
     assert "restored step-00000003" in resumed.stdout
     compared = compare(generation(baseline, "step-00000010"), generation(run, "step-00000010"))
     assert compared.returncode == 0, compared.stdout[-3000:]

@@ -1,6 +1,6 @@
-"""The package's layering, read from the source: dependencies point one way
-(cli → integrations → run → inspect, parts → storage → checkpoint → leaves), the loop never
-asks which backend holds the run directory, and it reads in one sitting."""
+"""The package's layering, read from the source: dependencies point one way (recovery → cli →
+integrations → run → inspect, parts → data → workload → storage → checkpoint → leaves), the
+loop never asks which backend holds the run directory, and it reads in one sitting."""
 
 from __future__ import annotations
 
@@ -23,13 +23,16 @@ LAYERS = [
     {"trainer.checkpoint"},
     # Where a run directory lives: one backend interface, local disk or an object store.
     {"trainer.storage"},
+    # The user's side: the `Workload` protocol, the example, the adapters of loaders and streams.
+    {"trainer.workload"},
+    # The data both loops read (ours, and a user's through `KeyedData`): order, fetching,
+    # streams and their cursors, the sample ledger.
+    {"trainer.data"},
     # What a run is made of, each usable on its own; the read-only commands.
     {"trainer.run.state", "trainer.run.cadence", "trainer.run.preemption", "trainer.run.events",
-     "trainer.run.batching", "trainer.run.fetching", "trainer.run.fingerprint", "trainer.run.attempts",
-     "trainer.run.runtime", "trainer.run.progress", "trainer.run.witness", "trainer.run.checksum", "trainer.run.ledger",
-     "trainer.run.streaming", "trainer.parallel.ranks", "trainer.parallel.heartbeat",
-     "trainer.parallel.reduction", "trainer.workload",
-     "trainer.inspect"},
+     "trainer.run.fingerprint", "trainer.run.attempts", "trainer.run.runtime", "trainer.run.progress",
+     "trainer.run.witness", "trainer.run.checksum", "trainer.parallel.ranks", "trainer.parallel.heartbeat",
+     "trainer.parallel.reduction", "trainer.inspect"},
     # One attempt, bottom up: stepping, saving on cadence and the claim; the record, the
     # restore and the training steps; the loop that runs them.
     {"trainer.run.saving", "trainer.run.stepping", "trainer.run.claim"},
@@ -44,7 +47,7 @@ LAYERS = [
     {"trainer.recovery"},
 ]
 PACKAGES = ["trainer.run", "trainer.parallel", "trainer.checkpoint", "trainer.storage", "trainer.inspect",
-            "trainer.integrations", "trainer.workload", "trainer.recovery"]
+            "trainer.integrations", "trainer.workload", "trainer.data", "trainer.recovery"]
 
 
 def module_name(path: Path) -> str:
@@ -247,6 +250,18 @@ def test_the_loop_reads_in_one_sitting():
                 and name != "trainer.storage.opening"}
 
 
+def test_the_data_imports_neither_loop_nor_the_library_nor_the_backends():
+    """Both loops read the data through `trainer/data/` (the trainer's own and a user's through
+    `recovery.KeyedData`), so it stands below both: nothing of `run/` (its leaves included),
+    `recovery/`, the launch, the checkpoints or the backends; the walk from a user's `KeyedData`
+    to the ledger goes down only."""
+    for path in sorted((PACKAGE / "data").glob("*.py")):
+        imported = trainer_imports(path)
+        assert not {name for name in imported if name.split(".")[1] in {
+            "run", "recovery", "parallel", "checkpoint", "storage", "inspect", "integrations", "cli", "flags"}}, \
+            (path.name, imported)
+
+
 def test_the_layer_check_can_fail():
     """The checker sees an upward import when there is one (so the tests above can fail)."""
     assert "trainer.run.loop" in trainer_imports(PACKAGE / "cli.py")
@@ -254,6 +269,8 @@ def test_the_layer_check_can_fail():
     assert layer_of("trainer.checkpoint.section") > layer_of("trainer.layout")
     assert layer_of("trainer.storage.base") > layer_of("trainer.checkpoint.section")
     assert layer_of("trainer.location") < layer_of("trainer.checkpoint.section")
+    assert layer_of("trainer.workload.protocol") < layer_of("trainer.data.keyed") < layer_of("trainer.run.state") \
+        < layer_of("trainer.run.training") < layer_of("trainer.recovery.run")
 
 
 def test_the_loop_depends_on_the_workload_protocol_not_the_example():

@@ -17,9 +17,12 @@ steps (step-4, step-8, step-12), and one resume:
   replays the steps the baseline computed (the witness compares all four);
 - store: a run in the object store interrupted at step 10 with async saves, resumed with sync
   saves on a new node.
-A launcher does not change a bit: the baselines, the disk resumes and the store runs' interrupted
-first attempts fork their ranks with the variables a launcher sets (`trainer_ranks`); the store
-resumes run under real torchrun.
+A launcher does not change a bit, and no launch is under test here: every run forks its ranks
+from the worker's zygote with the variables a launcher sets (`trainer_ranks`: no agent, no fresh
+interpreters). A real launcher is proven to change no bit where the launch is the contract, a
+torchrun run ending equal to a forked reference: test_store_pods.py (torchrun nodes on one object
+store, its ring of three equal to this file's 3-process DDP baseline), test_scale_out.py (2),
+test_streaming.py (4), test_library_ranks.py and test_framework_ranks.py (3).
 Two processes are proven by test_scale_out.py (DDP and FSDP2 on disk, async) and
 test_store_pods.py (DDP over two nodes in the store); one by test_async_checkpoint.py and
 test_store.py.
@@ -35,7 +38,7 @@ import pytest
 from support.cli import compare, one_error_line, train
 from support.runs import MATRIX_ARGS, attempts, generation, matrix_baseline
 from support.s3 import store_env
-from support.torchrun import torchrun, trainer_ranks
+from support.torchrun import trainer_ranks
 
 STEPS_ARGS = MATRIX_ARGS
 FINAL = "step-00000012"
@@ -69,7 +72,7 @@ def test_a_resume_on_disk_is_exact(world_size, parallel, baselines, tmp_path):
     for section in ("checkpoints", "exports"):
         shutil.rmtree(run / section / FINAL)
     resumed = trainer_ranks(run, *STEPS_ARGS, "--data-parallel", parallel, "--checkpoint-mode", "async", "--resume",
-                            nproc=world_size)  # ranks forked as a launcher starts them: the store cells' resumes run torchrun
+                            nproc=world_size)
     assert "restored step-00000008" in resumed.stdout
     result = compare(generation(baseline, FINAL), generation(run, FINAL))
     assert result.returncode == 0, result.stdout[-3000:]
@@ -82,10 +85,10 @@ def test_a_resume_in_the_object_store_is_exact(world_size, parallel, baselines, 
     url, env = f"s3://{s3_bucket.name}/run", store_env(s3_server)
     common = (*STEPS_ARGS, "--data-parallel", parallel)
     trainer_ranks(url, *common, "--local-tier", tmp_path / "node-a", "--checkpoint-mode", "async",
-                  "--interrupt-at-step", 10, expect=75, nproc=world_size, env=env)  # its launch is not under test
+                  "--interrupt-at-step", 10, expect=75, nproc=world_size, env=env)
     # A new node: its local tier is empty; the lost attempt's records and step digests come from the store.
-    resumed = torchrun(url, *common, "--local-tier", tmp_path / "node-b", "--checkpoint-mode", "sync", "--resume",
-                       nproc=world_size, env=env, tmp=tmp_path)
+    resumed = trainer_ranks(url, *common, "--local-tier", tmp_path / "node-b", "--checkpoint-mode", "sync", "--resume",
+                            nproc=world_size, env=env)
     assert "restored step-00000008" in resumed.stdout
     result = compare(generation(baseline, FINAL), f"{url}/checkpoints/{FINAL}", env=env)
     assert result.returncode == 0, result.stdout[-3000:]

@@ -9,14 +9,17 @@ import random
 import resource
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from support.cli import compare, finish, one_error_line, run_cli, start, train, wait_for_line
+from support.cli import TRAINER, compare, finish, one_error_line, run_cli, start, train, trainer_env, wait_for_line
 from support.limits import wait_until
 from support.runs import SHORT, attempts, generation, made_once
+from trainer.__main__ import READ_ONLY
+from trainer.cli import COMMANDS
 
 
 def published_all_verify(output):
@@ -221,6 +224,18 @@ def test_a_signal_while_starting_is_one_line_and_75(tmp_path, signum):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert f"trainer: stopped by {signal.Signals(signum).name} outside training" in err
     assert not run.exists()
+
+
+def test_a_signal_while_a_read_only_command_starts_says_nothing_was_changed(tmp_path):
+    """`python -m trainer compare` (list, report, verify) stopped while torch imports: one line
+    naming the command, 75, and no advice to resume a training."""
+    assert READ_ONLY == set(COMMANDS)
+    process = subprocess.Popen([*TRAINER, "compare", str(tmp_path / "a"), str(tmp_path / "b")], env=trainer_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until_sigterm_is_caught(process)
+    process.send_signal(signal.SIGINT)
+    out, err = finish(process)
+    assert (process.returncode, err) == (75, "compare: interrupted by SIGINT; nothing was changed\n")
 
 
 def test_kill_9_between_saves_counts_the_replayed_steps(tmp_path):

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from trainer.run.batching import EpochBatchOrder, EpochShape
-from trainer.run.fetching import KeyedSeeding, epoch_loader
+from trainer.data.order import EpochBatchOrder, EpochShape
+from trainer.data.fetching import KeyedSeeding, epoch_loader
 from trainer.run.state import capture_rng
 
 SAMPLES, BATCH, SEED = 12, 4, 7
@@ -66,7 +66,7 @@ def test_batches_of_any_structure_reach_the_device():
     from collections import namedtuple
     from dataclasses import dataclass
 
-    from trainer.run.fetching import to_device
+    from trainer.data.fetching import to_device
 
     @dataclass
     class Pair:

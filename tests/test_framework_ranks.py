@@ -10,7 +10,8 @@ launches under test (the kill, the SIGTERM) are the launchers'; the last resume 
 uninterrupted run fork their ranks from the zygote with the variables a launcher sets (a
 launcher changes no bit). What a cell costs is almost all interpreters' start (torch and the
 framework imported by every rank and agent): besides those forked ranks a cell takes 2 x its
-world size of them, restarted in place or not."""
+world size of them, restarted in place or not (`accelerate launch` and Lightning's rank 0 forked too).
+The HF example's forked ranks find transformers imported by the zygote (`Cell.preload`)."""
 
 from __future__ import annotations
 
@@ -21,13 +22,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from support.cli import REPO, compare, run_cli
+from support.cli import REPO, compare, forked, run_cli, zygote
 from support.limits import scaled
 from support.runs import attempts, generation, made_once
 from support.torchrun import TORCHRUN_CHILD_FAILED, clean_environment, forked_ranks, free_port, launch
 from trainer.parallel.launch import watch_children
 
-ACCELERATE_LAUNCH = Path(sys.executable).with_name("accelerate")
+ACCELERATE_LAUNCH = ("-m", "accelerate.commands.accelerate_cli")
+"""What the `accelerate` console script runs."""
 
 
 @dataclass(frozen=True)
@@ -36,12 +38,15 @@ class Cell:
     (`accelerate launch`, which runs torchrun's agent in its own process: the trainer's status
     read from TRAINER_EXIT_STATUS_FILE, the launcher's own 0 or 1), or `lightning` (Lightning's
     own launcher, `python SCRIPT --devices N`: rank 0 is the process started, its status the
-    trainer's)."""
+    trainer's). Both launchers are forked from the zygote as any `python` the suite runs; the
+    ranks they start are fresh interpreters."""
 
     script: str
     args: tuple
     nproc: int
     launcher: str = "torchrun"
+    preload: str | None = None
+    """What the zygote imports before it forks the script's ranks (tests/forking.py PRELOADABLE)."""
 
     def launch(self, output: Path, status: Path, *extra, restarts: int = 0) -> subprocess.Popen:
         """`extra`: the script's options beyond `args`; `restarts`: the agent's --max-restarts."""
@@ -49,13 +54,17 @@ class Cell:
         env = clean_environment(PYTHONUNBUFFERED="1", TRAINER_EXIT_STATUS_FILE=str(status))
         if self.launcher == "torchrun":  # its agent forked from the zygote (support.torchrun.launch)
             return launch(["--standalone", "--nproc_per_node", self.nproc, "--max-restarts", restarts, script, *args], env)
-        command = {
-            "lightning": [sys.executable, script, *args, "--devices", str(self.nproc)],
-            "accelerate": [str(ACCELERATE_LAUNCH), "launch", "--multi_gpu", "--num_processes", str(self.nproc),
-                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                           "--main_process_port", str(free_port()), "--max_restarts", str(restarts), script, *args],
-        }[self.launcher]
-        return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # Lightning's: `python SCRIPT`; accelerate's: `accelerate launch` (the console script's
+        # module), its agent in the same process. Each forked from the zygote as any `python`
+        # the suite runs; the ranks they start are fresh interpreters.
+        command = [script, *args, "--devices", str(self.nproc)] if self.launcher == "lightning" else [
+            *ACCELERATE_LAUNCH, "launch", "--multi_gpu", "--num_processes", str(self.nproc), "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+            "--max_restarts", str(restarts), script, *args]
+        if forked(env, {}):
+            return zygote().spawn(command, REPO, env, new_session=False)
+        return subprocess.Popen([sys.executable, *command], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
 
     def run_through(self, output: Path, *extra) -> None:
         """The script to its end with every rank forked from the zygote and given the variables
@@ -63,7 +72,8 @@ class Cell:
         no bit, as the uninterrupted runs' compare proves): a resume whose launch is not under
         test."""
         devices = ("--devices", self.nproc) if self.launcher == "lightning" else ()
-        forked_ranks(REPO / "examples" / self.script, output, *self.args, *extra, *devices, nproc=self.nproc)
+        forked_ranks(REPO / "examples" / self.script, output, *self.args, *extra, *devices, nproc=self.nproc,
+                     preload=self.preload)
 
     def worker(self, process: subprocess.Popen, rank: int) -> int:
         """The pid of `rank`: among the agent's children, or among rank 0's under Lightning."""
@@ -171,7 +181,7 @@ def equal_at(baseline: Path, run: Path, final: str) -> None:
     assert compared.returncode == 0, compared.stdout[-3000:]
 
 
-HF = Cell("hf_trainer.py", ("--epochs", "5"), 2)
+HF = Cell("hf_trainer.py", ("--epochs", "5"), 2, preload="transformers")
 """48 sequences, 8 a rank: 3 steps an epoch on 2 ranks, 15 steps; generations every 5 (HF's
 save_steps), so step 5's is mid-epoch (epoch 1 is steps 4-6)."""
 
@@ -185,7 +195,7 @@ def test_hugging_face_trainer_on_two_processes_survives_a_killed_rank_and_sigter
     equal_at(baseline, run, "step-00000015")
 
 
-HF_3 = Cell("hf_trainer.py", ("--epochs", "7"), 3)
+HF_3 = Cell("hf_trainer.py", ("--epochs", "7"), 3, preload="transformers")
 """48 sequences, 8 a rank: 2 steps an epoch on 3 ranks, 14 steps; the kill at step 7 is
 mid-epoch (epoch 3 is steps 7-8)."""
 

@@ -187,10 +187,12 @@ HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "matplotlib
          "fsspec", "botocore", "transformers", "lightning", "accelerate", "trainer.inspect.report",
          "trainer.integrations.polyaxon.tracking", "trainer.storage.object.client", "trainer.recovery.hf",
          "trainer.recovery.lightning", "trainer.recovery.accelerated", "trainer.checkpoint.writer",
-         "trainer.checkpoint.safe_load")
+         "trainer.checkpoint.safe_load", "trainer.checkpoint.checkpointer", "trainer.checkpoint.export",
+         "safetensors", "trainer.run.session", "trainer.run.restoring", "trainer.run.saving", "trainer.storage.base")
 """What neither the package, its entry point nor `from trainer import recovery` may import:
-DCP (0.7 s, docs/development.md), the report, tracking, plotting, the store client and the
-frameworks (each imported by its adapter alone)."""
+DCP (0.7 s, docs/development.md), the report, tracking, plotting, the store client, the
+frameworks (each imported by its adapter alone), and the attempt's machinery (the session, the
+checkpointer, the export, the backends: imported as a run opens)."""
 
 
 def test_the_package_its_entry_point_and_recovery_import_nothing_heavy():

@@ -9,6 +9,7 @@ import shutil
 import signal
 import struct
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -24,11 +25,15 @@ EXAMPLES = {
     "lightning": ("lightning_loop.py", ("--epochs", "3"), 13, "step-00000010", 24, "step-00000036"),
     "hf-trainer": ("hf_trainer.py", (), 7, "step-00000005", 11, "step-00000018"),  # 6 steps an epoch
 }
+PRELOAD = {"hf_trainer.py": "transformers", "hf_stopped.py": "transformers"}
+"""What the zygote imports before it forks a script (tests/forking.py PRELOADABLE): about 3 CPU-s
+of each HF process's."""
 
 
 def run_until(script, output, step: int, stop: int, *args) -> tuple[subprocess.Popen, str]:
     """The script on `output`, sent `stop` once it printed `step=<step>` (or a later step)."""
-    process = zygote().spawn([str(script), str(output), *map(str, args)], REPO, trainer_env(), new_session=False)
+    process = zygote().spawn([str(script), str(output), *map(str, args)], REPO, trainer_env(), new_session=False,
+                             preload=PRELOAD.get(Path(script).name))
     for line in process.stdout:
         if line.startswith("step=") and int(line.split()[0].split("=")[1]) >= step:
             process.send_signal(stop)
@@ -42,7 +47,7 @@ def example_baseline(tmp_path_factory, name: str):
     script, options = EXAMPLES[name][:2]
 
     def make(folder):
-        finished = run_cli(REPO / "examples" / script, folder / "run", *options)
+        finished = run_cli(REPO / "examples" / script, folder / "run", *options, preload=PRELOAD.get(script))
         assert finished.returncode == 0, finished.stderr[-3000:]
 
     return made_once(tmp_path_factory, f"library-{name}", make) / "run"
@@ -64,7 +69,7 @@ def test_killed_and_preempted_mid_epoch_resumes_equal_to_an_uninterrupted_run(tm
     stopped_at = attempts(run)[-1]["last_step"]
     assert generation(run, f"step-{stopped_at:08d}").is_dir()  # saved at the step reached
 
-    finished = run_cli(script, run, *options)
+    finished = run_cli(script, run, *options, preload=PRELOAD.get(script.name))
     assert finished.returncode == 0, finished.stderr
     assert compare(generation(baseline, final), generation(run, final)).returncode == 0
     records = attempts(run)
@@ -137,11 +142,11 @@ def test_hugging_face_preempted_in_its_last_step_resumes_to_the_uninterrupted_ru
     HF processes (~10 CPU-s) and the shared baseline."""
     script, run = tmp_path / "hf_stopped.py", tmp_path / "run"
     script.write_text(HF_STOPPED_AT_ITS_LAST_STEP)
-    stopped = run_cli(script, run)
+    stopped = run_cli(script, run, preload=PRELOAD[script.name])
     assert stopped.returncode == 75, stopped.stderr[-3000:]
     assert attempts(run)[0]["last_step"] == 18 and generation(run, "step-00000018").is_dir()
 
-    resumed = run_cli(script, run)
+    resumed = run_cli(script, run, preload=PRELOAD[script.name])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "do not match the ones in the `trainer_state.json`" not in resumed.stderr, resumed.stderr[-3000:]
     assert "train_runtime" in resumed.stdout  # HF did append its summary before train() returned

@@ -1,4 +1,4 @@
-"""`KeyedData` in a user's own loop (trainer/recovery/data.py): each rank's share of every global
+"""`KeyedData` in a user's own loop (trainer/data/keyed.py): each rank's share of every global
 batch is the trainer's own layout, and gradient accumulation counts optimizer steps, resuming
 inside an epoch at a window's boundary equal to an uninterrupted run."""
 

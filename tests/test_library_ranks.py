@@ -10,7 +10,8 @@ the SIGTERM; the resume after it and the uninterrupted run fork their ranks from
 the variables a launcher sets (no agent, no fresh interpreters: a launcher changes no bit), the
 uninterrupted run one per world size and bits, shared by the cells whose bits are the same.
 Two epochs (18 steps): the kill lands in the first, the SIGTERM in the second. Cost (TEST_CPU_LOG,
-load 8 to 15): 152 to 153 CPU-s for the four cells, 295 to 396 s of wall. Odd world sizes are
+alone, load 6 to 13): 115 CPU-s for the four cells with torchrun's agent forked from the zygote
+(support.torchrun.launch; 139 before), 209 s of wall. Odd world sizes are
 where a reduction's order shows, so DDP and FSDP2 run at 3; at 2 both restart from tier 0
 (`memory=`), and FSDP2's run ends equal to DDP's uninterrupted one (a mean of two gradients is
 the same bits in either order: one baseline).
@@ -34,7 +35,8 @@ import pytest
 from support.cli import REPO, compare, finish, run_cli, wait_for_line, zygote
 from support.limits import scaled, wait_until
 from support.runs import attempts, generation, made_once
-from support.torchrun import TORCHRUN, clean_environment, forked_ranks, free_port, rank_environment, rank_processes
+from support.torchrun import clean_environment, forked_ranks, free_port, rank_environment, rank_processes
+from support.torchrun import launch as launch_torchrun
 from test_peer_failures import rank_pid
 
 EXAMPLE = REPO / "examples" / "own_loop_ddp.py"
@@ -44,10 +46,10 @@ EPOCHS = ("--epochs", "2")
 
 
 def launch(run: Path, nproc: int, *args, restarts: int = 0, status: Path | None = None) -> subprocess.Popen:
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), "--max-restarts", str(restarts),
-               str(EXAMPLE), str(run), *EPOCHS, *map(str, args)]
+    """`torchrun` (its agent forked from the zygote: support.torchrun.launch) running the example."""
+    command = ["--standalone", "--nproc_per_node", nproc, "--max-restarts", restarts, EXAMPLE, run, *EPOCHS, *args]
     env = clean_environment(**({"TRAINER_EXIT_STATUS_FILE": str(status)} if status else {}))
-    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return launch_torchrun(command, env)
 
 
 def stop_all(process: subprocess.Popen) -> None:

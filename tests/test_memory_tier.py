@@ -19,7 +19,7 @@ import pytest
 from support.cli import compare, one_error_line, run_cli, start, train
 from support.limits import CLI_TIMEOUT_S, scaled, wait_until
 from support.runs import attempts, made_once
-from support.torchrun import torchrun
+from support.torchrun import trainer_ranks
 
 RUN = ("--epochs", 2, "--recover-every-steps", 4, "--log-every-steps", 100)
 """16 steps, a durable generation every 4."""
@@ -206,14 +206,15 @@ def test_auto_tier0_cadence_saves_at_the_steps_it_derived_and_logs_and_records_e
     assert prior["cost_s"] == pytest.approx(record["memory"]["blocked_s"] / record["memory"]["saves"], abs=1e-5)
 
 
-def test_under_torchrun_rank_0s_auto_tier0_decision_is_every_ranks(tmp_path):
+def test_on_two_ranks_rank_0s_auto_tier0_decision_is_every_ranks(tmp_path):
     """Two processes, `--memory-every-steps auto`: rank 0 decides (its clock, its C) and every
     rank saves its part at the same steps, through the step's one agreement. Interrupted (no
-    durable generation: the parts stay). Cost: one 2-process torchrun (~10 s here)."""
+    durable generation: the parts stay). Its 2 ranks forked as torchrun starts them
+    (`trainer_ranks`: the agreement is under test, not the launch). Cost: ~3 CPU-s (~10 with torchrun)."""
     run, memory = tmp_path / "run", tmp_path / "shm"
-    torchrun(run, "--recover-every-epochs", 0, "--log-every-steps", 100, "--memory-dir", memory,
-             "--memory-every-steps", "auto", "--memory-auto-min-secs", 0.02, "--interrupt-at-step", 20,
-             expect=75, tmp=tmp_path)
+    trainer_ranks(run, "--recover-every-epochs", 0, "--log-every-steps", 100, "--memory-dir", memory,
+                  "--memory-every-steps", "auto", "--memory-auto-min-secs", 0.02, "--interrupt-at-step", 20,
+                  nproc=2, expect=75)
     parts = [names(memory / f"rank-{rank}-of-2" / "checkpoints") for rank in (0, 1)]
     record = attempts(run)[0]
     assert parts[0] and parts[0] == parts[1] and parts[0][-1] == record["memory"]["newest"], (parts, record["memory"])

@@ -121,6 +121,9 @@ def test_a_frozen_rank_ends_the_other_within_the_bound_naming_it_resumable(mode,
     record = attempts(run)[-1]
     assert (record["status"], record["exit_code"], record["peer"]) == \
         ("interrupted", 75, {"state": "unresponsive", "ranks": [1]})
+    # every generation committed before the freeze is in the record (an async commit too)
+    on_disk = sorted(path.parent.name for path in generation(run, "").glob("step-*/manifest.json"))
+    assert on_disk and [entry["name"] for entry in record["generations_published"]] == on_disk, record
 
 
 def test_a_rank_killed_under_max_restarts_restarts_in_place_from_tier0_and_ends_exact(tmp_path, baseline_2p):

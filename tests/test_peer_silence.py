@@ -142,16 +142,16 @@ def launch(run: Path, status: Path, *args, env: dict) -> subprocess.Popen:
     return launch_torchrun(command, clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), PYTHONUNBUFFERED="1", **env))
 
 
-def test_a_frozen_rank_with_slow_steps_is_named_by_its_silence_ended_and_the_restart_is_exact(tmp_path, baseline_slow):
-    run, status = tmp_path / "run", tmp_path / "status"
-    process = launch(run, status, "--resume", "auto", "--memory-dir", tmp_path / "memory", "--memory-every-steps", 1,
-                     "--peer-silence-secs", SILENCE_S, env={"SLOW_STEP_SECS": "2"})
+def frozen_at_step_2(process: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    """Rank 1 under torchrun `process` frozen by SIGSTOP once rank 0 printed `step=2` (a hung
+    device, a silent NIC, a paused VM); the run left to end (killed past the scaled `timeout`);
+    rank 1 killed after. Rank 1's pid and torchrun's stderr."""
     frozen = None
     try:
         wait_for_line(process, "step=2 ")
         frozen = rank_pid(process.pid, 1)
-        os.kill(frozen, signal.SIGSTOP)  # a hung device, a silent NIC, a paused VM
-        out, err = process.communicate(timeout=scaled(180))
+        os.kill(frozen, signal.SIGSTOP)
+        _, err = process.communicate(timeout=scaled(timeout))
     finally:
         if frozen is not None:
             try:
@@ -159,6 +159,14 @@ def test_a_frozen_rank_with_slow_steps_is_named_by_its_silence_ended_and_the_res
             except ProcessLookupError:
                 pass
         process.kill()
+    return frozen, err
+
+
+def test_a_frozen_rank_with_slow_steps_is_named_by_its_silence_ended_and_the_restart_is_exact(tmp_path, baseline_slow):
+    run, status = tmp_path / "run", tmp_path / "status"
+    process = launch(run, status, "--resume", "auto", "--memory-dir", tmp_path / "memory", "--memory-every-steps", 1,
+                     "--peer-silence-secs", SILENCE_S, env={"SLOW_STEP_SECS": "2"})
+    frozen, err = frozen_at_step_2(process, timeout=180)
     assert process.returncode == 0 and int(status.read_text()) == 0, err[-3000:]
     lines = [line for line in err.splitlines() if line.startswith("trainer:")]
     assert len(lines) == 1 and lines[0].startswith("trainer: error: rank 1 stopped answering: its heartbeat was "
@@ -204,19 +212,7 @@ def test_three_ranks_name_the_same_frozen_rank_and_end_resumable(tmp_path):
                "--batch-size", "6", "--epochs", "3", "--peer-silence-secs", str(SILENCE_S)]
     process = launch_torchrun(command, clean_environment(TRAINER_EXIT_STATUS_FILE=str(status), PYTHONUNBUFFERED="1",
                                                          SLOW_STEP_SECS="0.5"))
-    frozen = None
-    try:
-        wait_for_line(process, "step=2 ")
-        frozen = rank_pid(process.pid, 1)
-        os.kill(frozen, signal.SIGSTOP)
-        out, err = process.communicate(timeout=scaled(120))
-    finally:
-        if frozen is not None:
-            try:
-                os.kill(frozen, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        process.kill()
+    frozen, err = frozen_at_step_2(process, timeout=120)
     assert process.returncode == 1 and int(status.read_text()) == 75, err[-3000:]
     lines = sorted(line for line in err.splitlines() if line.startswith("trainer:"))  # one per rank that acts
     assert [line.split(" stopped answering: its heartbeat was silent for ")[0] for line in lines] == \

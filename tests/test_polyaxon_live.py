@@ -47,16 +47,18 @@ installed at start, a no-op here of about 3 CPU-s a job) start training at once,
 image (presets/baked-image.yaml)."""
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def sandbox(tmp_path_factory):
-    """One Polyaxon server for this module's worker, its artifacts store a host path."""
+    """One Polyaxon server for this module's worker, its artifacts store a host path; stopped
+    once the module's tests are done (idle, it still spends about 1 CPU-s a minute: the rest of
+    a session's would be about as much as its start)."""
     server = Sandbox(tmp_path_factory.mktemp("plx"), haupt_binary())
     server.start()
     yield server
     server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def bucket_sandbox(tmp_path_factory, s3_server):
     """A second server whose artifacts store is a bucket on the worker's SeaweedFS server."""
     bucket = s3_server.create_bucket()
@@ -67,7 +69,7 @@ def bucket_sandbox(tmp_path_factory, s3_server):
     server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def upload(tmp_path_factory) -> Path:
     """The repository as a template user has it, with an edit to the trainer's code."""
     tree = tmp_path_factory.mktemp("upload") / "training-recovery"

@@ -17,7 +17,8 @@ import pytest
 from support.cli import REPO, compare, completed, finish, one_error_line, run_cli, train
 from support.limits import scaled, wait_until
 from support.runs import FINAL_2P, TWO_PROCESS_EPOCHS, attempts, generation
-from support.torchrun import TORCHRUN, TORCHRUN_CHILD_FAILED, clean_environment, free_port, launch, trainer_ranks
+from support.torchrun import (TORCHRUN, TORCHRUN_CHILD_FAILED, clean_environment, forked_ranks, free_port, launch,
+                              trainer_ranks)
 from support.torchrun import torchrun as run_torchrun
 
 EPOCHS = TWO_PROCESS_EPOCHS  # 16 steps: enough for mid-run generations, short enough for CI
@@ -102,7 +103,7 @@ def test_verify_refuses_a_value_planted_in_a_ranks_shard_with_the_line_every_ran
     line = refusal(FINAL_2P, shard, f"the value of {key}")
     verified = run_cli("verify", run)
     assert verified.returncode == 65 and one_error_line(verified).endswith(line), verified.stdout + verified.stderr
-    resumed = torchrun(run, "--resume", expect=65, tmp=tmp_path)
+    resumed = trainer_ranks(run, "--epochs", EPOCHS, "--resume", nproc=2, expect=65)  # its launch is not under test
     assert trainer_error_lines(resumed) and all(error.endswith(line) for error in trainer_error_lines(resumed))
     assert not marker.exists()
 
@@ -110,11 +111,10 @@ def test_verify_refuses_a_value_planted_in_a_ranks_shard_with_the_line_every_ran
 def test_async_staging_with_several_ranks_holds_the_values_of_the_moment_it_was_staged(tmp_path):
     """FSDP2 on two ranks: after staging, every rank mutates its parameter shards and optimizer
     state in place before the background write starts; the generation still holds the staged
-    values (tests/rank_staging_isolation.py compares it with a sync save of the same state)."""
-    result = completed(launch(["--standalone", "--nproc_per_node", "2", REPO / "tests" / "rank_staging_isolation.py",
-                              tmp_path], clean_environment(PYTHONPATH=str(REPO))), 600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "isolated 12 tensors" in result.stdout
+    values (tests/rank_staging_isolation.py compares it with a sync save of the same state). Its
+    ranks forked as a launcher starts them: the launch is not under test."""
+    stdouts = forked_ranks(REPO / "tests" / "rank_staging_isolation.py", tmp_path, nproc=2)
+    assert "isolated 12 tensors" in "".join(stdouts)
 
 
 def test_a_disk_full_on_one_rank_fails_every_rank_with_74_and_commits_nothing(tmp_path):
@@ -178,7 +178,8 @@ def test_world_size_change_is_refused_then_allowed_with_the_override(tmp_path):
     assert lines[0].startswith("trainer: error: step-00000008 was written in a different environment: world_size 1 → 2")
     assert "--allow-drift world_size" in lines[0]
     assert refused.stderr.count("exitcode  : 65") == 2
-    allowed = torchrun(run, "--resume", "--allow-drift", "world_size", tmp=tmp_path)
+    allowed = trainer_ranks(run, "--epochs", EPOCHS, "--resume", "--allow-drift", "world_size",
+                            nproc=2)  # the refusal above is torchrun's; this run's launch is not under test
     assert "rank 1: no RNG state stored for rank 1" in allowed.stdout
     change = attempts(run)[-1]["world_size_change"]
     assert (change["from"], change["to"], change["exact"]) == (1, 2, False)
@@ -346,7 +347,7 @@ def test_launch_environment_reads_the_launcher_variables():
 
 
 def test_rank_slices_together_are_exactly_the_global_batch():
-    from trainer.run.batching import EpochBatchOrder, EpochShape, uneven_split
+    from trainer.data.order import EpochBatchOrder, EpochShape, uneven_split
 
     whole = list(EpochBatchOrder(EpochShape(128, 16), 1234, epoch=3, start_batch=5))
     slices = [list(EpochBatchOrder(EpochShape(128, 16), 1234, 3, 5, rank, 2)) for rank in (0, 1)]

@@ -18,7 +18,7 @@ import pytest
 from support.cli import compare, finish, one_error_line, run_cli, start, wait_for_line
 from support.runs import matrix_baseline
 from support.s3 import committed, keys, store_env
-from support.torchrun import clean_environment, free_port, launch
+from support.torchrun import clean_environment, free_port, launch, rank_processes
 
 EPOCHS = ("--epochs", 2)  # 16 steps with two processes
 FINAL = "step-00000016"
@@ -26,31 +26,37 @@ FINAL = "step-00000016"
 
 def two_nodes(url: str, tmp: Path, *args, env: dict, fault: dict | None = None, per_node: dict | None = None,
               timeout: float = 600, count: int = 2, memory: bool = False,
-              node_args: dict | None = None) -> list[subprocess.CompletedProcess]:
+              node_args: dict | None = None, forked: bool = False) -> list[subprocess.CompletedProcess]:
     """`torchrun --nnodes 2` twice on loopback (node 0 and node 1, one process each; `count`
     nodes if given), each node with its own --local-tier (an object store `url`) and, with
     `memory`, its own --memory-dir `memory_dir(tmp, node)` (and `per_node[node]` added to its
     environment, `node_args[node]` to its arguments); the trainer's status of each node from
-    TRAINER_EXIT_STATUS_FILE."""
+    TRAINER_EXIT_STATUS_FILE. `forked`: each node's rank forked from the zygote with the
+    variables torchrun sets on its node (`rank_processes`: no agents, no fresh interpreters),
+    for a run whose launch is not under test (a first attempt that leaves what a test resumes)."""
     port = free_port()
-    processes = []
+    commands, environments, statuses_at = [], [], []
     for node in range(count):
         status = tmp / f"status-{node}-{len(list(tmp.glob(f'status-{node}-*')))}"
         tiers = (["--local-tier", str(tmp / f"node-{node}")] if url.startswith("s3://") else []) + \
             (["--memory-dir", str(memory_dir(tmp, node))] if memory else [])
-        command = ["--nnodes", str(count), "--node_rank", str(node), "--nproc_per_node", "1",
-                   "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "trainer",
-                   "--output", url, *tiers, *map(str, EPOCHS + args + (node_args or {}).get(node, ()))]
-        node_env = clean_environment(TRAINER_EXIT_STATUS_FILE=str(status),
-                                     **{**env, **(fault or {}), **(per_node or {}).get(node, {})})
-        processes.append((launch(command, node_env), status))
-    results = []
-    for process, status in processes:
-        out, err = finish(process, timeout)
-        result = subprocess.CompletedProcess(process.args, process.returncode, out, err)
+        commands.append(["-m", "trainer", "--output", url, *tiers,
+                         *map(str, EPOCHS + args + (node_args or {}).get(node, ()))])
+        environments.append({"TRAINER_EXIT_STATUS_FILE": str(status),
+                             **env, **(fault or {}), **(per_node or {}).get(node, {})})
+        statuses_at.append(status)
+    if forked:
+        finished = rank_processes(commands, count, expect=None, env=environments, per_node=1, timeout=timeout)
+    else:
+        processes = [launch(["--nnodes", str(count), "--node_rank", str(node), "--nproc_per_node", "1",
+                             "--master_addr", "127.0.0.1", "--master_port", str(port), *commands[node]],
+                            clean_environment(**environments[node])) for node in range(count)]
+        outputs = [finish(process, timeout) for process in processes]
+        finished = [subprocess.CompletedProcess(process.args, process.returncode, out, err)
+                    for process, (out, err) in zip(processes, outputs)]
+    for result, status in zip(finished, statuses_at):
         result.trainer_status = int(status.read_text()) if status.exists() else None
-        results.append(result)
-    return results
+    return finished
 
 
 def memory_dir(tmp: Path, node: int) -> Path:
@@ -83,7 +89,7 @@ def test_two_nodes_without_a_shared_disk_survive_an_interrupt_and_a_node_killed_
         s3_server, s3_bucket, tmp_path, baseline_two_nodes):
     bucket = s3_bucket.name
     url, env = f"s3://{bucket}/run", store_env(s3_server)
-    interrupted = two_nodes(url, tmp_path, "--interrupt-at-step", 11, env=env)
+    interrupted = two_nodes(url, tmp_path, "--interrupt-at-step", 11, env=env, forked=True)  # launch not under test
     assert statuses(interrupted) == [75, 75]
     assert committed(s3_server, bucket) == ["step-00000008"]
     manifest = json.loads(s3_server.client().get_object(
@@ -266,7 +272,7 @@ def tier0_interrupted(s3_server, tmp_path_factory) -> tuple[str, Path]:
     replica of the other rank's (step-00000003 was given back: older than the durable step 4)."""
     bucket, tmp = s3_server.create_bucket(), tmp_path_factory.mktemp("tier0-two-nodes")
     results = two_nodes(f"s3://{bucket}/run", tmp, *TIER0, "--interrupt-at-step", 7, env=store_env(s3_server),
-                        memory=True)
+                        memory=True, forked=True)  # its launch is not under test
     assert statuses(results) == [75, 75], results[0].stderr[-3000:] + results[1].stderr[-3000:]
     assert committed(s3_server, bucket) == ["step-00000004"]
     for node in (0, 1):
@@ -289,8 +295,11 @@ def tier0_copy(s3_server, tier0_interrupted, tmp_path) -> tuple[str, Path]:
     return copy_bucket(s3_server, bucket, tmp_path), tmp_path
 
 
-def resume_tier0(s3_server, bucket: str, tmp: Path) -> list[subprocess.CompletedProcess]:
-    results = two_nodes(f"s3://{bucket}/run", tmp, *TIER0, "--resume", env=store_env(s3_server), memory=True)
+def resume_tier0(s3_server, bucket: str, tmp: Path, forked: bool = True) -> list[subprocess.CompletedProcess]:
+    """The two nodes resumed, their ranks forked (`two_nodes`): which source serves is under test,
+    not the launch (torchrun's own: the killed process's resume below, and the ring of three)."""
+    results = two_nodes(f"s3://{bucket}/run", tmp, *TIER0, "--resume", env=store_env(s3_server), memory=True,
+                        forked=forked)
     assert statuses(results) == [0, 0], results[0].stdout[-3000:] + results[0].stderr[-3000:] + \
         results[1].stderr[-3000:]
     return results
@@ -319,7 +328,7 @@ def test_a_process_killed_after_a_tier0_save_restores_from_each_nodes_tier0(s3_s
     assert 0 not in statuses(crashed)
     assert committed(s3_server, s3_bucket.name) == ["step-00000004"]
     assert part(tmp_path, 0, 0).is_dir() and part(tmp_path, 1, 1).is_dir()
-    resumed = resume_tier0(s3_server, s3_bucket.name, tmp_path)
+    resumed = resume_tier0(s3_server, s3_bucket.name, tmp_path, forked=False)  # under torchrun, as the crash
     assert f"restored {TIER0_STEP} (step=6 epoch=0 position=6) from tier 0 (memory)" in resumed[0].stdout
     restored = restored_record(tmp_path)
     assert restored["tier"] == "memory" and restored["step"] == 6 and "refused" not in restored

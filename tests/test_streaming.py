@@ -1,5 +1,5 @@
-"""Streaming data with a cursor the trainer owns (trainer/run/streaming.py), an epoch's ragged
-last batch (trainer/run/batching.py), the sample ledger (trainer/run/ledger.py), and streams
+"""Streaming data with a cursor the trainer owns (trainer/data/stream.py), an epoch's ragged
+last batch (trainer/data/order.py), the sample ledger (trainer/data/ledger.py), and streams
 from an object store (trainer/workload/objects.py); docs/streaming.md.
 
 The layout's properties are pure and tested directly (no process): the same order for every
@@ -27,9 +27,9 @@ import torch
 from support.cli import REPO, compare, finish, one_error_line, run_cli, start, train, wait_for_line
 from support.runs import attempts, generation, made_once
 from support.torchrun import torchrun, trainer_ranks
-from trainer.run.ledger import GENESIS, SampleLedger, id_bytes, ledger_problems
-from trainer.run.batching import EpochBatchOrder, EpochShape
-from trainer.run.streaming import StreamEpoch, StreamLayout, StreamSource
+from trainer.data.ledger import GENESIS, SampleLedger, id_bytes, ledger_problems
+from trainer.data.order import EpochBatchOrder, EpochShape
+from trainer.data.stream import StreamEpoch, StreamLayout, StreamSource
 
 WORKLOAD = f"{REPO}/examples/stream_lm.py:StreamLM"
 STREAM = ("--workload", WORKLOAD, "--lm-shards", "4", "--lm-context", "30", "--batch-size", "6",
@@ -163,7 +163,7 @@ def test_a_resume_at_another_world_size_keeps_the_lanes_the_run_started_with(cap
     import logging
 
     from trainer.run.state import Progress
-    from trainer.run.streaming import cursors
+    from trainer.data.source import cursors
 
     shape, mid = EpochShape(36, 12), Progress(1, 0, 1)
     four = numbers()
@@ -261,9 +261,9 @@ def test_cursors_of_earlier_layouts_mid_epoch_and_uneven_shares_for_a_train_step
     cursor that disagrees with the progress is refused. A workload with its own train_step
     cannot weigh its losses by share (exit 2)."""
     from trainer.errors import CorruptGeneration, UsageError
-    from trainer.run.batching import require_even_split
+    from trainer.data.order import require_even_split
     from trainer.run.state import Progress
-    from trainer.run.streaming import cursors
+    from trainer.data.source import cursors
     from trainer.config import WorkloadConfig
 
     cursor = cursors(numbers(), EpochShape(36, 6), 1)["stream"]
@@ -507,10 +507,11 @@ def test_1_process_then_2_trains_the_samples_in_the_order_of_the_uninterrupted_r
     """The streaming run on one process (lanes 1), interrupted at step 6 (restored from 4, mid-
     epoch and mid-block), resumed on 2 processes: the samples, in the order, of the shared
     uninterrupted one-process run (compare.py's ledger verdict; each rank reads the one lane's
-    blocks: 2x for the rest of the run, docs/streaming.md). Cost: ~15 CPU-s (1, then 2)."""
+    blocks: 2x for the rest of the run, docs/streaming.md). The 2 ranks forked as a launcher starts
+    them (`trainer_ranks`; the 4 → 3 → 4 and 8 → 2 runs end under torchrun). Cost: ~4.5 CPU-s (15 with torchrun)."""
     run, args = tmp_path / "run", (*STREAM, "--lm-shard-dir", stream_baseline / "shards")
     train(run, *args, "--interrupt-at-step", "6", expect=75)
-    torchrun(run, *args, "--resume", "--allow-drift", "world_size", nproc=2, tmp=tmp_path)
+    trainer_ranks(run, *args, "--resume", "--allow-drift", "world_size", nproc=2)
     same_order(stream_baseline / "run", [run], FINAL)
     report = run_cli("report", run)
     assert "4 generations from 2 attempts, 84 samples: none repeated or skipped" in report.stdout, report.stdout

@@ -8,6 +8,7 @@ imports, and the run went on to train). Nothing is written before the loop's han
 over, so exiting at once is safe. `trainer.errors` is tiny, so it is imported first.
 """
 
+import functools
 import os
 import signal
 import sys
@@ -17,16 +18,24 @@ from trainer.origin import foreign_package_problem
 from trainer.parallel.spare import exit_as, run_from_spare
 
 
-def stop_outside_training(signum, frame) -> None:
+READ_ONLY = frozenset({"list", "report", "verify", "compare"})
+"""The commands that change nothing (trainer/cli.py's COMMANDS; a test keeps the two equal):
+a stop there is not a training's to resume."""
+
+
+def stop_outside_training(command: str | None, signum, frame) -> None:
     name = signal.Signals(signum).name
-    os.write(2, f"trainer: stopped by {name} outside training (while starting or finishing); "
-                f"nothing is half-written, so run it again (with --resume auto to continue)\n".encode())
+    said = (f"{command}: interrupted by {name}; nothing was changed" if command else
+            f"trainer: stopped by {name} outside training (while starting or finishing); "
+            f"nothing is half-written, so run it again (with --resume auto to continue)")
+    os.write(2, f"{said}\n".encode())
     os._exit(EXIT_INTERRUPTED)
 
 
 def main() -> None:
+    command = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in READ_ONLY else None
     for stop in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(stop, stop_outside_training)
+        signal.signal(stop, functools.partial(stop_outside_training, command))
     if problem := foreign_package_problem(sys.modules.get("trainer")):
         print(f"trainer: error: {problem}", file=sys.stderr)
         sys.exit(UsageError.exit_code)

@@ -36,7 +36,7 @@ class WorkloadConfig:
     seed: int = 1234
     num_workers: int = 0
     """DataLoader worker processes. Every fetch runs with the global RNGs seeded from
-    (seed, epoch, index) (trainer/run/fetching.py), so this does not change training and may
+    (seed, epoch, index) (trainer/data/fetching.py), so this does not change training and may
     differ between attempts."""
     amp: bool = False
     """Mixed precision (bfloat16 autocast on CPU, float16 + GradScaler on CUDA)."""
@@ -54,15 +54,15 @@ class WorkloadConfig:
     world size; `bucketed` is DDP's own all-reduce of whole buckets, one collective per bucket
     but exact only up to 2 processes. Fingerprinted: the two can give different bits."""
     shuffle_buffer: int = 1024
-    """Streaming data only: records per shuffle block (trainer/run/streaming.py). Larger mixes
+    """Streaming data only: records per shuffle block (trainer/data/stream.py). Larger mixes
     more; a resume re-reads up to one block, and each reader holds one in memory."""
     stream_lanes: int | None = None
-    """Streaming data only: the lanes each epoch is laid out in (trainer/run/streaming.py), fixed
+    """Streaming data only: the lanes each epoch is laid out in (trainer/data/stream.py), fixed
     for the run, so the order is the same at every world size. None: the world size the run
     starts with. Each rank reads the lanes its slots fall in: once per epoch when the world
     size divides the lanes, so a count with many divisors (12, 24, 48) keeps a change cheap."""
     last_batch: str = "pad"
-    """pad | drop | refuse: an epoch's ragged last batch (trainer/run/batching.py). `pad` trains
+    """pad | drop | refuse: an epoch's ragged last batch (trainer/data/order.py). `pad` trains
     it, each rank's loss weighted by its share (a rank with none repeats a sample at weight 0);
     `drop` leaves it untrained; `refuse` stops a run whose processes cannot share it evenly."""
     grad_accum: int = 1

@@ -25,15 +25,17 @@ def trainer_env(env: dict | None = None) -> dict:
     return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
 
 
-def run_cli(*args, env: dict | None = None, timeout: float = CLI_TIMEOUT_S, **options) -> subprocess.CompletedProcess:
-    """`python -m trainer ARGS` (or `python compare.py ...` when args start with compare.py);
-    `options` go to subprocess.run (preexec_fn, ...)."""
+def run_cli(*args, env: dict | None = None, timeout: float = CLI_TIMEOUT_S, preload: str | None = None,
+            **options) -> subprocess.CompletedProcess:
+    """`python -m trainer ARGS` (or `python SCRIPT.py ...` when args start with a script);
+    `options` go to subprocess.run (preexec_fn, ...); `preload`: a library the zygote imports
+    before it forks (tests/forking.py PRELOADABLE: `transformers` for the HF example)."""
     argv = [*map(str, args)] if str(args[0]).endswith(".py") else ["-m", "trainer", *map(str, args)]
     environment = trainer_env(env)
     if not forked(environment, options):
         return subprocess.run([sys.executable, *argv], cwd=REPO, env=environment, capture_output=True, text=True,
                               timeout=scaled(timeout), **options)
-    with zygote().spawn(argv, REPO, environment, new_session=False) as process:
+    with zygote().spawn(argv, REPO, environment, new_session=False, preload=preload) as process:
         return completed(process, timeout)
 
 

@@ -68,21 +68,25 @@ def torchrun(output, *args, nproc: int = 2, expect: int = 0, env: dict | None = 
     return result
 
 
-def rank_environment(rank: int, nproc: int, port: int | str, env: dict | None = None) -> dict:
-    """The trainer's environment for `rank` of `nproc` on this node, as a launcher sets it (rank
-    0 hosts the rendezvous store on `port`), plus `env`."""
-    return trainer_env(clean_environment(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                                         LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+def rank_environment(rank: int, nproc: int, port: int | str, env: dict | None = None, per_node: int | None = None) -> dict:
+    """The trainer's environment for `rank` of `nproc`, as a launcher sets it (rank 0 hosts the
+    rendezvous store on `port`), plus `env`: all on this node, or `per_node` ranks on each node
+    (`torchrun --nnodes N --nproc_per_node PER_NODE`)."""
+    local = per_node or nproc
+    return trainer_env(clean_environment(RANK=str(rank), LOCAL_RANK=str(rank % local), WORLD_SIZE=str(nproc),
+                                         LOCAL_WORLD_SIZE=str(local), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                                          **(env or {})))
 
 
-def forked_ranks(script: Path, *args, nproc: int) -> list[str]:
+def forked_ranks(script: Path, *args, nproc: int, preload: str | None = None) -> list[str]:
     """`python SCRIPT ARGS` as `nproc` ranks started the way any launcher may start them (RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT set; rank 0 hosts the rendezvous store), each forked
     from this worker's zygote (tests/forking.py) unless the environment asks for a fresh
     interpreter: a reference run without torchrun's agent and N interpreters' start (about 2 +
-    3N CPU-seconds less). Every rank must exit 0; their stdouts, in rank order."""
-    return [result.stdout for result in rank_processes([str(script), *map(str, args)], nproc, expect=0)]
+    3N CPU-seconds less; `preload`: a library the zygote imports first, tests/forking.py
+    PRELOADABLE). Every rank must exit 0; their stdouts, in rank order."""
+    return [result.stdout for result in rank_processes([str(script), *map(str, args)], nproc, expect=0,
+                                                       preload=preload)]
 
 
 def trainer_ranks(output, *args, nproc: int, expect: int = 0, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -97,26 +101,30 @@ def trainer_ranks(output, *args, nproc: int, expect: int = 0, env: dict | None =
                                        "".join(result.stderr for result in results))
 
 
-def rank_processes(argv: list[str], nproc: int, expect: int,
-                   env: dict | None = None) -> list[subprocess.CompletedProcess]:
+def rank_processes(argv: list[str] | list[list[str]], nproc: int, expect: int | None,
+                   env: dict | list[dict] | None = None, per_node: int | None = None,
+                   timeout: float = 600, preload: str | None = None) -> list[subprocess.CompletedProcess]:
     """`python ARGV` as `nproc` launched ranks (see `forked_ranks`), `env` added to what a launcher
-    sets; each must exit `expect`."""
+    sets (`per_node` ranks on each node: `rank_environment`); an `argv` and an `env` per rank
+    where lists of them are given; each must exit `expect` (None: any status)."""
     port = str(free_port())
     processes = []
     try:
         for rank in range(nproc):
-            environment = rank_environment(rank, nproc, port, env)
-            processes.append(zygote().spawn(argv, REPO, environment, new_session=False) if forked(environment, {}) else
-                             subprocess.Popen([sys.executable, *argv], cwd=REPO, env=environment, stdout=subprocess.PIPE,
+            own = argv[rank] if isinstance(argv[0], list) else argv
+            environment = rank_environment(rank, nproc, port, env[rank] if isinstance(env, list) else env, per_node)
+            processes.append(zygote().spawn(own, REPO, environment, new_session=False, preload=preload)
+                             if forked(environment, {}) else
+                             subprocess.Popen([sys.executable, *own], cwd=REPO, env=environment, stdout=subprocess.PIPE,
                                               stderr=subprocess.PIPE, text=True))
-        outputs = [process.communicate(timeout=scaled(600)) for process in processes]
+        outputs = [process.communicate(timeout=scaled(timeout)) for process in processes]
     finally:
         for process in processes:
             if process.poll() is None:
                 process.kill()
                 process.wait()
     for rank, (process, (out, err)) in enumerate(zip(processes, outputs)):
-        assert process.returncode == expect, (f"rank {rank} exited {process.returncode}, wanted {expect}\n"
+        assert expect is None or process.returncode == expect, (f"rank {rank} exited {process.returncode}, wanted {expect}\n"
                                               f"{out[-2000:]}\n{err[-3000:]}")
-    return [subprocess.CompletedProcess(argv, process.returncode, out, err)
+    return [subprocess.CompletedProcess(process.args, process.returncode, out, err)
             for process, (out, err) in zip(processes, outputs)]

@@ -81,6 +81,9 @@ class Checkpointer(Protocol):
     def close_after_failure(self) -> list[Published]:
         """After a failure: finish what is in flight; never raises."""
 
+    def committed_without_peers(self) -> list[Published]:
+        """After a lost peer: what committed already, without waiting and without a collective."""
+
 
 def effective_mode(requested: str, device: torch.device) -> str:
     """The mode a requested `--checkpoint-mode` (auto | sync | async, validated by the CLI)
@@ -143,6 +146,16 @@ class _Checkpointer:
             return unreported
 
     def _finish_quietly(self) -> list[Published]:
+        return []
+
+    def committed_without_peers(self) -> list[Published]:
+        """After a lost peer: rank 0's generations committed before it was lost, so the attempt
+        record lists every generation on disk. Nothing in flight is waited for: a commit still
+        agreeing with the lost peer never completes, and its files stay uncommitted."""
+        unreported, self._unreported = self._unreported, []
+        return unreported + self._committed_in_background() if self.coordinator.is_primary else []
+
+    def _committed_in_background(self) -> list[Published]:
         return []
 
     def wait_for_staging(self) -> float:
@@ -378,6 +391,14 @@ class AsyncCheckpointer(_Checkpointer):
         finally:
             if not self._in_flight:
                 self._close()
+
+    def _committed_in_background(self) -> list[Published]:
+        """The saves in flight whose commit completed, oldest first, up to the first that did not."""
+        published = []
+        while self._in_flight and self._in_flight[0].committed.done() \
+                and self._in_flight[0].committed.exception() is None:
+            published.append(self._in_flight.popleft().committed.result())
+        return published
 
     def _finish_quietly(self) -> list[Published]:
         """After a failure: wait for this rank's saves in flight without any collective (the

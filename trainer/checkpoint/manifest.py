@@ -62,7 +62,7 @@ class GenerationFacts:
     """{rank: {section: digest}} of the live state this generation saved (trainer/run/witness.py):
     a restore digests what it loaded and compares. Empty in generations written before it."""
     ledger: dict = field(default_factory=dict)
-    """The sample ledger since the generation before it (trainer/run/ledger.py). Empty in
+    """The sample ledger since the generation before it (trainer/data/ledger.py). Empty in
     generations written before it."""
     digest_later: Callable[[dict], dict] | None = field(default=None, compare=False, repr=False)
     """`state_digest` still to be computed from the state dict saved (`resolved`): the

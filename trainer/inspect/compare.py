@@ -16,7 +16,7 @@ import torch
 from trainer.errors import UntrustedGeneration, UsageError
 from trainer.checkpoint.manifest import RECOVERY, verify_directory
 from trainer.checkpoint.snapshot import load_flat
-from trainer.run.ledger import UNKNOWN
+from trainer.data.ledger import UNKNOWN
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def as_json(a: Path, b: Path, results: list[FieldResult], ledgers: tuple[dict, d
 
 
 def format_ledgers(a: dict, b: dict) -> str:
-    """The two generations' sample ledgers side by side (trainer/run/ledger.py): informative,
+    """The two generations' sample ledgers side by side (trainer/data/ledger.py): informative,
     never part of the verdict (each covers the steps since its own previous generation, so
     cadence and interruptions change it; the chain since step 0 does not)."""
     if not a and not b:

@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from trainer.run.interval import best_interval, expected_goodput, young_interval
-from trainer.run.ledger import dropped_by_epoch, ledger_problems
+from trainer.data.ledger import dropped_by_epoch, ledger_problems
 from trainer.run.records import (OUTCOMES, RESTORED_FROM, TIER0, AttemptRecord, PublishedEntry, exposure_s,
                                   failure_rate, lifetime)
 
@@ -187,7 +187,7 @@ class Totals:
 
 @dataclass(frozen=True)
 class LedgerCheck:
-    """The sample ledgers of the run's generations, across attempts (trainer/run/ledger.py)."""
+    """The sample ledgers of the run's generations, across attempts (trainer/data/ledger.py)."""
 
     generations: int
     """Generations that recorded a ledger."""

@@ -40,7 +40,7 @@ except ModuleNotFoundError as error:
     raise missing_extra(error, "accelerate") from None
 
 from trainer.errors import UsageError
-from trainer.recovery.data import KeyedData
+from trainer.data.keyed import KeyedData
 from trainer.recovery.run import RecoveryRun
 from trainer.run.state import Progress
 

@@ -48,7 +48,7 @@ except ModuleNotFoundError as error:
     raise missing_extra(error, "hf") from None
 
 from trainer.parallel.ranks import StepAgreement
-from trainer.recovery.data import UnkeyedData
+from trainer.data.keyed import UnkeyedData
 from trainer.recovery.run import RecoveryRun
 
 TRAINER_STATE = "trainer_state.json"

@@ -63,7 +63,7 @@ except ModuleNotFoundError as error:
 from trainer.cli import exit_process, report_exit_status
 from trainer.errors import EXIT_INTERRUPTED, UsageError
 from trainer.parallel.launch import watch_children
-from trainer.recovery.data import KeyedData
+from trainer.data.keyed import KeyedData
 from trainer.recovery.run import RecoveryRun
 
 log = logging.getLogger("trainer")

@@ -26,7 +26,7 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -40,17 +40,18 @@ from trainer.run.checksum import parameter_checksum
 from trainer.run.events import TrainingEvents
 from trainer.run.preemption import PreemptionGuard, ignore_late_stop_requests
 from trainer.run.records import COMPLETED, INTERRUPTED, PREEMPTED
-from trainer.run.restoring import Restorer
 from trainer.run.runtime import resolve_device
-from trainer.run.session import AttemptSession, Outcome
 from trainer.run.state import Progress, TrainingState
 from trainer.run.witness import step_digest
 from trainer.location import parse_location
 from trainer.workload import BoundWorkload
 from trainer.recovery.bundle import bundle_options, bundled
-from trainer.recovery.data import KeyedData, UnkeyedData
+from trainer.data.keyed import KeyedData, UnkeyedData
 from trainer.recovery.parallel import data_parallel_settings, plain_model
 from trainer.recovery.said import announced
+
+if TYPE_CHECKING:
+    from trainer.run.session import AttemptSession, Outcome
 
 log = logging.getLogger("trainer")
 
@@ -119,6 +120,8 @@ class RecoveryRun:
             self.ranks = held.enter_context(process_group(launch, resolve_device(self.config.device),
                                                           self.config.background_wait, self.config.peer_wait))
             self.preemption = held.enter_context(PreemptionGuard(self.config.preempt_grace_s))
+            from trainer.run.session import AttemptSession  # the attempt's machinery: at the first open
+
             self.session = AttemptSession(self.config, self.ranks, self.events)
             held.enter_context(self.session.refusals_recorded())
             self.claim = self.session.claim(held)
@@ -145,6 +148,8 @@ class RecoveryRun:
         if self.session is None:
             raise UsageError("restore() outside `with recovery.open_run(...) as run:`; open the run first")
         import torch.distributed.checkpoint  # noqa: F401  (DCP, 0.7 s once: here, not inside the restore's or the first save's time)
+
+        from trainer.run.restoring import Restorer
 
         self.data, ranks = data, self.ranks
         state = TrainingState(plain_model(model), optimizer, scheduler if scheduler is not None else {},

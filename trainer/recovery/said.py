@@ -15,12 +15,11 @@ import logging
 import sys
 from typing import Iterator
 
-from trainer.run.restoring import ANNOUNCED
-
-
 
 @contextlib.contextmanager
 def announced(rank: int) -> Iterator[None]:
+    from trainer.run.restoring import ANNOUNCED  # the restore's machinery: imported as a run opens
+
     logger = logging.getLogger("trainer")
     if logging.getLogger().handlers or logger.handlers:
         yield

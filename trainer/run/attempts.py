@@ -382,7 +382,7 @@ class AttemptRecorder:
         self._flush()
 
     def sample_ledger(self, step: int, ledger: dict) -> None:
-        """A published generation's sample ledger (trainer/run/ledger.py), for `report`."""
+        """A published generation's sample ledger (trainer/data/ledger.py), for `report`."""
         if ledger:
             self._record.setdefault("ledger", []).append({"step": step, **ledger})
             self._flush()

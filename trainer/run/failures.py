@@ -22,7 +22,7 @@ from typing import NoReturn
 
 from trainer.errors import PeerFailure, TrainerError
 from trainer.run.records import FAILED, INTERRUPTED
-from trainer.run.fetching import KeyedSeeding
+from trainer.data.fetching import KeyedSeeding
 from trainer.run.stepping import OptimizerSteps
 from trainer.workload.loading import first_line
 

@@ -28,7 +28,7 @@ from trainer.run.restoring import Restorer
 from trainer.run.runtime import configure_determinism, resolve_device
 from trainer.run.saving import CadencedSaves
 from trainer.run.session import AttemptSession, Outcome
-from trainer.run.streaming import DataSource, data_source
+from trainer.data.source import DataSource, data_source
 from trainer.run.training import Training, build_training, train_steps
 from trainer.workload import BoundWorkload, build_workload
 

@@ -13,7 +13,7 @@ from trainer.checkpoint.checkpointer import effective_mode
 from trainer.run.attempts import (AttemptRecorder, AttemptStart, RefusedStart, previous_attempt, refuse_crash_loop,
                                   steps_replayed, world_size_change)
 from trainer.run.records import AttemptRecord
-from trainer.run.batching import EpochShape, epoch_shape, require_even_split, training_steps
+from trainer.data.order import EpochShape, epoch_shape, require_even_split, training_steps
 from trainer.run.fingerprint import check_fingerprint, current_fingerprint
 from trainer.run.claim import Claim, Claimant
 from trainer.run.events import TrainingEvents

@@ -35,8 +35,8 @@ from trainer.run.records import AttemptRecord
 from trainer.run.cadence import (AnyOf, AutoPrior, AutoSeconds, AutoSteps, CadenceChange, StepPoint, StepsChange,
                                  auto_prior, auto_trigger, build_policy, memory_policy, memory_prior)
 from trainer.run.events import TrainingEvents
-from trainer.run.batching import EpochShape
-from trainer.run.ledger import SampleLedger
+from trainer.data.order import EpochShape
+from trainer.data.ledger import SampleLedger
 from trainer.run.checksum import one_process_digest, safe_state_digests
 from trainer.run.state import TrainingState
 from trainer.storage.base import AfterPublish, Durable, RunStorage
@@ -59,7 +59,7 @@ class Lineage:
     """Generations retention must keep (the one restored)."""
     epoch: EpochShape = EpochShape(0, 1)
     """An epoch's batches: the sample ledger's cursors count its trained samples, and its
-    entries the dropped ones (trainer/run/ledger.py)."""
+    entries the dropped ones (trainer/data/ledger.py)."""
     history: tuple[AttemptRecord, ...] = ()
     """The earlier attempts' records (`Claim.history`): what the auto cadences start from."""
 
@@ -188,7 +188,8 @@ class DurablePath:
         self.drain_uploads()
 
     def close_after_failure(self, peers_lost: bool) -> None:
-        self.heard([] if peers_lost else self.checkpointer.close_after_failure(), None, prune=False)
+        self.heard(self.checkpointer.committed_without_peers() if peers_lost else
+                   self.checkpointer.close_after_failure(), None, prune=False)
         self.checkpointer.local.settle()
 
 

@@ -139,7 +139,7 @@ class TrainingState:
     absent when it has none, so such generations keep their layout."""
     cursors: dict = field(default_factory=dict)
     """Data cursors derived from the progress, saved under their name and checked against it
-    on restore (`stream`: trainer/run/streaming.py); none for map-style data."""
+    on restore (`stream`: trainer/data/stream.py); none for map-style data."""
 
     def state_dict(self) -> dict:
         return self._state_dict(lambda optimizer: dcp_state_dict().get_optimizer_state_dict(self.model, optimizer))

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from trainer import seams
-from trainer.run.fetching import to_device
+from trainer.data.fetching import to_device
 from trainer.run.state import TrainingState, named
 from trainer.workload import BoundWorkload
 
@@ -100,7 +100,7 @@ class OptimizerSteps:
     def micro_batch(self, batch, weight: float = 1.0) -> None:
         """One micro-batch of the window: forward and backward now, or held for the
         workload's own `train_step`. `weight`: its share's loss weight (an epoch's last batch
-        shared unevenly, `trainer.run.batching.EpochShape.weight`; a `train_step` workload is
+        shared unevenly, `trainer.data.order.EpochShape.weight`; a `train_step` workload is
         refused such shares at start)."""
         batch = to_device(batch, self.device)
         self.state.model.train()

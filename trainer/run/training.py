@@ -16,14 +16,14 @@ from torch import nn
 from trainer import compat
 from trainer.config import RunConfig
 from trainer.parallel.ranks import Ranks, StepAgreement
-from trainer.run.batching import EpochShape, epoch_shape, training_steps
+from trainer.data.order import EpochShape, epoch_shape, training_steps
 from trainer.run.cadence import StepPoint
-from trainer.run.fetching import refuse_state_moved_by_fetching
+from trainer.data.fetching import refuse_state_moved_by_fetching
 from trainer.run.preemption import PreemptionGuard
 from trainer.run.saving import CadencedSaves
 from trainer.run.state import TrainingState
 from trainer.run.stepping import OptimizerSteps
-from trainer.run.streaming import DataSource, cursors
+from trainer.data.source import DataSource, cursors
 from trainer.run.checksum import parameter_checksum
 from trainer.run.witness import step_digest
 from trainer.workload import BoundWorkload

@@ -4,7 +4,7 @@ ETags, read by ranged GETs, through the run directory's own client.
 A workload whose shards live in a bucket builds its stream on `ObjectFiles` instead of a
 local folder: `shards()` counts records from the objects' sizes, `read(shard, offset, stop)`
 asks for exactly the bytes of records [offset, stop) (the trainer passes `stop`,
-trainer/run/streaming.py), and `fingerprint()` digests names, sizes and ETags: the store's
+trainer/data/stream.py), and `fingerprint()` digests names, sizes and ETags: the store's
 own word for the content, no byte read and no full download per reader.
 Credentials come from where the run directory's come from (AWS_* variables, AWS_ENDPOINT_URL,
 ~/.aws), and every GET has the same bounded retries and one-line failures (exit 74):

@@ -12,8 +12,8 @@ not fingerprinted (a run may be extended): use it to refuse a run your schedule 
 never to shape training.
 
 What the trainer owns (and a workload must not do itself): seeding, the batch order and the
-position inside an epoch (`trainer.run.batching`), fetching (every sample is fetched with the
-global RNGs seeded from (seed, epoch, index): `trainer.run.fetching`), moving batches to the
+position inside an epoch (`trainer.data.order`), fetching (every sample is fetched with the
+global RNGs seeded from (seed, epoch, index): `trainer.data.fetching`), moving batches to the
 device, mixed precision, gradient accumulation, and saving and restoring everything,
 including the global Python, NumPy and torch RNGs the workload may use in the main process.
 A workload must not keep randomness or state the trainer cannot see: a private
@@ -54,7 +54,7 @@ class Stream(Protocol):
     shards, JSONL files, objects in a bucket). The trainer owns the shard order per (seed,
     epoch), a deterministic shuffle buffer (`--shuffle-buffer`), the split into one lane per
     rank and chunks per DataLoader worker (each record read once per epoch), and the cursor
-    saved in every generation (trainer/run/streaming.py, docs/streaming.md): a resume is exact
+    saved in every generation (trainer/data/stream.py, docs/streaming.md): a resume is exact
     mid-epoch, for any `--num-workers`, and an epoch in progress finishes in its global order
     across a world-size change. Records are collated like map-style items.
 

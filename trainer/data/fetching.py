@@ -27,9 +27,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from trainer.config import WorkloadConfig
+from trainer.data.order import EpochBatchOrder, EpochShape, Fetched
+from trainer.data.workers import WorkerSignals
 from trainer.errors import UsageError
-from trainer.run.batching import EpochBatchOrder, EpochShape, Fetched
-from trainer.run.runtime import WorkerSignals
 from trainer.workload import dataset_fingerprint
 
 
@@ -84,7 +84,7 @@ class KeyedSeeding(Dataset):
     def loader(self, shape: EpochShape, epoch: int, start_batch: int, rank: int, world_size: int,
                num_workers: int) -> Iterator[Fetched]:
         """This rank's micro-batches for the rest of the epoch, in order; the same interface
-        as a stream's (`trainer.run.streaming.StreamSource`)."""
+        as a stream's (`trainer.data.stream.StreamSource`)."""
         order = EpochBatchOrder(shape, self.seed, epoch, start_batch, rank, world_size)
         for (keys, weight), batch in zip(order.weighted(), epoch_loader(self, order, num_workers)):
             yield Fetched(torch.tensor([index for _, index in keys], dtype=torch.int64), batch, weight)

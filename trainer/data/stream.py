@@ -8,7 +8,7 @@ dataset (docs/streaming.md tells the whole story with the measurements):
 
 - **The epoch's stream**: the shards in an order drawn from (seed, epoch), read one after
   another. Only the samples an epoch trains on are in it (`--last-batch drop` leaves the
-  stream's tail out: `trainer.run.batching.EpochShape`).
+  stream's tail out: `trainer.data.order.EpochShape`).
 - **Lanes**: the stream is cut into contiguous lanes, as many as the run's lanes: a count fixed
   when the run starts (`--stream-lanes`, else its world size then) and kept in the cursor, so
   it never follows the world size. Lane q holds the slots q, q+lanes, … of every global batch:
@@ -51,7 +51,7 @@ import logging
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import islice
 from typing import Iterator
 
@@ -59,13 +59,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from trainer.config import RunConfig, WorkloadConfig
+from trainer.data.fetching import COLLATE, seeded_globals
+from trainer.data.order import EpochShape, Fetched
+from trainer.data.workers import WorkerSignals
 from trainer.errors import CorruptGeneration, UsageError
-from trainer.run.batching import EpochShape, Fetched
-from trainer.run.fetching import COLLATE, KeyedSeeding, seeded_globals
-from trainer.run.runtime import WorkerSignals
-from trainer.workload.adapters import from_loader, is_hf_iterable, is_loader, refuse_hf_shuffle
-from trainer.workload.protocol import is_stream
 
 log = logging.getLogger("trainer")
 
@@ -323,7 +320,7 @@ class StreamSource:
 
     def probe(self) -> None:
         """Read the first block here, in the main process (see
-        `trainer.run.fetching.refuse_state_moved_by_fetching`)."""
+        `trainer.data.fetching.refuse_state_moved_by_fetching`)."""
         StreamEpoch(self, self.layout(EpochShape(len(self), 1), 0, 1), 0, 0, 1).read(0, 1, 0, ONE_RECORD)
 
     def cursor(self, shape: EpochShape, epoch: int, position: int, lanes: int, run_lanes: int) -> dict:
@@ -388,50 +385,3 @@ def note_reading(lanes: int, world_size: int) -> None:
         log.info("stream: %d lanes on %d processes: each record is read %d times per epoch (the order stays the "
                  "run's); a run started with --stream-lanes N, N a multiple of every world size it may run at "
                  "(12, 24, 48), reads each once", lanes, world_size, times)
-
-
-def cursors(source: DataSource, shape: EpochShape, world_size: int) -> dict:
-    """The cursors a generation stores for this data (none for map-style data). A stream's
-    lanes are fixed here for a run starting now (`--stream-lanes`, else `world_size`); a
-    restored cursor replaces them by the run's own."""
-    if not isinstance(source, StreamSource):
-        return {}
-    if source.run_lanes is None:
-        source.run_lanes = world_size
-    note_reading(source.run_lanes, world_size)
-    return {"stream": StreamCursor(source, shape, world_size)}
-
-
-DataSource = KeyedSeeding | StreamSource
-"""What the loop fetches from: both give `loader(...)` of `Fetched`, `len()` (samples
-per epoch), `fingerprint()` and `probe()`."""
-
-
-def data_source(dataset, config: RunConfig, spec: str) -> tuple[RunConfig, DataSource]:
-    """The workload's dataset as the trainer fetches it, and the run's configuration: a
-    DataLoader is adopted (trainer/workload/adapters.py `from_loader`), its batch size and
-    workers entering the configuration and its collate_fn running under the keyed RNGs;
-    anything the trainer cannot make exact is refused in one line, before the run starts."""
-    collate = None
-    if is_loader(dataset):
-        adopted = from_loader(dataset, config.workload, spec)
-        dataset, collate, config = adopted.dataset, adopted.collate, replace(config, workload=adopted.config)
-    return config, source_of(dataset, config.workload, spec, collate)
-
-
-def source_of(dataset, config: WorkloadConfig, spec: str, collate=None) -> DataSource:
-    """A stream (shards and a reader) or a map-style dataset; anything else is refused."""
-    if is_hf_iterable(dataset):
-        refuse_hf_shuffle(dataset, spec)
-        raise UsageError(f"--workload {spec}: build_dataset returned a datasets.IterableDataset; wrap it as a stream: "
-                         f"return trainer.workload.adapters.HFStream(dataset) (the trainer then owns its order, "
-                         f"shuffle buffer and cursor)")
-    if is_stream(dataset):
-        return StreamSource(dataset, config.seed, config.shuffle_buffer, spec, collate, config.stream_lanes)
-    if isinstance(dataset, IterableDataset) or not callable(getattr(dataset, "__len__", None)) \
-            or not callable(getattr(dataset, "__getitem__", None)):
-        raise UsageError(f"--workload {spec}: build_dataset returned a {type(dataset).__name__}, which is neither "
-                         f"map-style (__len__ and __getitem__) nor a stream: for an iterable dataset give "
-                         f"shards() -> [(name, records)] and read(shard, offset) -> records from that offset, "
-                         f"and the trainer owns the order, the shuffle buffer and the cursor (docs/streaming.md)")
-    return KeyedSeeding(dataset, config.seed, collate)

@@ -3,7 +3,7 @@
 A loop that shuffles with its own DataLoader draws the order from the global RNG (a resume
 starts a new shuffle, so a mid-epoch resume trains some samples twice and others never) and
 fetches with RNG streams that depend on which worker fetched what. `KeyedData` hands the
-loop the trainer's own order instead (`trainer/run/batching.py`, `trainer/run/streaming.py`):
+loop the trainer's own order instead (`trainer/data/order.py`, `trainer/data/stream.py`):
 a permutation that is a pure function of (seed, epoch), every sample fetched under RNGs
 keyed by (seed, epoch, index), any number of workers. Its position is the run's progress
 (epoch, batches done in it), which every generation stores, so a resume continues inside the
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from trainer.config import WorkloadConfig
-from trainer.run.batching import EpochShape, Fetched, epoch_shape
-from trainer.run.streaming import DataSource, cursors, source_of
+from trainer.data.order import EpochShape, Fetched, epoch_shape
+from trainer.data.source import DataSource, cursors, source_of
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class KeyedData:
     stream_lanes: int | None = WorkloadConfig.stream_lanes
     """Streams only: the lanes the stream is cut into, fixed for the run (`--stream-lanes`;
     None: the world size the run starts with). One order at every world size that divides
-    them, each record read once an epoch; fingerprinted once given (trainer/run/streaming.py)."""
+    them, each record read once an epoch; fingerprinted once given (trainer/data/stream.py)."""
     grad_accum: int = WorkloadConfig.grad_accum
     """Micro-batches per optimizer step (`--grad-accum`): `batch_size` is then a micro-batch's.
     The progress counts optimizer steps and the micro-batches done in the epoch; an epoch's

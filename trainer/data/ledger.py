@@ -14,7 +14,7 @@ one this attempt restored, or its own previous save):
 - the data cursor at both ends ([epoch, samples consumed in it]) and the samples trained per
   epoch, from which `report` checks that nothing was repeated or skipped between generations
   (`ledger_problems`), and `compare.py` shows two ledgers side by side;
-- under `--last-batch` (trainer/run/batching.py): `dropped`, the epochs that ended inside the
+- under `--last-batch` (trainer/data/order.py): `dropped`, the epochs that ended inside the
   entry and the samples each left untrained (`drop`: they are not in the cursors' count, so
   never "skipped"), and `padded`, the repeated samples a rank with an empty share of a last batch
   trained on at loss weight 0 (`pad`: not in the ids, not counted as samples).
