@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -40,7 +40,7 @@ import torch
 
 from trainer import seams
 from trainer.config import WriterConfig
-from trainer.errors import TrainerError, as_storage_failure, reraise_as_storage_failure, root_cause
+from trainer.errors import PeerFailure, TrainerError, as_storage_failure, reraise_as_storage_failure, root_cause
 from trainer.checkpoint.commit import Commit
 from trainer.checkpoint.coordination import Coordinator, SingleProcess, raise_if_any_failed
 from trainer.checkpoint.manifest import GenerationFacts, Manifest
@@ -82,7 +82,7 @@ class Checkpointer(Protocol):
         """After a failure: finish what is in flight; never raises."""
 
     def committed_without_peers(self) -> list[Published]:
-        """After a lost peer: what committed already, without waiting and without a collective."""
+        """After a lost peer: what committed, without a collective (a short bounded wait at most)."""
 
 
 def effective_mode(requested: str, device: torch.device) -> str:
@@ -150,8 +150,8 @@ class _Checkpointer:
 
     def committed_without_peers(self) -> list[Published]:
         """After a lost peer: rank 0's generations committed before it was lost, so the attempt
-        record lists every generation on disk. Nothing in flight is waited for: a commit still
-        agreeing with the lost peer never completes, and its files stay uncommitted."""
+        record lists every generation on disk. No collective, and no wait beyond the moment a
+        commit that was agreeing with the lost peer fails (`_committed_in_background`)."""
         unreported, self._unreported = self._unreported, []
         return unreported + self._committed_in_background() if self.coordinator.is_primary else []
 
@@ -222,6 +222,12 @@ class _InFlight:
     (and `written`), the staging buffers may be reused."""
     committed: Future
     """Result: the Published generation (on every rank), once committed."""
+
+
+PEER_LOSS_SETTLE_S = 2.0
+"""After a lost peer, how long rank 0 waits for a commit in flight to finish one way or the
+other (its collectives fail as soon as the peer's connections are cut) before the attempt's
+record is closed without it."""
 
 
 class AsyncCheckpointer(_Checkpointer):
@@ -329,9 +335,14 @@ class AsyncCheckpointer(_Checkpointer):
             if failure is not None:
                 raise failure
             return published
-        raise_if_any_failed(self.coordinator, failure, "writing a recovery generation")
-        # Every rank reports rank 0's publishes, so every rank's record of them agrees.
-        published = self.coordinator.decide_on_primary(lambda: published, "reporting the generations committed")
+        try:
+            raise_if_any_failed(self.coordinator, failure, "writing a recovery generation")
+            # Every rank reports rank 0's publishes, so every rank's record of them agrees.
+            published = self.coordinator.decide_on_primary(lambda: published, "reporting the generations committed")
+        except PeerFailure:
+            if failure is None:  # committed before the peer was lost: `committed_without_peers` reports them
+                self._unreported += published
+            raise
         for generation in published:  # the same times on every rank, so the same bounds
             self._write_group.saved_in(generation.save_s)
             self._commit_group.saved_in(generation.save_s)
@@ -393,10 +404,17 @@ class AsyncCheckpointer(_Checkpointer):
                 self._close()
 
     def _committed_in_background(self) -> list[Published]:
-        """The saves in flight whose commit completed, oldest first, up to the first that did not."""
+        """The saves in flight whose commit completed, oldest first, up to the first that did
+        not. A commit that was agreeing with the lost peer when it was cut off fails (or, on
+        rank 0, returns what it published) at about the moment the loop heard of the loss: it
+        is given `PEER_LOSS_SETTLE_S` to say which, never more."""
         published = []
-        while self._in_flight and self._in_flight[0].committed.done() \
-                and self._in_flight[0].committed.exception() is None:
+        deadline = time.monotonic() + PEER_LOSS_SETTLE_S
+        while self._in_flight:
+            committed = self._in_flight[0].committed
+            wait([committed], timeout=max(0.0, deadline - time.monotonic()))
+            if not committed.done() or committed.exception() is not None:
+                break
             published.append(self._in_flight.popleft().committed.result())
         return published
 

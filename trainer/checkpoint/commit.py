@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from trainer import seams
+from trainer.errors import PeerFailure
 from trainer.checkpoint.content import checking
 from trainer.checkpoint.coordination import Coordinator
 from trainer.checkpoint.manifest import Manifest
@@ -89,9 +90,17 @@ class RenameCommit:
         # only if each holds exactly what its rank wrote; one process keeps its writer's digests.
         known = digests if not coordinator.distributed else None
         checked = checking(describe, reports, str(temporary), name)
-        digest = coordinator.decide_on_primary(lambda: self._publish(temporary, step, checked, known),
-                                               f"publishing generation {name}")
-        return Committed(digest)
+        sealed: list[str] = []
+
+        def publish() -> str:
+            sealed.append(self._publish(temporary, step, checked, known))
+            return sealed[0]
+        try:
+            return Committed(coordinator.decide_on_primary(publish, f"publishing generation {name}"))
+        except PeerFailure:
+            if sealed:  # rank 0 published it before hearing a peer was lost: it is on disk, so it is recorded
+                return Committed(sealed[0])
+            raise
 
     def _publish(self, temporary: Path, step: int, describe: Describe, known: dict | None) -> str:
         """Seal and rename (rank 0); a storage error becomes StorageFailure here, so every rank
