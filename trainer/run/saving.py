@@ -38,6 +38,7 @@ from trainer.run.events import TrainingEvents
 from trainer.data.order import EpochShape
 from trainer.data.ledger import SampleLedger
 from trainer.run.checksum import one_process_digest, safe_state_digests
+from trainer.run.replicas import refuse_unequal_replicas, replica_digest, replicas_compared
 from trainer.run.state import TrainingState
 from trainer.storage.base import AfterPublish, Durable, RunStorage
 from trainer.storage.memory.saves import MemorySaves
@@ -321,7 +322,12 @@ class CadencedSaves:
         `digest_later`: one process leaves the state digest to the checkpointer (`GenerationFacts`)."""
         progress = state.progress
         later = digest_later and not self.ranks.distributed
-        digests = [] if later else self.ranks.gather(safe_state_digests(state_dict), "gathering the state digests")
+        replicas = replicas_compared(self.ranks, self.sharded)  # their checksums ride on the digests' gather
+        gathered = [] if later else self.ranks.gather(
+            (safe_state_digests(state_dict), replica_digest(state.model) if replicas else 0), "gathering the state digests")
+        digests = [digest for digest, _ in gathered]
+        if replicas:  # before anything of this step is written: a generation of rank 0's replica alone
+            refuse_unequal_replicas(self.ranks, [replica for _, replica in gathered], progress.global_step)
         samples, padded = zip(*self.ranks.gather((ledger.micro_batches, ledger.padded), "gathering the sample ledger"))
         return GenerationFacts(progress.global_step, progress.epoch, progress.position, self.lineage.fingerprint,
                                self.lineage.allowed_drift, {"recover": {}, "export": self.export_policy.state()},
