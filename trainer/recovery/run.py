@@ -40,7 +40,6 @@ from trainer.run.checksum import parameter_checksum
 from trainer.run.events import TrainingEvents
 from trainer.run.preemption import PreemptionGuard, ignore_late_stop_requests
 from trainer.run.records import COMPLETED, INTERRUPTED, PREEMPTED
-from trainer.run.replicas import replicas_compared, require_equal_replicas
 from trainer.run.runtime import resolve_device
 from trainer.run.state import Progress, TrainingState
 from trainer.run.witness import step_digest
@@ -230,8 +229,6 @@ class RecoveryRun:
     that must add nothing). Multiply the loss by it for the gradient of the whole window."""
     window: int = 1
     """Micro-batches in the window `batches()` is in: what the next `step()` counts."""
-    replicas_checked: bool = False
-    """The model's replicas were compared after this attempt's first step (trainer/run/replicas.py)."""
     window_ends: bool = True
     """The micro-batch handed out last closes its window: step the optimizer, then `step()`."""
 
@@ -261,9 +258,7 @@ class RecoveryRun:
         state.history.loss.append(agreed.loss)
         state.history.lr.append(lr)
         self.session.recorder.mark_step(step, step_digest(agreed.loss, parameter_checksum(self.parameters, step)))
-        if not self.replicas_checked and replicas_compared(self.ranks, self.saves.sharded):
-            require_equal_replicas(self.ranks, state.model, step)  # a forgotten DDP wrap: refused at once
-        self.replicas_checked = True
+        self.saves.replicas.after_first_step(state.model, step)  # a forgotten DDP wrap: refused at once
         self.events.step_completed(step, {"loss": agreed.loss, "lr": lr})
         if step == self.config.interrupt_at_step:
             raise self.stopped(INTERRUPTED, f"interrupt_at_step {step}: stopped without saving")

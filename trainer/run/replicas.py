@@ -18,12 +18,29 @@ from torch import nn
 
 from trainer.errors import DecidedOnPrimary, UsageError
 from trainer.parallel.ranks import Ranks
-from trainer.run.checksum import replica_checksum
+from trainer.run.checksum import replica_checksum, safe_state_digests
 
 
-def replicas_compared(ranks: Ranks, sharded: bool) -> bool:
-    """Whether the model's ranks hold replicas to compare: several ranks, not sharded."""
-    return ranks.distributed and not sharded
+class Replicas:
+    """One attempt's comparisons (`CadencedSaves.replicas`): none with one process or a sharded model."""
+
+    def __init__(self, ranks: Ranks, sharded: bool):
+        self.ranks, self.compared, self.first_checked = ranks, ranks.distributed and not sharded, False
+
+    def after_first_step(self, model: nn.Module, step: int) -> None:
+        """Once an attempt, after its first step (a user's loop): one gather of 8 bytes a rank."""
+        if self.compared and not self.first_checked:
+            self.first_checked = True
+            refuse_unequal(self.ranks, self.ranks.gather(replica_digest(model), "comparing the model's replicas"), step)
+
+    def state_digests(self, state_dict: dict, model: nn.Module, step: int) -> list[dict]:
+        """Every rank's state digests, in rank order, for a generation's manifest; the parameters'
+        checksums ride on the same gather and are compared before anything is written."""
+        gathered = self.ranks.gather((safe_state_digests(state_dict), replica_digest(model) if self.compared else 0),
+                                     "gathering the state digests")
+        if self.compared:
+            refuse_unequal(self.ranks, [replica for _, replica in gathered], step)
+        return [digests for digests, _ in gathered]
 
 
 def replica_digest(model: nn.Module) -> int:
@@ -31,12 +48,7 @@ def replica_digest(model: nn.Module) -> int:
     return replica_checksum([parameter for parameter in model.parameters() if not hasattr(parameter, "to_local")])
 
 
-def require_equal_replicas(ranks: Ranks, model: nn.Module, step: int) -> None:
-    """After an attempt's first step: one gather of 8 bytes a rank."""
-    refuse_unequal_replicas(ranks, ranks.gather(replica_digest(model), "comparing the model's replicas"), step)
-
-
-def refuse_unequal_replicas(ranks: Ranks, digests: Sequence[int], step: int) -> None:
+def refuse_unequal(ranks: Ranks, digests: Sequence[int], step: int) -> None:
     """Every rank raises the same usage error (rank 0 alone prints it) when some rank's
     parameters differ from rank 0's: every rank holds `digests`, so every rank stops here."""
     differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
