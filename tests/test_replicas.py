@@ -10,7 +10,8 @@ tests/workloads/own_loop_replicas.py:
   3: the save at step 4 refuses naming rank 2 alone, and step 4 is never committed while
   step 2 stays.
 DDP and FSDP2 models are the existing rank tests' (tests/test_library_ranks.py, tests/test_framework_ranks.py).
-Cost (TEST_CPU_LOG, alone): see docs/library.md.
+Cost (TEST_CPU_LOG, alone, load 3 to 7): 0.5-0.7 and 1.1-1.4 CPU-s, 6-15 s of wall for both (the
+ranks forked from the zygote).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def test_a_model_never_wrapped_in_ddp_is_refused_after_the_first_step_in_one_lin
     assert "wrap the model in DistributedDataParallel" in lines[0] and "all-reduce its gradients yourself" in lines[0]
     run = tmp_path / "run"
     assert not list((run / "checkpoints").glob("step-*")), "nothing may be saved"
-    assert [record["status"] for record in attempts(run)] == ["failed"]
+    [record] = attempts(run)
+    assert record["status"] == "failed" and record["reason"].startswith("the model differs between ranks")
 
 
 def test_replicas_kept_equal_by_hand_save_until_one_rank_parts_then_its_save_is_refused(tmp_path):
