@@ -258,6 +258,7 @@ class RecoveryRun:
         state.history.loss.append(agreed.loss)
         state.history.lr.append(lr)
         self.session.recorder.mark_step(step, step_digest(agreed.loss, parameter_checksum(self.parameters, step)))
+        self.saves.replicas.after_first_step(state.model, step)  # a forgotten DDP wrap: refused at once
         self.events.step_completed(step, {"loss": agreed.loss, "lr": lr})
         if step == self.config.interrupt_at_step:
             raise self.stopped(INTERRUPTED, f"interrupt_at_step {step}: stopped without saving")

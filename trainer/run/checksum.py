@@ -84,7 +84,17 @@ def parameter_checksum(parameters: list[torch.Tensor], step: int) -> int:
     every attempt that computes this step), each summed unweighted and weighted by its place:
     at most PARAMETERS_PER_STEP kernels, one host sync."""
     stride = -(-len(parameters) // PARAMETERS_PER_STEP) or 1
-    start = step % stride
+    return placed_word_sums(parameters, step % stride, stride)
+
+
+def replica_checksum(parameters: list[torch.Tensor]) -> int:
+    """Every parameter's word sum, weighted by its place: whether two ranks hold the same bits
+    (trainer/run/replicas.py), one kernel per parameter and one host sync."""
+    return placed_word_sums(parameters, 0, 1)
+
+
+def placed_word_sums(parameters: list[torch.Tensor], start: int, stride: int) -> int:
+    """Every `stride`-th parameter's word sum from `start`, weighted by its place."""
     sums = [word_sum(parameter) for parameter in parameters[start::stride]]
     values = torch.stack(sums).tolist() if sums else []
     return sum((start + place * stride + 1) * value for place, value in enumerate(values)) % 2**64

@@ -37,7 +37,8 @@ from trainer.run.cadence import (AnyOf, AutoPrior, AutoSeconds, AutoSteps, Caden
 from trainer.run.events import TrainingEvents
 from trainer.data.order import EpochShape
 from trainer.data.ledger import SampleLedger
-from trainer.run.checksum import one_process_digest, safe_state_digests
+from trainer.run.checksum import one_process_digest
+from trainer.run.replicas import Replicas
 from trainer.run.state import TrainingState
 from trainer.storage.base import AfterPublish, Durable, RunStorage
 from trainer.storage.memory.saves import MemorySaves
@@ -253,6 +254,7 @@ class CadencedSaves:
         """Where both are due after a step, the first saves."""
         self.export_policy = build_policy(config.export)
         self.sharded = config.workload.data_parallel == "fsdp"  # FSDP2 in one process too (a group of one)
+        self.replicas = Replicas(ranks, self.sharded)  # an unsharded model must be one model on every rank
         self.upload_failure: TrainerError | None = None
         """Rank 0's background upload failure, held for the next point where every rank agrees."""
 
@@ -319,9 +321,8 @@ class CadencedSaves:
               digest_later: bool = False) -> GenerationFacts:
         """What a generation's manifest says besides its files (`ledger` gives its entry and moves on);
         `digest_later`: one process leaves the state digest to the checkpointer (`GenerationFacts`)."""
-        progress = state.progress
-        later = digest_later and not self.ranks.distributed
-        digests = [] if later else self.ranks.gather(safe_state_digests(state_dict), "gathering the state digests")
+        progress, later = state.progress, digest_later and not self.ranks.distributed
+        digests = [] if later else self.replicas.state_digests(state_dict, state.model, progress.global_step)
         samples, padded = zip(*self.ranks.gather((ledger.micro_batches, ledger.padded), "gathering the sample ledger"))
         return GenerationFacts(progress.global_step, progress.epoch, progress.position, self.lineage.fingerprint,
                                self.lineage.allowed_drift, {"recover": {}, "export": self.export_policy.state()},
