@@ -1,0 +1,89 @@
+"""A library user's mistakes (trainer/recovery/run.py, trainer/flags.py): a bad option of
+`open_run`, a verb before `restore()` or after the `with` block. Each is one line naming the
+problem and the fix, and exit 2, as the command line's usage errors; a bad option writes
+nothing. In one process, in-process: no child is started."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from trainer import recovery
+from trainer.config import CadenceConfig, RunConfig
+from trainer.run.fingerprint import FIELDS
+from trainer.run.state import Progress
+
+
+def refusal(caplog, call) -> str:
+    """The one line `call` ends with, after checking it exits 2."""
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="trainer"), pytest.raises(SystemExit) as ended:
+        call()
+    assert ended.value.code == 2
+    lines = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("options, said", [
+    ({"resume": "yes"}, "resume='yes': must be one of 'latest', 'auto' or None"),
+    ({"resume": "LATEST"}, "resume='LATEST': must be one of 'latest', 'auto' or None"),
+    ({"checkpoint_mode": "fast"}, "checkpoint_mode='fast': must be one of 'auto', 'sync', 'async'"),
+    ({"recover": CadenceConfig(every_steps=-5)}, "recover=CadenceConfig(every_steps=-5): must be a positive integer"),
+    ({"recover": CadenceConfig(every_s="30")}, "recover=CadenceConfig(every_s='30'): must be a number, got '30' (str)"),
+    ({"allow_drift": "world_size"}, "allow_drift='world_size': must be a tuple of names, e.g. allow_drift=('source',)"),
+    ({"allow_drift": ("wrld_size",)}, "'wrld_size' is not one of source, dataset,"),
+    ({"resum": "auto"}, "open_run() has no option 'resum'; did you mean resume? its options: workload, "),
+])
+def test_a_bad_option_of_open_run_is_one_line_naming_it_and_exit_2_before_anything_is_written(
+        tmp_path, caplog, options, said):
+    line = refusal(caplog, lambda: recovery.open_run(tmp_path / "run", **options))
+    assert said in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_open_runs_options_are_normalised_as_the_command_lines_flags():
+    """`every_epochs=0` is off, as `--recover-every-epochs 0`; a repeated drift is named once."""
+    from trainer.flags import checked_config  # (imported here: without it, the other tests still say what fails)
+
+    config = checked_config(RunConfig(location=None, recover=CadenceConfig(every_epochs=0, every_steps=2),
+                                      allow_drift=["os", "os"], preempt_grace_s=30), FIELDS)
+    assert config.recover == CadenceConfig(every_steps=2) and config.allow_drift == ("os",)
+    assert config.preempt_grace_s == 30
+
+
+def model_and_optimizer():
+    model = torch.nn.Linear(2, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("verb", ["epochs", "batches", "save", "progress", "step"])
+def test_a_verb_before_restore_is_one_line_and_exit_2(tmp_path, caplog, verb):
+    calls = {"epochs": lambda run: list(run.epochs(1)), "batches": lambda run: list(run.batches()),
+             "save": lambda run: run.save(), "progress": lambda run: run.progress, "step": lambda run: run.step(0.0)}
+
+    def misuse():
+        with recovery.open_run(tmp_path / "run") as run:
+            calls[verb](run)
+
+    line = refusal(caplog, misuse)
+    assert "before restore(): hand over the model and optimizer with restore() first" in line, line
+
+
+def test_after_the_block_the_run_is_closed_but_its_progress_says_where_it_ended(tmp_path, caplog):
+    model, optimizer = model_and_optimizer()
+    data = recovery.KeyedData(torch.utils.data.TensorDataset(torch.ones(4, 2)), batch_size=2)
+    unopened = recovery.open_run(tmp_path / "run")
+    assert "restore() outside `with recovery.open_run(...) as run:`" in refusal(
+        caplog, lambda: unopened.restore(model, optimizer))
+    with recovery.open_run(tmp_path / "run") as run:
+        run.restore(model, optimizer, data=data)
+        for _ in run.epochs(1):
+            for (batch,) in run.batches():
+                run.step(model(batch).sum())
+    assert run.progress == Progress(global_step=2, epoch=1, position=0)
+    for misuse in (lambda: run.step(0.0), run.save, lambda: list(run.epochs(2))):
+        assert "after the `with` block: the run is closed (run.progress still says where it ended)" in \
+            refusal(caplog, misuse)
