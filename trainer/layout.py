@@ -24,7 +24,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.errors import NothingToResume, RefuseOverwrite, UsageError, storage_failure
+from trainer.errors import NothingToResume, RefuseOverwrite, UsageError, option, storage_failure
 
 GENERATIONS, EXPORTS = "generations", "exports"
 """The two kinds of sealed directory a run directory holds (one word each, everywhere)."""
@@ -147,7 +147,7 @@ class RunDirectory:
             raise UsageError(f"--output {problem}")
         if not root.exists() and must_exist:
             raise NothingToResume(f"nothing to resume: {root} does not exist; "
-                                  f"check --output, or start without --resume")
+                                  f"check {option('--output')}, or start without {option('--resume')}")
         try:
             root.mkdir(parents=True, exist_ok=True)
             os.listdir(root)

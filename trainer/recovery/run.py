@@ -33,7 +33,7 @@ import torch
 from trainer.cli import exit_process, report_exit_status
 from trainer.config import RunConfig
 from trainer.flags import checked_config, unknown_keyword
-from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, TrainerError, UsageError
+from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, TrainerError, UsageError, option
 from trainer.parallel.launch import LaunchEnvironment
 from trainer.parallel.ranks import Ranks, StepAgreement, process_group
 from trainer.run.cadence import StepPoint
@@ -50,7 +50,7 @@ from trainer.workload import BoundWorkload
 from trainer.recovery.bundle import bundle_options, bundled
 from trainer.data.keyed import KeyedData, UnkeyedData
 from trainer.recovery.parallel import data_parallel_settings, plain_model
-from trainer.recovery.said import announced
+from trainer.recovery.said import announced, spelled
 
 if TYPE_CHECKING:
     from trainer.run.session import AttemptSession, Outcome
@@ -96,7 +96,7 @@ def open_run(output: str | os.PathLike | None = None, config: RunConfig | None =
         if config.location is None:
             raise UsageError("open_run needs a run directory (a path or a store URL) or a RunConfig")
     except TrainerError as error:
-        log.error("trainer: error: %s", error)
+        log.error("trainer: error: %s", spelled(error))
         raise SystemExit(error.exit_code) from error
     return RecoveryRun(config)
 
@@ -344,8 +344,8 @@ class RecoveryRun(Phases):
     def stopped(self, status: str, reason: str) -> Stopped:
         outcome = self.session.end(status, reason, self.saves, self.state, f"{status}: {reason} (exit 75)")
         if self.ranks.is_primary:  # every rank stopped at the same step: rank 0 says so for all
-            log.warning("trainer: stopped, resumable (exit %d): %s; to continue, run again with resume='auto'",
-                        EXIT_INTERRUPTED, outcome.reason)
+            log.warning("trainer: stopped, resumable (exit %d): %s; to continue, run again with %s",
+                        EXIT_INTERRUPTED, outcome.reason, spelled(option("--resume", "auto")))
         self.let_go()
         return Stopped(outcome)
 
@@ -391,9 +391,9 @@ class RecoveryRun(Phases):
         if isinstance(error, TrainerError):
             rank = self.ranks.rank if self.ranks is not None else 0
             if rank == 0:
-                log.error("trainer: error: %s", error)
+                log.error("trainer: error: %s", spelled(error))
             elif not getattr(error, "reported_by_primary", False):
-                log.error("trainer: rank %d: error: %s", rank, error)
+                log.error("trainer: rank %d: error: %s", rank, spelled(error))
             raise SystemExit(error.exit_code) from error
         if error is not None:
             raise error
