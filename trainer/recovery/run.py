@@ -26,7 +26,7 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, NoReturn
 
 import torch
 
@@ -96,9 +96,14 @@ def open_run(output: str | os.PathLike | None = None, config: RunConfig | None =
         if config.location is None:
             raise UsageError("open_run needs a run directory (a path or a store URL) or a RunConfig")
     except TrainerError as error:
-        log.error("trainer: error: %s", spelled(error))
-        raise SystemExit(error.exit_code) from error
+        said_and_exit(error)
     return RecoveryRun(config)
+
+
+def said_and_exit(error: TrainerError) -> NoReturn:
+    """A mistake found outside the `with` block (which says its own): one line and its status."""
+    log.error("trainer: error: %s", spelled(error))
+    raise SystemExit(error.exit_code) from error
 
 
 class Phases:
@@ -149,8 +154,7 @@ class Phases:
         error = UsageError(problem)
         if self.session is not None and not self.closed:
             raise error
-        log.error("trainer: error: %s", error)
-        raise SystemExit(error.exit_code) from error
+        said_and_exit(error)
 
     def let_go(self) -> None:
         """The attempt ended: no verb works on the state any more; `progress` says where it ended."""
