@@ -117,6 +117,9 @@ def test_a_refusal_names_open_runs_keywords_where_the_command_line_names_its_fla
         caplog, lambda: resumed(directory, batch_size=4, resume="auto"), 65)
     assert "check run directory (open_run's first argument), or start without resume='latest'" in refusal(
         caplog, lambda: resumed(tmp_path / "none", resume="latest"), 66)
+    (tmp_path / "file").write_text("")
+    assert f"run directory {tmp_path / 'file'} is a file, not a directory" in refusal(
+        caplog, lambda: resumed(tmp_path / "file"))
     (tmp_path / "empty").mkdir()
     assert "start without resume='latest', or use resume='auto'" in refusal(
         caplog, lambda: resumed(tmp_path / "empty", resume="latest"), 66)

@@ -78,7 +78,9 @@ def keyword(name: str, texts: list[str | None]) -> str:
     """`--name text` (repeated for each of `texts`) as the library spells it."""
     flag = next((flag for flag in ALL_FLAGS if flag.flag == name), None)
     if flag is None:
-        return RUN_DIRECTORY if name == "--output" else " ".join(f"{name} {text}".strip() for text in texts)
+        if name == "--output":
+            return RUN_DIRECTORY if texts[-1] is None else f"run directory {texts[-1]}"
+        return " ".join(f"{name} {text}".strip() for text in texts)
     if flag.options.get("action") == "append":
         value = tuple(typed(flag, text) for text in texts if text is not None) or None
     else:
