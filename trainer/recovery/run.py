@@ -208,7 +208,7 @@ class RecoveryRun(Phases):
         is restored shard by shard, each rank reading only its own."""
         if self.state is not None:
             raise UsageError("restore() was called twice on one run; call it once, after building the model")
-        if self.session is None or self.closed:
+        if self.session is None or self.closed or self.ended is not None:
             self.misused("restore()")
         import torch.distributed.checkpoint  # noqa: F401  (DCP, 0.7 s once: here, not inside the restore's or the first save's time)
 
