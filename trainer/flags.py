@@ -326,7 +326,8 @@ def keyword_of(flag: Flag, value: object = None) -> str:
 def unknown_keyword(given: dict, function: str) -> None:
     """Refuse (UsageError) a keyword of `function` that is not a RunConfig field, naming the
     nearest one and every one: Python's own TypeError would be a traceback."""
-    known = [item.name for item in fields(RunConfig) if item.name not in ("location", "argv")]  # the run directory: the first argument
+    # `location` is the run directory, open_run's first argument; `argv` is the process's own
+    known = [item.name for item in fields(RunConfig) if item.name not in ("location", "argv")]
     for name in given:
         if name not in known:
             near = difflib.get_close_matches(name, known, n=1)

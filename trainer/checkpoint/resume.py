@@ -47,7 +47,8 @@ def require_verified(candidate: Verification, earlier: list[str],
     fallback = next((name for name in reversed(earlier) if verify(name).ok), None)
     advice = (f"newest earlier generation that verifies: {fallback}; resume from it with "
               f"{option('--from-generation', fallback)}") if fallback else \
-        f"no earlier generation verifies: move the damaged one aside to start over, or choose a new {option('--output')}"
+        f"no earlier generation verifies: move the damaged one aside to start over, or choose a new " \
+        f"{option('--output')}"
     verdict = "is another run's" if is_foreign(candidate.problem) else "is damaged"
     raise CorruptGeneration(f"generation {candidate.name} {verdict}: {candidate.problem}; {advice}")
 

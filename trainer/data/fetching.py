@@ -157,8 +157,8 @@ def refuse_state_moved_by_fetching(extras: dict, dataset: KeyedSeeding, config: 
     if moved:
         raise UsageError(f"--workload {spec}: its stateful() {moved[0]!r} changes when a sample is fetched; with "
                          f"{config.named('num_workers')} that happens in the workers' copies, which no generation "
-                         f"saves, so the run would train on other data than with {option('--num-workers', 0)}: fetch by "
-                         f"index, or give shards() and read(shard, offset) (the streaming protocol: the trainer "
+                         f"saves, so the run would train on other data than with {option('--num-workers', 0)}: fetch "
+                         f"by index, or give shards() and read(shard, offset) (the streaming protocol: the trainer "
                          f"owns the order and the cursor), or run with {option('--num-workers', 0)}")
 
 
