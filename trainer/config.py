@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from trainer.errors import option
 from trainer.location import Location
 
 CHECKPOINT_MODES = ("auto", "sync", "async")
@@ -88,7 +89,9 @@ class WorkloadConfig:
         """`batch_size` or `num_workers` as an error line names it: the loader's setting, or
         the flag (given, or its default)."""
         value = getattr(self, name)
-        return f"the loader's {name}={value}" if name in self.loader_settings else f"--{name.replace('_', '-')} {value}"
+        if name in self.loader_settings:
+            return f"the loader's {name}={value}"
+        return option(f"--{name.replace('_', '-')}", value)
 
     def training_relevant(self) -> dict:
         """The options whose change alters the trained bits (fingerprint `config`): the

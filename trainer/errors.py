@@ -10,10 +10,29 @@ import errno
 import os
 
 
+OPTION = "\x1f"
+"""Brackets an option named in a message (`option`)."""
+
+
+def option(flag: str, value: object = None) -> str:
+    """An option named in a message, as the user spells it: `str()` of the error says the
+    command line's `--flag value`; `trainer.recovery` says `open_run`'s keyword instead
+    (`resume='auto'`, trainer/recovery/said.py `spelled`). One message for both users."""
+    return f"{OPTION}{flag}{'' if value is None else f' {value}'}{OPTION}"
+
+
+def as_flags(text: str) -> str:
+    """`text` with its options (`option`) as the command line spells them."""
+    return text.replace(OPTION, "")
+
+
 class TrainerError(Exception):
     """Base class: a failure the user or operator can act on (never a traceback)."""
 
     exit_code = 1
+
+    def __str__(self) -> str:
+        return as_flags(super().__str__())
 
 
 class UsageError(TrainerError):
@@ -143,7 +162,7 @@ def storage_failure(error: OSError, what: str) -> StorageFailure:
     reason = os.strerror(error.errno) if error.errno else str(error)
     where = f" ({error.filename})" if getattr(error, "filename", None) else ""
     advice = _STORAGE_ADVICE.get(error.errno, "check the storage")
-    return StorageFailure(f"{what} failed: {reason}{where}; {advice}, then rerun with --resume auto")
+    return StorageFailure(f"{what} failed: {reason}{where}; {advice}, then rerun with {option('--resume', 'auto')}")
 
 
 def root_cause(error: BaseException) -> BaseException:
@@ -179,7 +198,8 @@ def as_storage_failure(error: BaseException, what: str) -> StorageFailure | None
         return storage_failure(cause, what)
     if isinstance(cause, RuntimeError) and all(part in str(cause) for part in SHORT_WRITE):
         return StorageFailure(f"{what} failed: a write was cut short (the disk is full or a file-size limit was "
-                              f"reached); free space or raise the limit (ulimit -f), then rerun with --resume auto")
+                              f"reached); free space or raise the limit (ulimit -f), then rerun with "
+                              f"{option('--resume', 'auto')}")
     return None
 
 

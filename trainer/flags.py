@@ -9,9 +9,12 @@ shows the default of the field it sets and never writes one of its own, and
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, replace
+import difflib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Callable
 
+from trainer.errors import UsageError
 from trainer.config import CHECKPOINT_MODES, TIER0_AUTO, AutoCadenceConfig, RunConfig
 from trainer.options import (AUTO, non_negative_float, non_negative_int, path_argument, positive_float,
                              positive_float_or_auto, positive_int, positive_int_or_auto)
@@ -308,3 +311,94 @@ def changed_store_flags(args: argparse.Namespace) -> list[str]:
 def changed_memory_flags(args: argparse.Namespace) -> list[str]:
     """The tier-0 flags other than --memory-dir that the command line set to something else than their defaults."""
     return [flag.flag for flag in GROUPS[MEMORY_GROUP][1:] if getattr(args, flag.dest) != flag.default()]
+
+
+def keyword_of(flag: Flag, value: object = None) -> str:
+    """`flag` as `open_run`'s keyword spells it (`recover=CadenceConfig(every_steps=5)`,
+    `resume='auto'`), with `value` (the field's value) or, without one, the bare flag's: its
+    `const` (`--resume` alone is `resume='latest'`)."""
+    section, _, name = flag.path.rpartition(".")
+    if value is None:
+        value = flag.options.get("const")
+    shown = name if value is None else f"{name}={tuple(value) if isinstance(value, list) else value!r}"
+    if not section:
+        return shown
+    return f"{section}={type(default_of(section)).__name__}({shown})"
+
+
+def unknown_keyword(given: dict, function: str) -> None:
+    """Refuse (UsageError) a keyword of `function` that is not a RunConfig field, naming the
+    nearest one and every one: Python's own TypeError would be a traceback."""
+    # `location` is the run directory, open_run's first argument; `argv` is the process's own
+    known = [item.name for item in fields(RunConfig) if item.name not in ("location", "argv")]
+    for name in given:
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {near[0]}? " if near else ""
+            raise UsageError(f"{function}() has no option {name!r}; {hint}its options: {', '.join(known)}")
+
+
+def checked_config(config: RunConfig, allowed_drift: tuple[str, ...]) -> RunConfig:
+    """`config` as given to `open_run`, checked against what the command line accepts, by the
+    same flags (their types and choices): a bad value is a UsageError (exit 2) naming the
+    keyword, the value and what is allowed. Returns it normalised as the command line
+    normalises a flag's value (`recover=CadenceConfig(every_epochs=0)` is off, as
+    `--recover-every-epochs 0`)."""
+    changed: dict[str, dict[str, object]] = {}
+    for flag in ALL_FLAGS:
+        section, _, name = flag.path.rpartition(".")
+        if section in AUTO_BOUNDS:
+            continue
+        owner = getattr(config, section) if section else config
+        expected = type(default_of(section)) if section else RunConfig
+        if not isinstance(owner, expected):
+            raise UsageError(f"{section}={owner!r}: must be a {expected.__name__}, e.g. "
+                             f"{section}={expected.__name__}()")
+        value = getattr(owner, name)
+        optional = "None" in str(next(item.type for item in fields(owner) if item.name == name))
+        normal = value if value is None and optional else _checked_value(flag, value, allowed_drift, optional)
+        if normal is not value:
+            changed.setdefault(section, {})[name] = normal
+    top = changed.pop("", {})
+    return replace(config, **top, **{section: replace(getattr(config, section), **values)
+                                     for section, values in changed.items()})
+
+
+def _checked_value(flag: Flag, value: object, allowed_drift: tuple[str, ...], optional: bool) -> object:
+    """`value` of `flag`'s field, normalised, or a UsageError saying what is allowed."""
+    if value == default_of(flag.path):
+        return value
+    if value is None:
+        raise UsageError(f"{keyword_of(flag, value)}: must be set (its default: "
+                         f"{keyword_of(flag, default_of(flag.path))})")
+    choices = allowed_drift if flag.dest == "allow_drift" else flag.options.get("choices")
+    if flag.options.get("action") == "append":
+        if isinstance(value, str) or not isinstance(value, (tuple, list)) or \
+                not all(isinstance(item, str) for item in value):
+            raise UsageError(f"{keyword_of(flag, value)}: must be a tuple of names, e.g. "
+                             f"{keyword_of(flag, ((choices or ('NAME',))[0],))}")
+        if choices and (wrong := [item for item in value if item not in choices]):
+            raise UsageError(f"{keyword_of(flag, value)}: {wrong[0]!r} is not one of {', '.join(choices)}")
+        return flag.to_config(value)
+    if flag.options.get("action") == "store_true":
+        if not isinstance(value, bool):
+            raise UsageError(f"{keyword_of(flag, value)}: must be True or False")
+        return value
+    if choices:
+        if value not in choices:
+            raise UsageError(f"{keyword_of(flag, value)}: must be one of "
+                             f"{', '.join(repr(choice) for choice in choices)}{' or None' if optional else ''}")
+        return value
+    if flag.type is None:
+        if not isinstance(value, str):
+            raise UsageError(f"{keyword_of(flag, value)}: must be a string")
+        return value
+    try:
+        parsed = flag.type(str(value)) if not isinstance(value, bool) else None
+    except argparse.ArgumentTypeError as error:
+        raise UsageError(f"{keyword_of(flag, value)}: {error}") from None
+    if parsed is AUTO or parsed is None or (parsed != value and not isinstance(parsed, Path)):
+        kind = "a path" if flag.type is path_argument else "a number"
+        raise UsageError(f"{keyword_of(flag, value)}: must be {kind}, got {value!r} ({type(value).__name__})")
+    normal = flag.to_config(parsed)
+    return value if normal == value else normal

@@ -24,7 +24,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.errors import NothingToResume, RefuseOverwrite, UsageError, storage_failure
+from trainer.errors import NothingToResume, RefuseOverwrite, UsageError, option, storage_failure
 
 GENERATIONS, EXPORTS = "generations", "exports"
 """The two kinds of sealed directory a run directory holds (one word each, everywhere)."""
@@ -142,23 +142,23 @@ class RunDirectory:
         `must_exist`: the operator asked to resume, so a missing directory is an error."""
         root = self.root
         if root.exists() and not root.is_dir():
-            raise UsageError(f"--output {root} is a file, not a directory; choose a directory path")
+            raise UsageError(f"{option('--output', root)} is a file, not a directory; choose a directory path")
         if problem := self.inner_part():
             raise UsageError(f"--output {problem}")
         if not root.exists() and must_exist:
             raise NothingToResume(f"nothing to resume: {root} does not exist; "
-                                  f"check --output, or start without --resume")
+                                  f"check {option('--output')}, or start without {option('--resume')}")
         try:
             root.mkdir(parents=True, exist_ok=True)
             os.listdir(root)
         except (NotADirectoryError, FileExistsError):
-            raise UsageError(f"--output {root}: part of the path is a file, not a directory; "
+            raise UsageError(f"{option('--output', root)}: part of the path is a file, not a directory; "
                              f"choose a directory path") from None
         except OSError as error:
             raise storage_failure(error, f"preparing --output {root}") from None
         if problem := self.misplaced_entry():
             raise RefuseOverwrite(f"{problem}; this is not a run directory of ours, so nothing was changed: "
-                                  f"move it away or choose another --output")
+                                  f"move it away or choose another {option('--output')}")
 
     def holds_a_run(self) -> bool:
         """Whether anything of the layout is here: a trainer has worked on this directory."""

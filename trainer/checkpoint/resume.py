@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from trainer.errors import CorruptGeneration, NothingToResume, RefuseOverwrite
+from trainer.errors import CorruptGeneration, NothingToResume, RefuseOverwrite, option
 from trainer.checkpoint.identity import is_foreign
 from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.section import LocalSection
@@ -29,13 +29,13 @@ def choose_candidate(names: list[str], resume: str | None, from_generation: str 
     if resume is None:
         if names:
             raise RefuseOverwrite(f"{where} already holds generations (newest {names[-1]}); "
-                                  f"continue with --resume, or choose an empty --output")
+                                  f"continue with {option('--resume')}, or choose an empty {option('--output')}")
         return None
     if not names:
         if resume == "auto":
             return None
         raise NothingToResume(f"nothing to resume: no generation in {where}; "
-                              f"start without --resume, or use --resume auto")
+                              f"start without {option('--resume')}, or use {option('--resume', 'auto')}")
     return names[-1]
 
 
@@ -46,8 +46,9 @@ def require_verified(candidate: Verification, earlier: list[str],
         return
     fallback = next((name for name in reversed(earlier) if verify(name).ok), None)
     advice = (f"newest earlier generation that verifies: {fallback}; resume from it with "
-              f"--from-generation {fallback}") if fallback else \
-        "no earlier generation verifies: move the damaged one aside to start over, or choose a new --output"
+              f"{option('--from-generation', fallback)}") if fallback else \
+        f"no earlier generation verifies: move the damaged one aside to start over, or choose a new " \
+        f"{option('--output')}"
     verdict = "is another run's" if is_foreign(candidate.problem) else "is damaged"
     raise CorruptGeneration(f"generation {candidate.name} {verdict}: {candidate.problem}; {advice}")
 

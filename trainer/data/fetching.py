@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from trainer.config import WorkloadConfig
 from trainer.data.order import EpochBatchOrder, EpochShape, Fetched
 from trainer.data.workers import WorkerSignals
-from trainer.errors import UsageError
+from trainer.errors import UsageError, option
 from trainer.workload import dataset_fingerprint
 
 
@@ -157,9 +157,9 @@ def refuse_state_moved_by_fetching(extras: dict, dataset: KeyedSeeding, config: 
     if moved:
         raise UsageError(f"--workload {spec}: its stateful() {moved[0]!r} changes when a sample is fetched; with "
                          f"{config.named('num_workers')} that happens in the workers' copies, which no generation "
-                         f"saves, so the run would train on other data than with --num-workers 0: fetch by "
-                         f"index, or give shards() and read(shard, offset) (the streaming protocol: the trainer "
-                         f"owns the order and the cursor), or run with --num-workers 0")
+                         f"saves, so the run would train on other data than with {option('--num-workers', 0)}: fetch "
+                         f"by index, or give shards() and read(shard, offset) (the streaming protocol: the trainer "
+                         f"owns the order and the cursor), or run with {option('--num-workers', 0)}")
 
 
 def same_state(a, b) -> bool:

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from trainer.config import WorkloadConfig
-from trainer.errors import UsageError
+from trainer.errors import UsageError, option
 from trainer.workload.protocol import TrainingSteps
 
 PAD, DROP, REFUSE = "pad", "drop", "refuse"
@@ -138,18 +138,18 @@ def uneven_split(shape: EpochShape, world_size: int, named: str | None = None) -
     (no samples: a library loop that reads its own, trainer/recovery/) has nothing to share."""
     if not shape.samples:
         return None  # e.g. Hugging Face's Trainer under torchrun: its sampler shares its own batches
-    named = named or f"--batch-size {shape.batch_size}"
+    named = named or option("--batch-size", shape.batch_size)
     if shape.batch_size % world_size:
         return (f"{named} does not divide evenly across {world_size} processes (each takes an equal share of "
                 f"every batch); choose a multiple of {world_size}")
     last = shape.samples % shape.batch_size
     if shape.last_batch == REFUSE and last % world_size:
         return (f"{named} (last batch of an epoch: {last} of {shape.samples} samples) does not divide evenly "
-                f"across {world_size} processes under --last-batch refuse; choose sizes that are multiples of "
-                f"{world_size}, or --last-batch pad (weighted shares) or drop")
+                f"across {world_size} processes under {option('--last-batch', REFUSE)}; choose sizes that are "
+                f"multiples of {world_size}, or {option('--last-batch', 'pad')} (weighted shares) or drop")
     if shape.samples and shape.batches == 0:
         return (f"{named} is larger than the {shape.samples} samples of an epoch, which --last-batch drop "
-                f"would leave untrained; choose a smaller batch or --last-batch pad")
+                f"would leave untrained; choose a smaller batch or {option('--last-batch', 'pad')}")
     return None
 
 

@@ -26,18 +26,20 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, NoReturn
 
 import torch
 
 from trainer.cli import exit_process, report_exit_status
 from trainer.config import RunConfig
-from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, TrainerError, UsageError
+from trainer.flags import checked_config, unknown_keyword
+from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, TrainerError, UsageError, option
 from trainer.parallel.launch import LaunchEnvironment
 from trainer.parallel.ranks import Ranks, StepAgreement, process_group
 from trainer.run.cadence import StepPoint
 from trainer.run.checksum import parameter_checksum
 from trainer.run.events import TrainingEvents
+from trainer.run.fingerprint import FIELDS
 from trainer.run.preemption import PreemptionGuard, ignore_late_stop_requests
 from trainer.run.records import COMPLETED, INTERRUPTED, PREEMPTED
 from trainer.run.runtime import resolve_device
@@ -48,7 +50,7 @@ from trainer.workload import BoundWorkload
 from trainer.recovery.bundle import bundle_options, bundled
 from trainer.data.keyed import KeyedData, UnkeyedData
 from trainer.recovery.parallel import data_parallel_settings, plain_model
-from trainer.recovery.said import announced
+from trainer.recovery.said import announced, spelled
 
 if TYPE_CHECKING:
     from trainer.run.session import AttemptSession, Outcome
@@ -83,9 +85,10 @@ def open_run(output: str | os.PathLike | None = None, config: RunConfig | None =
     with the same defaults as the command line; `config` gives all of them at once. Run by the
     bundle (`python -m trainer.recovery`), the bundle's run directory and options win."""
     try:
+        unknown_keyword(fields, "open_run")
         if config is None:
             config = RunConfig(location=parse_location(os.fspath(output)) if output is not None else None)
-        config = replace(config, argv=config.argv or tuple(sys.argv), **fields)
+        config = checked_config(replace(config, argv=config.argv or tuple(sys.argv), **fields), FIELDS)
         if (options := bundle_options()) is not None:
             config, events = bundled(config, options)
             if events is not None:
@@ -93,12 +96,72 @@ def open_run(output: str | os.PathLike | None = None, config: RunConfig | None =
         if config.location is None:
             raise UsageError("open_run needs a run directory (a path or a store URL) or a RunConfig")
     except TrainerError as error:
-        log.error("trainer: error: %s", error)
-        raise SystemExit(error.exit_code) from error
+        said_and_exit(error)
     return RecoveryRun(config)
 
 
-class RecoveryRun:
+def said_and_exit(error: TrainerError) -> NoReturn:
+    """A mistake found outside the `with` block (which says its own): one line and its status."""
+    log.error("trainer: error: %s", spelled(error))
+    raise SystemExit(error.exit_code) from error
+
+
+class Phases:
+    """What a run can do now: the verbs need the state `restore()` handed over, inside the
+    `with` block; after the attempt ended only `progress` (where it ended) and the rank remain.
+    Anything else is one line and exit 2 (`misused`), never an AttributeError."""
+
+    session: AttemptSession | None  # set by RecoveryRun
+    ranks: Ranks | None
+    state: TrainingState | None
+    ended: Progress | None = None
+    """Where the attempt ended (completed, stopped or failed): `progress` after the block."""
+    closed = False
+    """The `with` block was left: the run directory, the signals and the group are let go."""
+
+    @property
+    def progress(self) -> Progress:
+        """Where training is; after the `with` block, where the attempt ended."""
+        if self.state is None:
+            return self.ended or self.misused("progress")
+        return self.state.progress
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 in one process): rank 0 is the one that logs and records."""
+        return (self.ranks or self.misused("rank")).rank
+
+    @property
+    def world_size(self) -> int:
+        return (self.ranks or self.misused("world_size")).world_size
+
+    def restored(self, verb: str) -> TrainingState:
+        """The state `verb` works on, or one line saying why there is none (`misused`)."""
+        return self.state or self.misused(verb)
+
+    def misused(self, verb: str):
+        """A verb called where it cannot work: one line and exit 2, as any usage mistake. Inside
+        the `with` block a UsageError, which leaving the block says; outside it, said here."""
+        if self.closed:
+            problem = (f"{verb} after the `with` block: the run is closed (run.progress still says where it "
+                       f"ended); call it inside the block")
+        elif self.session is None:
+            problem = f"{verb} outside `with recovery.open_run(...) as run:`; open the run first"
+        elif self.ended is not None:
+            problem = f"{verb} after the attempt ended (at step {self.ended.global_step}); leave the `with` block"
+        else:
+            problem = f"{verb} before restore(): hand over the model and optimizer with restore() first"
+        error = UsageError(problem)
+        if self.session is not None and not self.closed:
+            raise error
+        said_and_exit(error)
+
+    def let_go(self) -> None:
+        """The attempt ended: no verb works on the state any more; `progress` says where it ended."""
+        self.ended, self.state = self.state.progress, None
+
+
+class RecoveryRun(Phases):
     def __init__(self, config: RunConfig, events: TrainingEvents = TrainingEvents(),
                  closing: Callable[[int, str | None], None] | None = None):
         """`closing(exit status, message)`: told how the attempt ended (a tracker's final status)."""
@@ -145,8 +208,8 @@ class RecoveryRun:
         is restored shard by shard, each rank reading only its own."""
         if self.state is not None:
             raise UsageError("restore() was called twice on one run; call it once, after building the model")
-        if self.session is None:
-            raise UsageError("restore() outside `with recovery.open_run(...) as run:`; open the run first")
+        if self.session is None or self.closed or self.ended is not None:
+            self.misused("restore()")
         import torch.distributed.checkpoint  # noqa: F401  (DCP, 0.7 s once: here, not inside the restore's or the first save's time)
 
         from trainer.run.restoring import Restorer
@@ -177,24 +240,14 @@ class RecoveryRun:
     @property
     def restoring_step(self) -> int | None:
         """The step of the generation `restore()` will restore (None: a fresh start)."""
+        if self.session is None or self.closed:
+            self.misused("restoring_step")
         generation = self.claim.generation
         return generation.manifest.step if generation is not None else None
 
-    @property
-    def progress(self) -> Progress:
-        return self.state.progress
-
-    @property
-    def rank(self) -> int:
-        """This process's rank (0 in one process): rank 0 is the one that logs and records."""
-        return self.ranks.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.ranks.world_size
-
     def epochs(self, total: int) -> Iterator[int]:
         """The epochs left of `total`, each to be read with `batches()`."""
+        self.restored("epochs()")
         while self.progress.epoch < total:
             epoch = self.progress.epoch
             yield epoch
@@ -207,6 +260,7 @@ class RecoveryRun:
         an epoch's last window may be shorter). Under torchrun each rank gets its share of
         every global batch (`KeyedData.batch_size` is the global batch), as the trainer's own
         loop shares it."""
+        self.restored("batches()")
         if self.data is None:
             raise UsageError("batches() needs the data: restore(..., data=recovery.KeyedData(dataset, batch_size))")
         ranks, seen = self.ranks, 0
@@ -235,6 +289,7 @@ class RecoveryRun:
     def consumed(self, ids, padded: bool = False) -> None:
         """The sample ids of the batch the next `step` trains on (`batches()` says so itself);
         `padded`: a repeated sample trained at weight 0, counted apart."""
+        self.restored("consumed()")
         self.saves.ledger.consumed(ids, padded)
 
     # -- step ---------------------------------------------------------------------------------
@@ -247,9 +302,7 @@ class RecoveryRun:
     def stepped(self, loss) -> StepAgreement:
         """The first half of `step`: the step counted and witnessed, and what its cadences and
         the stop signals call for (an adapter saves where its framework's save point is)."""
-        if self.state is None:
-            raise UsageError("step() before restore(): hand over the model and optimizer with restore() first")
-        state = self.state
+        state = self.restored("step()")
         completed = state.progress.advance(self.window, self.data.batches_per_epoch if self.data else sys.maxsize)
         step = state.progress.global_step
         agreed = self.saves.agree(StepPoint(step, state.progress.epoch, completed), torch.as_tensor(loss),
@@ -278,7 +331,8 @@ class RecoveryRun:
     # -- save ---------------------------------------------------------------------------------
     def save(self) -> None:
         """A recovery generation of the state as it is now (between optimizer steps)."""
-        self.saves.save_generation(self.state)
+        state = self.restored("save()")
+        self.saves.save_generation(state)
         self.saves.wait_for_staging()
         self.saved_step = self.progress.global_step
 
@@ -289,20 +343,20 @@ class RecoveryRun:
             self.save()
         self.saves.save_export(self.state, self.state.model, self.workload)
         outcome = self.session.end(COMPLETED, None, self.saves, self.state)
-        self.state = None
+        self.let_go()
         return outcome
 
     def stopped(self, status: str, reason: str) -> Stopped:
         outcome = self.session.end(status, reason, self.saves, self.state, f"{status}: {reason} (exit 75)")
         if self.ranks.is_primary:  # every rank stopped at the same step: rank 0 says so for all
-            log.warning("trainer: stopped, resumable (exit %d): %s; to continue, run again with resume='auto'",
-                        EXIT_INTERRUPTED, outcome.reason)
-        self.state = None
+            log.warning("trainer: stopped, resumable (exit %d): %s; to continue, run again with %s",
+                        EXIT_INTERRUPTED, outcome.reason, spelled(option("--resume", "auto")))
+        self.let_go()
         return Stopped(outcome)
 
     def failed(self, error: BaseException):
         """Record the failure (a refusal while restoring, or the loop's own exception) and raise it."""
-        self.state = None
+        self.let_go()
         self.session.fail(error, self.claim, self.saves, self.preemption)
 
     def __exit__(self, kind, error, trace) -> bool:
@@ -322,6 +376,7 @@ class RecoveryRun:
         Under torchrun the ranks that ended together (completed or stopped, 0 or 75) first
         wait for each other, as the trainer's do; the status goes to TRAINER_EXIT_STATUS_FILE
         (torchrun itself exits 1 for any failed rank)."""
+        self.closed = True
         try:
             if self.ranks is not None and (error is None or isinstance(error, Stopped)):
                 self.ranks.finish()  # no rank leaves while rank 0 still publishes or records
@@ -341,9 +396,9 @@ class RecoveryRun:
         if isinstance(error, TrainerError):
             rank = self.ranks.rank if self.ranks is not None else 0
             if rank == 0:
-                log.error("trainer: error: %s", error)
+                log.error("trainer: error: %s", spelled(error))
             elif not getattr(error, "reported_by_primary", False):
-                log.error("trainer: rank %d: error: %s", rank, error)
+                log.error("trainer: rank %d: error: %s", rank, spelled(error))
             raise SystemExit(error.exit_code) from error
         if error is not None:
             raise error

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy
 
-from trainer.errors import FingerprintMismatch
+from trainer.errors import FingerprintMismatch, option
 
 if TYPE_CHECKING:
     import torch
@@ -138,7 +138,7 @@ def check_fingerprint(generation: str, old: dict, new: dict, allowed: tuple[str,
     refused = [d for d in differences if d[0] not in allowed]
     if refused:
         fields = sorted({d[0] for d in refused})
-        flags = " ".join(f"--allow-drift {name}" for name in fields)
+        flags = " ".join(option("--allow-drift", name) for name in fields)
         raise FingerprintMismatch(
             f"{generation} was written in a different environment: "
             f"{describe_diff(refused, old.get(SOURCE_FILES), new.get(SOURCE_FILES))}; "
