@@ -92,8 +92,9 @@ class Cell:
             out, err = process.communicate(timeout=scaled(300))
         finally:
             process.kill()
-        if self.launcher == "lightning":
+        if self.launcher == "lightning":  # every rank's stderr: no exit handler's traceback on any (its sys.exit)
             assert process.returncode == expect, err[-3000:]
+            assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
         else:
             assert process.returncode == (0 if expect == 0 else TORCHRUN_CHILD_FAILED), err[-3000:]
             assert int(status.read_text()) == expect, err[-3000:]

@@ -512,6 +512,13 @@ def exit_process(status: int) -> NoReturn:
     them) and the standard streams still run and flush first."""
     if not is_multi_process(os.environ):
         sys.exit(status)
+    exit_without_interpreter_teardown(status)
+
+
+def exit_without_interpreter_teardown(status: int) -> NoReturn:
+    """`exit_process`'s way for one of several processes, for a caller that knows it is one
+    (the library's run under a launcher whose variables `is_multi_process` does not read, as
+    Lightning's own; and from an exit handler, where `sys.exit` is an ignored exception)."""
     try:
         compat.run_exit_handlers()  # the handlers a normal exit runs
         logging.shutdown()
