@@ -271,7 +271,7 @@ class RecoveryRun:
         if agreed.recover or agreed.preempt:
             self.saved_step = step
         if agreed.preempt:
-            raise self.stopped(PREEMPTED, f"{self.preemption.signal_name} after step {step}; generation saved")
+            raise self.stopped(PREEMPTED, f"{self.preemption.stop_cause} after step {step}; generation saved")
         return self.saved_step == step
 
     # -- save ---------------------------------------------------------------------------------
