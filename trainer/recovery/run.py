@@ -361,12 +361,13 @@ def exit_status(error: BaseException | None) -> tuple[int, str | None]:
 
 def exit_without_teardown(status: int) -> None:
     """At the interpreter's exit, leave as `python -m trainer` leaves one of several processes
-    (always that way, the run being distributed, whatever variables its launcher left: under
-    Lightning's own `exit_process` took its one-process `sys.exit`, an exception an exit handler
-    cannot raise, printed as a traceback on every rank): the exit handlers run and the streams
-    are flushed, but not the interpreter's teardown, where torch's C++ threads can abort a completed rank (SIGABRT,
-    "terminate called without an active exception": seen on a completed 3-rank FSDP2 run of
-    examples/own_loop_ddp.py), which torchrun then reports for the whole job. The script's code
+    (always that way, the run being distributed, whatever variables are left: Lightning's
+    environment deletes WORLD_SIZE at the end of `fit`, so `exit_process` took its one-process
+    `sys.exit` there, which an exit handler cannot raise: a traceback on every rank): the exit
+    handlers run and the streams are flushed, but not the interpreter's teardown, where torch's
+    C++ threads can abort a completed rank (SIGABRT, "terminate called without an active
+    exception": seen on a completed 3-rank FSDP2 run of examples/own_loop_ddp.py), which
+    torchrun then reports for the whole job. The script's code
     after the `with` block still runs first; if it ends on an uncaught exception, the status is 1."""
     ran = []
 
