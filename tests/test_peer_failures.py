@@ -13,6 +13,8 @@ End to end under real torchrun (gloo on loopback) with real signals:
   `report` shows R from the last step to the next first step. About 15 s.
 - a trainer with DataLoader workers killed with -9 and restarted at once is not refused (its
   orphaned workers do not hold the lock), while a live second trainer still is (73). About 6 s.
+- 3 ranks, kill -9 of rank 1: rank 2 names it and exits 75 first; rank 0, finding the loss after
+  rank 2 ended, names rank 1 alone (the survivor marked itself as left). About 8 s.
 The auto bound's arithmetic is tested without processes.
 """
 
