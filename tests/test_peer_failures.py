@@ -101,7 +101,7 @@ def test_a_survivor_that_ended_after_naming_the_lost_rank_is_not_named_lost_itse
     """3 ranks, kill -9 of rank 1: rank 2 finds the loss first, names rank 1 and exits 75;
     rank 0, finding it after rank 2's process ended, names rank 1 alone (it said "ranks 1, 2 are
     gone": rank 2 had not marked itself as left, `process_group`). Forked ranks, no agent.
-    Cost: ~5 CPU-s, ~20 s of wall."""
+    Cost: ~1 CPU-s (TEST_CPU_LOG: the ranks forked from the zygote), ~8 s of wall."""
     script = tmp_path / "survivor_ends_first.py"
     script.write_text(SURVIVOR_ENDS_FIRST)
     ranks = rank_processes([str(script), str(tmp_path)], 3, expect=None, timeout=120)
