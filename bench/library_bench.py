@@ -25,6 +25,7 @@ under `torchrun --standalone`, each figure the slowest rank's.
 
     python bench/library_bench.py --size-mb 128
     python bench/library_bench.py --quick       # 4 MB; the two processes started without torchrun's agent
+    python bench/library_bench.py --parts       # only the sync save taken apart (plain state)
 """
 
 from __future__ import annotations
@@ -80,6 +81,14 @@ def cpu_seconds() -> float:
     """This process's CPU time so far, every thread's, user and system."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def timed_split(act) -> tuple[float, float, float]:
+    """(wall s, user CPU s, system CPU s) of `act()`, every thread of this process."""
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    wall = timed(act)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return wall, after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
 
 
 def timed_both(act) -> tuple[float, float]:
@@ -351,6 +360,78 @@ def plain_on_ranks(size_mb: float, base: Path, repeat: int) -> dict:
             "sync_vs_dcp_durable": sync / durable}
 
 
+def sync_parts(size_mb: float, base: Path, repeat: int) -> dict:
+    """The sync save of the plain state taken apart (`--parts`): in each round, our save
+    (`run.save()`) and then each part alone, one after the other, so a load that changes
+    during the run weighs on all alike; a warm-up round first, then medians of `repeat`
+    rounds of (wall s, user CPU s, system CPU s). The parts: stock `dcp.save` plus an fsync of
+    its files (the baseline), our writer alone (`write_snapshot`: four files written at once,
+    each hashed while written and fsynced; no manifest, no record) with its default threads
+    and with one, the sha256 of every tensor's bytes on one thread, and the exactness
+    witness's digest of the state."""
+    import hashlib
+
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.checkpoint.snapshot import write_snapshot
+    from trainer.config import WriterConfig
+    from trainer.run.checksum import one_process_digest
+
+    model, optimizer, scheduler = mlp(size_mb)
+
+    def state() -> dict:
+        return state_dicts(model, optimizer, scheduler)
+
+    def tensors(value) -> list[torch.Tensor]:
+        if isinstance(value, dict):
+            return [tensor for item in value.values() for tensor in tensors(item)]
+        return [value] if isinstance(value, torch.Tensor) else []
+
+    def sha256_every_byte(folder: Path) -> None:
+        for tensor in tensors(state()):
+            hashlib.sha256(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+    def writer(threads: int):
+        def write(folder: Path) -> None:
+            folder.mkdir()
+            write_snapshot(state(), folder, WriterConfig(threads=threads), alone=True)
+            fsync_paths([folder])
+        return write
+
+    def durable_dcp(folder: Path) -> None:
+        dcp.save(state(), checkpoint_id=folder, no_dist=True)
+        fsync_paths([*folder.iterdir(), folder])
+
+    parts = {"dcp.save + fsync": durable_dcp, f"our writer alone ({WriterConfig().threads} threads)":
+             writer(WriterConfig().threads), "our writer alone (1 thread)": writer(1),
+             "sha256 of every byte (1 thread)": sha256_every_byte,
+             "witness digest": lambda folder: one_process_digest(state())}
+    figures: dict[str, list[tuple[float, float, float]]] = {"our sync save (run.save)": [], **{name: [] for name in parts}}
+    folder = base / "parts-run"
+    with recovery.open_run(folder, max_failed_attempts=0, checkpoint_mode="sync") as run:
+        run.restore(model, optimizer, scheduler)
+        for _ in range(repeat + 1):
+            run.step(0.0)
+            figures["our sync save (run.save)"].append(timed_split(run.save))
+            published(folder / "checkpoints" / generation_name(run.progress.global_step))
+            for index, (name, part) in enumerate(parts.items()):
+                target = base / f"part-{index}"
+                figures[name].append(timed_split(lambda: part(target)))
+                shutil.rmtree(target, ignore_errors=True)
+    return {name: [statistics.median(values[1:]) for values in zip(*rounds)] for name, rounds in figures.items()}
+
+
+def print_parts(parts: dict, size_mb: float) -> None:
+    wall, user, system = parts["dcp.save + fsync"]
+    print(f"\nthe sync save taken apart, about {size_mb:g} MB of state, one process (load average "
+          f"{os.getloadavg()[0]:.1f}); seconds, medians; ratios against dcp.save + fsync\n")
+    print("| part | wall s | user CPU s | system CPU s | wall / dcp+fsync | CPU / dcp+fsync |")
+    print("|---|---|---|---|---|---|")
+    for name, (part_wall, part_user, part_system) in parts.items():
+        print(f"| {name} | {part_wall:.3f} | {part_user:.3f} | {part_system:.3f} | {part_wall / wall:.2f} | "
+              f"{(part_user + part_system) / (user + system):.2f} |")
+
+
 def under_torchrun(args, size_mb: float, repeat: int, base: Path) -> dict:
     """The plain row on `args.nproc` processes: this script's workers under `torchrun
     --standalone`; with `--quick` (the suite's) started as torchrun starts them (the same
@@ -406,6 +487,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--nproc", type=int, default=2,
                         help="processes of the plain row under torchrun, after the one-process rows (1: none)")
+    parser.add_argument("--parts", action="store_true",
+                        help="only the sync save of the plain state taken apart, against dcp.save + fsync")
     parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)  # one of --nproc's processes
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -418,6 +501,16 @@ def main() -> None:
         return
     recovery.seed_everything(0, threads=torch.get_num_threads())
     base = Path(tempfile.mkdtemp(prefix="library-bench-", dir=args.dir))
+    if args.parts:
+        try:
+            parts = sync_parts(size_mb, base, repeat)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        print_parts(parts, size_mb)
+        if args.json:
+            args.json.write_text(json.dumps({"size_mb": size_mb, "load_average": os.getloadavg()[0],
+                                             "parts": parts}, indent=2) + "\n")
+        return
     try:
         rows = {name: measure(size_mb, base, repeat) for name, measure in
                 (("plain", plain), ("accelerate", accelerate), ("hf", hugging_face), ("lightning", lightning_fit))}

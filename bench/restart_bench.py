@@ -24,7 +24,10 @@ and times from its own clock, reading every line as it comes:
   detection_s   the failure -> the surviving rank's one line (it names the rank)
   teardown_s    that line -> the new rank 0 process started (the agent stops the old workers
                 and starts new ones; from the new record's start-up age)
-  imports_s, join_s, claim_s   the new process's start-up (its record: `joined`, `startup_s`)
+  imports_s, join_s, claim_s   the new process's start-up (its record: `joined`, `startup_s`); with
+                the warm spare (`spare`: yes, the default under --max-restarts) the restarted
+                worker is forked with every import done, so imports_s is the thin process's
+                start and the fork (`--trainer-args=--no-warm-spare`: imported afresh)
   restore_s     its restore (from which tier: `restored_from`)
   first_step_s  the rest of R, to its first step's line (build, the step)
   r_s           the failure -> that first step
@@ -85,6 +88,7 @@ def end_session(leader: int, timeout_s: float = 30.0) -> None:
     a process group does not reach them), then wait until none of them runs: no orphan trains on,
     or writes into a folder being removed. Zombies write nothing and do not count."""
     tree = [leader] + descendants(leader)
+    tree += spare_workers(tree)
     for pid in tree:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -101,6 +105,19 @@ def state_of(pid: int) -> str | None:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
+
+
+def spare_workers(fronts: list[int]) -> list[int]:
+    """The workers the warm spare forked for any of `fronts` (not their descendants: the spare's
+    children; each dies with its front, and is waited for all the same)."""
+    wanted, found = {f"TRAINER_WARM_SPARE_FRONT={pid}".encode() for pid in fronts}, []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if wanted & set(environ.read_bytes().split(b"\0")):
+                found.append(int(environ.parent.name))
+        except OSError:
+            continue
+    return found
 
 
 def descendants(pid: int) -> list[int]:
@@ -171,6 +188,7 @@ def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s:
     result = {"how": how, "r_s": None if first_step_at is None else round(first_step_at - failed_at, 3),
               "detection_s": None if detected_at is None else round(detected_at - failed_at, 3),
               "attempts": len(records), "restored_from": (restarted.get("restored") or {}).get("tier"),
+              "warm_spare": restarted.get("warm_spare"),
               "launch_ended_s": None if ended_at is None or failed_at is None else round(ended_at - failed_at, 3),
               "restarts": restarts, "step_secs": step_secs, "trainer_args": extra}
     joined, startup = restarted.get("joined") or {}, restarted.get("startup_s")
@@ -222,12 +240,13 @@ def main() -> int:
         rs = sorted(r["r_s"] for r in results if r["how"] == how and r["r_s"] is not None)
         summary[f"{how}_r_median_s"] = rs[len(rs) // 2] if rs else None
     rows = ["| failure | R s | detection | teardown | imports | join | claim | restore | first step | from | "
-            "launch ended |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "spare | launch ended |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     cell = lambda value: "-" if value is None else f"{value:.2f}"  # noqa: E731
     for r in results:
         rows.append(f"| {r['how']} | {cell(r['r_s'])} | {cell(r['detection_s'])} | {cell(r.get('teardown_s'))} | "
                     f"{cell(r.get('imports_s'))} | {cell(r.get('join_s'))} | {cell(r.get('claim_s'))} | "
                     f"{cell(r.get('restore_s'))} | {cell(r.get('first_step_s'))} | {r['restored_from'] or '-'} | "
+                    f"{ {True: 'yes', False: 'no'}.get(r.get('warm_spare'), '-')} | "
                     f"{cell(r.get('launch_ended_s'))} |"
                     + "".join(f"\n    {line}" for line in r.get("lines", [])))
     rows.append(f"\nload average (1, 5, 15 min) {summary['load']} before, {summary['load_after']} after; "

@@ -16,7 +16,7 @@ PACKAGE = REPO / "trainer"
 
 LAYERS = [
     # Leaves: names, errors, configuration, test seams, private-API wrappers, the launcher's variables.
-    {"trainer.errors", "trainer.layout", "trainer.config", "trainer.parallel.launch", "trainer.parallel.silence", "trainer.seams",
+    {"trainer.errors", "trainer.layout", "trainer.config", "trainer.parallel.launch", "trainer.parallel.spare", "trainer.parallel.silence", "trainer.seams",
      "trainer.compat", "trainer.options", "trainer.location", "trainer.run.interval", "trainer.run.records",
      "trainer.origin"},
     # Generations and exports: manifests, the atomic publish, DCP writes and reads, save and restore.
@@ -445,13 +445,17 @@ OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]")
 
 def declared_options() -> set[str]:
     """Every `--option` our code declares (an argparse option, a `Flag`, a workload's or a
-    benchmark's own): a string literal of that shape passed to a call."""
+    benchmark's own): a string literal of that shape passed to a call (and its `--no-` form
+    where the call names argparse's BooleanOptionalAction)."""
     found = set()
     for path in CODE:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call):
-                found |= {arg.value for arg in node.args if isinstance(arg, ast.Constant)
-                          and isinstance(arg.value, str) and OPTION.fullmatch(arg.value)}
+                named = {arg.value for arg in node.args if isinstance(arg, ast.Constant)
+                         and isinstance(arg.value, str) and OPTION.fullmatch(arg.value)}
+                negated = any(isinstance(part, ast.Attribute) and part.attr == "BooleanOptionalAction"
+                              for part in ast.walk(node))
+                found |= named | ({"--no-" + option[2:] for option in named} if negated else set())
     return found
 
 

@@ -123,9 +123,10 @@ def memory_tier_bench_checks(report: dict) -> None:
 
 def restart_bench_checks(report: dict) -> None:
     """A kill -9 of rank 1 under torchrun --max-restarts: the survivor named it, the workers were
-    restarted in place and reached a step restored from tier 0, every part of R accounted for."""
+    restarted in place (forked from the warm spare) and reached a step restored from tier 0,
+    every part of R accounted for."""
     (failure,) = report["failures"]
-    assert failure["how"] == "kill" and failure["restored_from"] == "memory", failure
+    assert failure["how"] == "kill" and failure["restored_from"] == "memory" and failure["warm_spare"], failure
     assert failure["r_s"] > 0 and failure["detection_s"] is not None and failure["attempts"] == 2, failure
     for part in ("teardown_s", "imports_s", "join_s", "claim_s", "restore_s", "first_step_s"):
         assert failure[part] is not None, part

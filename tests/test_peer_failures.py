@@ -36,6 +36,7 @@ from support.limits import scaled
 from support.runs import FINAL_2P, attempts, generation
 from support.runs import TWO_PROCESS_EPOCHS as EPOCHS
 from support.torchrun import clean_environment, free_port, launch as launch_torchrun, rank_processes
+from test_spare import wait_gone
 from trainer.config import PeerWaitConfig
 from trainer.parallel.ranks import StepPace, _what_happened
 
@@ -172,11 +173,14 @@ def test_a_frozen_rank_ends_the_other_within_the_bound_naming_it_resumable(mode,
 
 def test_a_rank_killed_under_max_restarts_restarts_in_place_from_tier0_and_ends_exact(tmp_path, baseline_2p):
     """The static rendezvous, as pytorchjob.yaml launches it (bench/restart_bench.py, which the
-    suite runs at --quick with its checks, does the same under --standalone's c10d)."""
+    suite runs at --quick with its checks, does the same under --standalone's c10d). The
+    restarted workers come from the warm spare (trainer/parallel/spare.py; its mechanics without
+    torch: tests/test_spare.py)."""
     run, memory = tmp_path / "run", tmp_path / "memory"
     process, status = launch(tmp_path, run, "--resume", "auto", "--recover-every-steps", 4, "--memory-dir", memory,
                              "--memory-every-steps", 1, restarts=1, static=True)
     try:
+        spare = int(wait_for_line(process, "warm spare: pid ").split()[3])
         wait_for_line(process, "step=10 ")
         os.kill(rank_pid(process.pid, 1), signal.SIGKILL)
         out, err = process.communicate(timeout=scaled(300))
@@ -191,6 +195,9 @@ def test_a_rank_killed_under_max_restarts_restarts_in_place_from_tier0_and_ends_
     first, second = attempts(run)
     assert (first["status"], first["peer"]) == ("interrupted", {"state": "lost", "ranks": [1]})
     assert second["restored"]["tier"] == "memory" and second["status"] == "completed"
+    # the restarted workers were forked from the warm spare (no imports), which ended with the launch
+    assert (first["warm_spare"], second["warm_spare"]) == (False, True)
+    assert "warm spare" not in out and wait_gone(spare), "a second spare, or the spare outlived the launch"
     assert compare(generation(baseline_2p, FINAL_2P), generation(run, FINAL_2P)).returncode == 0
     report = run_cli("report", run)
     assert "R " in report.stdout and "from attempt 1's last step to this one's first" in report.stdout, report.stdout

@@ -15,6 +15,7 @@ import sys
 
 from trainer.errors import EXIT_INTERRUPTED, UsageError
 from trainer.origin import foreign_package_problem
+from trainer.parallel.spare import exit_as, run_from_spare
 
 
 READ_ONLY = frozenset({"list", "report", "verify", "compare"})
@@ -38,6 +39,8 @@ def main() -> None:
     if problem := foreign_package_problem(sys.modules.get("trainer")):
         print(f"trainer: error: {problem}", file=sys.stderr)
         sys.exit(UsageError.exit_code)
+    if (status := run_from_spare(sys.argv, os.environ)) is not None:  # a restart the warm spare forked a worker for
+        exit_as(status)
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # the console script: `--workload my_module:F` as `python -m` finds it
     from trainer.cli import PROGRAM, exit_process, main as run_command  # after the handlers: importing torch takes a while

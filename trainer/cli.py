@@ -30,6 +30,7 @@ from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_f
 from trainer.location import ClaimedByPrimary, OnDisk, Location
 from trainer.run.fingerprint import FIELDS
 from trainer.parallel.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
+from trainer.parallel.spare import from_spare, restarts_possible, start_spare
 from trainer.options import AUTO, location_argument, path_argument, positive_float
 
 EXIT_STATUS_ENV = "TRAINER_EXIT_STATUS_FILE"
@@ -246,6 +247,7 @@ def run_train(argv: list[str], program: str = PROGRAM) -> int:
     check_option_combinations(args, launch)
     load_signing(signing_config(args))  # a missing or unusable key file: one line now, before any work
     seams.install(seams.Seams.from_environment(os.environ, launch.rank))
+    import_for_training(args.warm_spare, launch)
     if not args.tracked:
         return train_in(config_from_args(args, argv, args.output, workload_options), launch)
     if launch.rank != 0:
@@ -290,13 +292,26 @@ def collect_after_start_up() -> None:
     gc.enable()
 
 
-def train_in(config: RunConfig, launch: LaunchEnvironment, events=None) -> int:
-    from trainer.run.events import TrainingEvents
-    from trainer.run.loop import run_training  # imports torch: after cheap validation
+def import_for_training(warm_spare: bool, launch: LaunchEnvironment) -> None:
+    """The start-up's imports, after cheap validation; the collector frozen over them; then,
+    before tracking or training starts a thread, the warm spare forked (under torchrun with
+    restarts: the node's first worker, trainer/parallel/spare.py)."""
+    import trainer.run.loop  # noqa: F401  (imports torch)
+    import torch
     import torch.distributed.checkpoint  # noqa: F401  (every run saves through DCP: imported before the freeze)
     import torch._dynamo  # noqa: F401  (torch.optim imports it at its first load_state_dict or step: before the freeze)
 
     collect_after_start_up()
+    if (warm_spare and launch.local_rank == 0 and restarts_possible(os.environ) and not from_spare(os.environ)
+            and not torch.cuda.is_initialized()):  # a fork of an initialised CUDA cannot use it
+        if (pid := start_spare(os.environ)) is not None:
+            logging.getLogger("trainer").info("warm spare: pid %d keeps the imports for this node's restarted "
+                                              "workers (--no-warm-spare: none)", pid)
+
+
+def train_in(config: RunConfig, launch: LaunchEnvironment, events=None) -> int:
+    from trainer.run.events import TrainingEvents
+    from trainer.run.loop import run_training
 
     events = events or TrainingEvents()
     outcome = run_training(config, launch, events)

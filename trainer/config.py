@@ -343,4 +343,10 @@ class RunConfig:
     store_config: StoreConfig = field(default_factory=StoreConfig)
     signing: SigningConfig = field(default_factory=SigningConfig)
     memory: MemoryTierConfig = field(default_factory=MemoryTierConfig)
+    warm_spare: bool = True
+    """`--warm-spare`: under torchrun with `--max-restarts`, the node's first worker keeps a
+    forked copy of itself with every import done, and a restarted worker is forked from it
+    instead of importing torch again (trainer/parallel/spare.py; docs/scale-out.md): about 2.5 s
+    less per restart, for the spare's memory (what the worker changes after the fork, up to the
+    imports' 300 MB per node). Never fingerprinted."""
     argv: tuple[str, ...] = ()

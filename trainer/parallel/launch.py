@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from trainer.errors import UsageError
+from trainer.parallel.spare import FRONT_ENV
 
 PRIMARY = 0
 """The rank that holds the output lock, writes manifests, attempt records and exports."""
@@ -77,9 +78,10 @@ class LaunchEnvironment:
 
 def process_age_s() -> float | None:
     """Seconds since this process started (Linux /proc; None elsewhere): the start-up part
-    of what a restart costs (interpreter, imports), which no other clock of ours sees."""
+    of what a restart costs (interpreter, imports), which no other clock of ours sees. A worker
+    the warm spare forked started when the process the agent started did (its front)."""
     try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{os.environ.get(FRONT_ENV) or 'self'}/stat").read_text().rsplit(")", 1)[1].split()
         uptime = float(Path("/proc/uptime").read_text().split()[0])
         return round(max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")), 3)
     except (OSError, ValueError, IndexError):

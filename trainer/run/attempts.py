@@ -34,6 +34,7 @@ from trainer.errors import CrashLoop, TrainerError
 from trainer.checkpoint.atomic import atomic_write_bytes, atomic_write_json
 from trainer.run.witness import ReplayWitness, StepDigestLog
 from trainer.parallel.launch import process_age_s
+from trainer.parallel.spare import from_spare
 from trainer.layout import ATTEMPT_RECORD, ATTEMPT_REQUIREMENTS, ATTEMPT_SUMMARY, EXPORTS, GENERATIONS, PROGRESS_MARKER, RunDirectory
 from trainer.run.records import PUBLISHED, REFUSED, RUNNING, UNFINISHED, AttemptRecord, attempts_that_trained
 
@@ -191,7 +192,7 @@ def initial_record(attempt_id: str, argv: list[str], fields: dict) -> dict:
         "host": socket.gethostname(), "pid": os.getpid(), "argv": argv,
         "last_step": None, PUBLISHED[GENERATIONS]: [], PUBLISHED[EXPORTS]: [],
         "costs": {"restore_s": 0.0, "save_s": 0.0, "blocked_s": 0.0, "saves": 0},  # the rest of COSTS when paid
-        "startup_s": process_age_s(), "progress": {"every": PROGRESS_EVERY, "points": []},
+        "startup_s": process_age_s(), "warm_spare": from_spare(os.environ), "progress": {"every": PROGRESS_EVERY, "points": []},
         **fields,
     }
 
