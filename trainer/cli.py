@@ -531,9 +531,9 @@ def exit_process(status: int) -> NoReturn:
 
 
 def exit_without_interpreter_teardown(status: int) -> NoReturn:
-    """`exit_process`'s way for one of several processes, for a caller that knows it is one
-    (the library's run under a launcher whose variables `is_multi_process` does not read, as
-    Lightning's own; and from an exit handler, where `sys.exit` is an ignored exception)."""
+    """`exit_process`'s way for one of several processes, for a caller that knows it is one:
+    a distributed library run's exit handler (Lightning's environment deletes WORLD_SIZE at the
+    end of `fit`, and `sys.exit` in an exit handler is an exception printed, not an exit)."""
     try:
         compat.run_exit_handlers()  # the handlers a normal exit runs
         logging.shutdown()
