@@ -36,7 +36,7 @@ def main() -> None:
     memory = recovery.MemoryTierConfig(args.memory_dir, every_steps=1) if args.memory_dir else recovery.MemoryTierConfig()
     with recovery.open_run(args.output, resume="auto", recover=recovery.CadenceConfig(every_steps=10),
                            memory=memory) as run:  # first: under torchrun it joins the process group Accelerate uses
-        accelerator = Accelerator(cpu=True)
+        accelerator = Accelerator(cpu=True)  # on a CPU host Accelerator() is one process under torchrun
         inputs = torch.randn(192, 16)
         dataset = torch.utils.data.TensorDataset(inputs, inputs @ torch.randn(16, 1) + 0.1 * torch.randn(192, 1))
         model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
@@ -47,7 +47,7 @@ def main() -> None:
                                model=model)  # as prepared: DDP on several processes
         for epoch in run.epochs(args.epochs):
             for x, y in accelerated.batches(accelerator, run):  # the keyed order on accelerator.device
-                loss = nn.functional.mse_loss(model(x), y)
+                loss = nn.functional.mse_loss(model(x), y) * run.weight  # a ragged last batch's share
                 accelerator.backward(loss)
                 optimizer.step()
                 scheduler.step()

@@ -92,8 +92,9 @@ class Cell:
             out, err = process.communicate(timeout=scaled(300))
         finally:
             process.kill()
-        if self.launcher == "lightning":
+        if self.launcher == "lightning":  # every rank's stderr: no exit handler's traceback on any (its sys.exit)
             assert process.returncode == expect, err[-3000:]
+            assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
         else:
             assert process.returncode == (0 if expect == 0 else TORCHRUN_CHILD_FAILED), err[-3000:]
             assert int(status.read_text()) == expect, err[-3000:]
@@ -121,8 +122,9 @@ def uninterrupted(tmp_path_factory, name: str, cell: Cell) -> Path:
 
 def killed_preempted_and_resumed(tmp_path: Path, cell: Cell, kill_at: int, left: str, stop_at: int) -> Path:
     """kill -9 of the last rank once rank 0 printed `step=KILL_AT` (the newest generation then is
-    `left`, mid-epoch: rank 0 names the lost rank, 75); resumed, SIGTERM to rank 0 once it
-    printed `step=STOP_AT` (every rank saves the step reached, 75); resumed to the end (its ranks
+    `left`, mid-epoch: rank 0 names the lost rank, 75); resumed, SIGTERM to the last rank alone
+    once rank 0 printed `step=STOP_AT` (every rank saves the step reached, 75; rank 0 says it was
+    another rank's signal); resumed to the end (its ranks
     forked: `Cell.run_through`)."""
     run, status = tmp_path / "run", tmp_path / "status"
     killing = cell.launch(run, status)
@@ -133,8 +135,10 @@ def killed_preempted_and_resumed(tmp_path: Path, cell: Cell, kill_at: int, left:
 
     stopping = cell.launch(run, status)
     until_step(stopping, stop_at)
-    os.kill(cell.worker(stopping, 0), signal.SIGTERM)
-    assert "stopped, resumable (exit 75)" in cell.ended(stopping, status, expect=75)
+    os.kill(cell.worker(stopping, cell.nproc - 1), signal.SIGTERM)  # one rank, not rank 0: it says whose it was
+    said = "stopped, resumable (exit 75): a signal to another rank after step "
+    assert said in cell.ended(stopping, status, expect=75)
+    assert attempts(run)[-1]["reason"].startswith("a signal to another rank after step "), attempts(run)[-1]
     stopped_at = attempts(run)[-1]["last_step"]
     assert stopped_at >= stop_at and generation(run, f"step-{stopped_at:08d}").is_dir()
 

@@ -16,6 +16,7 @@ import pytest
 from support.cli import REPO, compare, run_cli, trainer_env, zygote
 from support.limits import scaled
 from support.runs import attempts, generation, made_once
+from support.torchrun import rank_processes
 
 EXAMPLES = {
     # name: (script, its options, the step after which kill -9 lands, the generation it leaves
@@ -199,6 +200,37 @@ def test_accelerate_batches_arrive_on_the_accelerators_device(tmp_path):
     finished = run_cli(script, tmp_path / "run")
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert finished.stdout.splitlines() == ["batch on meta meta"] * 2
+
+
+ACCELERATE_NOT_DISTRIBUTED = """
+import sys
+import torch
+from accelerate import Accelerator
+from torch import nn
+from trainer import recovery
+from trainer.recovery import accelerated
+
+with recovery.open_run(sys.argv[1]) as run:
+    accelerator = Accelerator()  # on a CPU host under a launcher: one process (DistributedType.NO)
+    model = nn.Linear(2, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    accelerated.load_state(accelerator, run, model=model)
+    print("trained unsynchronised")
+"""
+
+
+def test_accelerate_that_is_not_distributed_on_a_launched_run_is_refused_in_one_line(tmp_path):
+    """A real `Accelerator()` on a CPU host, 2 ranks started as a launcher starts them: Accelerate
+    1.16 reports one process and `prepare` returns the plain model, so the ranks would train
+    unsynchronised and resume inexactly, silently. `load_state` refuses (2) on every rank, naming
+    the fix. Cost: ~1 CPU-s, 6 s of wall (2 forked ranks, each importing accelerate)."""
+    script = tmp_path / "not_distributed.py"
+    script.write_text(ACCELERATE_NOT_DISTRIBUTED)
+    ranks = rank_processes([str(script), str(tmp_path / "run")], 2, expect=2)
+    for rank in ranks:
+        errors = [line for line in rank.stderr.splitlines() if "error" in line]
+        assert len(errors) == 1 and "Traceback" not in rank.stderr and "trained" not in rank.stdout, rank.stderr[-3000:]
+        assert "num_processes is 1 but the run has 2 ranks" in errors[0] and "Accelerator(cpu=True)" in errors[0]
 
 
 def test_lightning_resumed_with_another_accumulate_grad_batches_is_refused_in_one_line(tmp_path, tmp_path_factory):

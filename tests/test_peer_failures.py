@@ -13,6 +13,8 @@ End to end under real torchrun (gloo on loopback) with real signals:
   `report` shows R from the last step to the next first step. About 15 s.
 - a trainer with DataLoader workers killed with -9 and restarted at once is not refused (its
   orphaned workers do not hold the lock), while a live second trainer still is (73). About 6 s.
+- 3 ranks, kill -9 of rank 1: rank 2 names it and exits 75 first; rank 0, finding the loss after
+  rank 2 ended, names rank 1 alone (the survivor marked itself as left). About 8 s.
 The auto bound's arithmetic is tested without processes.
 """
 
@@ -33,7 +35,7 @@ from support.cli import compare, run_cli, start, wait_for_line
 from support.limits import scaled
 from support.runs import FINAL_2P, attempts, generation
 from support.runs import TWO_PROCESS_EPOCHS as EPOCHS
-from support.torchrun import clean_environment, free_port, launch as launch_torchrun
+from support.torchrun import clean_environment, free_port, launch as launch_torchrun, rank_processes
 from test_spare import wait_gone
 from trainer.config import PeerWaitConfig
 from trainer.parallel.ranks import StepPace, _what_happened
@@ -66,6 +68,49 @@ def test_the_lost_peer_line_names_one_rank_or_several_in_grammar(silent, verdict
     line = _what_happened(RuntimeError("closed"), "stepping", silent, verdict, timed_out, 9.0)[1]
     assert line.startswith(expected), line
     assert line.endswith("; ended the process of rank 2 on this host (SIGKILL)") == bool(verdict), line
+
+
+SURVIVOR_ENDS_FIRST = """
+import os, signal, sys, time
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from torch import nn
+from trainer import recovery
+
+out = Path(sys.argv[1])
+recovery.seed_everything(0)
+model = nn.Linear(2, 1)
+with recovery.open_run(out / "run") as run:
+    (out / f"pid-{run.rank}").write_text(str(os.getpid()))
+    pair = dist.new_group([1, 2])  # a collective in which rank 2 finds the loss without rank 0
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run.restore(model, optimizer)
+    run.step(torch.tensor(0.0))  # every rank alive
+    if run.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if run.rank == 2:  # finds the loss first, names rank 1 and ends by itself (75)
+        dist.all_reduce(torch.zeros(1), group=pair)
+    survivor = Path(f"/proc/{(out / 'pid-2').read_text()}")  # rank 0 finds the loss once rank 2 ended
+    while survivor.exists() and (survivor / "stat").read_text().split(") ")[1][0] != "Z":
+        time.sleep(0.05)
+    run.step(torch.tensor(0.0))
+"""
+
+
+def test_a_survivor_that_ended_after_naming_the_lost_rank_is_not_named_lost_itself(tmp_path):
+    """3 ranks, kill -9 of rank 1: rank 2 finds the loss first, names rank 1 and exits 75;
+    rank 0, finding it after rank 2's process ended, names rank 1 alone (it said "ranks 1, 2 are
+    gone": rank 2 had not marked itself as left, `process_group`). Forked ranks, no agent.
+    Cost: ~1 CPU-s (TEST_CPU_LOG: the ranks forked from the zygote), ~8 s of wall."""
+    script = tmp_path / "survivor_ends_first.py"
+    script.write_text(SURVIVOR_ENDS_FIRST)
+    ranks = rank_processes([str(script), str(tmp_path)], 3, expect=None, timeout=120)
+    assert [rank.returncode for rank in ranks] == [75, -signal.SIGKILL, 75], [rank.stderr[-2000:] for rank in ranks]
+    for rank in (0, 2):
+        lost = [line for line in ranks[rank].stderr.splitlines() if "gone" in line]
+        assert len(lost) == 1 and "error: rank 1 is gone: its connection closed" in lost[0], ranks[rank].stderr
+    assert attempts(tmp_path / "run")[-1]["peer"]["ranks"] == [1]
 
 
 def rank_pid(launcher_pid: int, rank: int) -> int:

@@ -527,6 +527,13 @@ def exit_process(status: int) -> NoReturn:
     them) and the standard streams still run and flush first."""
     if not is_multi_process(os.environ):
         sys.exit(status)
+    exit_without_interpreter_teardown(status)
+
+
+def exit_without_interpreter_teardown(status: int) -> NoReturn:
+    """`exit_process`'s way for one of several processes, for a caller that knows it is one:
+    a distributed library run's exit handler (Lightning's environment deletes WORLD_SIZE at the
+    end of `fit`, and `sys.exit` in an exit handler is an exception printed, not an exit)."""
     try:
         compat.run_exit_handlers()  # the handlers a normal exit runs
         logging.shutdown()

@@ -463,15 +463,19 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
         ranks.sockets.adopt(ranks.gather(listeners(launch.master_port), "finding the process group's connections"))
     heartbeat.on_silence = ranks.sockets.cut  # the main thread leaves its wait with "connection closed"
     ranks.joined = {"at_s": age, "join_s": round(time.monotonic() - began, 3)}
-    ended = False
+    ended = False  # marked as left: ended by itself (completed, stopped, or a survivor naming a loss)
     try:
         yield ranks
         ended = True
+    except PeerFailure:
+        ended = True  # a survivor that named the loss: no rank reading after it exited may name it lost too
+        raise
     except TrainerError:
         raise
     except BaseException as error:
         cause = root_cause(error)
         if is_peer_loss(cause):
+            ended = True
             raise ranks.peer_failure(cause, "training") from None
         raise
     finally:

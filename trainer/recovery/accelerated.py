@@ -1,12 +1,14 @@
 """Accelerate's `save_state` / `load_state` through the trainer's generations (docs/library.md).
 
-    accelerator = Accelerator()
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    with recovery.open_run("runs/acc", resume="auto") as run:
-        accelerated.load_state(accelerator, run, data=recovery.KeyedData(dataset, batch_size=16))
+    with recovery.open_run("runs/acc", resume="auto") as run:    # first: it joins the process group
+        accelerator = Accelerator(cpu=True)      # on a CPU host; Accelerator() there is not distributed
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+        accelerated.load_state(accelerator, run, data=recovery.KeyedData(dataset, batch_size=16, seed=0),
+                               model=model)       # the DDP wrapper: exact at 3 ranks or more
         for epoch in run.epochs(8):
-            for batch in accelerated.batches(accelerator, run):  # on accelerator.device
-                ...  # accelerator.backward(loss), optimizer.step(), scheduler.step(), optimizer.zero_grad()
+            for x, y in accelerated.batches(accelerator, run):  # on accelerator.device
+                loss = nn.functional.mse_loss(model(x), y) * run.weight
+                accelerator.backward(loss); optimizer.step(); scheduler.step(); optimizer.zero_grad()
                 run.step(loss)
 
 What `accelerator.prepare` and `register_for_checkpointing` hold (the model, optimizer and
@@ -51,6 +53,10 @@ def load_state(accelerator: Accelerator, run: RecoveryRun, data: KeyedData | Non
     state as prepared); call it once, after `accelerator.prepare`. Returns where to continue.
     `model`: the model as `prepare` returned it; on several processes its DDP wrapper, which
     the run gives the trainer's exact reduction (Accelerate keeps only the unwrapped one)."""
+    if accelerator.num_processes != run.world_size:
+        raise UsageError(f"accelerator.num_processes is {accelerator.num_processes} but the run has {run.world_size} "
+                         f"ranks: the ranks would train unsynchronised; on a CPU host create the accelerator with "
+                         f"Accelerator(cpu=True) (Accelerator() there is not distributed)")
     models, optimizers, schedulers = accelerator._models, accelerator._optimizers, accelerator._schedulers
     if len(models) != 1 or len(optimizers) != 1 or len(schedulers) > 1:
         raise UsageError(f"accelerated.load_state takes one prepared model and optimizer and at most one scheduler "

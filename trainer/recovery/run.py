@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, NoReturn
 
 import torch
 
-from trainer.cli import exit_process, report_exit_status
+from trainer.cli import exit_without_interpreter_teardown, report_exit_status
 from trainer.config import RunConfig
 from trainer.flags import checked_config, unknown_keyword
 from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, TrainerError, UsageError, option
@@ -325,7 +325,7 @@ class RecoveryRun(Phases):
         if agreed.recover or agreed.preempt:
             self.saved_step = step
         if agreed.preempt:
-            raise self.stopped(PREEMPTED, f"{self.preemption.signal_name} after step {step}; generation saved")
+            raise self.stopped(PREEMPTED, f"{self.preemption.stop_cause} after step {step}; generation saved")
         return self.saved_step == step
 
     # -- save ---------------------------------------------------------------------------------
@@ -417,18 +417,21 @@ def exit_status(error: BaseException | None) -> tuple[int, str | None]:
 
 def exit_without_teardown(status: int) -> None:
     """At the interpreter's exit, leave as `python -m trainer` leaves one of several processes
-    (`trainer.cli.exit_process`): the exit handlers run and the streams are flushed, but not the
-    interpreter's teardown, where torch's C++ threads can abort a completed rank (SIGABRT,
-    "terminate called without an active exception": seen on a completed 3-rank FSDP2 run of
-    examples/own_loop_ddp.py), which torchrun then reports for the whole job. The script's code
+    (always that way, the run being distributed, whatever variables are left: Lightning's
+    environment deletes WORLD_SIZE at the end of `fit`, so `exit_process` took its one-process
+    `sys.exit` there, which an exit handler cannot raise: a traceback on every rank): the exit
+    handlers run and the streams are flushed, but not the interpreter's teardown, where torch's
+    C++ threads can abort a completed rank (SIGABRT, "terminate called without an active
+    exception": seen on a completed 3-rank FSDP2 run of examples/own_loop_ddp.py), which
+    torchrun then reports for the whole job. The script's code
     after the `with` block still runs first; if it ends on an uncaught exception, the status is 1."""
     ran = []
 
     def leaving() -> None:
-        if ran:  # `exit_process` runs the other exit handlers, which include this one
+        if ran:  # leaving runs the other exit handlers, which include this one
             return
         ran.append(True)
-        exit_process(1 if getattr(sys, "last_value", None) is not None else status)
+        exit_without_interpreter_teardown(1 if getattr(sys, "last_value", None) is not None else status)
 
     atexit.register(leaving)
 

@@ -99,7 +99,7 @@ class TrainingRun:
                             f"interrupted after step {step} without saving (exit 75)")
         saves.after_step(state, state.model, self.workload, agreed, final=step == training.total_steps)
         if agreed.preempt:
-            signal_name = preemption.signal_name or "a signal to another rank"
+            signal_name = preemption.stop_cause
             return self.end(PREEMPTED, f"{signal_name} after step {step}; generation saved", saves, state,
                             f"preempted by {signal_name}: saved step {step} (exit 75)")
         return None

@@ -36,6 +36,12 @@ class PreemptionGuard:
     def requested(self) -> bool:
         return self.signal_name is not None
 
+    @property
+    def stop_cause(self) -> str:
+        """What stopped the ranks after an agreed stop: this rank's signal, or, where this rank
+        caught none, another rank's (the stop is agreed across ranks: saving.py's `agree`)."""
+        return self.signal_name or "a signal to another rank"
+
     def _handle(self, signum, frame) -> None:
         if os.getpid() != self._pid:
             # A DataLoader worker, forked with this handler, signalled with its process group
