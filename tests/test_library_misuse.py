@@ -8,6 +8,7 @@ Cost (TEST_CPU_LOG): 1.4 CPU-s, most of it the one completed run the module shar
 from __future__ import annotations
 
 import logging
+import signal
 
 import pytest
 import torch
@@ -101,6 +102,28 @@ def test_after_the_block_the_run_is_closed_but_its_progress_says_where_it_ended(
     for misuse in (lambda: run.step(0.0), run.save, lambda: list(run.epochs(2))):
         assert "after the `with` block: the run is closed (run.progress still says where it ended)" in \
             refusal(caplog, misuse)
+
+
+def test_after_the_block_ctrl_c_and_sigterm_are_the_scripts_own_again(tmp_path, caplog):
+    """One process: the run's signal handling ends with the block, completed or refused (a
+    script's or a notebook's Ctrl-C works after it; before, both signals stayed ignored)."""
+    def scripts(signum, frame):
+        raise AssertionError("never called")
+
+    before = {stop: signal.signal(stop, scripts) for stop in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        model, optimizer = model_and_optimizer()
+        with recovery.open_run(tmp_path / "run") as run:
+            run.restore(model, optimizer, data=keyed())
+            for _ in run.epochs(1):
+                for (batch,) in run.batches():
+                    run.step(model(batch).sum())
+        assert [signal.getsignal(stop) for stop in before] == [scripts, scripts]
+        refusal(caplog, lambda: recovery.open_run(tmp_path / "run").__enter__(), 73)
+        assert [signal.getsignal(stop) for stop in before] == [scripts, scripts]
+    finally:
+        for stop, handler in before.items():
+            signal.signal(stop, handler)
 
 
 def test_a_refusal_names_open_runs_keywords_where_the_command_line_names_its_flags(tmp_path, caplog, completed):

@@ -40,7 +40,7 @@ from trainer.run.cadence import StepPoint
 from trainer.run.checksum import parameter_checksum
 from trainer.run.events import TrainingEvents
 from trainer.run.fingerprint import FIELDS
-from trainer.run.preemption import PreemptionGuard, ignore_late_stop_requests
+from trainer.run.preemption import PreemptionGuard, ignore_late_stop_requests, restore_stop_handlers, stop_handlers
 from trainer.run.records import COMPLETED, INTERRUPTED, PREEMPTED
 from trainer.run.runtime import resolve_device
 from trainer.run.state import Progress, TrainingState
@@ -176,7 +176,7 @@ class RecoveryRun(Phases):
 
     # -- open ---------------------------------------------------------------------------------
     def __enter__(self) -> RecoveryRun:
-        held = self.held.__enter__()
+        self.script_handlers, held = stop_handlers(), self.held.__enter__()
         try:
             launch = LaunchEnvironment.from_environ(os.environ)
             held.enter_context(announced(launch.rank))
@@ -386,7 +386,10 @@ class RecoveryRun(Phases):
             self.held.__exit__(type(error) if error else None, error, error.__traceback__ if error else None)
         except BaseException as raised:
             error = raised
-        ignore_late_stop_requests()  # the outcome is recorded: a late SIGTERM cannot change it (as run_training)
+        if self.ranks is not None and self.ranks.distributed:
+            ignore_late_stop_requests()  # the outcome is recorded: a late SIGTERM cannot change it (as run_training)
+        else:  # one process: after the block, Ctrl-C and SIGTERM are the script's own again
+            restore_stop_handlers(self.script_handlers)
         status, said = exit_status(error)
         report_exit_status(status)
         if self.ranks is not None and self.ranks.distributed:

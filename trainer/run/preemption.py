@@ -92,6 +92,17 @@ class PreemptionGuard:
             signal.signal(sig, handler)
 
 
+def stop_handlers() -> dict:
+    """The SIGTERM/SIGINT handlers in place now (only the main thread sets any), to put back."""
+    return {sig: signal.getsignal(sig) for sig in HANDLED} if threading.current_thread() is threading.main_thread() \
+        else {}
+
+
+def restore_stop_handlers(handlers: dict) -> None:
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
 def ignore_late_stop_requests() -> None:
     """Once the attempt's outcome is decided and recorded, a SIGTERM/SIGINT has nothing left
     to stop: ignore it, so it cannot turn a recorded outcome into a different exit status."""
