@@ -69,6 +69,10 @@ class Checkpointer(Protocol):
     def wait_for_staging(self) -> float:
         """Block until a staged copy is complete (before parameters change); the seconds waited."""
 
+    def defer(self, tensors: list[torch.Tensor]) -> None:
+        """`tensors` change only in an optimizer step, which calls `wait_for_staging()` first:
+        an async save copies them beside the loop's next forward and backward."""
+
     def completed(self) -> list[Published]:
         """What committed in the background since the last call, without waiting (async, one process)."""
 
@@ -160,6 +164,9 @@ class _Checkpointer:
 
     def wait_for_staging(self) -> float:
         return 0.0
+
+    def defer(self, tensors: list[torch.Tensor]) -> None:
+        return None
 
     def completed(self) -> list[Published]:
         """Saves committed in the background since the last call, without waiting."""
@@ -361,15 +368,24 @@ class AsyncCheckpointer(_Checkpointer):
         self._in_flight.popleft()
         return [published], None
 
+    def defer(self, tensors: list[torch.Tensor]) -> None:
+        self.stager.defer(tensors)
+
     def wait_for_staging(self) -> float:
-        """Block until the staged copy is complete; returns the seconds blocked. With one
-        process a failed save is raised here already; with several it waits for the next
-        save, where every rank learns of it."""
+        """Block until the staged copy is safe from the loop's next change: its host copies
+        made, its device copies ahead of the device's next work (`ReusableStager.fence`: on a
+        GPU the host does not wait for them); returns the seconds blocked. With one process a
+        failed save is raised here already; with several it waits for the next save, where
+        every rank learns of it."""
         if not self._in_flight:
             return 0.0
         in_flight = self._in_flight[-1]
         started = time.monotonic()
-        staging_failed = in_flight.staging.exception() is not None
+        try:
+            self.stager.fence()
+        except Exception:  # noqa: BLE001 - the staging's own failure, read from its Future below
+            in_flight.staging.exception()
+        staging_failed = in_flight.staging.done() and in_flight.staging.exception() is not None
         if not self.coordinator.distributed:
             if staging_failed or (in_flight.committed.done() and in_flight.committed.exception() is not None):
                 while self._in_flight:  # the write fails with the staging error: raise it in one-line form

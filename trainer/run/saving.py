@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+import torch
 from torch import nn
 
 from trainer import seams
@@ -143,6 +144,9 @@ class SavePath(Protocol):
     def wait_for_staging(self) -> float:
         """Right before the next optimizer step: the staged copy is complete; the seconds waited."""
 
+    def defer(self, tensors: list) -> None:
+        """`tensors` change only in an optimizer step (`Checkpointer.defer`)."""
+
     def finalize(self, step: int) -> None:
         """The attempt ends: everything in flight published."""
 
@@ -183,6 +187,9 @@ class DurablePath:
     def wait_for_staging(self) -> float:
         return self.checkpointer.wait_for_staging()
 
+    def defer(self, tensors: list) -> None:
+        self.checkpointer.defer(tensors)
+
     def finalize(self, step: int) -> None:
         self.heard(self.checkpointer.finalize(), step)
         self.checkpointer.local.settle()  # retention deletes beside the loop; done when the attempt ends
@@ -200,6 +207,7 @@ class Tier0Path:
 
     def __init__(self, saves: MemorySaves, cadence: MemoryCadence):
         self.saves, self.cadence = saves, cadence
+        self.deferred: list = []
 
     def due(self, agreed: StepAgreement, final: bool) -> bool:
         return agreed.memory
@@ -208,7 +216,7 @@ class Tier0Path:
         """The ledger entry is taken from a copy: the next durable generation still covers every
         sample since the previous durable one."""
         state_dict = state.state_dict()
-        self.cadence.published(self.saves.save(state_dict, facts(state, state_dict, copy.copy(ledger))),
+        self.cadence.published(self.saves.save(state_dict, facts(state, state_dict, copy.copy(ledger)), self.deferred),
                                state.progress.global_step)
 
     def committed(self, step: int) -> None:
@@ -217,6 +225,9 @@ class Tier0Path:
     def wait_for_staging(self) -> float:
         return self.saves.wait_for_staging()
 
+    def defer(self, tensors: list) -> None:
+        self.deferred = tensors
+
     def finalize(self, step: int) -> None:
         self.cadence.published(self.saves.finalize())  # the attempt ends: no re-derivation
 
@@ -224,11 +235,70 @@ class Tier0Path:
         self.cadence.published(self.saves.close_after_failure())  # no tier-0 writer outlives the attempt
 
 
+class StepGuard:
+    """Where the loop waits for an async save's staged copy: right before the optimizer step
+    that changes what was staged (a step pre-hook on every optimizer), not right after the
+    save. The copy of the parameters and the optimizer's state (what only that step changes)
+    then runs beside the next forward and backward; everything else is copied before the save
+    returns (`ReusableStager.defer`). Armed only when every optimizer takes a step pre-hook (a
+    `torch.optim.Optimizer`, unwrapped from Accelerate's or Lightning's wrapper); otherwise the
+    loop's own `wait_for_staging()` blocks, as before."""
+
+    def __init__(self, paths: tuple[SavePath, ...], recorder: AttemptRecorder):
+        self.paths, self.recorder = paths, recorder
+        self.hooks: list = []
+
+    @property
+    def armed(self) -> bool:
+        return bool(self.hooks)
+
+    def wait_for_staging(self) -> None:
+        """The loop's wait: taken here unless the optimizers' hooks take it before their step."""
+        if not self.armed:
+            self.staged()
+
+    def staged(self) -> None:
+        """Every path's staged copy is safe from the state's next change (`Checkpointer.wait_for_staging`)."""
+        self.recorder.waited(sum(path.wait_for_staging() for path in self.paths))
+
+    def arm(self, state: TrainingState) -> None:
+        """Before a save: every path told what only an optimizer step changes, once the wait
+        is hooked into every optimizer's step (nothing when one cannot be hooked)."""
+        deferred = self.guarded(state)
+        for path in self.paths:
+            path.defer(deferred)
+
+    def guarded(self, state: TrainingState) -> list:
+        """The tensors only an optimizer step changes, once its wait is hooked in; [] when
+        some optimizer cannot be hooked (nothing is deferred then)."""
+        optimizers = [innermost(optimizer) for optimizer in state.optimizers()]
+        if not optimizers or not all(isinstance(optimizer, torch.optim.Optimizer) for optimizer in optimizers):
+            return []
+        if not self.armed:
+            self.hooks = [optimizer.register_step_pre_hook(lambda *step: self.staged()) for optimizer in optimizers]
+        return [*state.model.parameters(),
+                *(value for optimizer in optimizers for per_parameter in optimizer.state.values()
+                  for value in per_parameter.values() if isinstance(value, torch.Tensor))]
+
+    def release(self) -> None:
+        """The attempt ends: the user's optimizers are theirs again."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+
+
+def innermost(optimizer):
+    """The torch optimizer inside a framework's wrapper (Accelerate's, Lightning's)."""
+    while (inner := getattr(optimizer, "optimizer", getattr(optimizer, "_optimizer", None))) is not None:
+        optimizer = inner
+    return optimizer
+
+
 class CadencedSaves:
     def __init__(self, config: RunConfig, targets: SaveTargets, lineage: Lineage, ranks: Ranks, witnesses: Witnesses,
                  mode: str):
-        """Every rank builds its durability and the checkpointer (`mode`: sync or async) that
-        writes through its commit, at the same point (an async one creates process groups)."""
+        """Every rank builds its durability and the checkpointer (`mode`: sync or async) that writes
+        through its commit, and the guard of its optimizers, at the same point (an async one creates groups)."""
         self.config, self.lineage, self.ranks = config, lineage, ranks
         self.recorder, self.events = witnesses.recorder, witnesses.events
         self.durability = targets.storage.durability(lineage.protected, self.recorder.folder, ranks.is_primary)
@@ -255,6 +325,7 @@ class CadencedSaves:
         self.export_policy = build_policy(config.export)
         self.sharded = config.workload.data_parallel == "fsdp"  # FSDP2 in one process too (a group of one)
         self.replicas = Replicas(ranks, self.sharded)  # an unsharded model must be one model on every rank
+        self.guard = StepGuard(self.paths, self.recorder)
         self.upload_failure: TrainerError | None = None
         """Rank 0's background upload failure, held for the next point where every rank agrees."""
 
@@ -275,8 +346,8 @@ class CadencedSaves:
                                            lambda: self.tier0.due(point))
 
     def wait_for_staging(self) -> None:
-        """Every path's staged copy is complete before the state changes."""
-        self.recorder.waited(sum(path.wait_for_staging() for path in self.paths))
+        """Every path's staged copy is safe before the state changes (or, `StepGuard`, before its step)."""
+        self.guard.wait_for_staging()
 
     def after_step(self, state: TrainingState, model: nn.Module, workload: Workload, agreed: StepAgreement,
                    final: bool) -> None:
@@ -312,8 +383,10 @@ class CadencedSaves:
 
     def save_generation(self, state: TrainingState) -> None:
         self.save(self.durable, state)
+        self.guard.staged()  # `run.save()`: the state may change once it returns
 
     def save(self, path: SavePath, state: TrainingState) -> None:
+        self.guard.arm(state)
         path.save(state, self.ledger, self.facts)
         self.tier0.saved(state.progress.global_step)  # a durable save is as new as a tier-0 one
 
@@ -332,8 +405,7 @@ class CadencedSaves:
                                one_process_digest if later else None)
 
     def save_export(self, state: TrainingState, model: nn.Module, workload: Workload) -> None:
-        """Every rank: rank 0 writes the export (under FSDP every rank gathers the weights
-        first); its failure reaches every rank at once."""
+        """Every rank: rank 0 writes the export (under FSDP all gather the weights first); its failure reaches all."""
         progress = state.progress
         weights = full_weights(model, self.sharded) if self.ranks.is_primary or self.sharded else {}
 
@@ -347,9 +419,8 @@ class CadencedSaves:
         self.on_primary(export, f"writing export {generation_name(progress.global_step)}")
 
     def on_primary(self, act: Callable[[], None], what: str) -> None:
-        """The lock holder's own work (the export, retention) on rank 0, as a decision every
-        rank shares: a failure there reaches every rank at once, as rank 0's one line and its
-        status, instead of ending rank 0 alone. Every rank calls this at the same point."""
+        """The lock holder's own work (the export, retention) on rank 0, as a decision every rank shares: its failure
+        reaches every rank at once (rank 0's line and status), not rank 0 alone. Every rank calls it at one point."""
         def acted() -> None:
             try:
                 act()
@@ -360,8 +431,8 @@ class CadencedSaves:
         self.ranks.decide_on_primary(acted, what)
 
     def finalize(self, step: int) -> None:
-        """Every path drains its save in flight (it publishes), the durable one its uploads too
-        (they make it durable), before the attempt ends."""
+        """Every path drains its save in flight (it publishes), the durable one its uploads (they make it durable)."""
+        self.guard.release()
         for path in self.paths:
             path.finalize(step)
         newest = self.generations.names()[-1:] + [self.recorder.newest_generation or ""]  # the record's: no local copy
@@ -374,8 +445,8 @@ class CadencedSaves:
         self.durability.close()
 
     def close_after_failure(self, peers_lost: bool = False) -> None:
-        """After a failure: every path finishes what is in flight (unless it waits on a lost
-        peer), then the uploads drain; never raises."""
+        """After a failure: each path ends what is in flight (unless it waits on a lost peer), then uploads drain."""
+        self.guard.release()
         for path in self.paths:
             path.close_after_failure(peers_lost)
         try:  # what is published may still become durable
@@ -415,8 +486,7 @@ class CadencedSaves:
                      done.upload_s, done.bytes)
 
     def apply_retention(self, kind: str) -> None:
-        """Local retention never deletes what is not durable yet, nor the newest durable one,
-        nor (for generations) the one restored."""
+        """Local retention never deletes what is not durable yet, the newest durable one, or the one restored."""
         retention = self.config.retention
         keep_last, keep_every = ((retention.keep_last, retention.keep_every) if kind == GENERATIONS
                                  else (retention.keep_exports, None))

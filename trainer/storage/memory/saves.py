@@ -33,8 +33,9 @@ class MemorySaves(Protocol):
     def fits(self, estimate: Callable[[], int]) -> None:
         """Before the first step: refuse a start whose tier 0 cannot hold its K generations."""
 
-    def save(self, state_dict: dict, facts: GenerationFacts) -> list[Published]:
-        """A tier-0 generation of `state_dict` (the cadence said so)."""
+    def save(self, state_dict: dict, facts: GenerationFacts, deferred=()) -> list[Published]:
+        """A tier-0 generation of `state_dict` (the cadence said so); `deferred`: what only an
+        optimizer step changes (`Checkpointer.defer`)."""
 
     def completed(self) -> list[Published]:
         """Polled after every step: what was committed in the background meanwhile."""
@@ -59,7 +60,7 @@ class NoMemorySaves:
     def fits(self, estimate: Callable[[], int]) -> None:
         return None
 
-    def save(self, state_dict: dict, facts: GenerationFacts) -> list[Published]:
+    def save(self, state_dict: dict, facts: GenerationFacts, deferred=()) -> list[Published]:
         return []
 
     def completed(self) -> list[Published]:
@@ -127,10 +128,11 @@ class MemoryDirSaves:
         elif refusal is not None:
             raise refusal
 
-    def save(self, state_dict: dict, facts: GenerationFacts) -> list[Published]:
+    def save(self, state_dict: dict, facts: GenerationFacts, deferred=()) -> list[Published]:
         """Wait for the tier-0 save in flight (async), prune to K - 1, then write and publish
         (async: stage, and write in the background) when the new one fits; nothing pruned when
         skipped. Then a replica round (several nodes), skipped or not: every rank runs one here."""
+        self.checkpointer.defer(deferred)
         published, saving = self._written(state_dict, facts)
         self.replicas.offer(generation_name(facts.step) if saving else None)
         return published

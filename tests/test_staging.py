@@ -1,0 +1,189 @@
+"""The async stager (trainer/checkpoint/staging.py) and where the loop waits for it
+(trainer/run/saving.py `StepGuard`), on CPU: the CUDA path through a fake `DeviceCopies` whose
+"devices" are named, so what is queued, fenced and pinned where shows without a GPU."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from trainer.checkpoint.staging import ReusableStager
+from trainer.run.saving import StepGuard, innermost
+
+CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
+
+
+class FakeEvent:
+    def __init__(self, device, log):
+        self.device, self.log = device, log
+
+    def synchronize(self):
+        self.log.append(("synchronize", self.device))
+
+
+class FakeCopies:
+    """`DeviceCopies` with tensors in host memory said to live on the devices `placed` names
+    (by storage); copies are made at once, and every call is logged with its thread."""
+
+    def __init__(self, placed: dict):
+        self.placed, self.log = placed, []
+
+    def device_of(self, tensor):
+        return self.placed.get(tensor.untyped_storage().data_ptr(), tensor.device)
+
+    def ready(self, device):
+        self.log.append(("ready", device, threading.current_thread().name))
+        return FakeEvent(device, self.log)
+
+    def queue(self, device, pairs, after):
+        assert after.device == device  # after the work queued on that same device
+        for source, target in pairs:
+            assert self.device_of(source) == device, "a copy queued on another tensor's device"
+            target.copy_(source)
+        self.log.append(("queue", device, len(pairs)))
+        return FakeEvent(device, self.log)
+
+    def fence(self, device, event):
+        assert event.device == device, "a device fenced on another device's event"
+        self.log.append(("fence", device))
+
+    def pin(self, buffer):
+        self.log.append(("pin", buffer.numel() * buffer.element_size(), threading.current_thread().name))
+
+    def unpin(self, buffer):
+        self.log.append(("unpin", buffer.numel() * buffer.element_size()))
+
+
+def on_devices(**tensors):
+    placed = {tensor.untyped_storage().data_ptr(): device for tensor, device in tensors.values()}
+    return {name: tensor for name, (tensor, _) in tensors.items()}, FakeCopies(placed)
+
+
+def test_each_tensors_copy_ends_in_an_event_on_its_own_device():
+    """Issue 56 point 5: a model on cuda:1 in a run whose device is cuda:0 is staged complete
+    only once cuda:1's copies landed, and each device's next work waits for its own event."""
+    state, copies = on_devices(a=(torch.ones(3), CUDA0), b=(torch.full((5,), 2.0), CUDA1), c=(torch.zeros(2), CUDA1))
+    stager = ReusableStager(CUDA0, copies=lambda: copies)
+    stager.defer(state.values())
+    staged = stager.stage(state).result()
+    stager.fence()
+    assert {("queue", CUDA0, 1), ("queue", CUDA1, 2)} <= set(copies.log)
+    assert {entry for entry in copies.log if entry[0] in ("synchronize", "fence")} == {
+        ("synchronize", CUDA0), ("synchronize", CUDA1), ("fence", CUDA0), ("fence", CUDA1)}
+    assert all(torch.equal(staged[name], state[name]) for name in state)
+    stager.close()
+
+
+def test_buffers_are_sized_to_the_state_pinned_on_the_stagers_thread_and_unpinned_at_close():
+    """Issue 55 point 6, pinned buffers: exactly each tensor's bytes (no power-of-two pool),
+    pinned beside the loop, given back when the stager closes."""
+    state, copies = on_devices(w=(torch.ones(3, 5), CUDA0), m=(torch.ones(7), CUDA0))
+    stager = ReusableStager(CUDA0, copies=lambda: copies)
+    stager.defer(state.values())
+    stager.stage(state).result()
+    pins = [entry for entry in copies.log if entry[0] == "pin"]
+    assert sorted(size for _, size, _ in pins) == [28, 60] and stager.buffer_bytes == 88
+    assert {thread for *_, thread in pins} == {"recovery-staging_0"}
+    stager.stage(state).result()  # reused: nothing pinned again
+    assert len([entry for entry in copies.log if entry[0] == "pin"]) == 2
+    stager.close()
+    assert sorted(entry[1] for entry in copies.log if entry[0] == "unpin") == [28, 60]
+
+
+def test_what_the_forward_may_change_is_copied_before_stage_returns_the_rest_before_the_step():
+    """Deferred (parameters, optimizer state): copied beside the loop, safe once `fence()`
+    returned. Not deferred (a buffer a forward updates, an EMA): copied before `stage()`
+    returns, so the loop may change it right away."""
+    weight, running_mean = torch.arange(1 << 20, dtype=torch.float32), torch.zeros(4)
+    stager = ReusableStager(torch.device("cpu"))
+    stager.defer([weight])
+    future = stager.stage({"weight": weight, "running_mean": running_mean, "step": 7})
+    running_mean.add_(1)  # the next forward, at once
+    stager.fence()
+    weight.add_(1)  # the optimizer step, after its fence
+    staged = future.result()
+    assert torch.equal(staged["running_mean"], torch.zeros(4)) and staged["step"] == 7
+    assert torch.equal(staged["weight"], torch.arange(1 << 20, dtype=torch.float32))
+    stager.close()
+
+
+def test_without_defer_every_copy_is_made_beside_the_loop():
+    """Nothing deferred (no guard): `stage()` copies nothing on the loop's thread; the loop's
+    own wait covers every tensor."""
+    state, copies = on_devices(a=(torch.ones(3), CUDA0), b=(torch.ones(2), CUDA0))
+    stager = ReusableStager(CUDA0, copies=lambda: copies)
+    gate = threading.Event()
+    stager._worker.submit(gate.wait)  # hold the stager's thread
+    future = stager.stage(state)
+    assert [entry[0] for entry in copies.log] == ["ready"]  # queued nothing yet
+    gate.set()
+    future.result()
+    assert ("queue", CUDA0, 2) in copies.log
+    stager.close()
+
+
+class Path:
+    """A save path that records the parameters' sum at each wait, and what it was told to defer."""
+
+    def __init__(self, model):
+        self.model, self.waits, self.deferred = model, [], None
+
+    def wait_for_staging(self) -> float:
+        self.waits.append(float(self.model.weight.detach().sum()))
+        return 0.0
+
+    def defer(self, tensors) -> None:
+        self.deferred = tensors
+
+
+class Recorder:
+    def waited(self, seconds: float) -> None:
+        pass
+
+
+class State:
+    def __init__(self, model, *optimizers):
+        self.model, self._optimizers = model, optimizers
+
+    def optimizers(self):
+        return list(self._optimizers)
+
+
+class Wrapped:
+    """A framework's optimizer wrapper (Accelerate's keeps the torch one as `optimizer`)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+
+def test_the_guard_waits_right_before_each_optimizer_step_and_lets_go_at_the_end():
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    path = Path(model)
+    guard = StepGuard((path,), Recorder())
+    guard.arm(State(model, Wrapped(optimizer)))
+    storages = {tensor.untyped_storage().data_ptr() for tensor in path.deferred}
+    assert guard.armed and {p.untyped_storage().data_ptr() for p in model.parameters()} <= storages
+    assert len(path.deferred) == 2 + 2 * 3  # the parameters; each one's step, exp_avg, exp_avg_sq
+    guard.wait_for_staging()  # the loop's own wait: taken by the hook instead
+    assert path.waits == []
+    before = float(model.weight.detach().sum())
+    optimizer.step()
+    assert path.waits == [before]  # waited with the parameters still as saved
+    guard.release()
+    optimizer.step()
+    assert len(path.waits) == 1 and not guard.armed
+
+
+def test_an_optimizer_that_takes_no_hook_leaves_the_wait_where_the_loop_takes_it():
+    model = torch.nn.Linear(2, 2)
+    path = Path(model)
+    guard = StepGuard((path,), Recorder())
+    guard.arm(State(model, object()))
+    assert path.deferred == [] and not guard.armed
+    guard.wait_for_staging()
+    assert len(path.waits) == 1
+    assert innermost(Wrapped(Wrapped("inner"))) == "inner"
