@@ -50,6 +50,7 @@ class FakeCopies:
 
     def pin(self, buffer):
         self.log.append(("pin", buffer.numel() * buffer.element_size(), threading.current_thread().name))
+        return True
 
     def unpin(self, buffer):
         self.log.append(("unpin", buffer.numel() * buffer.element_size()))
@@ -108,6 +109,28 @@ def test_what_the_forward_may_change_is_copied_before_stage_returns_the_rest_bef
     stager.close()
 
 
+def test_under_ddp_each_replica_is_staged_by_one_rank_and_every_one_by_some_rank():
+    """Issue 55 point 6, staging under DDP: the replicas (parameters, optimizer state) held in
+    dicts are shared out over the ranks by size, the same way on every rank; what is not a
+    replica (a buffer, this rank's RNG) and a replica in a list stay on every rank."""
+    weights = {f"layer{i}": torch.full((size,), float(i)) for i, size in enumerate((64, 8, 32, 32, 8, 4))}
+    in_list = torch.ones(16)
+    state = {"model": weights, "listed": [in_list], "buffer": torch.zeros(2), "step": 3}
+    staged = []
+    for rank in range(2):
+        stager = ReusableStager(torch.device("cpu"))
+        stager.defer([*weights.values(), in_list], share=(rank, 2))
+        staged.append(stager.stage(state).result())
+        stager.close()
+    mine = [set(copy["model"]) for copy in staged]
+    assert mine[0] and mine[1] and not mine[0] & mine[1] and mine[0] | mine[1] == set(weights)
+    sizes = [sum(weights[key].numel() for key in keys) for keys in mine]
+    assert abs(sizes[0] - sizes[1]) <= 8, sizes  # balanced, as DCP's dedup balances
+    for copy in staged:
+        assert torch.equal(copy["listed"][0], in_list) and torch.equal(copy["buffer"], torch.zeros(2))
+        assert copy["step"] == 3 and all(torch.equal(copy["model"][key], weights[key]) for key in copy["model"])
+
+
 def test_without_defer_every_copy_is_made_beside_the_loop():
     """Nothing deferred (no guard): `stage()` copies nothing on the loop's thread; the loop's
     own wait covers every tensor."""
@@ -133,8 +156,8 @@ class Path:
         self.waits.append(float(self.model.weight.detach().sum()))
         return 0.0
 
-    def defer(self, tensors) -> None:
-        self.deferred = tensors
+    def defer(self, tensors, share) -> None:
+        self.deferred, self.share = tensors, share
 
 
 class Recorder:
@@ -183,7 +206,46 @@ def test_an_optimizer_that_takes_no_hook_leaves_the_wait_where_the_loop_takes_it
     path = Path(model)
     guard = StepGuard((path,), Recorder())
     guard.arm(State(model, object()))
-    assert path.deferred == [] and not guard.armed
+    assert path.deferred == [] and path.share == (0, 1) and not guard.armed
     guard.wait_for_staging()
     assert len(path.waits) == 1
     assert innermost(Wrapped(Wrapped("inner"))) == "inner"
+
+
+def test_a_deferred_tensor_changed_before_its_copy_fails_the_save_and_nothing_is_committed(tmp_path):
+    """A loop that changes a parameter in place between a save and its next optimizer step
+    (an EMA swapped in for evaluation) while the copy is still to be made: one line (exit 2)
+    at the step's wait, and the torn generation is never committed."""
+    import pytest
+
+    from trainer.checkpoint.checkpointer import AsyncCheckpointer
+    from trainer.checkpoint.commit import RenameCommit
+    from trainer.checkpoint.manifest import GenerationFacts
+    from trainer.checkpoint.section import LocalSection
+    from trainer.errors import ChangedWhileStaged
+
+    weight = torch.ones(1024)
+    store = LocalSection(tmp_path / "checkpoints")
+    checkpointer = AsyncCheckpointer(RenameCommit(store), "test", torch.device("cpu"))
+    checkpointer.defer([weight])
+    gate = threading.Event()
+    checkpointer.stager._worker.submit(gate.wait)  # the copy has not started yet
+    checkpointer.save({"weight": weight}, GenerationFacts(1, 0, 1, {}, (), {}, "test"))
+    weight.mul_(2)  # the EMA swapped in, before the optimizer step
+    gate.set()
+    with pytest.raises(ChangedWhileStaged, match="changed in place between a save and the next optimizer step"):
+        checkpointer.wait_for_staging()
+    assert ChangedWhileStaged.exit_code == 2
+    checkpointer.close_after_failure()
+    assert store.names() == []
+
+
+def test_a_change_after_the_copy_is_harmless():
+    weight = torch.ones(8)
+    stager = ReusableStager(torch.device("cpu"))
+    stager.defer([weight])
+    staged = stager.stage({"weight": weight}).result()  # copied
+    weight.add_(1)  # before the step's fence, but after the copy: the copy is whole
+    stager.fence()
+    assert stager.torn is None and torch.equal(staged["weight"], torch.ones(8))
+    stager.close()

@@ -41,6 +41,14 @@ class UsageError(TrainerError):
     exit_code = 2
 
 
+class ChangedWhileStaged(UsageError):
+    """The loop changed a parameter or the optimizer's state in place after an async save and
+    before its next optimizer step, while the save's copy of it could still be read (an EMA
+    swapped in for evaluation, a hand-made update): that generation would hold a torn state,
+    so it is never committed. A usage error (2): change them only in `optimizer.step()`, or
+    save with `checkpoint_mode="sync"`."""
+
+
 class MemoryTierTooSmall(UsageError):
     """Tier 0's K generations and the staging buffers do not fit `--memory-tier-max-bytes`
     (or the memory filesystem): the options ask for what this state cannot have. A usage

@@ -69,9 +69,10 @@ class Checkpointer(Protocol):
     def wait_for_staging(self) -> float:
         """Block until a staged copy is complete (before parameters change); the seconds waited."""
 
-    def defer(self, tensors: list[torch.Tensor]) -> None:
+    def defer(self, tensors: list[torch.Tensor], share: tuple[int, int] = (0, 1)) -> None:
         """`tensors` change only in an optimizer step, which calls `wait_for_staging()` first:
-        an async save copies them beside the loop's next forward and backward."""
+        an async save copies them beside the loop's next forward and backward. `share` (rank,
+        world size): they are replicas, each staged and written by one rank (`ReusableStager.defer`)."""
 
     def completed(self) -> list[Published]:
         """What committed in the background since the last call, without waiting (async, one process)."""
@@ -165,7 +166,7 @@ class _Checkpointer:
     def wait_for_staging(self) -> float:
         return 0.0
 
-    def defer(self, tensors: list[torch.Tensor]) -> None:
+    def defer(self, tensors: list[torch.Tensor], share: tuple[int, int] = (0, 1)) -> None:
         return None
 
     def completed(self) -> list[Published]:
@@ -312,6 +313,8 @@ class AsyncCheckpointer(_Checkpointer):
         try:
             written.result()
             facts = resolved.result()
+            if self.stager.torn is not None:  # changed before its copy was safe: never committed
+                raise self.stager.torn
             seams.crash_point("after-write")
             timings = {"write_s": time.monotonic() - started, "save_blocked_s": blocked,
                        "staging_s": self.stager.last_staging_s or 0.0}
@@ -368,8 +371,8 @@ class AsyncCheckpointer(_Checkpointer):
         self._in_flight.popleft()
         return [published], None
 
-    def defer(self, tensors: list[torch.Tensor]) -> None:
-        self.stager.defer(tensors)
+    def defer(self, tensors: list[torch.Tensor], share: tuple[int, int] = (0, 1)) -> None:
+        self.stager.defer(tensors, share)
 
     def wait_for_staging(self) -> float:
         """Block until the staged copy is safe from the loop's next change: its host copies
@@ -383,9 +386,10 @@ class AsyncCheckpointer(_Checkpointer):
         started = time.monotonic()
         try:
             self.stager.fence()
-        except Exception:  # noqa: BLE001 - the staging's own failure, read from its Future below
+        except Exception:  # noqa: BLE001 - the staging's own failure (or a torn copy), read below
             in_flight.staging.exception()
-        staging_failed = in_flight.staging.done() and in_flight.staging.exception() is not None
+        staging_failed = self.stager.torn is not None or (in_flight.staging.done()
+                                                          and in_flight.staging.exception() is not None)
         if not self.coordinator.distributed:
             if staging_failed or (in_flight.committed.done() and in_flight.committed.exception() is not None):
                 while self._in_flight:  # the write fails with the staging error: raise it in one-line form

@@ -43,6 +43,7 @@ from typing import Callable, Protocol
 import torch
 
 from trainer import seams
+from trainer.errors import ChangedWhileStaged
 
 
 class DeviceCopies(Protocol):
@@ -61,8 +62,9 @@ class DeviceCopies(Protocol):
     def fence(self, device: torch.device, event) -> None:
         """What `device` runs from now on waits for `event` (on the device: the host goes on)."""
 
-    def pin(self, buffer: torch.Tensor) -> None:
-        """Page-lock `buffer` (exactly its size) for DMA."""
+    def pin(self, buffer: torch.Tensor) -> bool:
+        """Page-lock `buffer` (exactly its size) for DMA; False where the system refuses (a
+        low `ulimit -l`): the copies into it still complete, without overlapping the host."""
 
     def unpin(self, buffer: torch.Tensor) -> None:
         """Undo `pin`."""
@@ -102,15 +104,19 @@ class CudaCopies:
     def fence(self, device: torch.device, event) -> None:
         torch.cuda.current_stream(device).wait_event(event)
 
-    def pin(self, buffer: torch.Tensor) -> None:
+    def pin(self, buffer: torch.Tensor) -> bool:
         # cudaHostRegister pins exactly these pages; pin_memory=True would take a block of the
-        # caching host allocator, rounded up to a power of two and never given back.
-        if buffer.numel():
-            torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
+        # caching host allocator, rounded up to a power of two and never given back. Portable:
+        # pinned for every device's context, not only the stager's thread's current one.
+        if not buffer.numel():
+            return False
+        cudart = torch.cuda.cudart()
+        portable = 1  # cudaHostRegisterPortable
+        return cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(),
+                                       portable) == cudart.cudaError.success
 
     def unpin(self, buffer: torch.Tensor) -> None:
-        if buffer.numel():
-            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
 def by_device(pairs: Iterable[tuple[torch.device, torch.Tensor, torch.Tensor]]) -> dict[torch.device, list]:
@@ -131,6 +137,8 @@ class _Plan:
         targets allocated on the loop's thread)."""
         self.later: list[tuple[torch.device, tuple, torch.Tensor]] = []
         """(device, path, source) copied beside the loop: the targets allocated on the stager's thread."""
+        self.loads: list[int] = []
+        """Bytes of the replicas each rank stages (`ReusableStager.defer`'s share)."""
 
 
 class ReusableStager:
@@ -150,17 +158,29 @@ class ReusableStager:
         self._late: frozenset[int] | None = None
         """Set by `defer`: what only an optimizer step changes. Until then every copy is made
         on the stager's thread, and the loop waits for all of them before it changes anything."""
+        self._share = (0, 1)
         self._fences: Future | None = None
+        self._versions: list = []
+        self.torn: ChangedWhileStaged | None = None
+        """Set (for good) once a deferred tensor changed before its copy was safe: the save it
+        belongs to is never committed (`AsyncCheckpointer`), and the loop hears of it."""
         self.last_staging_s: float | None = None
         """Seconds from stage() to the staged copy being complete (for the manifest)."""
         self.staged: Future | None = None
         """The last stage()'s Future: the staged copy (valid until the next stage())."""
 
-    def defer(self, tensors: Iterable[torch.Tensor]) -> None:
+    def defer(self, tensors: Iterable[torch.Tensor], share: tuple[int, int] = (0, 1)) -> None:
         """`tensors` change only in an optimizer step, which calls `fence()` first: their copies
         may go on beside the loop's forward and backward. Every other tensor is copied (or
-        queued, on a device) before `stage()` returns."""
+        queued, on a device) before `stage()` returns.
+
+        `share` (rank, world size): `tensors` are replicas, the same on every rank (DDP's
+        parameters and optimizer state). Each one held in a dict is then staged by one rank only,
+        the least loaded so far in the state dict's order (DCP's own rule for replicated items,
+        `dedup_save_plans`), and left out of the other ranks' staged copies, so each rank stages
+        and writes about 1/N of them; every rank computes the same assignment."""
         self._late = frozenset(_storage(tensor) for tensor in tensors) or None
+        self._share = share
 
     @property
     def buffers(self) -> tuple[torch.Tensor, ...]:
@@ -174,7 +194,11 @@ class ReusableStager:
     def stage(self, state_dict: dict) -> Future:
         started = time.monotonic()
         plan = _Plan()
+        plan.loads = [0] * self._share[1]
         skeleton = self._mirror(state_dict, (), plan)
+        # An in-place change bumps a tensor's version (a state dict's tensors share the live
+        # ones' counters): what a deferred copy must find unchanged until it is safe.
+        versions = [(device, source, source._version) for device, _, source in plan.later]
         devices = {device for device, *_ in [*plan.now, *plan.later] if device.type != "cpu"}
         ready = {device: self.copies.ready(device) for device in devices}
         now_events = {device: self.copies.queue(device, pairs, ready[device])
@@ -185,11 +209,12 @@ class ReusableStager:
             if device.type == "cpu":
                 target.copy_(source)
         fences: Future = Future()
-        self._fences = fences
+        self._fences, self._versions = fences, versions
 
         def complete() -> dict:
             try:
                 staged, device_later = self._copy_later(skeleton, plan)
+                self._unchanged(versions, host=True)  # the host copies are complete: a later change is harmless
                 later_events = {device: self.copies.queue(device, pairs, ready[device])
                                 for device, pairs in device_later.items()}
             except BaseException as error:
@@ -212,8 +237,21 @@ class ReusableStager:
         if fences is None:
             return
         events = fences.result()  # the host copies, and the device copies queued
+        self._unchanged(self._versions, host=False)  # queued on the device before this fence: a race
         for device, event in events.items():
             self.copies.fence(device, event)
+
+    def _unchanged(self, versions: list, host: bool) -> None:
+        """Raise `ChangedWhileStaged` (and keep it in `torn`) if a deferred tensor of the
+        host's (or of a device's) was changed in place since `stage()`."""
+        for device, source, version in versions:
+            if (device.type == "cpu") == host and source._version != version:
+                self.torn = self.torn or ChangedWhileStaged(
+                    f"a parameter or optimizer state ({tuple(source.shape)}, {source.dtype}) was changed in place "
+                    f"between a save and the next optimizer step, while the save was copying it; change them only "
+                    f"in optimizer.step() (swap an EMA in for evaluation before run.step(), or after the next "
+                    f"optimizer step), or save with checkpoint_mode=\"sync\"")
+                raise self.torn
 
     def _copy_later(self, skeleton, plan: _Plan) -> tuple[dict, dict]:
         """On the stager's thread: the deferred buffers (allocated, pinned), host copies made,
@@ -225,26 +263,38 @@ class ReusableStager:
         return _fill(skeleton, targets), by_device((device, source, targets[path])
                                                     for device, path, source in plan.later)
 
-    def _mirror(self, value, path: tuple, plan: _Plan):
+    def _staged_here(self, source: torch.Tensor, plan: _Plan, in_dict: bool) -> bool:
+        """Whether this rank stages the replica `source` (a dict's value: a list keeps its places)."""
+        rank, world_size = self._share
+        if world_size == 1 or self._late is None or not in_dict:
+            return True
+        chosen = plan.loads.index(min(plan.loads))
+        plan.loads[chosen] += max(1, source.numel() * source.element_size())
+        return chosen == rank
+
+    def _mirror(self, value, path: tuple, plan: _Plan, in_dict: bool = False):
         """The state dict with every tensor replaced by its staging buffer, or by a `_Later`
         placeholder for a copy made on the stager's thread, and every other value deep-copied."""
         from torch.distributed.tensor import DTensor  # 0.7 s the first time: imported by a save, not at start-up
 
         if isinstance(value, DTensor):
-            local = self._mirror(value._local_tensor, path, plan)
+            local = self._mirror(value._local_tensor, path, plan)  # a shard: never left to another rank
             return _LaterDTensor(local, value._spec) if isinstance(local, _Later) else \
                 DTensor(local, value._spec, requires_grad=False)
         if isinstance(value, torch.Tensor):
             source = value.detach()
             device = self.copies.device_of(source)
             if self._late is None or _storage(source) in self._late:
+                if not self._staged_here(source, plan, in_dict):
+                    return _ELSEWHERE
                 plan.later.append((device, path, source))
                 return _Later(path)
             target = self._buffer(path, source)
             plan.now.append((device, source, target))
             return target
         if isinstance(value, dict):
-            return {key: self._mirror(inner, path + (key,), plan) for key, inner in value.items()}
+            mirrored = {key: self._mirror(inner, path + (key,), plan, in_dict=True) for key, inner in value.items()}
+            return {key: inner for key, inner in mirrored.items() if inner is not _ELSEWHERE}
         if isinstance(value, (list, tuple)):
             mirrored = [self._mirror(inner, path + (index,), plan) for index, inner in enumerate(value)]
             if isinstance(value, list):
@@ -257,8 +307,7 @@ class ReusableStager:
         if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
             self._release(buffer)
             buffer = torch.empty(like.shape, dtype=like.dtype, device="cpu")
-            if self.pinned:
-                self.copies.pin(buffer)
+            if self.pinned and self.copies.pin(buffer):
                 self._pinned.append(buffer)
             self._buffers[path] = buffer
         return buffer
@@ -283,6 +332,10 @@ def _storage(tensor: torch.Tensor) -> int:
     """Identifies a tensor's memory (a state dict's tensors are views of the live ones; a
     DTensor's is its local shard's)."""
     return getattr(tensor, "_local_tensor", tensor).untyped_storage().data_ptr()
+
+
+_ELSEWHERE = object()
+"""A replica another rank stages (`ReusableStager.defer`): left out of this rank's copy."""
 
 
 class _Later:

@@ -144,8 +144,8 @@ class SavePath(Protocol):
     def wait_for_staging(self) -> float:
         """Right before the next optimizer step: the staged copy is complete; the seconds waited."""
 
-    def defer(self, tensors: list) -> None:
-        """`tensors` change only in an optimizer step (`Checkpointer.defer`)."""
+    def defer(self, tensors: list, share: tuple[int, int]) -> None:
+        """`tensors` change only in an optimizer step; `share`: they are replicas (`Checkpointer.defer`)."""
 
     def finalize(self, step: int) -> None:
         """The attempt ends: everything in flight published."""
@@ -187,8 +187,8 @@ class DurablePath:
     def wait_for_staging(self) -> float:
         return self.checkpointer.wait_for_staging()
 
-    def defer(self, tensors: list) -> None:
-        self.checkpointer.defer(tensors)
+    def defer(self, tensors: list, share: tuple[int, int]) -> None:
+        self.checkpointer.defer(tensors, share)
 
     def finalize(self, step: int) -> None:
         self.heard(self.checkpointer.finalize(), step)
@@ -216,8 +216,9 @@ class Tier0Path:
         """The ledger entry is taken from a copy: the next durable generation still covers every
         sample since the previous durable one."""
         state_dict = state.state_dict()
-        self.cadence.published(self.saves.save(state_dict, facts(state, state_dict, copy.copy(ledger)), self.deferred),
-                               state.progress.global_step)
+        # One process: its digest is the checkpointer's, from the staged copy (async: off the loop).
+        made = facts(state, state_dict, copy.copy(ledger), True)
+        self.cadence.published(self.saves.save(state_dict, made, self.deferred), state.progress.global_step)
 
     def committed(self, step: int) -> None:
         self.cadence.published(self.saves.completed(), step)
@@ -225,8 +226,8 @@ class Tier0Path:
     def wait_for_staging(self) -> float:
         return self.saves.wait_for_staging()
 
-    def defer(self, tensors: list) -> None:
-        self.deferred = tensors
+    def defer(self, tensors: list, share: tuple[int, int]) -> None:
+        self.deferred = tensors  # each rank's tier-0 part holds the whole state: no share
 
     def finalize(self, step: int) -> None:
         self.cadence.published(self.saves.finalize())  # the attempt ends: no re-derivation
@@ -244,8 +245,9 @@ class StepGuard:
     `torch.optim.Optimizer`, unwrapped from Accelerate's or Lightning's wrapper); otherwise the
     loop's own `wait_for_staging()` blocks, as before."""
 
-    def __init__(self, paths: tuple[SavePath, ...], recorder: AttemptRecorder):
-        self.paths, self.recorder = paths, recorder
+    def __init__(self, paths: tuple[SavePath, ...], recorder: AttemptRecorder, share: tuple[int, int] = (0, 1)):
+        """`share` (rank, world size): the parameters and optimizer state are replicas (DDP)."""
+        self.paths, self.recorder, self.share = paths, recorder, share
         self.hooks: list = []
 
     @property
@@ -266,7 +268,7 @@ class StepGuard:
         is hooked into every optimizer's step (nothing when one cannot be hooked)."""
         deferred = self.guarded(state)
         for path in self.paths:
-            path.defer(deferred)
+            path.defer(deferred, self.share)
 
     def guarded(self, state: TrainingState) -> list:
         """The tensors only an optimizer step changes, once its wait is hooked in; [] when
@@ -325,7 +327,7 @@ class CadencedSaves:
         self.export_policy = build_policy(config.export)
         self.sharded = config.workload.data_parallel == "fsdp"  # FSDP2 in one process too (a group of one)
         self.replicas = Replicas(ranks, self.sharded)  # an unsharded model must be one model on every rank
-        self.guard = StepGuard(self.paths, self.recorder)
+        self.guard = StepGuard(self.paths, self.recorder, (0, 1) if self.sharded else (ranks.rank, ranks.world_size))
         self.upload_failure: TrainerError | None = None
         """Rank 0's background upload failure, held for the next point where every rank agrees."""
 
