@@ -151,7 +151,16 @@ def library_bench_checks(report: dict) -> None:
     assert all(ranks[key] > 0 for key in ("async_save_ratio", "sync_vs_dcp_durable")), ranks
 
 
-CHECKS = {"heartbeat_bench.py": heartbeat_bench_checks, "library_bench.py": library_bench_checks, "memory_tier_bench.py": memory_tier_bench_checks,
+def loop_bench_checks(report: dict) -> None:
+    """Structure only: every row of issue 55's table timed against the bare loop in one run,
+    the default mode named, the save rows' steps with a save in flight measured."""
+    assert len(report["rows"]) == 6 and report["default_mode"] in ("sync", "async")
+    assert all(row["loop_s"] > 0 and row["vs_bare"] > 0 and row["loop_cpu_s"] >= 0 for row in report["rows"].values())
+    assert report["async_vs_dcp_async"] > 0
+    assert report["rows"]['trainer.recovery, checkpoint_mode="async"']["in_flight_vs_quiet"] > 0
+
+
+CHECKS = {"loop_bench.py": loop_bench_checks, "heartbeat_bench.py": heartbeat_bench_checks, "library_bench.py": library_bench_checks, "memory_tier_bench.py": memory_tier_bench_checks,
           "restart_bench.py": restart_bench_checks, "stream_bench.py": stream_bench_checks,
           "store_bench.py": store_bench_checks, "scale_out_bench.py": scale_out_bench_checks,
           "goodput_sim.py": goodput_sim_checks, "goodput_validation.py": goodput_validation_checks,
