@@ -68,11 +68,14 @@ def test_each_tensors_copy_ends_in_an_event_on_its_own_device():
     stager = ReusableStager(CUDA0, copies=lambda: copies)
     stager.defer(state.values())
     staged = stager.stage(state).result()
+    assert all(torch.equal(staged[name], state[name]) for name in state)
     stager.fence()
+    state["a"].add_(1)  # the optimizer step, after the fence: the next step's fence finds nothing torn
+    stager.fence()
+    assert stager.torn is None
     assert {("queue", CUDA0, 1), ("queue", CUDA1, 2)} <= set(copies.log)
     assert {entry for entry in copies.log if entry[0] in ("synchronize", "fence")} == {
         ("synchronize", CUDA0), ("synchronize", CUDA1), ("fence", CUDA0), ("fence", CUDA1)}
-    assert all(torch.equal(staged[name], state[name]) for name in state)
     stager.close()
 
 
@@ -238,6 +241,24 @@ def test_a_deferred_tensor_changed_before_its_copy_fails_the_save_and_nothing_is
     assert ChangedWhileStaged.exit_code == 2
     checkpointer.close_after_failure()
     assert store.names() == []
+
+
+def test_a_device_tensor_changed_before_the_steps_fence_is_torn():
+    """On a device the copy runs later on a side stream: an in-place change queued before the
+    optimizer step's fence may overtake it, so it fails the save."""
+    import pytest
+
+    from trainer.errors import ChangedWhileStaged
+
+    state, copies = on_devices(w=(torch.ones(4), CUDA1))
+    stager = ReusableStager(CUDA0, copies=lambda: copies)
+    stager.defer(state.values())
+    stager.stage(state).result()
+    state["w"].mul_(2)
+    with pytest.raises(ChangedWhileStaged):
+        stager.fence()
+    assert stager.torn is not None
+    stager.close()
 
 
 def test_a_change_after_the_copy_is_harmless():

@@ -240,6 +240,8 @@ class ReusableStager:
         self._unchanged(self._versions, host=False)  # queued on the device before this fence: a race
         for device, event in events.items():
             self.copies.fence(device, event)
+        # Once per staging: the optimizer step changes the deferred tensors right after it.
+        self._fences, self._versions = None, []
 
     def _unchanged(self, versions: list, host: bool) -> None:
         """Raise `ChangedWhileStaged` (and keep it in `torn`) if a deferred tensor of the
