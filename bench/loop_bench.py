@@ -112,6 +112,10 @@ class Timing:
     """The loop's own thread."""
     beside_cpu_s: float = 0.0
     """Every other thread of the process (ended ones included: process total minus the loop's)."""
+    save_calls: list[tuple[float, float]] = field(default_factory=list)
+    """(wall s, the loop's thread CPU s) of each call that saved: `save()`, or `run.step()` on
+    a step the cadence picked (its plain steps' share in `plain_calls`)."""
+    plain_calls: list[tuple[float, float]] = field(default_factory=list)
 
 
 class Clock:
@@ -142,6 +146,13 @@ def loader(dataset, shape: Shape):
     return torch.utils.data.DataLoader(dataset, batch_size=shape.batch, shuffle=True, generator=generator)
 
 
+def called(calls: list, act) -> None:
+    """`act()`, its wall and the loop's thread CPU seconds appended to `calls`."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    act()
+    calls.append((time.perf_counter() - wall, time.thread_time() - cpu))
+
+
 def bare(shape: Shape, dataset, base: Path, save=None) -> Timing:
     """The plain loop over a shuffled DataLoader; `save(step, model, optimizer)` on cadence and
     `save(None, ...)` at the end (to drain what is in flight)."""
@@ -151,7 +162,7 @@ def bare(shape: Shape, dataset, base: Path, save=None) -> Timing:
     for step, batch in enumerate(loader(dataset, shape), start=1):
         train(model, optimizer, batch)
         if save is not None and step % shape.every == 0:
-            save(step, model, optimizer)
+            called(clock.timing.save_calls, lambda: save(step, model, optimizer))
         clock.stepped()
     if save is not None:
         save(None, model, optimizer)
@@ -205,7 +216,9 @@ def with_recovery(mode: str | None):
             clock.start()
             for _ in run.epochs(1):
                 for batch in run.batches():
-                    run.step(train(model, optimizer, batch))
+                    loss = train(model, optimizer, batch)
+                    due = (run.progress.global_step + 1) % shape.every == 0
+                    called(clock.timing.save_calls if due else clock.timing.plain_calls, lambda: run.step(loss))
                     clock.stepped()
         timing = clock.stop()
         shutil.rmtree(folder, ignore_errors=True)
@@ -222,6 +235,13 @@ def in_flight_ratio(timing: Timing, every: int) -> float | None:
     if not after or not quiet:
         return None
     return statistics.median(after) / statistics.median(quiet)
+
+
+def median_ms(calls: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """(wall ms, CPU ms): the medians of `calls`; None without any."""
+    if not calls:
+        return None
+    return statistics.median(c[0] for c in calls) * 1000, statistics.median(c[1] for c in calls) * 1000
 
 
 def main() -> None:
@@ -264,23 +284,29 @@ def main() -> None:
           f"{shape.steps} steps, one process, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, medians of "
           f"{repeat} (load average {load:.2f}); the default mode on CPU: {default_mode}\n")
     print("| the same loop with | loop s | ÷ bare | ÷ KeyedData alone | step with a save in flight ÷ quiet | "
-          "loop thread CPU s | other threads CPU s |")
-    print("|---|---|---|---|---|---|---|")
+          "loop thread CPU s | other threads CPU s | the call that saves: wall ms / loop CPU ms | run.step "
+          "otherwise: loop CPU ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     result = {"state_mb": state_mb, "shape": shape.__dict__, "repeat": repeat, "load_average": load,
               "default_mode": default_mode, "rows": {}}
     for name, measured in timings.items():
         wall = statistics.median(t.wall_s for t in measured)
         ratios = [r for t in measured if (r := in_flight_ratio(t, shape.every)) is not None]
-        in_flight = statistics.median(ratios) if ratios and measured is not timings["KeyedData, no recovery (the data's share)"] else None
+        saves = measured is not timings["KeyedData, no recovery (the data's share)"]
+        in_flight = statistics.median(ratios) if ratios and saves else None
         row = {"loop_s": wall, "vs_bare": wall / reference, "vs_keyed": wall / keyed,
                "in_flight_vs_quiet": in_flight,
                "loop_cpu_s": statistics.median(t.loop_cpu_s for t in measured),
                "beside_cpu_s": statistics.median(t.beside_cpu_s for t in measured),
-               "step_s": statistics.median(s for t in measured for s in t.steps)}
+               "step_s": statistics.median(s for t in measured for s in t.steps),
+               "save_call_ms": median_ms([call for t in measured for call in t.save_calls]),
+               "plain_call_ms": median_ms([call for t in measured for call in t.plain_calls])}
+        save_call, plain_call = row["save_call_ms"], row["plain_call_ms"]
         result["rows"][name] = row
         print(f"| {name} | {wall:.2f} | {row['vs_bare']:.3f} | {row['vs_keyed']:.3f} | "
               f"{'' if in_flight is None else f'{in_flight:.3f}'} | {row['loop_cpu_s']:.2f} | "
-              f"{row['beside_cpu_s']:.2f} |")
+              f"{row['beside_cpu_s']:.2f} | {'' if save_call is None else '%.1f / %.1f' % save_call} | "
+              f"{'' if plain_call is None else f'{plain_call[1]:.1f}'} |")
     ours = result["rows"]['trainer.recovery, checkpoint_mode="async"']
     theirs = result["rows"][f"dcp.async_save every {shape.every}"]
     result["async_vs_dcp_async"] = ours["loop_s"] / theirs["loop_s"]
