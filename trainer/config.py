@@ -329,7 +329,9 @@ class RunConfig:
     in the run directory's run.json): a generation of any other run is refused (65)."""
     allow_drift: tuple[str, ...] = ()
     checkpoint_mode: str = "auto"
-    """auto | sync | async; auto is async on CUDA and sync on CPU."""
+    """auto | sync | async; auto is async on CUDA and sync on CPU (`effective_mode`: on CPU the
+    background write needs a core the loop does not use, and the staged copy doubles the
+    state's host memory; docs/checkpoint-modes.md)."""
     device: str = "auto"
     recover: CadenceConfig = field(default_factory=lambda: CadenceConfig(every_epochs=1))
     export: CadenceConfig = field(default_factory=CadenceConfig)
