@@ -9,7 +9,7 @@ import threading
 import torch
 
 from trainer.checkpoint.staging import ReusableStager
-from trainer.run.saving import StepGuard, innermost
+from trainer.run.saving import StepGuard, wrapped
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
 
@@ -212,7 +212,8 @@ def test_an_optimizer_that_takes_no_hook_leaves_the_wait_where_the_loop_takes_it
     assert path.deferred == [] and path.share == (0, 1) and not guard.armed
     guard.wait_for_staging()
     assert len(path.waits) == 1
-    assert innermost(Wrapped(Wrapped("inner"))) == "inner"
+    outer = Wrapped(Wrapped("inner"))
+    assert wrapped(outer) == [outer, outer.optimizer, "inner"]
 
 
 def test_a_deferred_tensor_changed_before_its_copy_fails_the_save_and_nothing_is_committed(tmp_path):
@@ -270,3 +271,29 @@ def test_a_change_after_the_copy_is_harmless():
     stager.fence()
     assert stager.torn is None and torch.equal(staged["weight"], torch.ones(8))
     stager.close()
+
+
+def test_a_torch_optimizer_that_wraps_another_is_hooked_too():
+    """A Lookahead-style wrapper changes the parameters in its own step, around the inner
+    one's: its step waits first."""
+    class Outer(torch.optim.Optimizer):
+        def __init__(self, inner):
+            super().__init__(inner.param_groups[0]["params"], {})
+            self.optimizer = inner
+
+        def step(self, closure=None):
+            with torch.no_grad():
+                for parameter in self.param_groups[0]["params"]:
+                    parameter.mul_(0.5)  # before the inner step
+            self.optimizer.step()
+
+    model = torch.nn.Linear(3, 2)
+    outer = Outer(torch.optim.SGD(model.parameters(), lr=0.1))
+    path = Path(model)
+    guard = StepGuard((path,), Recorder())
+    guard.arm(State(model, outer))
+    before = float(model.weight.detach().sum())
+    model(torch.ones(1, 3)).sum().backward()
+    outer.step()
+    assert path.waits[0] == before and len(path.waits) == 2  # the outer step's wait came first
+    guard.release()

@@ -272,14 +272,16 @@ class StepGuard:
 
     def guarded(self, state: TrainingState) -> list:
         """The tensors only an optimizer step changes, once its wait is hooked in; [] when
-        some optimizer cannot be hooked (nothing is deferred then)."""
-        optimizers = [innermost(optimizer) for optimizer in state.optimizers()]
-        if not optimizers or not all(isinstance(optimizer, torch.optim.Optimizer) for optimizer in optimizers):
+        some optimizer cannot be hooked (nothing is deferred then). Every torch optimizer of a
+        wrapper chain is hooked (a Lookahead's own step changes the parameters too)."""
+        chains = [wrapped(optimizer) for optimizer in state.optimizers()]
+        if not chains or not all(isinstance(chain[-1], torch.optim.Optimizer) for chain in chains):
             return []
+        levels = [level for chain in chains for level in chain if hasattr(level, "_optimizer_step_pre_hooks")]
         if not self.armed:
-            self.hooks = [optimizer.register_step_pre_hook(lambda *step: self.staged()) for optimizer in optimizers]
+            self.hooks = [level.register_step_pre_hook(lambda *step: self.staged()) for level in levels]
         return [*state.model.parameters(),
-                *(value for optimizer in optimizers for per_parameter in optimizer.state.values()
+                *(value for level in levels for per_parameter in level.state.values()
                   for value in per_parameter.values() if isinstance(value, torch.Tensor))]
 
     def release(self) -> None:
@@ -289,11 +291,13 @@ class StepGuard:
         self.hooks = []
 
 
-def innermost(optimizer):
-    """The torch optimizer inside a framework's wrapper (Accelerate's, Lightning's)."""
-    while (inner := getattr(optimizer, "optimizer", getattr(optimizer, "_optimizer", None))) is not None:
-        optimizer = inner
-    return optimizer
+def wrapped(optimizer) -> list:
+    """A framework's optimizer wrapper (Accelerate's `optimizer`, Lightning's `_optimizer`)
+    and what it wraps, outermost first: the last is the torch optimizer."""
+    chain = [optimizer]
+    while (inner := getattr(chain[-1], "optimizer", getattr(chain[-1], "_optimizer", None))) is not None:
+        chain.append(inner)
+    return chain
 
 
 class CadencedSaves:
