@@ -94,7 +94,7 @@ def effective_mode(requested: str, device: torch.device) -> str:
     """The mode a requested `--checkpoint-mode` (auto | sync | async, validated by the CLI)
     runs as. `auto` is async on CUDA, where staging is a DMA into pinned memory that runs
     beside the GPU's work, and sync on CPU: there async takes less of the loop's own thread
-    (bench/loop_bench.py: 7–8 ms a save against 61 ms at 98 MB), but its background work needs
+    (bench/loop_bench.py: 7–8 ms a save against 61–94 ms at 98 MB), but its background work needs
     a core the loop does not use and its staged copy doubles the state's host memory. The
     same with one process and under torchrun."""
     if requested == "auto":
