@@ -20,6 +20,7 @@ import pytest
 
 from support.cli import REPO, completed, forked, trainer_env, zygote
 from support.clones import fresh_clone, make
+from support.limits import scaled
 
 BENCHMARKS = sorted(path for path in (REPO / "bench").glob("*.py") if "--quick" in path.read_text())
 MAKE_BENCH = re.findall(r"bench/(\w+\.py) --quick", (REPO / "Makefile").read_text())
@@ -200,3 +201,30 @@ def test_benchmark_runs_at_its_quick_size(script, tmp_path, request):
     assert "Traceback" not in result.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == ["result.json"]  # it cleaned up after itself
     check(script.name, json.loads((tmp_path / "result.json").read_text()))
+
+
+def test_the_gpu_check_runs_its_whole_plan_on_the_cpu_in_the_time_it_claims(tmp_path):
+    """bench/gpu_check.sh --dry-run: every part's code path at tiny sizes, the CUDA-only steps
+    skipped with a line each, one summary and one log, exit 0 only when the plan kept its claim.
+    About 20 CPU s (its parts are fresh interpreters: pytest of test_compat, the loop, seven trainers and a compare)."""
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--dry-run", str(out)], cwd=tmp_path,
+                          env=trainer_env(), capture_output=True, text=True, timeout=scaled(600))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert sorted(path.name for path in out.iterdir() if path.is_file() and not path.name.endswith(".json")) == [
+        "gpu_check.log"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dry_run"] and summary["ok"] and summary["seconds"] <= summary["claimed_s"]
+    assert list(summary["parts"]) == ["compat", "loop", "exact", "restore", "spare"]
+    assert all(part["exit"] == 0 and not part["missed"] for part in summary["parts"].values())
+    assert "skipped: host syncs" in done.stdout and "skipped: the in-place restart on CUDA" in done.stdout
+    assert summary["parts"]["restore"]["tier0"]["tier"] == "memory"
+    assert summary["parts"]["restore"]["disk"]["tier"] == "disk"
+
+
+def test_the_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_69(tmp_path):
+    done = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), str(tmp_path / "out")], cwd=tmp_path,
+                          env=trainer_env(), capture_output=True, text=True, timeout=scaled(120))
+    assert done.returncode == 69
+    assert "no CUDA device is visible" in done.stdout and "Traceback" not in done.stderr
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["cuda"] is False
