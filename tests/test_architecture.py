@@ -16,7 +16,7 @@ PACKAGE = REPO / "trainer"
 
 LAYERS = [
     # Leaves: names, errors, configuration, test seams, private-API wrappers, the launcher's variables.
-    {"trainer.errors", "trainer.layout", "trainer.config", "trainer.parallel.launch", "trainer.parallel.spare", "trainer.parallel.silence", "trainer.seams",
+    {"trainer.errors", "trainer.layout", "trainer.config", "trainer.parallel.launch", "trainer.parallel.spare", "trainer.parallel.silence", "trainer.parallel.cuda_fork", "trainer.seams",
      "trainer.compat", "trainer.options", "trainer.location", "trainer.run.interval", "trainer.run.records",
      "trainer.origin"},
     # Generations and exports: manifests, the atomic publish, DCP writes and reads, save and restore.

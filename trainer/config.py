@@ -352,4 +352,9 @@ class RunConfig:
     instead of importing torch again (trainer/parallel/spare.py; docs/scale-out.md): about 2.5 s
     less per restart, for the spare's memory (what the worker changes after the fork, up to the
     imports' 300 MB per node). Never fingerprinted."""
+    allow_nondeterministic_ops: bool = False
+    """`--allow-nondeterministic-ops`: an op without a deterministic implementation on this device
+    (common CUDA backward kernels: interpolate, grid_sample, pooling, CTC loss) warns instead of
+    ending the run in one line naming it; the attempt is then recorded as not promised exact.
+    Never fingerprinted."""
     argv: tuple[str, ...] = ()

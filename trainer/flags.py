@@ -127,6 +127,9 @@ GROUPS: dict[str, list[Flag]] = {
         Flag("--warm-spare", "warm_spare", options={"action": argparse.BooleanOptionalAction},
              help="under torchrun with --max-restarts: fork each restarted worker from a spare that kept the "
                   "first worker's imports (about 2.5 s less per restart; --no-warm-spare imports afresh)"),
+        Flag("--allow-nondeterministic-ops", "allow_nondeterministic_ops", options={"action": "store_true"},
+             help="let ops without a deterministic implementation on this device run (torch warns) instead of "
+                  "ending the run naming the op; the run is then recorded as not promised exact"),
         Flag("--preempt-grace-secs", "preempt_grace_s", metavar="S", type=positive_float,
              help="on SIGTERM/SIGINT, time allowed to save before exiting 75 without publishing (below "
                   "Kubernetes' default 30 s termination grace)"),
@@ -319,7 +322,7 @@ def keyword_of(flag: Flag, value: object = None) -> str:
     `const` (`--resume` alone is `resume='latest'`)."""
     section, _, name = flag.path.rpartition(".")
     if value is None:
-        value = flag.options.get("const")
+        value = True if flag.options.get("action") == "store_true" else flag.options.get("const")
     shown = name if value is None else f"{name}={tuple(value) if isinstance(value, list) else value!r}"
     if not section:
         return shown

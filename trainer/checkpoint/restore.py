@@ -21,6 +21,7 @@ import torch
 from trainer import compat
 from trainer.errors import FingerprintMismatch
 from trainer.checkpoint.atomic import manifest_digest
+from trainer.checkpoint.device_copy import DeviceCopies
 from trainer.checkpoint.manifest import Manifest, Verification
 from trainer.checkpoint.snapshot import load_snapshot, stored_entries
 
@@ -76,8 +77,9 @@ def load_into(name: str, directory: Path, state: Restorable,
     template = state.template(stored)
     refuse_shape_changes(name, template, stored)
     refuse_unmatched_keys(name, compat.flatten_state_dict(template), stored, state.unread_by_design)
-    load(template, directory)
-    state.load_state_dict(template)
+    copies = DeviceCopies(template)  # device tensors: loaded on the host, copied in one batch
+    load(copies.template, directory)
+    state.load_state_dict(copies.copy_back())
 
 
 SHOWN_KEYS = 3

@@ -16,7 +16,8 @@ With several processes, three kinds of agreement keep the ranks in lockstep:
 
 Every collective is entered by every rank in the same order. A collective that fails because
 another rank died, or because a rank's heartbeat went silent for `--peer-silence-secs` (its
-watcher cuts the group's connections: parallel/heartbeat.py, parallel/silence.py), or that
+watcher cuts the gloo groups' connections and aborts an NCCL communicator: parallel/heartbeat.py,
+parallel/silence.py; a collective that returns after that is never used), or that
 waited past its bound, becomes a one-line `PeerFailure` naming that rank, resumable (75),
 instead of a gloo/NCCL traceback or torch's 30-minute wait.
 
@@ -36,6 +37,7 @@ way out as a lost connection.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -57,7 +59,7 @@ from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageErr
 from trainer.parallel.heartbeat import Heartbeat, round_prefix
 from trainer.parallel.launch import PRIMARY, LaunchEnvironment, process_age_s
 from trainer.parallel.reduction import PER_PARAMETER, per_parameter_mean
-from trainer.parallel.silence import GroupSockets, listeners, socket_inodes
+from trainer.parallel.silence import GroupSockets, listeners, socket_inodes, waits_of
 from trainer.layout import RunDirectory
 
 T = TypeVar("T")
@@ -367,6 +369,10 @@ class Ranks:
             if is_peer_loss(error):
                 raise self.peer_failure(error, what) from None
             raise
+        if self.heartbeat is not None and self.heartbeat.verdict is not None:
+            # a peer fell silent and the waits were ended: on NCCL an aborted collective may return
+            # without an error, its result unreliable; never go on with it
+            raise self.peer_failure(RuntimeError("the process group's waits were ended"), what)
 
     def peer_failure(self, error: BaseException, what: str) -> PeerFailure:
         """The one line for a collective that failed on a peer, naming the ranks whose heartbeat
@@ -424,6 +430,16 @@ def _processes_of(ranks: list[int]) -> str:
         "the processes of ranks " + ", ".join(map(str, ranks))
 
 
+def device_of_rank(requested: torch.device, local_rank: int, visible: int) -> torch.device:
+    """The CUDA device of the process with `local_rank`, among the `visible` devices it sees: the
+    one the launch named (`cuda:N`), else the local rank's own where every process of the node
+    sees every GPU, and the same rank modulo what it sees where a launcher gave each process its
+    own (per-rank CUDA_VISIBLE_DEVICES: one visible device, `cuda:0`, whatever the local rank)."""
+    if requested.index is not None:
+        return requested
+    return torch.device("cuda", local_rank % max(1, visible))
+
+
 @contextmanager
 def process_group(launch: LaunchEnvironment, device: torch.device,
                   wait: BackgroundWaitConfig = BackgroundWaitConfig(),
@@ -445,7 +461,7 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
         yield Ranks(launch, device, wait=wait, peer_wait=peer_wait)
         return
     if device.type == "cuda":
-        device = torch.device("cuda", launch.local_rank)
+        device = device_of_rank(device, launch.local_rank, torch.cuda.device_count())
         torch.cuda.set_device(device)
     began, age = time.monotonic(), process_age_s()
     owned = not dist.is_initialized()
@@ -461,7 +477,8 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
         ranks.sockets.opened(before)  # gloo's; NCCL's connections are its own (docs/scale-out.md, On NCCL)
     elif device.type != "cuda":
         ranks.sockets.adopt(ranks.gather(listeners(launch.master_port), "finding the process group's connections"))
-    heartbeat.on_silence = ranks.sockets.cut  # the main thread leaves its wait with "connection closed"
+    # the main thread leaves its wait with "connection closed" (gloo), or finds the verdict after it (NCCL)
+    heartbeat.on_silence = waits_of(dist.get_backend(), ranks.sockets, compat.DeviceCommunicator()).cut
     ranks.joined = {"at_s": age, "join_s": round(time.monotonic() - began, 3)}
     ended = False  # marked as left: ended by itself (completed, stopped, or a survivor naming a loss)
     try:
@@ -485,6 +502,15 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
             dist.destroy_process_group()
 
 
+NCCL_ERROR_HANDLING = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+"""How an NCCL group ends a wait that failed (torch 2.13's meanings; verified on a GPU only):
+blocking wait: the waiting thread itself raises a collective past the group's bound, or one the
+silence watcher aborted (parallel/silence.py `CommunicatorAbort`), as an error, which becomes the
+PeerFailure (75); no asynchronous handling by NCCL's watchdog (torch's default, 3, ends the
+process by SIGABRT at the timeout: no line, no record; torch's own abort asks for it off, and
+blocking wait turns it off anyway)."""
+
+
 def join(launch: LaunchEnvironment, backend: str, timeout_s: float) -> None:
     """Join the process group, on a thread of its own so this one stays responsive: a
     SIGTERM (the agent stopping a round whose peer died while joining) is handled at once
@@ -495,6 +521,9 @@ def join(launch: LaunchEnvironment, backend: str, timeout_s: float) -> None:
     failed to connect ("Connection refused"), so the first restart never rejoined. The group
     gets a prefix per round (`round_prefix`) in that case."""
     timeout = timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        for name, value in NCCL_ERROR_HANDLING.items():
+            os.environ.setdefault(name, value)  # read when the group is created; the user's own choice stands
     if launch.agent_store:
         store = dist.PrefixStore(round_prefix(launch), dist.TCPStore(
             launch.master_addr, launch.master_port, launch.world_size, is_master=False, timeout=timeout))

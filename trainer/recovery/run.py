@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, NoReturn
 
 import torch
 
+from trainer import compat
 from trainer.cli import exit_without_interpreter_teardown, report_exit_status
 from trainer.config import RunConfig
 from trainer.flags import checked_config, unknown_keyword
@@ -183,6 +184,8 @@ class RecoveryRun(Phases):
             self.ranks = held.enter_context(process_group(launch, resolve_device(self.config.device),
                                                           self.config.background_wait, self.config.peer_wait))
             self.preemption = held.enter_context(PreemptionGuard(self.config.preempt_grace_s))
+            if self.config.allow_nondeterministic_ops:  # a later seed_everything keeps it (trainer/compat.py)
+                compat.use_deterministic_algorithms(warn_only=True)
             from trainer.run.session import AttemptSession  # the attempt's machinery: at the first open
 
             self.session = AttemptSession(self.config, self.ranks, self.events)

@@ -19,6 +19,7 @@ from trainer.run.claim import Claim, Claimant
 from trainer.run.events import TrainingEvents
 from trainer.run.witness import ReplayWitness, computed_before, replay_not_compared
 from trainer.parallel.reduction import Exactness, exactness
+from trainer.run.failures import NONDETERMINISTIC_ALLOWED
 from trainer.workload import BoundWorkload
 
 log = logging.getLogger("trainer")
@@ -59,6 +60,8 @@ def check_attempt(config: RunConfig, workload: BoundWorkload, claim: Claim, data
                                                       claim.run.attempts), "checking for a crash loop")
     exact = exactness(config.workload.gradient_reduction, config.workload.data_parallel, ranks.world_size,
                       ranks.device.type)
+    if config.allow_nondeterministic_ops:
+        exact = Exactness(False, NONDETERMINISTIC_ALLOWED)
     if exact.reason and ranks.is_primary:
         log.warning("%s: %s", "exact" if exact.exact else "not exact", exact.reason)
     return Checked(fingerprint, tuple(drift), history, effective_mode(config.checkpoint_mode, ranks.device), exact,
