@@ -86,8 +86,13 @@ SCHEDULER_LAST_LR = "_last_lr"
 """Attribute of every torch LRScheduler (checked against torch 2.13.0) behind
 `get_last_lr()`; it has no public setter."""
 
+RENDEZVOUS_HANDLERS = PrivateName(
+    "torch.distributed.rendezvous", "_rendezvous_handlers", "torch", "2.13.0",
+    "keying `env://` and `tcp://` by torchrun's restart round (trainer/parallel/rendezvous.py): the public "
+    "`register_rendezvous_handler` refuses a scheme already registered")
+
 PRIVATE_NAMES = (DCP_STORAGE_INFO, DCP_FLATTEN_STATE_DICT, TORCH_ELEMENT_SIZE, RUN_EXIT_HANDLERS, DCP_INIT_OPTIM_STATE,
-                 TORCH_SET_DETERMINISTIC, DCP_SET_ELEMENT, SET_PG_TIMEOUT)
+                 TORCH_SET_DETERMINISTIC, DCP_SET_ELEMENT, SET_PG_TIMEOUT, RENDEZVOUS_HANDLERS)
 INDUCTOR_DETERMINISTIC_ENV = "TORCHINDUCTOR_DETERMINISTIC"
 """Read by torch._inductor.config at import (checked against torch 2.13.0): "1" makes its
 `deterministic` flag True, as `torch.use_deterministic_algorithms(True)` would."""
