@@ -44,7 +44,7 @@ LAYERS = [
     {"trainer.flags", "trainer.cli", "trainer.__main__"},
     # Recovery inside a user's own loop (the same pieces as the loop, the adapters, the bundle's
     # launcher): an entry point like the command line, whose parsing it reuses.
-    {"trainer.recovery"},
+    {"trainer.recovery", "trainer.launch"},
 ]
 PACKAGES = ["trainer.run", "trainer.parallel", "trainer.checkpoint", "trainer.storage", "trainer.inspect",
             "trainer.integrations", "trainer.workload", "trainer.data", "trainer.recovery"]
@@ -107,9 +107,10 @@ def test_no_module_imports_a_higher_layer(path):
 
 
 def test_every_module_lives_in_a_package_by_concern():
-    """Top level holds only the leaves and the command line; everything else is in a package."""
+    """Top level holds only the leaves and the entry points (the command line, the launch entry
+    for a user's script); everything else is in a package."""
     top = {module_name(path) for path in PACKAGE.glob("*.py")}
-    assert top == {"trainer", "trainer.__main__", "trainer.cli", "trainer.flags", "trainer.errors", "trainer.layout",
+    assert top == {"trainer", "trainer.__main__", "trainer.cli", "trainer.launch", "trainer.flags", "trainer.errors", "trainer.layout",
                    "trainer.config", "trainer.seams", "trainer.compat", "trainer.options", "trainer.location",
                    "trainer.origin"}, top
     assert {module_name(path.parent / "__init__.py") for path in PACKAGE.glob("*/__init__.py")} | {"trainer.workload"} \

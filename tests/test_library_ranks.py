@@ -45,9 +45,13 @@ FINAL = "step-00000018"
 EPOCHS = ("--epochs", "2")
 
 
-def launch(run: Path, nproc: int, *args, restarts: int = 0, status: Path | None = None) -> subprocess.Popen:
-    """`torchrun` (its agent forked from the zygote: support.torchrun.launch) running the example."""
-    command = ["--standalone", "--nproc_per_node", nproc, "--max-restarts", restarts, EXAMPLE, run, *EPOCHS, *args]
+def launch(run: Path, nproc: int, *args, restarts: int = 0, status: Path | None = None,
+           warm: bool = False) -> subprocess.Popen:
+    """`torchrun` (its agent forked from the zygote: support.torchrun.launch) running the example
+    (`warm`: through the launch entry, `-m trainer.launch`, and its warm spare)."""
+    entry = ["-m", "trainer.launch"] if warm else []
+    command = ["--standalone", "--nproc_per_node", nproc, "--max-restarts", restarts, *entry, EXAMPLE, run, *EPOCHS,
+               *args]
     env = clean_environment(**({"TRAINER_EXIT_STATUS_FILE": str(status)} if status else {}))
     return launch_torchrun(command, env)
 
@@ -88,11 +92,12 @@ def baseline(tmp_path_factory, nproc: int, options: list[str]) -> Path:
 
 
 def resume_options(options: list[str]) -> list[str]:
-    """`options` less tier 0 and the checkpoint mode: the fresh launch restores from the disk
-    (the SIGTERM's generation) and saves sync (the same bytes as async)."""
+    """`options` less tier 0, the checkpoint mode and who creates the group: the fresh launch
+    restores from the disk (the SIGTERM's generation) and saves sync (the same bytes as async),
+    and none of them changes a bit."""
     kept, skip = [], False
     for option in options:
-        if not skip and option not in ("--memory-dir", "--checkpoint-mode"):
+        if not skip and option not in ("--memory-dir", "--checkpoint-mode", "--init-first"):
             kept.append(option)
         skip = not skip and option in ("--memory-dir", "--checkpoint-mode")
     return kept
@@ -104,12 +109,16 @@ CELLS = {
     # rank reads 2), its cursor restored; the resume in the script's own group, joined before open_run
     "fsdp-3": (3, ("--data-parallel", "fsdp", "--checkpoint-mode", "async"), ()),  # FSDP2, async saves: each
     # rank stages and writes its own shards, restores its own (the resume saves sync: the same bytes)
-    "ddp-2-tier0": (2, ("--data-parallel", "ddp", "--memory-dir", "{memory}"), ()),  # the restart from tier 0
+    "ddp-2-tier0": (2, ("--data-parallel", "ddp", "--memory-dir", "{memory}", "--init-first"), ()),  # the restart
+    # from tier 0, the script's own `init_process_group` before open_run rejoining (trainer/parallel/rendezvous.py)
     "fsdp-2-tier0": (2, ("--data-parallel", "fsdp", "--memory-dir", "{memory}"), ()),  # FSDP2's shards in tier 0
 }
-"""Not `--init-first` under `--max-restarts`: torch's own `init_process_group` (2.13, --standalone) never
-rejoins in a restarted round (the agent's store keeps the dead round's keys); `open_run` joins with a
-prefix per round (trainer/parallel/ranks.py `join`)."""
+"""`--init-first` under `--max-restarts`: torch's own `init_process_group` (2.13, --standalone) reads the
+same keys every round in the agent's store, and rejoins only by luck; the library and the launch entry
+key `env://` by round (trainer/parallel/rendezvous.py; the race itself: tests/test_rejoin.py)."""
+WARM = {"ddp-2-tier0"}
+"""The cells launched through `-m trainer.launch` (trainer/launch.py): the restarted workers are the
+warm spare's forks, the script run from the top in each."""
 
 
 @pytest.mark.parametrize("cell", CELLS)
@@ -120,7 +129,7 @@ def test_a_killed_rank_restarted_in_place_then_sigterm_resumes_equal_to_an_unint
     reference = baseline(tmp_path_factory, nproc, options)
     run, status = tmp_path / "run", tmp_path / "status"
 
-    with bounded(launch(run, nproc, *options, restarts=1, status=status)) as process:
+    with bounded(launch(run, nproc, *options, restarts=1, status=status, warm=cell in WARM)) as process:
         wait_for_line(process, "step=6 ")  # mid-epoch 0: the newest generation is step 4 (or tier 0's)
         # An async save of step 4 may still be in flight on a loaded machine: kill once it committed.
         wait_until(lambda: (generation(run, "step-00000004") / "manifest.json").exists(), "step 4 committed")
@@ -139,6 +148,7 @@ def test_a_killed_rank_restarted_in_place_then_sigterm_resumes_equal_to_an_unint
     assert first["status"] == "interrupted" and first["peer"]["state"] == "lost" and 1 in first["peer"]["ranks"], first
     assert restarted["status"] == "preempted" and restarted["world_size"] == nproc
     assert restarted["restored"]["tier"] == ("memory" if "--memory-dir" in options else "disk")
+    assert restarted["warm_spare"] == (cell in WARM), restarted  # forked from the spare with every import done
     stopped_at = restarted["last_step"]
     assert generation(run, f"step-{stopped_at:08d}").is_dir()  # every rank's shards of the step reached
 

@@ -308,14 +308,24 @@ def import_for_training(warm_spare: bool, launch: LaunchEnvironment, cuda_querie
 
     collect_after_start_up()
     cuda_queries.stop()
-    if not (warm_spare and launch.local_rank == 0 and restarts_possible(os.environ) and not from_spare(os.environ)):
-        return
+    if warm_spare:
+        fork_warm_spare(launch, cuda_queries, "--no-warm-spare")
+
+
+def fork_warm_spare(launch: LaunchEnvironment, cuda_queries: CudaQueries, opt_out: str) -> int | None:
+    """The node's first worker of a launch that may restart (`restarts_possible`) forks the warm
+    spare once its imports are done, unless anything it imported queried CUDA (`fork_refusal`:
+    then its restarts start cold, said in one log line). The spare's pid, or None. `opt_out`:
+    how a user runs without it (said in the line)."""
+    if not (launch.local_rank == 0 and restarts_possible(os.environ) and not from_spare(os.environ)):
+        return None
     log = logging.getLogger("trainer")
     if refusal := fork_refusal(CudaState.of_this_process(cuda_queries)):
         log.info("warm spare: none, this node's restarted workers start cold: %s", refusal)
-    elif (pid := start_spare(os.environ)) is not None:
-        log.info("warm spare: pid %d keeps the imports for this node's restarted workers (--no-warm-spare: none)",
-                 pid)
+        return None
+    if (pid := start_spare(os.environ)) is not None:
+        log.info("warm spare: pid %d keeps the imports for this node's restarted workers (%s: none)", pid, opt_out)
+    return pid
 
 
 def train_in(config: RunConfig, launch: LaunchEnvironment, events=None) -> int:
