@@ -123,14 +123,19 @@ def memory_tier_bench_checks(report: dict) -> None:
 
 
 def restart_bench_checks(report: dict) -> None:
-    """A kill -9 of rank 1 under torchrun --max-restarts: the survivor named it, the workers were
-    restarted in place (forked from the warm spare) and reached a step restored from tier 0,
-    every part of R accounted for."""
-    (failure,) = report["failures"]
-    assert failure["how"] == "kill" and failure["restored_from"] == "memory" and failure["warm_spare"], failure
-    assert failure["r_s"] > 0 and failure["detection_s"] is not None and failure["attempts"] == 2, failure
-    for part in ("teardown_s", "imports_s", "join_s", "claim_s", "restore_s", "first_step_s"):
-        assert failure[part] is not None, part
+    """A kill -9 of rank 1 under torchrun --max-restarts, of the trainer and of a user's script
+    (examples/own_loop_ddp.py, its own group first, through `-m trainer.launch`): the survivor
+    named it, the workers were restarted in place (forked from the warm spare) and reached a
+    step restored from tier 0, every part of R accounted for; the script's launch ran on to
+    its end, equal to an uninterrupted one."""
+    trainer, script = report["failures"]
+    assert (trainer["script"], script["script"], script["entry"]) == ("trainer", "ddp", "launch"), report
+    for failure in (trainer, script):
+        assert failure["how"] == "kill" and failure["restored_from"] == "memory" and failure["warm_spare"], failure
+        assert failure["r_s"] > 0 and failure["detection_s"] is not None and failure["attempts"] == 2, failure
+        for part in ("teardown_s", "imports_s", "join_s", "claim_s", "restore_s", "first_step_s"):
+            assert failure[part] is not None, part
+    assert script["exact"] is True and script["status"] == 0, script
 
 
 def heartbeat_bench_checks(report: dict) -> None:
