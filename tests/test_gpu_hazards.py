@@ -31,7 +31,7 @@ from support.cli import REPO, one_error_line, run_cli
 from support.runs import attempts
 from trainer.checkpoint.device_copy import DeviceCopies
 from trainer.errors import PeerFailure
-from trainer.parallel.cuda_fork import CudaQueries, CudaState, driver_mapped, fork_refusal
+from trainer.parallel.cuda_fork import SCRIPT, CudaQueries, CudaState, driver_mapped, fork_refusal
 from trainer.parallel.launch import LaunchEnvironment
 from trainer.parallel.ranks import Ranks, device_of_rank
 from trainer.parallel.silence import waits_of
@@ -55,6 +55,8 @@ def test_a_cuda_query_while_the_workload_imports_is_recorded_and_refuses_the_for
     state = CudaState.of_this_process(queries)
     refusal = fork_refusal(CudaState(True, False, state.queried, False))  # as on a CUDA build
     assert refusal and "torch.cuda.is_available() was called while the workload was imported" in refusal
+    said = fork_refusal(CudaState(True, False, state.queried, False), SCRIPT)  # a user's script's spare (trainer/launch.py)
+    assert "while the script's imports were imported" in said and "the script's own code" in said
     assert fork_refusal(CudaState(True, False, (), False)) is None
     assert fork_refusal(CudaState(False, False, state.queried, False)) is None  # a CPU build: nothing to poison
     assert "initialised" in fork_refusal(CudaState(True, True, (), False))

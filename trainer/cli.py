@@ -30,7 +30,7 @@ from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_f
 from trainer.location import ClaimedByPrimary, OnDisk, Location
 from trainer.run.fingerprint import FIELDS
 from trainer.parallel.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
-from trainer.parallel.cuda_fork import CudaQueries, CudaState, fork_refusal
+from trainer.parallel.cuda_fork import WORKLOAD, CudaQueries, CudaState, fork_refusal
 from trainer.parallel.spare import from_spare, restarts_possible, start_spare
 from trainer.options import AUTO, location_argument, path_argument, positive_float
 
@@ -312,15 +312,16 @@ def import_for_training(warm_spare: bool, launch: LaunchEnvironment, cuda_querie
         fork_warm_spare(launch, cuda_queries, "--no-warm-spare")
 
 
-def fork_warm_spare(launch: LaunchEnvironment, cuda_queries: CudaQueries, opt_out: str) -> int | None:
+def fork_warm_spare(launch: LaunchEnvironment, cuda_queries: CudaQueries, opt_out: str,
+                    during: tuple[str, str] = WORKLOAD) -> int | None:
     """The node's first worker of a launch that may restart (`restarts_possible`) forks the warm
     spare once its imports are done, unless anything it imported queried CUDA (`fork_refusal`:
     then its restarts start cold, said in one log line). The spare's pid, or None. `opt_out`:
-    how a user runs without it (said in the line)."""
+    how a user runs without it (said in the line); `during`: what was imported (`fork_refusal`)."""
     if not (launch.local_rank == 0 and restarts_possible(os.environ) and not from_spare(os.environ)):
         return None
     log = logging.getLogger("trainer")
-    if refusal := fork_refusal(CudaState.of_this_process(cuda_queries)):
+    if refusal := fork_refusal(CudaState.of_this_process(cuda_queries), during):
         log.info("warm spare: none, this node's restarted workers start cold: %s", refusal)
         return None
     if (pid := start_spare(os.environ)) is not None:

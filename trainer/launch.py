@@ -99,7 +99,7 @@ def prepare(script: str) -> None:
     """The first round's imports and the spare (the spare's own workers find them done)."""
     import torch  # noqa: F401  (before the queries are watched: they wrap torch's functions)
 
-    from trainer.parallel.cuda_fork import CudaQueries
+    from trainer.parallel.cuda_fork import SCRIPT, CudaQueries
 
     queries = CudaQueries().watch()
     try:
@@ -116,7 +116,7 @@ def prepare(script: str) -> None:
     collect_after_start_up()
     if skipped:
         logging.getLogger("trainer").info("warm spare: not imported beforehand (they failed): %s", ", ".join(skipped))
-    fork_warm_spare(LaunchEnvironment.from_environ(os.environ), queries, "plain `torchrun script.py`")
+    fork_warm_spare(LaunchEnvironment.from_environ(os.environ), queries, "plain `torchrun script.py`", SCRIPT)
 
 
 if __name__ == "__main__":

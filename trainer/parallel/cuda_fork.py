@@ -88,15 +88,22 @@ class CudaState:
                    tuple(queries.seen), driver_mapped())
 
 
-def fork_refusal(state: CudaState) -> str | None:
-    """Why a fork of a process in `state` could not use CUDA (None: it can)."""
+WORKLOAD = ("the workload was imported", "ask for the device in build_model instead")
+"""Where the trainer's spare watched the queries, and what a workload does instead."""
+SCRIPT = ("the script's imports were imported (trainer.launch)", "ask in the script's own code: it runs after the fork")
+"""The same for a user's script's spare (trainer/launch.py)."""
+
+
+def fork_refusal(state: CudaState, during: tuple[str, str] = WORKLOAD) -> str | None:
+    """Why a fork of a process in `state` could not use CUDA (None: it can). `during`: what was
+    being imported while the queries were watched, and what to do instead."""
     if state.initialized:
         return "CUDA is initialised in this process"
     if state.driver_loaded:
         return "the CUDA driver (libcuda) is loaded in this process"
     if state.cuda_build and state.queried:
-        return (f"{state.queried[0]} was called while the workload was imported (it starts the CUDA driver, "
-                f"which a fork cannot use; ask for the device in build_model instead)")
+        return (f"{state.queried[0]} was called while {during[0]} (it starts the CUDA driver, "
+                f"which a fork cannot use; {during[1]})")
     return None
 
 
