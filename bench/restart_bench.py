@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import queue
+import shlex
 import signal
 import subprocess
 import sys
@@ -226,13 +227,14 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, help="where the runs go (default: a temporary folder, removed)")
     args = parser.parse_args()
     kinds = ["kill"] if args.quick else args.kinds
+    trainer_args = [part for given in args.trainer_args for part in shlex.split(given)]  # "--a=1 --b=2" is two
     repeat = 1 if args.quick else args.repeat
     results, load = [], os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="restart-bench-", dir=args.dir) as scratch:
         for number in range(repeat):
             for how in kinds:
                 folder = Path(scratch) / f"{how}-{number}"
-                results.append(one_failure(args.repo, how, args.trainer_args, folder, 120 if args.quick else 300,
+                results.append(one_failure(args.repo, how, trainer_args, folder, 120 if args.quick else 300,
                                            args.restarts, args.step_secs))
     summary = {"repo": str(args.repo), "failures": results, "load": [round(x, 2) for x in load],
                "load_after": [round(x, 2) for x in os.getloadavg()]}

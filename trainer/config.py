@@ -331,6 +331,11 @@ class RunConfig:
     checkpoint_mode: str = "auto"
     """auto | sync | async; auto is async on CUDA and sync on CPU."""
     device: str = "auto"
+    data_parallel_backend: str = "auto"
+    """`--data-parallel-backend`: auto is NCCL on CUDA and gloo on the CPU. gloo on CUDA lets
+    several processes share one GPU (NCCL refuses two ranks on one device): a check or a test on
+    one GPU, at gloo's speed. Fingerprinted with the device (`fingerprint.device_kind`): the
+    backend's reduction order is part of the trained bits."""
     recover: CadenceConfig = field(default_factory=lambda: CadenceConfig(every_epochs=1))
     export: CadenceConfig = field(default_factory=CadenceConfig)
     export_dtype: str | None = None

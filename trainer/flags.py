@@ -106,6 +106,9 @@ GROUPS: dict[str, list[Flag]] = {
                   "written in the background; auto: async on CUDA, sync on CPU)"),
         Flag("--device", "device", options={"choices": ("auto", "cpu", "cuda")},
              help="where to train (auto: CUDA when available)"),
+        Flag("--data-parallel-backend", "data_parallel_backend", options={"choices": ("auto", "nccl", "gloo")},
+             help="the process group's backend under torchrun (auto: NCCL on CUDA, gloo on the CPU; gloo on CUDA "
+                  "lets several processes share one GPU)"),
         Flag("--background-timeout-secs", "background_wait.timeout_s", metavar="S|auto", type=positive_float_or_auto,
              to_config=lambda value: None if value == AUTO else value, shown_default=AUTO,
              help="how long a background collective of an async save waits for another rank before every rank "

@@ -55,7 +55,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer import compat
 from trainer.config import BackgroundWaitConfig, PeerWaitConfig
-from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageError, is_peer_loss, root_cause
+from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageError, is_peer_loss, option, root_cause
 from trainer.parallel.heartbeat import Heartbeat, round_prefix
 from trainer.parallel.launch import PRIMARY, LaunchEnvironment, process_age_s
 from trainer.parallel.reduction import PER_PARAMETER, per_parameter_mean
@@ -184,6 +184,12 @@ class Ranks:
         self.group = group
         """The process group of these collectives: None for the training (default) group."""
 
+    @property
+    def backend(self) -> str | None:
+        """The backend of these collectives' group (None in one process): the fingerprint's device
+        names a backend the device does not use by default (gloo on CUDA)."""
+        return dist.get_backend(self.group) if self.distributed and dist.is_initialized() else None
+
     def background(self) -> "Ranks":
         """The same ranks on a new gloo group, for one background thread (async saves: DCP's
         own collectives, and the commit's agreement). Gloo because DCP's async save needs a
@@ -281,7 +287,7 @@ class Ranks:
         if not self.distributed:
             return
         with self._collective(what):
-            if self.device.type == "cuda":
+            if self.backend == "nccl":
                 dist.barrier(group=self.group, device_ids=[self.device.index])
             else:
                 dist.barrier(group=self.group)
@@ -440,12 +446,25 @@ def device_of_rank(requested: torch.device, local_rank: int, visible: int) -> to
     return torch.device("cuda", local_rank % max(1, visible))
 
 
+def backend_for(device: torch.device, asked: str) -> str:
+    """The process group's backend (`--data-parallel-backend`): NCCL on CUDA and gloo on the CPU
+    unless another was asked for; NCCL without CUDA is a usage error."""
+    if asked == "nccl" and device.type != "cuda":
+        raise UsageError(f"{option('--data-parallel-backend', 'nccl')} needs CUDA, and this run trains on "
+                         f"{device.type}; use {option('--data-parallel-backend', 'gloo')} or "
+                         f"{option('--device', 'cuda')}")
+    if asked == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return asked
+
+
 @contextmanager
 def process_group(launch: LaunchEnvironment, device: torch.device,
                   wait: BackgroundWaitConfig = BackgroundWaitConfig(),
-                  peer_wait: PeerWaitConfig = PeerWaitConfig()) -> Iterator[Ranks]:
-    """Join the run's process group (gloo on CPU, NCCL on CUDA, one device per local rank)
-    from the variables torchrun or the training operator set; leave it on the way out.
+                  peer_wait: PeerWaitConfig = PeerWaitConfig(), backend: str = "auto") -> Iterator[Ranks]:
+    """Join the run's process group (`backend`: auto is gloo on CPU, NCCL on CUDA; one device
+    per local rank) from the variables torchrun or the training operator set; leave it on the
+    way out.
 
     An error escaping a multi-process run that is really a peer's disappearance (including
     one DCP wrapped, or one raised inside DDP's backward) is reported as a `PeerFailure`.
@@ -457,6 +476,7 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
     looked: they are found as the connections to and from every rank's gloo listener (gathered
     over the group once, `GroupSockets.adopt`), so a silent peer is cut off as in our own group.
     """
+    backend = backend_for(device, backend)
     if not launch.distributed:
         yield Ranks(launch, device, wait=wait, peer_wait=peer_wait)
         return
@@ -467,15 +487,15 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
     owned = not dist.is_initialized()
     before = socket_inodes()
     if owned:
-        join(launch, "nccl" if device.type == "cuda" else "gloo", peer_wait.join_bound_s(launch.restart))
+        join(launch, backend, peer_wait.join_bound_s(launch.restart))
     if not owned or peer_wait.join_bound_s(launch.restart) != peer_wait.bound_s(None):
         compat.set_group_timeout(None, peer_wait.bound_s(None))  # joined: the collectives' own bound from here
     heartbeat = Heartbeat(launch, peer_wait.silence_s).start()
     ranks = Ranks(launch, device, wait=wait, peer_wait=peer_wait, heartbeat=heartbeat)
     ranks.sockets = GroupSockets(launch.master_port)
-    if device.type != "cuda" and owned:
+    if dist.get_backend() == "gloo" and owned:
         ranks.sockets.opened(before)  # gloo's; NCCL's connections are its own (docs/scale-out.md, On NCCL)
-    elif device.type != "cuda":
+    elif dist.get_backend() == "gloo":
         ranks.sockets.adopt(ranks.gather(listeners(launch.master_port), "finding the process group's connections"))
     # the main thread leaves its wait with "connection closed" (gloo), or finds the verdict after it (NCCL)
     heartbeat.on_silence = waits_of(dist.get_backend(), ranks.sockets, compat.DeviceCommunicator()).cut

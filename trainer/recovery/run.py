@@ -182,7 +182,8 @@ class RecoveryRun(Phases):
             launch = LaunchEnvironment.from_environ(os.environ)
             held.enter_context(announced(launch.rank))
             self.ranks = held.enter_context(process_group(launch, resolve_device(self.config.device),
-                                                          self.config.background_wait, self.config.peer_wait))
+                                                          self.config.background_wait, self.config.peer_wait,
+                                                          self.config.data_parallel_backend))
             self.preemption = held.enter_context(PreemptionGuard(self.config.preempt_grace_s))
             if self.config.allow_nondeterministic_ops:  # a later seed_everything keeps it (trainer/compat.py)
                 compat.use_deterministic_algorithms(warn_only=True)

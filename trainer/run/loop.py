@@ -125,7 +125,8 @@ class TrainingRun:
 def run_training(config: RunConfig, launch: LaunchEnvironment = LaunchEnvironment(),
                  events: TrainingEvents = TrainingEvents()) -> Outcome:
     """Run on every rank; all ranks return the same status."""
-    with process_group(launch, resolve_device(config.device), config.background_wait, config.peer_wait) as ranks:
+    with process_group(launch, resolve_device(config.device), config.background_wait, config.peer_wait,
+                       config.data_parallel_backend) as ranks:
         outcome = TrainingRun(config, ranks, events).run()
         ignore_late_stop_requests()
         ranks.finish()

@@ -50,7 +50,7 @@ def check_attempt(config: RunConfig, workload: BoundWorkload, claim: Claim, data
     planned = workload.plan(training_steps(len(dataset), config.workload))
     fingerprint = current_fingerprint({**config.workload.training_relevant(), **planned}, dataset.fingerprint(),
                                       ranks.device, world_size=ranks.world_size,
-                                      workload_sources=workload.source_files)
+                                      workload_sources=workload.source_files, backend=ranks.backend)
     drift = [] if generation is None else ranks.decide_on_primary(lambda: check_fingerprint(
         generation.name, generation.manifest.fingerprint, fingerprint, config.allow_drift),
         "checking the fingerprint")
