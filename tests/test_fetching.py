@@ -161,3 +161,21 @@ def test_the_fingerprint_records_a_declaration_and_a_wrong_one_is_refused():
 
     with pytest.raises(UsageError, match="Misspelt.draws_from_global_rngs = .*some of 'random', 'numpy', 'torch'"):
         KeyedSeeding(Misspelt(), SEED)
+
+
+def test_a_dataset_that_draws_from_an_rng_it_does_not_declare_is_refused_before_the_run():
+    from trainer.recovery import KeyedData
+
+    class Lying(GlobalRngAugmentation):
+        draws_from_global_rngs = ("torch",)  # and numpy's and Python's too
+
+    torch.manual_seed(3), np.random.seed(3), random.seed(3)
+    before = capture_rng()
+    with pytest.raises(UsageError, match=r"drew from random's global RNG, which its draws_from_global_rngs = "
+                                         r"\('torch',\) leaves out.*declare draws_from_global_rngs = "
+                                         r"\('random', 'numpy', 'torch'\)"):
+        KeyedData(Lying(), batch_size=BATCH)
+    after = capture_rng()  # the probe put every stream back
+    assert torch.equal(before["numpy"]["keys"], after["numpy"]["keys"]) and torch.equal(before["torch"], after["torch"])
+    assert torch.equal(before["python"]["internal"], after["python"]["internal"])
+    assert len(KeyedData(TorchOnlyAugmentation(), batch_size=BATCH).source) == SAMPLES  # a true one passes

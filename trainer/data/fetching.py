@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from trainer.config import WorkloadConfig
-from trainer.data.global_rngs import GlobalRngs, seeded_globals
+from trainer.data.global_rngs import DRAWS, NAMES, GlobalRngs, seeded_globals
 from trainer.data.order import EpochBatchOrder, EpochShape, Fetched
 from trainer.data.workers import WorkerSignals
 from trainer.errors import UsageError, option
@@ -155,6 +155,23 @@ def refuse_state_moved_by_fetching(extras: dict, dataset: KeyedSeeding, config: 
                          f"saves, so the run would train on other data than with {option('--num-workers', 0)}: fetch "
                          f"by index, or give shards() and read(shard, offset) (the streaming protocol: the trainer "
                          f"owns the order and the cursor), or run with {option('--num-workers', 0)}")
+
+
+def refuse_undeclared_draws(dataset: KeyedSeeding, spec: str) -> None:
+    """Refuse, before the first step, a dataset that declares the global RNGs it draws from
+    (`DRAWS`) and draws from another when a sample is fetched: those draws would go unkeyed,
+    changing with the worker count and the resume point, silently. One sample is fetched
+    here (a draw only some samples make goes unseen); datasets that declare nothing are
+    keyed on all three and not probed."""
+    if len(dataset) == 0 or dataset.rngs.names == NAMES:
+        return
+    if moved := dataset.rngs.undeclared_draws(dataset.probe):
+        declared = getattr(dataset.dataset, DRAWS, "False (it is a TensorDataset)")
+        names = [name for name in NAMES if name in moved or name in dataset.rngs.names]
+        raise UsageError(f"{spec}: fetching a sample of {type(dataset.dataset).__name__} drew from {moved[0]}'s "
+                         f"global RNG, which its {DRAWS} = {declared!r} leaves out, so its draws would change with "
+                         f"the worker count and the resume point: declare {DRAWS} = {tuple(names)!r}, or leave it "
+                         f"out (all three are then keyed)")
 
 
 def same_state(a, b) -> bool:

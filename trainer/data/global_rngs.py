@@ -14,10 +14,11 @@ initialisation is sequential: no cheaper exact call exists), torch's alone about
 from __future__ import annotations
 
 import hashlib
+import operator
 import random
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -56,6 +57,8 @@ SEED = {"random": random.seed, "numpy": seed_numpy, "torch": torch.default_gener
 main process's GPU dropout: a dataset runs on the CPU)."""
 SAVE = {"random": random.getstate, "numpy": np.random.get_state, "torch": torch.default_generator.get_state}
 RESTORE = {"random": random.setstate, "numpy": np.random.set_state, "torch": torch.default_generator.set_state}
+SAME = {"random": operator.eq, "numpy": lambda a, b: np.array_equal(a[1], b[1]) and a[2:] == b[2:],
+        "torch": torch.equal}
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,17 @@ class GlobalRngs:
             raise UsageError(f"{type(dataset).__name__}.{DRAWS} = {declared!r}: declare True (the default), False "
                              f"(draws nothing) or some of {', '.join(map(repr, NAMES))}")
         return cls(tuple(name for name in NAMES if name in chosen))
+
+    def undeclared_draws(self, fetch: Callable[[], object]) -> list[str]:
+        """The global RNGs outside these that `fetch()` drew from (each put back): a
+        declaration checked on one sample before a run trusts it."""
+        others = [name for name in NAMES if name not in self.names]
+        before = [(name, SAVE[name]()) for name in others]
+        fetch()
+        moved = [name for name, state in before if not SAME[name](state, SAVE[name]())]
+        for name, state in before:
+            RESTORE[name](state)
+        return moved
 
     def declaration(self) -> str:
         """What the fingerprint's `dataset` adds: nothing for the default (all three)."""
