@@ -18,6 +18,8 @@ of (features, label) pairs, the plain loop's of docs/library.md:
 - `declared`: the same, declaring `draws_from_global_rngs = False`: fetched unseeded.
 - `augmenting`: noise from `random`, `np.random` and `torch.rand` on every sample, the
   torchvision habit: the DataLoader's draws depend on the worker, the keyed ones do not.
+- `torch-only`: noise from `torch.rand` alone, declaring `draws_from_global_rngs = ("torch",)`
+  (a torchvision pipeline): only torch's generator is seeded.
 """
 
 from __future__ import annotations
@@ -68,7 +70,14 @@ class Augmenting(Pairs):
         return self.features[index] * scale + 0.01 * torch.rand(()), self.labels[index]
 
 
-DATASETS = {"plain": Pairs, "declared": Declared, "augmenting": Augmenting}
+class TorchAugmenting(Pairs):
+    draws_from_global_rngs = ("torch",)
+
+    def __getitem__(self, index: int):
+        return self.features[index] * (1.0 + 0.01 * torch.rand(())), self.labels[index]
+
+
+DATASETS = {"plain": Pairs, "declared": Declared, "augmenting": Augmenting, "torch-only": TorchAugmenting}
 
 
 def per_sample(batches, samples: int) -> tuple[float, float]:

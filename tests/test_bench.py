@@ -104,7 +104,7 @@ def stream_bench_checks(report: dict) -> None:
 def data_bench_checks(report: dict) -> None:
     """Structure only: each dataset read both ways at 0 and 2 workers."""
     assert [(row["dataset"], row["workers"]) for row in report["rows"]] == [
-        (name, workers) for name in ("plain", "declared", "augmenting") for workers in (0, 2)]
+        (name, workers) for name in ("plain", "declared", "augmenting", "torch-only") for workers in (0, 2)]
     assert all(row["keyed_us"] > 0 and row["plain_us"] > 0 and row["ratio"] > 0 for row in report["rows"])
 
 
