@@ -102,6 +102,13 @@ def stream_bench_checks(report: dict) -> None:
     assert all(1.0 <= row["fetched_per_trained"] < 1.01 for row in report["store"]), "no byte fetched twice"
 
 
+def data_bench_checks(report: dict) -> None:
+    """Structure only: each dataset read both ways at 0 and 2 workers."""
+    assert [(row["dataset"], row["workers"]) for row in report["rows"]] == [
+        (name, workers) for name in ("plain", "declared", "augmenting", "torch-only") for workers in (0, 2)]
+    assert all(row["keyed_us"] > 0 and row["plain_us"] > 0 and row["ratio"] > 0 for row in report["rows"])
+
+
 def memory_tier_bench_checks(report: dict) -> None:
     """Structure, and one bound: both tiers and the peer restored (fetch, verify and load), the
     loop timed with and without tier-0 saves (sync and async), peak RSS read, the ratios between
@@ -152,7 +159,8 @@ def library_bench_checks(report: dict) -> None:
     assert all(ranks[key] > 0 for key in ("async_save_ratio", "sync_vs_dcp_durable")), ranks
 
 
-CHECKS = {"heartbeat_bench.py": heartbeat_bench_checks, "library_bench.py": library_bench_checks, "memory_tier_bench.py": memory_tier_bench_checks,
+CHECKS = {"data_bench.py": data_bench_checks, "heartbeat_bench.py": heartbeat_bench_checks,
+          "library_bench.py": library_bench_checks, "memory_tier_bench.py": memory_tier_bench_checks,
           "restart_bench.py": restart_bench_checks, "stream_bench.py": stream_bench_checks,
           "store_bench.py": store_bench_checks, "scale_out_bench.py": scale_out_bench_checks,
           "goodput_sim.py": goodput_sim_checks, "goodput_validation.py": goodput_validation_checks,

@@ -9,7 +9,7 @@ from dataclasses import replace
 from torch.utils.data import IterableDataset
 
 from trainer.config import RunConfig, WorkloadConfig
-from trainer.data.fetching import KeyedSeeding
+from trainer.data.fetching import KeyedSeeding, refuse_undeclared_draws
 from trainer.data.order import EpochShape
 from trainer.data.stream import StreamCursor, StreamSource, note_reading
 from trainer.errors import UsageError
@@ -61,4 +61,6 @@ def source_of(dataset, config: WorkloadConfig, spec: str, collate=None) -> DataS
                          f"map-style (__len__ and __getitem__) nor a stream: for an iterable dataset give "
                          f"shards() -> [(name, records)] and read(shard, offset) -> records from that offset, "
                          f"and the trainer owns the order, the shuffle buffer and the cursor (docs/streaming.md)")
-    return KeyedSeeding(dataset, config.seed, collate)
+    source = KeyedSeeding(dataset, config.seed, collate)
+    refuse_undeclared_draws(source, f"--workload {spec}")
+    return source

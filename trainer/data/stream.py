@@ -59,7 +59,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from trainer.data.fetching import COLLATE, seeded_globals
+from trainer.data.fetching import COLLATE
+from trainer.data.global_rngs import seeded_globals
 from trainer.data.order import EpochShape, Fetched
 from trainer.data.workers import WorkerSignals
 from trainer.errors import CorruptGeneration, UsageError
