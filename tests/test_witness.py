@@ -77,6 +77,21 @@ def test_going_back_compares_only_with_attempts_that_trained_the_same_way(interr
     assert "restore matched the saved state; replay not compared: allowed drift (config.lr: 0.05 → 0.2)" in report
 
 
+def test_a_resume_with_nothing_to_replay_is_recorded_as_not_compared():
+    """A kill -9 right at a save leaves no step past it: the resume's replay is "not compared"
+    (so `report` never says every check passed); a fresh start has nothing to replay at all."""
+    resumed = ReplayWitness({}, restored_step=8)
+    resumed.step(9, step_digest(0.5, 1))
+    record = resumed.as_record()
+    assert record["compared"] is False and "past step 8" in record["reason"]
+    fresh = ReplayWitness({})
+    fresh.step(1, step_digest(0.5, 1))
+    assert fresh.as_record() is None
+    replayed = ReplayWitness({9: (step_digest(0.5, 1), "a1")}, restored_step=8)
+    replayed.step(9, step_digest(0.5, 1))
+    assert replayed.as_record() == {"matched": 1, "of": 1, "first_mismatch": None, "against": ["a1"]}
+
+
 def test_the_parameter_checksum_sees_one_flipped_bit_in_any_dtype():
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         model = nn.Linear(7, 3).to(dtype)  # 21 weights: not whole 64-bit words in bf16 and float32

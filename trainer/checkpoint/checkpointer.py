@@ -268,6 +268,8 @@ class AsyncCheckpointer(_Checkpointer):
     def save(self, state_dict: dict, facts: GenerationFacts) -> list[Published]:
         import torch.distributed.checkpoint as dcp  # imported by the first save, not at start-up
 
+        from trainer.checkpoint.writer import RankZeroCopies
+
         if self._closed:
             raise RuntimeError("AsyncCheckpointer.save() after finalize()")
         started = time.monotonic()
@@ -278,7 +280,8 @@ class AsyncCheckpointer(_Checkpointer):
         try:
             writer = self.new_writer(temporary)
             response = dcp.async_save(state_dict, storage_writer=writer, async_stager=self.stager,
-                                      process_group=self._write_group.group, no_dist=not self.coordinator.distributed)
+                                      planner=RankZeroCopies(), process_group=self._write_group.group,
+                                      no_dist=not self.coordinator.distributed)
         except BaseException as error:  # noqa: BLE001 - every rank must hear of it, below
             self.commit.abandon(temporary, self.coordinator)
             failure = self._failure(error, step)

@@ -39,11 +39,12 @@ def write_snapshot(state_dict: dict, directory: Path, config: WriterConfig = Wri
     the others (a tier-0 part under torchrun); None: alone exactly when no process group exists."""
     import torch.distributed.checkpoint as dcp
 
-    from trainer.checkpoint.writer import HashingFileSystemWriter
+    from trainer.checkpoint.writer import HashingFileSystemWriter, RankZeroCopies
 
     writer = HashingFileSystemWriter(directory, config)
     try:
-        dcp.save(state_dict, storage_writer=writer, no_dist=single_process() if alone is None else alone)
+        dcp.save(state_dict, storage_writer=writer, planner=RankZeroCopies(),
+                 no_dist=single_process() if alone is None else alone)
     except dcp.CheckpointException as error:
         raised = _raised_by_rank(error)
         if isinstance(raised, TrainerError):  # the writer's refusal of an unloadable value: one line

@@ -32,7 +32,10 @@ from typing import Callable
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.utils.serialization.config as serialization_config
+import dataclasses
+
 from torch.futures import Future
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -41,6 +44,29 @@ from trainer.config import WriterConfig
 from trainer.checkpoint.safe_load import unsafe_globals
 from trainer.errors import UnloadableState
 from trainer.layout import SNAPSHOT_SHARD_SUFFIX
+
+RANK_ZERO_SECTIONS = frozenset({"workload"})
+"""Top-level sections whose one stored copy is rank 0's: a workload's extras, and a loop's
+shared extras (trainer/run/state.py), which the ranks may hold differently."""
+
+
+class RankZeroCopies(DefaultSavePlanner):
+    """DCP's planner, except that an entry of `RANK_ZERO_SECTIONS` that several ranks save
+    under one key is kept from the lowest rank holding it. DCP keeps one copy of such an entry
+    from whichever rank's plan is smallest so far (balancing the writes: kept for the model
+    and optimizer, identical on every rank), so a value the ranks hold differently came back
+    as another rank's."""
+
+    def create_global_plan(self, all_plans: list[SavePlan]):
+        lowest: dict = {}
+        for rank, plan in enumerate(all_plans):
+            for item in plan.items:
+                if item.index.fqn.split(".", 1)[0] in RANK_ZERO_SECTIONS:
+                    lowest.setdefault(item.index, rank)
+        return super().create_global_plan([
+            dataclasses.replace(plan, items=[item for item in plan.items if lowest.get(item.index, rank) == rank])
+            for rank, plan in enumerate(all_plans)])
+
 
 _CHUNK = 8 << 20
 _WRITEBACK_BATCH = 4 << 20

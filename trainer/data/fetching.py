@@ -150,7 +150,7 @@ def refuse_state_moved_by_fetching(extras: dict, dataset: KeyedSeeding, config: 
     for name in moved:
         extras[name].load_state_dict(before[name])
     if moved:
-        raise UsageError(f"--workload {spec}: its stateful() {moved[0]!r} changes when a sample is fetched; with "
+        raise UsageError(f"{option('--workload', spec)}: its stateful() {moved[0]!r} changes when a sample is fetched; with "
                          f"{config.named('num_workers')} that happens in the workers' copies, which no generation "
                          f"saves, so the run would train on other data than with {option('--num-workers', 0)}: fetch "
                          f"by index, or give shards() and read(shard, offset) (the streaming protocol: the trainer "

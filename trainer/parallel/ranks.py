@@ -390,7 +390,7 @@ class Ranks:
         verdict = self.heartbeat.verdict if self.heartbeat is not None else None
         state, said = _what_happened(error, what, silent, verdict, timed_out, bound)
         return PeerFailure(f"{said}; resumable: the next attempt continues from the newest generation "
-                           f"(torchrun --max-restarts restarts in place; else --resume auto)", state, tuple(silent or ()))
+                           f"(torchrun --max-restarts restarts in place; else {option('--resume', 'auto')})", state, tuple(silent or ()))
 
     def as_peer_failure(self, error: BaseException, what: str = "training") -> BaseException:
         """`error`, or the PeerFailure it really is: a collective's lost connection or timeout
@@ -414,7 +414,7 @@ def _what_happened(error: BaseException, what: str, silent: list[int] | None, ve
         ended = [rank for rank in verdict.get("ended", []) if rank in silent]
         return PeerFailure.UNRESPONSIVE, (
             f"{who} stopped answering: {its} {heartbeat} {was} silent for {verdict['silent_s']:g} s while {what} "
-            f"(frozen: a hung device, a silent network, a paused machine; --peer-silence-secs)"
+            f"(frozen: a hung device, a silent network, a paused machine; {option('--peer-silence-secs')})"
             + (f"; ended {_processes_of(ended) if not one else 'its process'} on this host (SIGKILL)"
                if ended else ""))
     if timed_out:
@@ -423,7 +423,7 @@ def _what_happened(error: BaseException, what: str, silent: list[int] | None, ve
             f"stopped (frozen: a hung device, a silent network, a paused machine)") if who else \
             (f"no reply from another rank within {bound:g} s while {what}"
              + (", though every rank's heartbeat goes on (one is slower than the bound allows: "
-                "raise --peer-timeout-secs)" if silent == [] else ""))
+                f"raise {option('--peer-timeout-secs')})" if silent == [] else ""))
     return PeerFailure.LOST, (
         f"{who} {is_} gone: {its} {'connection' if one else 'connections'} closed while {what} and {its} "
         f"{heartbeat} stopped (the {'process' if one else 'processes'} died or {its} {'node' if one else 'nodes'} "
@@ -567,9 +567,9 @@ def join(launch: LaunchEnvironment, backend: str, timeout_s: float) -> None:
         error = failure[0]
         if launch.restart and any(word in str(error).lower() for word in ("timed out", "timeout")):
             raise PeerFailure(f"round {launch.restart} of torchrun's restarts: not every rank of the "
-                              f"{launch.world_size} joined within {timeout_s:g} s (--rejoin-timeout-secs); a node "
+                              f"{launch.world_size} joined within {timeout_s:g} s ({option('--rejoin-timeout-secs')}); a node "
                               f"whose agent did not restart its workers (a frozen worker under a static rendezvous) "
-                              f"never comes; resumable: --resume auto continues when every node starts again"
+                              f"never comes; resumable: {option('--resume', 'auto')} continues when every node starts again"
                               ) from None
         if isinstance(error, (RuntimeError, ValueError)):
             raise PeerFailure(f"could not join the {launch.world_size}-process group as rank {launch.rank} "

@@ -80,11 +80,12 @@ def steps_replayed(previous: AttemptRecord | None, restored_step: int | None) ->
     """Work the previous attempt did beyond the generation now restored (lost and redone).
 
     A killed attempt's `last_step` is only as fresh as its progress marker (every step, in
-    the page cache), so for a node loss this is a lower bound.
+    the page cache), so for a node loss this is a lower bound. A stopped attempt's step after
+    its save (`witness_step`) counts: it was computed, and is computed again.
     """
-    if previous is None or previous.last_step is None:
+    if previous is None or previous.computed_to is None:
         return None
-    return max(0, previous.last_step - (restored_step or 0))
+    return max(0, previous.computed_to - (restored_step or 0))
 
 
 def newest_generation(record: dict) -> str | None:
@@ -290,7 +291,10 @@ class AttemptRecorder:
             self._flush()
 
     def reached(self, step: int, first: bool = False) -> None:
-        """Training stands at `step` (with `first`, the step this attempt starts from)."""
+        """Training stands at `step` (with `first`, the step this attempt starts from); the
+        witness's step after a stop's save (`witnessed`) is not where it stands."""
+        if (witness := self._record.get("witness_step")) is not None:
+            step = min(step, witness - 1)
         if first:
             self._record["first_step"] = step
         self._record["last_step"] = step
@@ -322,6 +326,18 @@ class AttemptRecorder:
                 progress["every"] *= 2
                 progress["points"] = [p for p in progress["points"] if p[0] % progress["every"] == 0]
             self._flush()  # at most MAX_PROGRESS_POINTS writes per doubling of the steps
+
+    def witnessed(self, step: int, digest: str) -> None:
+        """The step computed after a stop signal's save, not saved: its digest for the next
+        attempt's replay check (and this attempt's own), recorded as `witness_step`, never as
+        where training stands (`last_step` stays the saved step)."""
+        if not self.persist:
+            return
+        self._digests.append(step, digest)
+        self.replay.step(step, digest)
+        if (replay := self.replay.as_record()) is not None:
+            self._record["replay"] = replay
+        self._record["witness_step"] = step
 
     def cadence_changed(self, change: dict, key: str = "cadence_changes") -> None:
         """An auto cadence re-derived its interval (`change`: CadenceChange.as_record, or

@@ -89,9 +89,21 @@ class TrainingRun:
                     return outcome
         return self.end(COMPLETED, None, saves, state)
 
+    stopping: str | None = None
+    """Set once a stop signal's generation is saved: the reason the attempt then ends with."""
+
     def after_step(self, done, training: Training, saves: CadencedSaves, preemption: PreemptionGuard) -> Outcome | None:
-        """Record the step, then save on cadence; an Outcome when the attempt ends here."""
+        """Record the step, then save on cadence; an Outcome when the attempt ends here. After
+        a stop signal's save one more step runs, for the witness only: its digest is recorded
+        and it is not saved, so the next attempt replays it (trainer/run/witness.py)."""
         step, agreed, state = done.step, done.agreed, training.state
+        if self.stopping is not None:
+            self.progress.step(step, state.progress.epoch, agreed.loss, done.lr, self.recorder.newest_generation,
+                               last=True)
+            self.recorder.witnessed(step, done.digest)
+            saved = step - 1
+            return self.end(PREEMPTED, self.stopping, saves, state, f"preempted by {preemption.stop_cause}: saved step "
+                            f"{saved} (exit 75); step {step} computed for the witness, not saved")
         last = step in (self.config.interrupt_at_step, training.total_steps) or agreed.preempt
         self.step_completed(state, done, last)
         if step == self.config.interrupt_at_step:
@@ -100,8 +112,11 @@ class TrainingRun:
         saves.after_step(state, state.model, self.workload, agreed, final=step == training.total_steps)
         if agreed.preempt:
             signal_name = preemption.stop_cause
-            return self.end(PREEMPTED, f"{signal_name} after step {step}; generation saved", saves, state,
-                            f"preempted by {signal_name}: saved step {step} (exit 75)")
+            self.stopping = f"{signal_name} after step {step}; generation saved"
+            if step < training.total_steps:
+                return None  # the step after it, for the witness (above)
+            return self.end(PREEMPTED, self.stopping, saves, state, f"preempted by {signal_name}: saved step {step} "
+                            f"(exit 75)")
         return None
 
     def step_completed(self, state, done, last: bool) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Protocol, TypeVar
 
 from trainer.config import StoreConfig
-from trainer.errors import NothingToResume, StorageFailure, UsageError
+from trainer.errors import NothingToResume, StorageFailure, UsageError, option
 from trainer.location import SCHEMES, StoreLocation
 from trainer.origin import install_extra
 
@@ -288,7 +288,7 @@ class ObjectStore:
                     raise StoreUnavailable(
                         f"{self.url}: {what} failed after {attempt + 1} tries over "
                         f"{time.monotonic() - started:.0f}s: {describe(error)}; earlier generations are intact; "
-                        f"when the store is back, rerun with --resume auto") from None
+                        f"when the store is back, rerun with {option('--resume', 'auto')}") from None
                 wait = min(config.backoff_s * 2 ** attempt, 8.0)
                 log.warning("store: %s failed (%s); retry %d/%d in %.1fs", what, describe(error), attempt + 1,
                             config.retries, wait)

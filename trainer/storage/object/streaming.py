@@ -27,7 +27,7 @@ from typing import Callable, Mapping
 from trainer.checkpoint.atomic import fsync_dir, rename_into_place, write_file_durably
 from trainer.checkpoint.manifest import Verification, deferred
 from trainer.checkpoint.onepass import Arrivals
-from trainer.errors import StorageFailure, TrainerError
+from trainer.errors import StorageFailure, TrainerError, option
 from trainer.layout import MANIFEST
 from trainer.storage.base import Transfer
 from trainer.storage.object.client import ObjectClient, describe
@@ -113,7 +113,7 @@ def stream_shards(objects: ObjectClient, key_of: Callable[[str], str], files: Ma
         """A failure after the client's retries: the load raises it (one line, 74)."""
         arrivals.failed(error if isinstance(error, TrainerError) else
                         StorageFailure(f"{where}: downloading {name} failed: {describe(error)}; earlier "
-                                       f"generations are intact; rerun with --resume auto"))
+                                       f"generations are intact; rerun with {option('--resume', 'auto')}"))
         missing(name)
 
     def missing(name: str) -> None:
