@@ -164,7 +164,7 @@ def test_the_fingerprint_records_a_declaration_and_a_wrong_one_is_refused():
 
 
 def test_a_dataset_that_draws_from_an_rng_it_does_not_declare_is_refused_before_the_run():
-    from trainer.recovery import KeyedData
+    from trainer.data.keyed import KeyedData  # the data layer's refusal (recovery.KeyedData says it and exits 2)
 
     class Lying(GlobalRngAugmentation):
         draws_from_global_rngs = ("torch",)  # and numpy's and Python's too

@@ -131,7 +131,7 @@ def test_the_process_groups_backend_follows_the_device_unless_asked(device, aske
 
 
 def test_nccl_without_cuda_is_refused_in_one_line_naming_both_ways_out(tmp_path):
-    result = run_cli(["--output", str(tmp_path / "run"), "--device", "cpu", "--data-parallel-backend", "nccl"])
+    result = run_cli("--output", tmp_path / "run", "--device", "cpu", "--data-parallel-backend", "nccl")
     assert result.returncode == 2
     line = one_error_line(result)
     assert "--data-parallel-backend nccl needs CUDA" in line and "--data-parallel-backend gloo" in line
