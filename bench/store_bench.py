@@ -93,7 +93,7 @@ from trainer.checkpoint.snapshot import load_snapshot, stored_entries  # noqa: E
 from trainer.checkpoint.section import LocalSection  # noqa: E402
 from trainer.checkpoint.writer import WriterConfig  # noqa: E402
 from trainer.location import StoreLocation  # noqa: E402
-from trainer.storage.object.client import ObjectStore, open_filesystem  # noqa: E402
+from trainer.storage.object.client import open_filesystem, open_objects  # noqa: E402
 from trainer.layout import MANIFEST, RunDirectory, generation_name  # noqa: E402
 from trainer.layout import GENERATIONS  # noqa: E402
 from trainer.storage.object.tiering import RemoteRun, StoreRetention, Uploader  # noqa: E402
@@ -246,7 +246,7 @@ class Bench:
         """A fresh bucket for the duration; the run prefix in it is self.remote."""
         with self.buckets.fresh(self.prefix) as bucket:
             self.bucket = bucket
-            self.objects = ObjectStore(StoreLocation("s3", bucket, self.prefix), StoreConfig(), filesystem=self.fs)
+            self.objects = open_objects(StoreLocation("s3", bucket, self.prefix), StoreConfig())
             self.remote = RemoteRun(self.objects, self.tier)
             self.section = self.remote.generations
             self.objects.write("warm-up", os.urandom(1 << 20))  # as the lease's writes do before a first save

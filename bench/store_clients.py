@@ -9,7 +9,8 @@ seconds (its /proc stat) apart. The digest's own CPU is measured alone and repor
 so the client's share can be read off: `client CPU - digest CPU`.
 
 Clients, where installed (each is skipped with a note otherwise):
-  s3fs       today's ObjectStore through fsspec/s3fs over aiobotocore (the trainer's code path)
+  s3fs       FsspecObjects (the client before issue 58) through fsspec/s3fs over aiobotocore (the trainer's code path)
+  ours       open_objects' S3 client (obstore_client.py): ranged GETs in flight, hashed as they land
   obstore    Rust's object_store (obstore): put with multipart, get streamed
   obstore-ranged  the same, the download as parallel ranged GETs (16 MiB) into the buffer
   crt        s3torchconnectorclient's MountpointS3Client (the AWS CRT, as s3torchconnector uses)
@@ -56,8 +57,8 @@ class S3fsTransfers(Transfers):
     def __init__(self, bucket: str, prefix: str):
         from trainer.config import StoreConfig
         from trainer.location import StoreLocation
-        from trainer.storage.object.client import ObjectStore
-        self.store = ObjectStore(StoreLocation("s3", bucket, prefix), StoreConfig())
+        from trainer.storage.object.client import FsspecObjects
+        self.store = FsspecObjects(StoreLocation("s3", bucket, prefix), StoreConfig())
 
     def upload(self, path, key):
         self.store.upload(path, key)
@@ -72,6 +73,28 @@ class S3fsTransfers(Transfers):
             digest.update(chunk)
             offset += len(chunk)
         stream_object(self.store.fs, self.store.location, 20.0, key, take)
+        return offset
+
+
+class OursTransfers(Transfers):
+    name = "ours: ObstoreObjects (ranged GETs in flight)"
+
+    def __init__(self, bucket: str, prefix: str):
+        from trainer.config import StoreConfig
+        from trainer.location import StoreLocation
+        from trainer.storage.object.client import open_objects
+        self.store = open_objects(StoreLocation("s3", bucket, prefix), StoreConfig())
+
+    def upload(self, path, key):
+        self.store.upload(path, key)
+
+    def download_into(self, key, size, view, digest):
+        offset = 0
+        for piece in self.store.pieces(key, size):
+            piece = memoryview(piece)
+            view[offset:offset + len(piece)] = piece
+            digest.update(piece)
+            offset += len(piece)
         return offset
 
 
@@ -139,7 +162,7 @@ class CrtTransfers(Transfers):
         return offset
 
 
-CLIENTS: list[type[Transfers]] = [S3fsTransfers, ObstoreTransfers, ObstoreRangedTransfers, CrtTransfers]
+CLIENTS: list[type[Transfers]] = [S3fsTransfers, OursTransfers, ObstoreTransfers, ObstoreRangedTransfers, CrtTransfers]
 
 
 def compare(files: list[Path], bucket: str, measure: Callable, rounds: int = 1) -> list[dict]:
