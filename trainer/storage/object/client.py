@@ -250,11 +250,12 @@ class ObjectClient(Protocol):
     def write_conditionally(self, key: str, data: bytes, if_match: str | None) -> str: ...
 
 
-def backoff(config: StoreConfig, attempt: int) -> float:
-    """Seconds before retry `attempt + 1`: doubling from --store-backoff-secs, at most 8 s, with
-    full jitter over its upper half, so ranks throttled together (a 503 SlowDown) do not come
-    back together."""
-    return min(config.backoff_s * 2 ** attempt, 8.0) * random.uniform(0.5, 1.0)
+def backoff(config: StoreConfig, attempt: int, jitter: random.Random) -> float:
+    """Seconds before retry `attempt + 1`: doubling from --store-backoff-secs, at most 8 s,
+    drawn over its upper half, so ranks throttled together (a 503 SlowDown) do not come back
+    together. `jitter` is the client's own generator: Python's global one is training state
+    (a generation stores it), and a retry drawing from it made a resume inexact."""
+    return min(config.backoff_s * 2 ** attempt, 8.0) * jitter.uniform(0.5, 1.0)
 
 
 class StoreCalls:
@@ -265,6 +266,8 @@ class StoreCalls:
     def __init__(self, location: StoreLocation, config: StoreConfig):
         self.location = location
         self.config = config
+        self.jitter = random.Random()
+        """The backoff's draws: never Python's global generator, which is training state."""
 
     @property
     def url(self) -> str:
@@ -291,7 +294,7 @@ class StoreCalls:
                         f"{self.url}: {what} failed after {attempt + 1} tries over "
                         f"{time.monotonic() - started:.0f}s: {describe(error)}; earlier generations are intact; "
                         f"when the store is back, rerun with --resume auto") from None
-                wait = backoff(config, attempt)
+                wait = backoff(config, attempt, self.jitter)
                 log.warning("store: %s failed (%s); retry %d/%d in %.1fs", what, describe(error), attempt + 1,
                             config.retries, wait)
                 time.sleep(wait)
