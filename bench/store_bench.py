@@ -4,6 +4,11 @@ reach the store and come back, against plain S3 clients on the same server?
     python bench/store_bench.py --size-mb 512 --json out.json
     python bench/store_bench.py --quick                      # 32 MB, one round: a smoke test, ~15 s
     python bench/store_bench.py --endpoint http://HOST:PORT  # a server you run (keys from AWS_* variables)
+    python bench/store_bench.py --clients-only --size-mb 256  # the client table alone (bench/store_clients.py)
+
+First, the client table (issue 58): the same generation's files through each S3 client (s3fs,
+ours on obstore, obstore's own calls, the AWS CRT through s3torchconnectorclient, where
+installed): CPU-s per GB of this process and of the server, throughput (bench/store_clients.py).
 
 Without --endpoint (or AWS_ENDPOINT_URL) it starts a SeaweedFS `weed server` on free loopback
 ports (tests/s3server.py, the test suite's server; `weed` comes with requirements-dev.txt) in a
