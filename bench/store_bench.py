@@ -4,6 +4,11 @@ reach the store and come back, against plain S3 clients on the same server?
     python bench/store_bench.py --size-mb 512 --json out.json
     python bench/store_bench.py --quick                      # 32 MB, one round: a smoke test, ~15 s
     python bench/store_bench.py --endpoint http://HOST:PORT  # a server you run (keys from AWS_* variables)
+    python bench/store_bench.py --clients-only --size-mb 256  # the client table alone (bench/store_clients.py)
+
+First, the client table (issue 58): the same generation's files through each S3 client (s3fs,
+ours on obstore, obstore's own calls, the AWS CRT through s3torchconnectorclient, where
+installed): CPU-s per GB of this process and of the server, throughput (bench/store_clients.py).
 
 Without --endpoint (or AWS_ENDPOINT_URL) it starts a SeaweedFS `weed server` on free loopback
 ports (tests/s3server.py, the test suite's server; `weed` comes with requirements-dev.txt) in a
@@ -93,7 +98,7 @@ from trainer.checkpoint.snapshot import load_snapshot, stored_entries  # noqa: E
 from trainer.checkpoint.section import LocalSection  # noqa: E402
 from trainer.checkpoint.writer import WriterConfig  # noqa: E402
 from trainer.location import StoreLocation  # noqa: E402
-from trainer.storage.object.client import ObjectStore, open_filesystem  # noqa: E402
+from trainer.storage.object.client import open_filesystem, open_objects  # noqa: E402
 from trainer.layout import MANIFEST, RunDirectory, generation_name  # noqa: E402
 from trainer.layout import GENERATIONS  # noqa: E402
 from trainer.storage.object.tiering import RemoteRun, StoreRetention, Uploader  # noqa: E402
@@ -246,7 +251,7 @@ class Bench:
         """A fresh bucket for the duration; the run prefix in it is self.remote."""
         with self.buckets.fresh(self.prefix) as bucket:
             self.bucket = bucket
-            self.objects = ObjectStore(StoreLocation("s3", bucket, self.prefix), StoreConfig(), filesystem=self.fs)
+            self.objects = open_objects(StoreLocation("s3", bucket, self.prefix), StoreConfig())
             self.remote = RemoteRun(self.objects, self.tier)
             self.section = self.remote.generations
             self.objects.write("warm-up", os.urandom(1 << 20))  # as the lease's writes do before a first save
@@ -358,6 +363,15 @@ class Bench:
         assert verification.ok, verification.problem
         return row
 
+    def clients(self, rounds: int) -> list[dict]:
+        """The client table (bench/store_clients.py) on one generation's data files."""
+        from store_clients import compare
+        name, _, _ = self.publish_locally()
+        files = sorted(path for path in self.local.path(name).iterdir() if path.name != MANIFEST)
+        rows = compare(files, self.bucket, self.clock.measure, rounds)
+        self.forget(name)
+        return rows
+
     def burst(self, max_pending: int, saves: int) -> dict:
         """`saves` saves back to back through an Uploader bounded at `max_pending`."""
         uploader = Uploader(self.remote, max_pending, NO_FENCE, StoreRetention(None, None, None), frozenset())
@@ -390,7 +404,7 @@ class Bench:
 
 
 def measure(size_mb: float, repeat: int, burst: int, base: Path, bucket: str | None, writer: WriterConfig,
-            server_ready) -> dict:
+            server_ready, clients_only: bool = False) -> dict:
     """`server_ready()` returns once the endpoint can be reached (and the server's pid, if known)."""
     state, _ = training_state(size_mb, torch.device("cpu"))
     nbytes = state_bytes(state)
@@ -399,6 +413,11 @@ def measure(size_mb: float, repeat: int, burst: int, base: Path, bucket: str | N
     runs: dict[str, list[float]] = {}
     data_bytes = 0
     load_average = round(os.getloadavg()[0], 2)
+    with bench.round():
+        client_rows = bench.clients(repeat)
+    if clients_only:
+        return {"clients": client_rows, "load_average_at_start": load_average,
+                "load_average_at_end": round(os.getloadavg()[0], 2), "data_bytes": state_bytes(state)}
     for _ in range(repeat):
         # a round: sync-to-store, plain clients and restores of that generation, then a tiered save
         with bench.round():
@@ -429,6 +448,7 @@ def measure(size_mb: float, repeat: int, burst: int, base: Path, bucket: str | N
     # a busy moment on a shared machine slows all of a round: the median of per-round ratios is steadier
     result["same_round_ratios"] = {name: round(median([numerator(i) / denominator(i) for i in range(repeat)]), 3)
                                    for name, numerator, denominator, _ in ratio_definitions(runs)}
+    result["clients"] = client_rows
     result["bursts"] = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in b.items()} for b in bursts]
     result["runs_s"] = {name: [round(v, 4) for v in values] for name, values in runs.items()}
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.items()}
@@ -485,9 +505,17 @@ def headline(r: dict) -> list[str]:
             f"CPU {r['local_one_pass_cpu_s']:.2f} s ({r['cpu_count']} CPUs; medians)", ""]
 
 
+def client_table(r: dict) -> list[str]:
+    from store_clients import table
+    return [*table(r["clients"], r["data_bytes"]),
+            f"(load average {r['load_average_at_start']} at start, {r['load_average_at_end']} at end)", ""]
+
+
 def markdown(r: dict) -> str:
+    if "repeat" not in r:
+        return "\n".join(client_table(r))
     cpu_note = "" if r["server_cpu_known"] else " (server CPU unknown: not started here; see --server-pid)"
-    lines = [*headline(r),
+    lines = [*headline(r), *client_table(r),
              f"state: {r['size_mb']} MB ({r['data_bytes'] / (1 << 20):.1f} MB of objects), median of {r['repeat']}, "
              f"{r['writer_threads']} writer threads, {r['cpu_count']} CPUs (load average "
              f"{r['load_average_at_start']} at start, {r['load_average_at_end']} at end), torch {r['torch']}, "
@@ -532,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="32 MB, 1 round, 1 save beyond max_pending: a smoke test (use >= 256 MB for ratios)")
     parser.add_argument("--dir", type=Path, help="local tier and server data (default: a temporary folder under /tmp)")
+    parser.add_argument("--clients-only", action="store_true", help="only the client table (issue 58)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     if args.quick:
@@ -546,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         elif not os.environ.get("AWS_ENDPOINT_URL"):
             server_ready = start_server(stack, base)
         result = measure(args.size_mb, args.repeat, args.burst, base, args.bucket, WriterConfig(threads=args.threads),
-                         server_ready)
+                         server_ready, args.clients_only)
     return print_result(markdown(result), result, args.json)
 
 

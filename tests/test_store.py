@@ -151,7 +151,7 @@ def test_a_fetch_refuses_a_flipped_byte_past_the_first_handover_and_a_missing_ob
     from trainer.checkpoint.section import LocalSection
     from trainer.layout import MANIFEST, RUN_IDENTITY, RunDirectory
     from trainer.location import parse_store_url
-    from trainer.storage.object.client import CHUNK, ObjectStore
+    from trainer.storage.object.client import CHUNK, open_objects
     from trainer.storage.object.section import ObjectSection
 
     s3_bucket.use_env(monkeypatch)
@@ -164,7 +164,7 @@ def test_a_fetch_refuses_a_flipped_byte_past_the_first_handover_and_a_missing_ob
     (name,) = local.committed()
     shard = max((path for path in local.path(name).iterdir() if path.name != MANIFEST), key=lambda p: p.stat().st_size)
     assert shard.stat().st_size > 2 * CHUNK
-    objects = ObjectStore(parse_store_url(f"{s3_bucket.url}/run"))
+    objects = open_objects(parse_store_url(f"{s3_bucket.url}/run"))
     objects.write(RUN_IDENTITY, (run.root / RUN_IDENTITY).read_bytes())
     section = ObjectSection(objects, "checkpoints")
     section.commit(name, local.path(name), fence=lambda: None)
