@@ -140,7 +140,7 @@ def test_a_fetch_refuses_a_flipped_byte_past_the_first_handover_and_a_missing_ob
                                                                                        tmp_path):
     """`ObjectSection.fetch` hashes every object as it streams, on the threads the chunks are
     handed to (client.py `stream_object`, CHUNK bytes at a time): a 20 MB shard downloads whole and
-    exact, one flipped byte in its second handover is refused with the sha256 line and leaves
+    exact, one flipped byte in its second handover is refused with the digest line and leaves
     nothing behind, and a deleted object (one GET, no lookup first) is refused as missing."""
     import torch
 

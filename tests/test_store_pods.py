@@ -366,7 +366,7 @@ def test_both_tier0_copies_lost_leave_the_object_store_to_serve(s3_server, tier0
 
 def test_a_damaged_tier0_part_is_refused_by_its_hash_and_the_partners_replica_serves(
         s3_server, tier0_copy, baseline_two_nodes):
-    """A flipped byte in rank 1's own part (memory damaged): refused by its sha256 with one
+    """A flipped byte in rank 1's own part (memory damaged): refused by its digest with one
     warning line, the replica on node 0 serves it; exact."""
     bucket, tmp = tier0_copy
     flip_a_byte(sorted(part(tmp, 1, 1).glob("*.distcp"))[0])
