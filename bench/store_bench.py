@@ -32,14 +32,14 @@ code (SyncCheckpointer into a local LocalSection, ObjectSection.commit, Uploader
   s3fs_put_s           the same files with s3fs put_file and its defaults, one after another
                        (multipart from 100 MB, 50 MB parts, 10 in flight per file)
   fetch_s, store_load_s   restore from the store as every rank of several does it:
-                       ObjectSection.fetch (every object streamed through sha256 to the local
+                       ObjectSection.fetch (every object streamed through its digest to the local
                        tier, the manifest last, renamed) then dcp.load of that copy
   store_one_pass_s     restore from the store as --resume does it with one process: the
                        shards streamed into the one-pass load (storage/object/streaming.py:
                        one GET per shard, ranged GETs over 256 MiB, hashed as they arrive,
                        each item loaded as its bytes land), then kept as the local tier's copy
   boto3_download_s     the same objects with boto3 download_file, one after another, each then
-                       hashed (sha256) and fsynced: the work fetch does, with a plain client
+                       hashed (the manifest's digest) and fsynced: the work fetch does, with a plain client
   verify_s, local_load_s  restore from the local tier, cold page cache: verify, then dcp.load
                        (the two-pass restore: several processes, tier 0)
   local_one_pass_s     the same, in one pass (onepass.verified_load: shards hashed while DCP
@@ -69,7 +69,6 @@ the machine's cores with the client, so absolute figures are the machine's, not 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -91,6 +90,7 @@ from common import evict, facts_for, median, print_result, state_bytes, training
 
 from trainer.config import StoreConfig  # noqa: E402
 from trainer.checkpoint.checkpointer import SyncCheckpointer  # noqa: E402
+from trainer.checkpoint.digest import hasher  # noqa: E402
 from trainer.checkpoint.commit import RenameCommit  # noqa: E402
 from trainer.checkpoint.manifest import Manifest  # noqa: E402
 from trainer.checkpoint.onepass import load_verified, verified_load  # noqa: E402
@@ -343,7 +343,7 @@ class Bench:
             for key in self.objects.list(self.section.key(name)):
                 path = target / key.rsplit("/", 1)[1]
                 self.client.download_file(self.bucket, f"{self.prefix}/{key}", str(path))
-                digest = hashlib.sha256()
+                digest = hasher()
                 with open(path, "rb") as handle:
                     while chunk := handle.read(8 << 20):
                         digest.update(chunk)
@@ -471,7 +471,7 @@ def ratio_definitions(v: dict) -> list[tuple[str, object, object, str]]:
         ("commit vs boto3 upload_file (speed)", at("boto3_upload_s"), at("commit_s"), ">= 0.8"),
         ("commit vs s3fs put_file (speed)", at("s3fs_put_s"), at("commit_s"), ">= 0.8"),
         ("commit vs boto3 upload_file (client CPU)", at("boto3_upload_cpu_s"), at("commit_cpu_s"), "(≥ 1: less CPU)"),
-        ("fetch vs boto3 download+sha256+fsync (speed)", at("boto3_download_s"), at("fetch_s"), "(reference)"),
+        ("fetch vs boto3 download+digest+fsync (speed)", at("boto3_download_s"), at("fetch_s"), "(reference)"),
         ("store restore / local restore (time)", total("fetch_s", "store_load_s"), total("verify_s", "local_load_s"),
          "<= 1.5 (issue 33)"),
         ("fetch+load store restore / one-pass local restore (time)", total("fetch_s", "store_load_s"),
@@ -525,7 +525,7 @@ def markdown(r: dict) -> str:
         lines.append(f"| {key} | {r[key]:.3f} |")
     lines += ["", f"| transfer | s | GB/s | client CPU s | server CPU s{cpu_note} |", "|---|---|---|---|---|"]
     for key, what in (("commit", "commit (ours)"), ("boto3_upload", "boto3 upload_file"), ("s3fs_put", "s3fs put_file"),
-                      ("fetch", "fetch (ours)"), ("boto3_download", "boto3 download_file + sha256 + fsync")):
+                      ("fetch", "fetch (ours)"), ("boto3_download", "boto3 download_file + digest + fsync")):
         server = r.get(f"{key}_server_cpu_s")
         lines.append(f"| {what} | {r[f'{key}_s']:.3f} | {r[f'{key}_gbps']:.3f} | {r[f'{key}_cpu_s']:.2f} | "
                      f"{'-' if server is None else f'{server:.2f}'} |")

@@ -310,7 +310,7 @@ class WriterConfig:
     than all at the final fsync. Turn off only to measure what it buys."""
     zip_crc32: bool = False
     """Let torch.save compute a CRC-32 per tensor record. Redundant with the manifest's
-    sha256 and costs about a quarter of the CPU time of a write; turn it on only if a tool
+    digest and costs about a quarter of the CPU time of a write; turn it on only if a tool
     of yours checks zip CRCs."""
 
 

@@ -194,7 +194,7 @@ class SyncCheckpointer(_Checkpointer):
         try:
             with ThreadPoolExecutor(1, thread_name_prefix="recovery-digest") as digesting:
                 # The loop waits for this save anyway: the digest runs beside the write (its
-                # kernels and the writer's sha256 and fsyncs release the GIL).
+                # kernels and the writer's hash and fsyncs release the GIL).
                 resolving = digesting.submit(facts.resolved, state_dict)
                 digests = write_snapshot(state_dict, temporary, self.config, alone=not self.coordinator.distributed)
                 facts = resolving.result()

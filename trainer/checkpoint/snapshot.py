@@ -33,7 +33,7 @@ def single_process() -> bool:
 def write_snapshot(state_dict: dict, directory: Path, config: WriterConfig = WriterConfig(),
                    alone: bool | None = None) -> dict[str, dict]:
     """Write `state_dict` into `directory`, every shard fsynced; returns the shards'
-    {bytes, sha256}, hashed while writing, for the manifest. With several processes each rank
+    {bytes, digest}, hashed while writing, for the manifest. With several processes each rank
     writes, hashes and fsyncs its own shards (on shared storage rank 0's fsync could not make
     another node's writes durable). `alone`: this rank writes a snapshot of its own, without
     the others (a tier-0 part under torchrun); None: alone exactly when no process group exists."""

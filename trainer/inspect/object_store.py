@@ -142,7 +142,7 @@ def store_verifications(location: StoreLocation, signing: Signing | None = None)
 
 
 def judged_in_store(section: ObjectSection, name: str) -> Verification:
-    """Every check `--resume` applies: the objects' sha256 as they download into a temporary
+    """Every check `--resume` applies: the objects' digests as they download into a temporary
     folder, name, run and signature, then every stored value loaded from there through the
     safe loader (`judged_by_loading`); the copy is deleted."""
     with tempfile.TemporaryDirectory(prefix="trainer-verify-") as scratch:

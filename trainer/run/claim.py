@@ -46,7 +46,7 @@ class Claim:
     """The verified generation to restore (None: a fresh start)."""
     verify_s: float
     """Verifying before the state existed: every file, or (`generation.shards_pending`) all
-    but the shards, whose sha256 the load checks as it reads them (trainer/run/restoring.py)."""
+    but the shards, whose digest the load checks as it reads them (trainer/run/restoring.py)."""
     manifest_sha256: str | None = None
     """Of the generation to restore: names exactly which sealed content is restored."""
     download: Transfer = NOTHING_MOVED

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import hashlib
 import importlib
 import logging
 import os
@@ -21,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable, Protocol, TypeVar
 
+from trainer.checkpoint.digest import CURRENT, entry, hasher
 from trainer.config import StoreConfig
 from trainer.errors import NothingToResume, StorageFailure, UsageError, option
 from trainer.location import SCHEMES, StoreLocation
@@ -29,7 +29,7 @@ from trainer.origin import install_extra
 log = logging.getLogger("trainer")
 T = TypeVar("T")
 CHUNK = 8 << 20
-"""Bytes per read when streaming an object to disk (and through sha256)."""
+"""Bytes per read when streaming an object to disk (and through the digest)."""
 UPLOAD_PART = 16 << 20
 """Bytes per part of an S3 multipart upload (10 parts of an object in flight, s3fs's default).
 s3fs's default part, 50 MiB, holds 500 MiB of each large object in memory at once, sends objects
@@ -152,7 +152,7 @@ def stream_object(fs, location: StoreLocation, timeout_s: float, key: str,
     copies every byte through its read-ahead cache: fetching a 514 MB generation from
     loopback SeaweedFS took 3.25 s and 1.86 CPU-s that way, 1.87 s and 0.83 CPU-s streamed.
     On S3 `take` runs on a thread of `takers()`, CHUNK bytes at a time, while fsspec's
-    event-loop thread reads on: sha256 and the write release the GIL, so the loop keeps
+    event-loop thread reads on: the digest and the write release the GIL, so the loop keeps
     every other stream moving. When `take` ran on the loop thread itself, every parallel
     download was hashed and written there one after another: a 256 MB fetch took
     0.66-0.68 s where the GETs alone took 0.27-0.29 s (docs/checkpoint-modes.md). Ranged
@@ -229,11 +229,12 @@ class ObjectClient(Protocol):
 
     def size(self, key: str) -> int | None: ...
 
-    def download(self, key: str, destination: Path) -> dict: ...
+    def download(self, key: str, destination: Path, algorithm: str = CURRENT) -> dict: ...
 
-    def stream_into(self, key: str, destination: Path, progress: Callable[[int], None]) -> dict: ...
+    def stream_into(self, key: str, destination: Path, progress: Callable[[int], None],
+                    algorithm: str = CURRENT) -> dict: ...
 
-    def digest(self, key: str) -> dict | None: ...
+    def digest(self, key: str, algorithm: str = CURRENT) -> dict | None: ...
 
     def upload(self, source: Path, key: str) -> None: ...
 
@@ -400,17 +401,18 @@ class FsspecObjects(StoreCalls):
                 return None
         return self.call(f"looking up {self.url_of(key)}", info)
 
-    def download(self, key: str, destination: Path) -> dict:
-        """Stream an object into a local file, hashing as it arrives: {"bytes", "sha256"}.
+    def download(self, key: str, destination: Path, algorithm: str = CURRENT) -> dict:
+        """Stream an object into a local file, hashing as it arrives: {"bytes", ALGORITHM}.
         The file is not fsynced: what a download is for is said by its caller
         (`ObjectSection.fetch`: a cache, verified again before any later use)."""
-        return self.stream_into(key, destination, lambda written: None)
+        return self.stream_into(key, destination, lambda written: None, algorithm)
 
-    def stream_into(self, key: str, destination: Path, progress: Callable[[int], None]) -> dict:
+    def stream_into(self, key: str, destination: Path, progress: Callable[[int], None],
+                    algorithm: str = CURRENT) -> dict:
         """`download`, telling `progress(bytes written)` as the file grows (a load may read it
         meanwhile: trainer/storage/object/streaming.py). A failed try resumes where the written
-        bytes end (a ranged GET): nothing written is written again, the sha256 goes on in order."""
-        digest, size = hashlib.sha256(), 0
+        bytes end (a ranged GET): nothing written is written again, the digest goes on in order."""
+        digest, size = hasher(algorithm), 0
         with open(destination, "wb") as target:
             def take(chunk: bytes) -> None:
                 nonlocal size
@@ -421,12 +423,12 @@ class FsspecObjects(StoreCalls):
                 progress(size)
             self.call(f"downloading {self.url_of(key)}",
                       lambda: stream_object(self.fs, self.location, self.config.timeout_s, key, take, size))
-        return {"bytes": size, "sha256": digest.hexdigest()}
+        return entry(size, algorithm, digest.hexdigest())
 
-    def digest(self, key: str) -> dict | None:
-        """{"bytes", "sha256"} of an object, streamed without keeping it; None if missing."""
+    def digest(self, key: str, algorithm: str = CURRENT) -> dict | None:
+        """{"bytes", ALGORITHM} of an object, streamed without keeping it; None if missing."""
         def stream():
-            digest, size = hashlib.sha256(), 0
+            digest, size = hasher(algorithm), 0
 
             def take(chunk: bytes) -> None:
                 nonlocal size
@@ -436,7 +438,7 @@ class FsspecObjects(StoreCalls):
                 stream_object(self.fs, self.location, self.config.timeout_s, key, take)
             except FileNotFoundError:
                 return None
-            return {"bytes": size, "sha256": digest.hexdigest()}
+            return entry(size, algorithm, digest.hexdigest())
         return self.call(f"reading {self.url_of(key)}", stream)
 
     # ----------------------------------------------------------------- writes

@@ -143,7 +143,7 @@ class RemoteRun:
                    damaged: str | None = None) -> tuple[Verification, Transfer]:
         """The committed generation `name` on the local tier, verified: the local copy when its
         manifest is the committed one (reconcile made sure) and it still verifies, else a
-        download streamed through sha256. A damaged generation is refused (65) naming the
+        download streamed through the digest. A damaged generation is refused (65) naming the
         newest earlier one that verifies in the store. `shards` False: the local copy's shard
         hashes are left to the load (`shards_pending`), which downloads it again if one fails
         (`damaged`: the problem it found; trainer/run/restoring.py); a download is hashed while
