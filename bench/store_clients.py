@@ -18,7 +18,6 @@ Clients, where installed (each is skipped with a note otherwise):
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,8 +30,17 @@ OBJECTS_IN_FLIGHT = 4
 
 
 def hasher():
-    """The digest every client's download goes through (the manifest's algorithm)."""
-    return hashlib.sha256()
+    """The digest every client's download goes through (the manifest's algorithm: BLAKE3 for
+    a new generation, trainer/checkpoint/digest.py)."""
+    from trainer.checkpoint.digest import CURRENT, hasher as manifest_hasher
+
+    return manifest_hasher(CURRENT)
+
+
+def hasher_of(data: bytes) -> str:
+    digest = hasher()
+    digest.update(data)
+    return digest.hexdigest()
 
 
 class Transfers:
@@ -177,7 +185,7 @@ def compare(files: list[Path], bucket: str, measure: Callable, rounds: int = 1) 
         for data in contents:
             hasher().update(data)
     del contents
-    expected = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in files}
+    expected = {path.name: hasher_of(path.read_bytes()) for path in files}
     warm = S3fsTransfers(bucket, "clients-warm-up")  # the server's first volumes, counted by no client
     with ThreadPoolExecutor(OBJECTS_IN_FLIGHT) as pool:
         list(pool.map(lambda path: warm.upload(path, path.name), files))
@@ -223,7 +231,7 @@ def compare(files: list[Path], bucket: str, measure: Callable, rounds: int = 1) 
 
 def table(rows: list[dict], total_bytes: int) -> list[str]:
     lines = [f"clients: {total_bytes / 1e6:.0f} MB in {OBJECTS_IN_FLIGHT}-way parallel objects, {PART >> 20} MiB "
-             f"parts; CPU-s per GB (client: this process, all threads; downloads include sha256 at "
+             f"parts; CPU-s per GB (client: this process, all threads; downloads include the manifest's digest (BLAKE3) at "
              f"{rows[0]['digest_cpu_per_gb']:.2f} CPU-s/GB measured alone)", "",
              "| client | up GB/s | up client CPU-s/GB | up server CPU-s/GB | down GB/s | down client CPU-s/GB "
              "| down client CPU-s/GB less digest | down server CPU-s/GB |", "|---|---|---|---|---|---|---|---|"]

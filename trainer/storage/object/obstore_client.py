@@ -12,7 +12,6 @@ Credentials come from botocore's chain, as s3fs took them: AWS_* variables, AWS_
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +19,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Callable
 
-from trainer.checkpoint.manifest import DIGEST
+from trainer.checkpoint.digest import CURRENT, entry, hasher
 from trainer.config import StoreConfig
 from trainer.errors import UsageError
 from trainer.location import StoreLocation
@@ -155,12 +154,13 @@ class ObstoreObjects(StoreCalls):
                 return None
         return self.guarded(f"looking up {self.url_of(key)}", head)
 
-    def download(self, key: str, destination: Path) -> dict:
-        """Download an object into a local file, hashing as it arrives: {"bytes", "sha256"}
-        (the digest under the manifest's algorithm's name). Not fsynced: its caller says what it is for."""
-        return self.stream_into(key, destination, lambda written: None)
+    def download(self, key: str, destination: Path, algorithm: str = CURRENT) -> dict:
+        """Download an object into a local file, hashing as it arrives: {"bytes", ALGORITHM}
+        (the manifest's algorithm). Not fsynced: its caller says what it is for."""
+        return self.stream_into(key, destination, lambda written: None, algorithm)
 
-    def stream_into(self, key: str, destination: Path, progress: Callable[[int], None]) -> dict:
+    def stream_into(self, key: str, destination: Path, progress: Callable[[int], None],
+                    algorithm: str = CURRENT) -> dict:
         """`download`, telling `progress(bytes written)` as the file grows, front to back. Ranged
         GETs in parallel (RANGES_IN_FLIGHT ahead), each buffer written and hashed in order as
         it lands, from object_store's own memory (no copy into Python bytes). Each GET is
@@ -168,7 +168,7 @@ class ObstoreObjects(StoreCalls):
         size = self.size(key)
         if size is None:
             raise FileNotFoundError(self.url_of(key))
-        digest, written = hashlib.new(DIGEST), 0
+        digest, written = hasher(algorithm), 0
         with open(destination, "wb", buffering=0) as target:
             for piece in self.pieces(key, size):
                 view = memoryview(piece)
@@ -177,7 +177,7 @@ class ObstoreObjects(StoreCalls):
                     view = view[target.write(view):]
                 written += len(piece)
                 progress(written)
-        return {"bytes": written, "sha256": digest.hexdigest()}
+        return entry(written, algorithm, digest.hexdigest())
 
     def pieces(self, key: str, size: int):
         """The object's bytes as buffers in order, fetched RANGES_IN_FLIGHT ranged GETs ahead.
@@ -201,19 +201,19 @@ class ObstoreObjects(StoreCalls):
         return self.guarded(f"downloading {self.url_of(key)} bytes {start}-{'' if end is None else end}",
                             lambda: self.obs.get(self.store, key, options={"range": span}).bytes())
 
-    def digest(self, key: str) -> dict | None:
-        """{"bytes", "sha256"} of an object, streamed without keeping it; None if missing."""
+    def digest(self, key: str, algorithm: str = CURRENT) -> dict | None:
+        """{"bytes", ALGORITHM} of an object, streamed without keeping it; None if missing."""
         size = self.size(key)
         if size is None:
             return None
-        digest, total = hashlib.new(DIGEST), 0
+        digest, total = hasher(algorithm), 0
         try:
             for piece in self.pieces(key, size):
                 digest.update(memoryview(piece))
                 total += len(piece)
         except FileNotFoundError:
             return None
-        return {"bytes": total, "sha256": digest.hexdigest()}
+        return entry(total, algorithm, digest.hexdigest())
 
     # ----------------------------------------------------------------- writes
     def upload(self, source: Path, key: str) -> None:
