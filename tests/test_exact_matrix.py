@@ -132,7 +132,7 @@ def test_bucketed_reduction_with_three_ranks_is_not_exact_and_says_so(tmp_path):
     resumed = trainer_ranks(run, *args, "--resume", nproc=3)  # its launch is not under test
     assert compare(generation(baseline, FINAL), generation(run, FINAL)).returncode == 1
     record = attempts(run)[-1]
-    assert record["exactness"]["exact"] is False and "--gradient-reduction per-parameter" in record["exactness"]["reason"]
+    assert record["exactness"]["exact"] is False and "--gradient-reduction fixed-buckets" in record["exactness"]["reason"]
     assert record["restore_check"] == {"matched": True}, "the restore itself is right; the reduction is not"
     assert record["replay"]["first_mismatch"] == 9 and record["replay"]["matched"] == 0, record["replay"]
     assert "exactness witness: replayed step 9 differs" in resumed.stdout + resumed.stderr
