@@ -165,7 +165,8 @@ class FixedBuckets:
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """DDP's `bucket` is final: send it as it is where its layout is the plan's bucket's,
         else copy its gradients into their slots; send every bucket of the plan that is now
-        complete (in the plan's order: the same collectives on every rank), and return a future
+        complete (in the plan's order: the same collectives on every rank), each divided by
+        the world size first (a sum of the shares, as DDP's own), and return a future
         of `bucket`'s buffer holding the means, complete once the buckets its gradients went to
         are reduced (perhaps sent by a later call: DDP waits for the results only at the end of
         backward, after its last bucket)."""
@@ -186,9 +187,8 @@ class FixedBuckets:
         # DDP's last bucket: every gradient is in (a bucket still missing one holds a parameter
         # DDP does not reduce; sent anyway, so that every rank's collectives stay matched).
         while len(this.reduced) < len(self.buffers) and (this.missing[len(this.reduced)] == 0 or bucket.is_last()):
-            index = len(this.reduced)
-            sent = dist.all_reduce(this.sent[index], group=self.group, async_op=True).get_future()
-            this.reduced.append(sent.then(partial(self._mean, this.sent[index])))
+            sent = this.sent[len(this.reduced)].div_(self.world_size)  # before: no pass over it on gloo's thread
+            this.reduced.append(dist.all_reduce(sent, group=self.group, async_op=True).get_future())
         result = torch.futures.Future(devices=self.devices)
         this.waiting.append((sorted(needs), copies, bucket, result))
         for waiting in [w for w in this.waiting if w[0][-1] < len(this.reduced)]:
@@ -198,15 +198,12 @@ class FixedBuckets:
                                                     of, future))
         return result
 
-    def _mean(self, sent: torch.Tensor, summed: torch.futures.Future) -> torch.Tensor:
-        summed.wait()  # raises what the collective raised: a lost peer fails the step
-        return sent.div_(self.world_size)
-
     def _copy_out(self, reduced: list[torch.futures.Future], copies: list, bucket: dist.GradBucket,
                   result: torch.futures.Future, _) -> None:
         """Chained from the last of `reduced` (on CUDA its streams are this callback's), waits
-        for the others, and fills DDP's bucket with the means (`copies`: none where DDP's bucket
-        was sent itself); `result` carries the buffer, or the first collective's error."""
+        for the others (raising what a collective raised: a lost peer fails the step), and fills
+        DDP's bucket with the means (`copies`: none where DDP's bucket was sent itself);
+        `result` carries the buffer, or the first collective's error."""
         try:
             torch.futures.wait_all(reduced)
             for parameter, gradient in copies:
