@@ -12,14 +12,16 @@ about 3, and a resume is exact at the world size and on the hardware it was save
 
 Two exact reductions, both DDP communication hooks (so a user's own DDP model gets one too):
 
-- `FixedBuckets` (`fixed-buckets`, the default) copies the gradients into flat buckets of its
-  own, composed once from the model alone (parameters in reverse registration order, as DDP's
-  first layout, so the last layers' bucket fills first; `FIXED_BUCKET_BYTES` each, one per
-  dtype and device), and all-reduces each bucket as one collective, in a fixed order, as soon
-  as all of its gradients are there, while backward goes on. Every element then has the same
-  place in the same buffer at every step of every process: DDP's own layout, and the order in
-  which autograd finishes gradients, change nothing but when a bucket is sent. The price over
-  DDP's own is a copy of the gradients in and out of the buckets.
+- `FixedBuckets` (`fixed-buckets`, the default) reduces in flat buckets of its own, composed
+  once from the model alone (parameters in reverse registration order, so the last layers'
+  bucket fills first; a small first bucket, then `FIXED_BUCKET_MB` each, one per dtype and
+  device: trainer/config.py), and all-reduces each bucket (divided by the world size first) as
+  one collective, in a fixed order, as soon as all of its gradients are there, while backward
+  goes on. Every element then has the same place in the same buffer at every step of every
+  process: DDP's own layout, and the order in which autograd finishes gradients, change
+  nothing but when a bucket is sent. Where DDP's own bucket has the plan's layout (what DDP
+  rebuilds for a sequential model) it is sent as it is; elsewhere the price over DDP's own is
+  a copy of the gradients in and out.
 - `per_parameter_mean` (`per-parameter`, the default before `fixed-buckets`) all-reduces each
   parameter's gradient on its own: an element's order depends only on its own parameter's
   size. One collective per parameter: hundreds a step (bench/reduction_bench.py measures
