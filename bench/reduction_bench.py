@@ -1,7 +1,8 @@
 """What does an exact gradient reduction cost? DDP steps per second with DDP's own all-reduce of
 its buckets (`bucketed`), with flat buckets of a fixed composition (`fixed-buckets`, the
 default) and with each gradient all-reduced on its own (`per-parameter`), all three in the same
-run on the same processes, alternating, and each one's ratio to DDP's own.
+run on the same processes, alternating, and each one's ratio to DDP's own; beside them DDP's
+own all-reduce as a Python hook (torch's `allreduce_hook`), what any Python hook costs.
 
     python bench/reduction_bench.py --ranks 3 --size-mb 64 --layers 8 --steps 30
     python bench/reduction_bench.py --quick
@@ -30,13 +31,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer.parallel.reduction import BUCKETED, FIXED_BUCKETS, PER_PARAMETER, install  # noqa: E402
 
-REDUCTIONS = (BUCKETED, FIXED_BUCKETS, PER_PARAMETER)
+TORCH_HOOK = "torch-allreduce-hook"
+"""DDP's own all-reduce of its buckets as a Python communication hook (torch's
+`default_hooks.allreduce_hook`): what any Python hook costs over none, not exact."""
+REDUCTIONS = (BUCKETED, FIXED_BUCKETS, PER_PARAMETER, TORCH_HOOK)
 """DDP's own first: the reference of every ratio."""
 
 BATCH = 16
@@ -73,7 +78,9 @@ def worker(rank: int, ranks: int, port: int, size_mb: float, layers: int, steps:
     for _ in range(rounds):
         for reduction in REDUCTIONS:
             model = DistributedDataParallel(model_of(size_mb, layers))
-            if reduction != BUCKETED:
+            if reduction == TORCH_HOOK:
+                model.register_comm_hook(None, default_hooks.allreduce_hook)
+            elif reduction != BUCKETED:
                 install(model, reduction, None)
             rates[reduction].append(steps_per_s(model, steps))
     if rank == 0:
@@ -93,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mb", type=float, default=64, help="parameters (and so gradients) per rank")
     parser.add_argument("--layers", type=int, default=8, help="linear layers (each a weight and a bias)")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=3, help="the three reductions alternate this many times")
+    parser.add_argument("--rounds", type=int, default=3, help="the reductions alternate this many times")
     parser.add_argument("--quick", action="store_true", help="3 ranks, 4 MB in 4 layers, 10 steps, 2 rounds")
     parser.add_argument("--dir", type=Path, help="where to write (default: a temporary folder under /tmp)")
     parser.add_argument("--json", type=Path)

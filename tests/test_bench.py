@@ -77,8 +77,9 @@ def scale_out_bench_checks(report: dict) -> None:
 
 
 def reduction_bench_checks(report: dict) -> None:
-    """Structure only: the three reductions ran every round in the same processes."""
-    assert [len(report["rates"][name]) for name in ("bucketed", "fixed-buckets", "per-parameter")] == [2, 2, 2]
+    """Structure only: the reductions ran every round in the same processes."""
+    assert [len(report["rates"][name]) for name in ("bucketed", "fixed-buckets", "per-parameter",
+                                                    "torch-allreduce-hook")] == [2, 2, 2, 2]
     assert report["vs_bucketed"]["bucketed"] == 1 and report["vs_bucketed"]["fixed-buckets"] > 0
 
 
