@@ -88,9 +88,10 @@ def scale_out_bench_checks(report: dict) -> None:
 
 
 def reduction_bench_checks(report: dict) -> None:
-    """Structure only: both reductions ran every round in the same processes."""
-    assert [len(report["rates"][name]) for name in ("bucketed", "per-parameter")] == [2, 2]
-    assert report["per_parameter_vs_bucketed"] > 0
+    """Structure only: the reductions ran every round in the same processes."""
+    assert [len(report["rates"][name]) for name in ("bucketed", "fixed-buckets", "per-parameter",
+                                                    "torch-allreduce-hook")] == [2, 2, 2, 2]
+    assert report["vs_bucketed"]["bucketed"] == 1 and report["vs_bucketed"]["fixed-buckets"] > 0
 
 
 def loop_overhead_checks(report: dict) -> None:

@@ -5,8 +5,9 @@ witness says so in the attempt records (and says so when it is not, in test_witn
 
 Why 3 and 4: a sum of two ranks' values is the same in either order, a sum of three is not. DDP
 rebuilds its gradient buckets after the first step, so a fresh process reduced each gradient
-element in a different order from the uninterrupted run, until each gradient was all-reduced on
-its own (trainer/parallel/reduction.py).
+element in a different order from the uninterrupted run, until the gradients were all-reduced
+in a layout of their own (trainer/parallel/reduction.py: `fixed-buckets`, the default these
+cells run; `per-parameter`'s resume is test_reduction.py's).
 One process is proven by test_async_checkpoint.py and test_store.py.
 
 Every dimension is covered at 3 and 4 processes, one resume per (world size, data parallel),
@@ -144,7 +145,7 @@ def test_bucketed_reduction_with_three_ranks_is_not_exact_and_says_so(tmp_path):
     resumed = trainer_ranks(run, *args, "--resume", nproc=3)  # its launch is not under test
     assert compare(generation(baseline, FINAL), generation(run, FINAL)).returncode == 1
     record = attempts(run)[-1]
-    assert record["exactness"]["exact"] is False and "--gradient-reduction per-parameter" in record["exactness"]["reason"]
+    assert record["exactness"]["exact"] is False and "--gradient-reduction fixed-buckets" in record["exactness"]["reason"]
     assert record["restore_check"] == {"matched": True}, "the restore itself is right; the reduction is not"
     assert record["replay"]["first_mismatch"] == 9 and record["replay"]["matched"] == 0, record["replay"]
     assert "exactness witness: replayed step 9 differs" in resumed.stdout + resumed.stderr

@@ -54,11 +54,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer import compat
-from trainer.config import BackgroundWaitConfig, PeerWaitConfig
+from trainer.config import BackgroundWaitConfig, PeerWaitConfig, WorkloadConfig
 from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageError, is_peer_loss, option, root_cause
 from trainer.parallel.heartbeat import Heartbeat, round_prefix
 from trainer.parallel.launch import PRIMARY, LaunchEnvironment, process_age_s
-from trainer.parallel.reduction import PER_PARAMETER, per_parameter_mean
+from trainer.parallel.reduction import EXACT, install
 from trainer.parallel.silence import GroupSockets, listeners, socket_inodes, waits_of
 from trainer.layout import RunDirectory
 
@@ -220,13 +220,14 @@ class Ranks:
             compat.set_group_timeout(self.group, self.wait.bound_s(slowest))
         self._slowest_save_s = slowest
 
-    def data_parallel(self, model: nn.Module, kind: str = "ddp", reduction: str = PER_PARAMETER) -> nn.Module:
+    def data_parallel(self, model: nn.Module, kind: str = WorkloadConfig.data_parallel,
+                      reduction: str = WorkloadConfig.gradient_reduction) -> nn.Module:
         """The module to run forward/backward through; build the optimizer on `model` after this.
 
         ddp: DDP averages gradients across ranks during backward; every rank holds the whole
-        model. With `reduction` "per-parameter" each gradient is all-reduced on its own
-        (trainer/parallel/reduction.py), so the bits do not depend on DDP's bucket layout, which
-        changes after the first step. State is still read from and loaded into the plain `model` (DDP shares its
+        model. With an exact `reduction` ("fixed-buckets" or "per-parameter") gradients are
+        all-reduced in a layout of their own (trainer/parallel/reduction.py), so the bits do not
+        depend on DDP's bucket layout, which changes after the first step. State is still read from and loaded into the plain `model` (DDP shares its
         parameters), so snapshot keys are the same at any world size.
 
         fsdp: FSDP2 shards `model` in place (each layer with parameters, then the root), so
@@ -243,8 +244,8 @@ class Ranks:
             return self._fully_shard(model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=device_ids)
-        if reduction == PER_PARAMETER:
-            wrapped.register_comm_hook(self.group, per_parameter_mean)
+        if reduction in EXACT:
+            install(wrapped, reduction, self.group)
         return wrapped
 
     def _fully_shard(self, model: nn.Module) -> nn.Module:

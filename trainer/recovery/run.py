@@ -304,7 +304,8 @@ class RecoveryRun(Reading):
                               rank_extras=dict(extras or {}), cursors=data.cursors(ranks.world_size) if data else {})
         self.workload = BoundWorkload(OwnLoop({**state.extras, **state.rank_extras}, dict(architecture or {})),
                                       script_files(), "your training script")
-        settings = data_parallel_settings(model, data.settings() if data else self.config.workload, ranks)
+        settings = data_parallel_settings(model, self.claim.kept(data.settings() if data else self.config.workload,
+                                                                 ranks), ranks)
         config = replace(self.config, workload=settings)
         source = data.source if isinstance(data, keyed.KeyedData) else data if data is not None else UnkeyedData()
         self.saves, checked = self.session.begin(self.claim, self.workload, source,

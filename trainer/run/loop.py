@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 
 from trainer.config import RunConfig
 from trainer.parallel.launch import LaunchEnvironment
@@ -60,7 +61,9 @@ class TrainingRun:
         """Check the environment, start the record, then build, restore and train."""
         configure_determinism(self.config, self.ranks.rank)
         config, dataset = data_source(self.workload.build_dataset(), self.config, self.workload.spec)
-        self.config = config  # a DataLoader's batch size and workers, adopted (trainer/workload/adapters.py)
+        # A DataLoader's batch size and workers, adopted (trainer/workload/adapters.py), and a
+        # resumed generation's gradient reduction, kept.
+        config = self.config = replace(config, workload=claim.kept(config.workload, self.ranks))
         saves, checked = self.session.begin(claim, self.workload, dataset, preemption, config)
         try:
             self.events.attempt_started(self.recorder.record)
