@@ -103,7 +103,7 @@ class MemoryCadence:
             self.auto = AutoSteps(AutoSeconds(settings.auto, prior() if ranks.is_primary else AutoPrior()))
 
     def due(self, point: StepPoint) -> bool:
-        """Rank 0 only (`agree_after_step`)."""
+        """Rank 0 only (`CadencedSaves.votes`)."""
         if self.auto is None:
             return self.fixed.due(point)
         due, change = self.auto.due(point.step)
@@ -132,7 +132,7 @@ class SavePath(Protocol):
     whoever hears of it (the attempt record, retention, its auto cadence)."""
 
     def due(self, agreed: StepAgreement, final: bool) -> bool:
-        """Whether it saves after this step (rank 0's policy decided it: `Ranks.agree_after_step`)."""
+        """Whether it saves after this step (rank 0's policy decided it: `Ranks.start_agreement`)."""
 
     def save(self, state: TrainingState, ledger: SampleLedger, facts: Facts) -> None:
         """A generation of `state`; `facts(state, state_dict, ledger)` says what its manifest says."""
@@ -268,11 +268,10 @@ class CadencedSaves:
         self.recover_policy.load_state(cadence.get("recover", {}))
         self.export_policy.load_state(cadence.get("export", {}))
 
-    def agree(self, point: StepPoint, loss, preempted: bool) -> StepAgreement:
-        """Every rank learns rank 0's cadence decisions and whether any rank was signalled."""
-        return self.ranks.agree_after_step(loss, lambda: self.recover_policy.due(point),
-                                           lambda: self.export_policy.due(point), preempted,
-                                           lambda: self.tier0.due(point))
+    def votes(self, point: StepPoint) -> tuple[bool, bool, bool]:
+        """Rank 0's cadence votes for the step at `point` (recover, export, tier 0), taken
+        after the step before it and its saves (`Ranks.start_agreement`)."""
+        return self.recover_policy.due(point), self.export_policy.due(point), self.tier0.due(point)
 
     def wait_for_staging(self) -> None:
         """Every path's staged copy is complete before the state changes."""
