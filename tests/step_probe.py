@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 TRAINER = str(Path(__file__).resolve().parents[1] / "trainer")
 DATA = TRAINER + "/data/"
+RANKS, ATOMIC = TRAINER + "/parallel/ranks.py", TRAINER + "/checkpoint/coordination.py"
 TORCH = str(Path(torch.__file__).resolve().parent)
 HERE = str(Path(__file__).resolve())
 READS = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__"}
@@ -40,7 +41,10 @@ def trainer_caller() -> str | None:
     if frame is None or not frame.f_code.co_filename.startswith(TRAINER) or \
             frame.f_code.co_filename.startswith(DATA):  # sample ids: host tensors, never on the device
         return None
-    return f"{frame.f_code.co_filename[len(TRAINER) - len('trainer'):]}:{frame.f_lineno}"
+    caller = frame
+    while caller.f_back is not None and caller.f_code.co_filename in (RANKS, ATOMIC):  # who asked for it
+        caller = caller.f_back
+    return f"{caller.f_code.co_filename[len(TRAINER) - len('trainer'):]}:{caller.f_lineno}"
 
 
 def storage_of(tensor: torch.Tensor) -> int | None:

@@ -269,8 +269,7 @@ class CadencedSaves:
         self.export_policy.load_state(cadence.get("export", {}))
 
     def votes(self, point: StepPoint) -> tuple[bool, bool, bool]:
-        """Rank 0's cadence votes for the step at `point` (recover, export, tier 0), taken
-        after the step before it and its saves (`Ranks.start_agreement`)."""
+        """Rank 0's votes (recover, export, tier 0) for `point`, after the step before it saved."""
         return self.recover_policy.due(point), self.export_policy.due(point), self.tier0.due(point)
 
     def wait_for_staging(self) -> None:
@@ -321,8 +320,10 @@ class CadencedSaves:
         """What a generation's manifest says besides its files (`ledger` gives its entry and moves on);
         `digest_later`: one process leaves the state digest to the checkpointer (`GenerationFacts`)."""
         progress, later = state.progress, digest_later and not self.ranks.distributed
-        digests = [] if later else self.replicas.state_digests(state_dict, state.model, progress.global_step)
-        samples, padded = zip(*self.ranks.gather((ledger.micro_batches, ledger.padded), "gathering the sample ledger"))
+        mine = (ledger.micro_batches, ledger.padded)  # one gather for both: the digests and the ledger
+        digests, ledgers = ([], [mine]) if later else self.replicas.state_digests(state_dict, state.model,
+                                                                                  progress.global_step, mine)
+        samples, padded = zip(*ledgers)
         return GenerationFacts(progress.global_step, progress.epoch, progress.position, self.lineage.fingerprint,
                                self.lineage.allowed_drift, {"recover": {}, "export": self.export_policy.state()},
                                utc_now(), {str(rank): digest for rank, digest in enumerate(digests)}
