@@ -142,34 +142,45 @@ def votes_tensor(device: torch.device, loss: torch.Tensor | None, flags: torch.T
 
 
 class LocalAgreement:
-    """One process: the decisions are taken when read (no collective to hide), the loss is
-    read from its copy."""
+    """One process: the decisions are taken when asked for (no collective to hide), the loss
+    is read from its copy."""
 
     def __init__(self, votes: Callable[[], tuple[bool, bool, bool]], stop_requested: Callable[[], bool],
                  loss: Landed | None):
-        self.votes, self.stop_requested, self.loss = votes, stop_requested, loss
+        self.votes, self.stop_requested, self._loss = votes, stop_requested, loss
 
-    def result(self) -> tuple[StepAgreement, float | None]:
-        """The step's decisions, and the loss the agreement carried (None: it carried none)."""
+    def loss(self) -> float | None:
+        """The loss the agreement carried (None: it carried none)."""
+        return self._loss.values()[0] if self._loss is not None else None
+
+    def decisions(self) -> StepAgreement:
         recover, export, memory = self.votes()
-        return (StepAgreement(recover, export, self.stop_requested(), memory),
-                self.loss.values()[0] if self.loss is not None else None)
+        return StepAgreement(recover, export, self.stop_requested(), memory)
 
 
 class SharedAgreement:
     """Several processes: the all-reduce in flight, waited for (under the group's bound, a
-    lost peer named) when the next step is queued."""
+    lost peer named) when first asked for, once the next step is queued."""
 
     def __init__(self, ranks: "Ranks", summed: Landed, carries_loss: bool):
         self.ranks, self.summed, self.carries_loss = ranks, summed, carries_loss
+        self.result: tuple[StepAgreement, float | None] | None = None
 
-    def result(self) -> tuple[StepAgreement, float | None]:
-        ranks = self.ranks
-        with ranks._collective("agreeing on the step outcome"):
-            loss_sum, recover, export, stop, memory = self.summed.values()
-        agreed = StepAgreement(recover > 0, export > 0, stop > 0, memory > 0)
-        ranks._bound(ranks._pace.agreed(time.monotonic(), agreed.recover or agreed.export or agreed.memory))
-        return agreed, loss_sum / ranks.world_size if self.carries_loss else None
+    def loss(self) -> float | None:
+        return self.read()[1]
+
+    def decisions(self) -> StepAgreement:
+        return self.read()[0]
+
+    def read(self) -> tuple[StepAgreement, float | None]:
+        if self.result is None:
+            ranks = self.ranks
+            with ranks._collective("agreeing on the step outcome"):
+                loss_sum, recover, export, stop, memory = self.summed.values()
+            agreed = StepAgreement(recover > 0, export > 0, stop > 0, memory > 0)
+            ranks._bound(ranks._pace.agreed(time.monotonic(), agreed.acts))
+            self.result = agreed, loss_sum / ranks.world_size if self.carries_loss else None
+        return self.result
 
 
 PendingAgreement = LocalAgreement | SharedAgreement

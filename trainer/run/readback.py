@@ -84,14 +84,12 @@ class StepReadback:
         self.stop_requested, self.record, self.ahead = stop_requested, record, ahead
         self.copier = ranks.copier  # a side stream per device: the parameters may live elsewhere
         self.pending: PendingAgreement | None = None
-        self.decided: tuple[StepAgreement, float | None] | None = None
-        """The agreement in flight, read early by a flush (the next `stepped` takes it)."""
+        """The agreement on what follows the next step (or the step queued), started."""
         self.queued: Queued | None = None
 
     @property
     def voted(self) -> bool:
-        """The agreement on the next step is started (or already read)."""
-        return self.pending is not None or self.decided is not None
+        return self.pending is not None
 
     def vote(self, point: StepPoint | None = None) -> None:
         """After a step and its saves (and right after the restore): start the agreement on
@@ -99,44 +97,36 @@ class StepReadback:
         nothing if it is started already."""
         if self.voted:
             return
-        point = point or self.ahead()
         queued = self.queued if self.queued is not None and not self.queued.carried else None
+        point = point or self.ahead()
         self.pending = self.ranks.start_agreement(queued.loss if queued else None, lambda: self.votes(point),
                                                   self.stop_requested)
         if queued is not None:
             queued.carried = True
 
     def stepped(self, point: StepPoint, loss, lr: float) -> StepAgreement:
-        """Step `point.step` is queued: what was agreed for it, and the step before recorded.
-        Its own loss and checksum are copied to the host, to be read after the next step."""
+        """Step `point.step` is queued: the step before recorded, then what was agreed for this
+        one (with one process its decisions are taken now, after the record: a signal that came
+        before the step before was recorded stops after this step). Its own loss and checksum
+        are copied to the host, to be read after the next step."""
         self.vote(point)  # started already, unless a caller skipped the save after a due one (then: waited here)
-        agreed, previous_loss = self.agreement()
+        pending, self.pending = self.pending, None
         if self.queued is not None:
-            self.read(self.queued, previous_loss, last=False)
+            self.read(self.queued, pending.loss(), last=False)
+        agreed = pending.decisions()
         sums = parameter_sums(self.parameters, point.step)
         self.queued = Queued(point.step, point.epoch, float(lr), torch.as_tensor(loss).detach(),
                              self.copier.copy(sums) if sums is not None else None)
         return agreed
 
-    def agreement(self) -> tuple[StepAgreement, float | None]:
-        decided, self.decided = self.decided, None
-        if decided is None:
-            pending, self.pending = self.pending, None
-            decided = pending.result()
-        return decided
-
     def flush(self, last: bool = False) -> None:
         """Read the queued step now (a save, a stop, the end: every rank at the same point).
-        Its loss comes with the agreement in flight if that carries it (read early, kept for
-        the next step), else from a collective of its own."""
+        Its loss comes with the agreement in flight if that carries it (its decisions are
+        still taken when the next step asks), else from a collective of its own."""
         queued, self.queued = self.queued, None
         if queued is None:
             return
-        if queued.carried:
-            self.decided, self.pending = self.pending.result(), None
-            loss = self.decided[1]
-        else:
-            loss = self.ranks.mean_loss(queued.loss)
+        loss = self.pending.loss() if queued.carried else self.ranks.mean_loss(queued.loss)
         self.read(queued, loss, last)
 
     def acting(self, agreed: StepAgreement, last: bool = False) -> None:
@@ -150,7 +140,8 @@ class StepReadback:
         at the same point) waited for."""
         self.flush(last=True)
         if self.pending is not None:
-            self.agreement()
+            self.pending.loss()
+            self.pending = None
 
     def read(self, queued: Queued, loss: float, last: bool) -> None:
         checksum = placed_checksum(queued.sums.values() if queued.sums is not None else [], self.parameters,
