@@ -132,13 +132,16 @@ def as_loss(loss: torch.Tensor) -> torch.Tensor:
 
 
 def votes_tensor(device: torch.device, loss: torch.Tensor | None, flags: torch.Tensor) -> torch.Tensor:
-    """[loss, recover, export, stop, memory] on the group's device, with no host wait: the
-    flags go through pinned memory on CUDA (a pageable copy would wait for the device)."""
-    if device.type == "cuda":
-        flags = flags.pin_memory().to(device, non_blocking=True)
-    loss = as_loss(loss).to(device, torch.float64) if loss is not None else torch.zeros(1, dtype=torch.float64,
-                                                                                          device=device)
-    return torch.cat([loss, flags])
+    """[loss, recover, export, stop, memory] on the group's device, with no host wait: what is
+    on the host goes to a CUDA group through pinned memory (a pageable copy waits for the
+    device). A loss on CUDA with a gloo group (a test's GPU shared by two processes) is copied
+    to the host as it is, waiting for it: NCCL is the GPU's group."""
+    loss = as_loss(loss).double() if loss is not None else torch.zeros(1, dtype=torch.float64)
+    if device.type != "cuda":
+        return torch.cat([loss.to(device), flags])
+    if loss.device.type == "cpu":
+        return torch.cat([loss, flags]).pin_memory().to(device, non_blocking=True)
+    return torch.cat([loss.to(device), flags.pin_memory().to(device, non_blocking=True)])
 
 
 class LocalAgreement:
