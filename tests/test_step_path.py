@@ -57,3 +57,19 @@ def test_a_step_reads_nothing_it_produced_and_waits_on_no_collective(tmp_path, l
         assert report["reads"] == [] and report["blocking"] == [] and report["same_window_waits"] == [], report
         # Under torchrun every step's agreement is started in the step before and read in this one.
         assert report["agreements"] == (list(range(2, STEPS)) if ranks > 1 else []), report
+
+
+def test_the_next_step_point_is_the_one_the_step_reaches():
+    """Rank 0 votes for step N+1 before it runs (`next_point`): the point it predicts is the
+    one `Progress.advance` then reaches, across ragged last windows and epoch ends."""
+    from trainer.run.cadence import StepPoint
+    from trainer.run.readback import next_point
+    from trainer.run.state import Progress
+
+    for batches in range(1, 8):
+        for window in range(1, 5):
+            progress = Progress()
+            for _ in range(3 * batches):
+                predicted = next_point(progress, window, batches)
+                completed = progress.advance(min(window, batches - progress.position), batches)
+                assert predicted == StepPoint(progress.global_step, progress.epoch, completed)
