@@ -542,24 +542,27 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
     heartbeat.on_silence = ranks.sockets.cut  # the main thread leaves its wait with "connection closed"
     ranks.joined = {"at_s": age, "join_s": round(time.monotonic() - began, 3)}
     ended = False  # marked as left: ended by itself (completed, stopped, or a survivor naming a loss)
+    lost = False
+    """A peer is gone: the group is not destroyed, which would wait for the step's agreement still
+    in flight with it (an async all-reduce, `start_agreement`) until the silence watcher cuts it."""
     try:
         yield ranks
         ended = True
     except PeerFailure:
-        ended = True  # a survivor that named the loss: no rank reading after it exited may name it lost too
+        ended = lost = True  # a survivor that named the loss: no rank reading after it exited may name it lost too
         raise
     except TrainerError:
         raise
     except BaseException as error:
         cause = root_cause(error)
         if is_peer_loss(cause):
-            ended = True
+            ended = lost = True
             raise ranks.peer_failure(cause, "training") from None
         raise
     finally:
         heartbeat.stop(left=ended)
         outlive_launcher_stop()
-        if owned:
+        if owned and not lost:
             dist.destroy_process_group()
 
 
