@@ -98,6 +98,7 @@ def loop_overhead_checks(report: dict) -> None:
     """Structure only: the witness measured beside what it rides on."""
     witness = report["witness"]
     assert all(witness[key] > 0 for key in ("step_s", "step_digest_s", "state_digest_s", "sync_save_s"))
+    assert report["step_cost"]["run_step_s"] > 0 and report["step_cost"]["parameters"] == 64
 
 
 def stream_bench_checks(report: dict) -> None:

@@ -24,8 +24,12 @@ EXAMPLES = {
     "own-loop": ("own_loop.py", ("--epochs", "3"), 13, "step-00000010", 24, "step-00000036"),  # 12 batches an epoch
     "accelerate": ("accelerate_loop.py", ("--epochs", "3"), 13, "step-00000010", 24, "step-00000036"),
     "lightning": ("lightning_loop.py", ("--epochs", "3"), 13, "step-00000010", 24, "step-00000036"),
-    "hf-trainer": ("hf_trainer.py", (), 7, "step-00000005", 11, "step-00000018"),  # 6 steps an epoch
+    "hf-trainer": ("hf_trainer.py", (), 8, "step-00000005", 11, "step-00000018"),  # 6 steps an epoch
 }
+"""A step's digest is read after the next step is queued (trainer/run/readback.py): a kill -9
+right after step N leaves the digests through N-1 at least, so the kill lands two steps past
+the generation for the resume to have a lost step to replay (HF prints its step line before
+the adapter's callback runs)."""
 PRELOAD = {"hf_trainer.py": "transformers", "hf_stopped.py": "transformers"}
 """What the zygote imports before it forks a script (tests/forking.py PRELOADABLE): about 3 CPU-s
 of each HF process's."""

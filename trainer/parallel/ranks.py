@@ -9,9 +9,14 @@ With several processes, three kinds of agreement keep the ranks in lockstep:
 - `decide_on_primary`: rank 0 alone does something with side effects or a verdict (claim
   the output, choose and verify the generation, check the fingerprint, publish) and every
   rank receives its result, or the same error with the same exit status;
-- `agree_after_step`: one all-reduce per optimizer step carries the mean loss, rank 0's
-  cadence decisions (its clock is the only one consulted, so time triggers cannot make
-  ranks disagree) and whether *any* rank was asked to stop by a signal;
+- `start_agreement`: one all-reduce per optimizer step, started after the step and its saves
+  and read once the next step is queued (never waited for on a step's own path), carries the
+  step's loss, rank 0's cadence votes for the next step (its clock is the only one consulted,
+  so time triggers cannot make ranks disagree) and whether *any* rank was asked to stop by a
+  signal (a signal to any rank stops every rank after the same step). So a step cadence still
+  fires at its step, while a time trigger and a signal act one step after they were seen,
+  identically on every rank. With one process there is no collective: the votes and the flag
+  are taken when the result is read, and only the loss is read a step later;
 - `barrier`: every rank has finished its part (its shards are written) before rank 0 acts.
 
 Every collective is entered by every rank in the same order. A collective that fails because
@@ -57,6 +62,7 @@ from trainer import compat
 from trainer.config import BackgroundWaitConfig, PeerWaitConfig, WorkloadConfig
 from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageError, is_peer_loss, option, root_cause
 from trainer.parallel.heartbeat import Heartbeat, round_prefix
+from trainer.parallel.hostcopy import HostCopier, Landed
 from trainer.parallel.launch import PRIMARY, LaunchEnvironment, process_age_s
 from trainer.parallel.reduction import EXACT, install
 from trainer.parallel.silence import GroupSockets, listeners, socket_inodes, waits_of
@@ -105,8 +111,8 @@ def unshared_output(output: Path, is_primary: bool) -> str | None:
 
 @dataclass(frozen=True)
 class StepAgreement:
-    loss: float
-    """Mean of the ranks' losses for this step (the loss of the whole global batch)."""
+    """What every rank does after a step (`Ranks.start_agreement`)."""
+
     recover: bool
     """Rank 0's recovery cadence fired."""
     export: bool
@@ -115,6 +121,74 @@ class StepAgreement:
     """Some rank received SIGTERM/SIGINT: all ranks save and exit 75 together."""
     memory: bool = False
     """Rank 0's tier-0 cadence fired (`--memory-every-steps`; skipped where a durable save fires)."""
+
+    @property
+    def acts(self) -> bool:
+        """Something is saved or the attempt stops after the step."""
+        return self.recover or self.export or self.preempt or self.memory
+
+
+def as_loss(loss: torch.Tensor) -> torch.Tensor:
+    """A step's loss as one float32 (bf16 and fp16 widen exactly), left where it is."""
+    return torch.as_tensor(loss).detach().float().reshape(1)
+
+
+def votes_tensor(device: torch.device, loss: torch.Tensor | None, flags: torch.Tensor) -> torch.Tensor:
+    """[loss, recover, export, stop, memory] on the group's device, with no host wait: what is
+    on the host goes to a CUDA group through pinned memory (a pageable copy waits for the
+    device). A loss on CUDA with a gloo group (a test's GPU shared by two processes) is copied
+    to the host as it is, waiting for it: NCCL is the GPU's group."""
+    loss = as_loss(loss).double() if loss is not None else torch.zeros(1, dtype=torch.float64)
+    if device.type != "cuda":
+        return torch.cat([loss.to(device), flags])
+    if loss.device.type == "cpu":
+        return torch.cat([loss, flags]).pin_memory().to(device, non_blocking=True)
+    return torch.cat([loss.to(device), flags.pin_memory().to(device, non_blocking=True)])
+
+
+class LocalAgreement:
+    """One process: the decisions are taken when asked for (no collective to hide), the loss
+    is read from its copy."""
+
+    def __init__(self, votes: Callable[[], tuple[bool, bool, bool]], stop_requested: Callable[[], bool],
+                 loss: Landed | None):
+        self.votes, self.stop_requested, self._loss = votes, stop_requested, loss
+
+    def loss(self) -> float | None:
+        """The loss the agreement carried (None: it carried none)."""
+        return self._loss.values()[0] if self._loss is not None else None
+
+    def decisions(self) -> StepAgreement:
+        recover, export, memory = self.votes()
+        return StepAgreement(recover, export, self.stop_requested(), memory)
+
+
+class SharedAgreement:
+    """Several processes: the all-reduce in flight, waited for (under the group's bound, a
+    lost peer named) when first asked for, once the next step is queued."""
+
+    def __init__(self, ranks: "Ranks", summed: Landed, carries_loss: bool):
+        self.ranks, self.summed, self.carries_loss = ranks, summed, carries_loss
+        self.result: tuple[StepAgreement, float | None] | None = None
+
+    def loss(self) -> float | None:
+        return self.read()[1]
+
+    def decisions(self) -> StepAgreement:
+        return self.read()[0]
+
+    def read(self) -> tuple[StepAgreement, float | None]:
+        if self.result is None:
+            ranks = self.ranks
+            with ranks._collective("agreeing on the step outcome"):
+                loss_sum, recover, export, stop, memory = self.summed.values()
+            agreed = StepAgreement(recover > 0, export > 0, stop > 0, memory > 0)
+            ranks._bound(ranks._pace.agreed(time.monotonic(), agreed.acts))
+            self.result = agreed, loss_sum / ranks.world_size if self.carries_loss else None
+        return self.result
+
+
+PendingAgreement = LocalAgreement | SharedAgreement
 
 
 class StepPace:
@@ -181,6 +255,8 @@ class Ranks:
         self.distributed = launch.distributed
         self.is_primary = launch.is_primary
         self.device = device
+        self.copier = HostCopier(device)
+        """Brings per-step values to the host without waiting for the device."""
         self.group = group
         """The process group of these collectives: None for the training (default) group."""
 
@@ -346,27 +422,29 @@ class Ranks:
             raise UsageError(message)
         raise DecidedOnPrimary(message, UsageError.exit_code)
 
-    def agree_after_step(self, loss: torch.Tensor, recover_due: Callable[[], bool],
-                         export_due: Callable[[], bool], preempted: bool,
-                         memory_due: Callable[[], bool] = lambda: False) -> StepAgreement:
-        """One all-reduce (a sum) per step. Only rank 0 evaluates the cadence policies (the
-        recovery, export and tier-0 ones) and contributes their votes, so the sum is exactly
-        rank 0's decision; the signal flag is summed over all ranks, so a signal to any rank
-        stops every rank at the same step."""
-        local_loss = float(loss.detach().float().item())
+    def start_agreement(self, loss: torch.Tensor | None, votes: Callable[[], tuple[bool, bool, bool]],
+                        stop_requested: Callable[[], bool]) -> PendingAgreement:
+        """The agreement on what follows the next step, started (not waited for) after this
+        step and its saves: this step's `loss` (None: read already), rank 0's cadence `votes`
+        for the next step and each rank's stop flag, summed (see the module's docstring)."""
         if not self.distributed:
-            return StepAgreement(local_loss, recover_due(), export_due(), preempted, memory_due())
-        recover = self.is_primary and recover_due()
-        export = self.is_primary and export_due()
-        memory = self.is_primary and memory_due()
-        votes = torch.tensor([local_loss, recover, export, preempted, memory], dtype=torch.float64, device=self.device)
+            return LocalAgreement(votes, stop_requested, self.copier.copy(as_loss(loss)) if loss is not None else None)
+        recover, export, memory = votes() if self.is_primary else (False, False, False)
+        flags = torch.tensor([recover, export, stop_requested(), memory], dtype=torch.float64)
         with self._collective("agreeing on the step outcome"):
-            dist.all_reduce(votes)
-        loss_sum, recover_votes, export_votes, preempt_votes, memory_votes = votes.tolist()
-        agreed = StepAgreement(loss_sum / self.world_size, recover_votes > 0, export_votes > 0, preempt_votes > 0,
-                               memory_votes > 0)
-        self._bound(self._pace.agreed(time.monotonic(), agreed.recover or agreed.export or agreed.memory))
-        return agreed
+            summed = votes_tensor(self.device, loss, flags)
+            work = dist.all_reduce(summed, group=self.group, async_op=True)
+        return SharedAgreement(self, self.copier.copy(summed, work), loss is not None)
+
+    def mean_loss(self, loss: torch.Tensor) -> float:
+        """The step's loss over the ranks, read now (a save, a stop, the end: off the per-step
+        path), through the same all-reduce as the step's agreement: the same sum to the bit."""
+        if not self.distributed:
+            return self.copier.copy(as_loss(loss)).values()[0]
+        summed = votes_tensor(self.device, loss, torch.zeros(4, dtype=torch.float64))
+        with self._collective("reading the step's loss"):
+            dist.all_reduce(summed, group=self.group)
+            return summed[0].item() / self.world_size
 
     @contextmanager
     def _collective(self, what: str) -> Iterator[None]:
@@ -502,24 +580,27 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
     heartbeat.on_silence = waits_of(dist.get_backend(), ranks.sockets, compat.DeviceCommunicator()).cut
     ranks.joined = {"at_s": age, "join_s": round(time.monotonic() - began, 3)}
     ended = False  # marked as left: ended by itself (completed, stopped, or a survivor naming a loss)
+    lost = False
+    """A peer is gone: the group is not destroyed, which would wait for the step's agreement still
+    in flight with it (an async all-reduce, `start_agreement`) until the silence watcher cuts it."""
     try:
         yield ranks
         ended = True
     except PeerFailure:
-        ended = True  # a survivor that named the loss: no rank reading after it exited may name it lost too
+        ended = lost = True  # a survivor that named the loss: no rank reading after it exited may name it lost too
         raise
     except TrainerError:
         raise
     except BaseException as error:
         cause = root_cause(error)
         if is_peer_loss(cause):
-            ended = True
+            ended = lost = True
             raise ranks.peer_failure(cause, "training") from None
         raise
     finally:
         heartbeat.stop(left=ended)
         outlive_launcher_stop()
-        if owned:
+        if owned and not lost:
             dist.destroy_process_group()
 
 

@@ -39,14 +39,13 @@ from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, TrainerError, UsageError, 
 from trainer.parallel.launch import LaunchEnvironment
 from trainer.parallel.ranks import Ranks, StepAgreement, process_group
 from trainer.run.cadence import StepPoint
-from trainer.run.checksum import parameter_checksum
 from trainer.run.events import TrainingEvents
 from trainer.run.fingerprint import FIELDS
 from trainer.run.preemption import PreemptionGuard, ignore_late_stop_requests, restore_stop_handlers, stop_handlers
+from trainer.run.readback import StepReadback, next_point, record_step
 from trainer.run.records import COMPLETED, INTERRUPTED, PREEMPTED
 from trainer.run.runtime import resolve_device
 from trainer.run.state import Progress, TrainingState
-from trainer.run.witness import step_digest
 from trainer.location import parse_location
 from trainer.workload import BoundWorkload
 from trainer.recovery.bundle import bundle_options, bundled
@@ -317,6 +316,8 @@ class RecoveryRun(Reading):
                 Restorer(config, self.session.storage, self.session.memory, self.ranks, self.workload).restore(
                     self.claim, self.state, checked.drift, self.saves, self.session.recorder)
             self.session.recorder.reached(self.state.progress.global_step, first=True)
+            self.readback = step_readback(self)
+            self.readback.vote()  # the first step's decisions, started after the restore
         except BaseException as error:
             self.failed(error)
         return self.state.progress
@@ -340,41 +341,40 @@ class RecoveryRun(Reading):
 
     def stepped(self, loss) -> StepAgreement:
         """The first half of `step`: the step counted and witnessed, and what its cadences and
-        the stop signals call for (an adapter saves where its framework's save point is)."""
+        the stop signals call for (an adapter saves where its framework's save point is). It
+        never waits for the device: the step is read after the next one (`StepReadback`)."""
         state = self.restored("step()")
         completed = state.progress.advance(self.window, self.data.batches_per_epoch if self.data else sys.maxsize)
         step = state.progress.global_step
-        agreed = self.saves.agree(StepPoint(step, state.progress.epoch, completed), torch.as_tensor(loss),
-                                  self.preemption.requested)
         lr = float(state.optimizers()[0].param_groups[0]["lr"])
-        state.history.loss.append(agreed.loss)
-        state.history.lr.append(lr)
-        digest = step_digest(agreed.loss, parameter_checksum(self.parameters, step))
+        agreed = self.readback.stepped(StepPoint(step, state.progress.epoch, completed), loss, lr)
         if self.stopping is not None:  # the step after a stop signal's save: for the witness, never saved
-            self.session.recorder.witnessed(step, digest)
             raise self.stopped(PREEMPTED, self.stopping)
-        self.session.recorder.mark_step(step, digest)
         self.saves.replicas.after_first_step(state.model, step)  # a forgotten DDP wrap: refused at once
-        self.events.step_completed(step, {"loss": agreed.loss, "lr": lr})
         if step == self.config.interrupt_at_step:
             raise self.stopped(INTERRUPTED, f"interrupt_at_step {step}: stopped without saving")
+        if not agreed.acts:
+            self.readback.vote()  # nothing saved after this step: the next agreement starts now
         return agreed
 
     def saved_on_cadence(self, agreed: StepAgreement) -> bool:
         """The second half of `step`: the saves `agreed` calls for; `Stopped` after a stop signal's."""
         state, step = self.state, self.progress.global_step
+        self.readback.acting(agreed)
         self.saves.after_step(state, state.model, self.workload, agreed, final=False)
         self.saves.wait_for_staging()  # the loop changes the parameters next: the staged copy must be complete
         if agreed.recover or agreed.preempt:
             self.saved_step = step
-        if agreed.preempt:  # the next step() is the witness's and raises `Stopped` (above)
+        if agreed.preempt:  # the next step() is the witness's and raises `Stopped` (stepped)
             self.stopping = f"{self.preemption.stop_cause} after step {step}; generation saved"
+        self.readback.vote()  # after the saves (unless started already)
         return self.saved_step == step
 
     # -- save ---------------------------------------------------------------------------------
     def save(self) -> None:
         """A recovery generation of the state as it is now (between optimizer steps)."""
         state = self.restored("save()")
+        self.readback.flush()  # the generation holds the history through this step
         self.saves.save_generation(state)
         self.saves.wait_for_staging()
         self.saved_step = self.progress.global_step
@@ -383,6 +383,7 @@ class RecoveryRun(Reading):
     def close(self) -> Outcome:
         """The run completed: a final generation and export, drained and recorded (exit 0); a
         stop signal's save at its last step ends it as stopped (75), as the trainer's loop."""
+        self.readback.finish()
         if self.saved_step != self.progress.global_step:
             self.save()
         self.saves.save_export(self.state, self.state.model, self.workload)
@@ -393,6 +394,7 @@ class RecoveryRun(Reading):
         return outcome
 
     def stopped(self, status: str, reason: str) -> Stopped:
+        self.readback.flush(last=True)
         outcome = self.session.end(status, reason, self.saves, self.state, f"{status}: {reason} (exit 75)")
         if self.ranks.is_primary:  # every rank stopped at the same step: rank 0 says so for all
             log.warning("trainer: stopped, resumable (exit %d): %s; to continue, run again with %s",
@@ -458,6 +460,21 @@ class RecoveryRun(Reading):
             raise SystemExit(error.exit_code) from error
         if error is not None:
             raise error
+
+
+def step_readback(run: RecoveryRun) -> StepReadback:
+    """The run's per-step path (`stepped`): it reads each step after the next one is queued."""
+    return StepReadback(run.ranks, run.saves.votes, run.parameters, lambda: run.preemption.requested,
+                        lambda read: record_step(run.state, run.session.recorder, run.events, read,
+                                                 witness_only=run.stopping is not None),
+                        lambda: ahead(run))
+
+
+def ahead(run: RecoveryRun) -> StepPoint:
+    """Where the run's next `step()` will stand (its window as `batches()` will open it)."""
+    data = run.data
+    window, batches = (data.grad_accum, data.batches_per_epoch) if data else (run.window, sys.maxsize)
+    return next_point(run.progress, window, batches)
 
 
 def exit_status(error: BaseException | None) -> tuple[int, str | None]:

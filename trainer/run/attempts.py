@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from trainer.errors import CrashLoop, TrainerError
-from trainer.checkpoint.atomic import atomic_write_bytes, atomic_write_json
+from trainer.checkpoint.atomic import atomic_write_bytes, atomic_write_json, encode_json
 from trainer.run.witness import ReplayWitness, StepDigestLog
 from trainer.parallel.launch import process_age_s
 from trainer.parallel.spare import from_spare
@@ -198,6 +199,47 @@ def initial_record(attempt_id: str, argv: list[str], fields: dict) -> dict:
     }
 
 
+class LaterWrites:
+    """The record's writes that need not hold the loop (the per-step path's progress points):
+    written atomically by one background thread, newest first (a write still waiting is
+    replaced by a newer one), so the loop's thread pays for encoding the record, not for its
+    two fsyncs. `settle()` waits for what was handed over: every write made on the loop's
+    thread comes after it, so an older record never replaces a newer one."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._pending: bytes | None = None
+        self._writing = False
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def later(self, data: bytes) -> None:
+        with self._changed:
+            self._pending = data
+            self._changed.notify_all()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._write, name="trainer-record", daemon=True)
+            self._thread.start()
+
+    def settle(self) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._pending is None and not self._writing)
+
+    def _write(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._pending is not None)
+                data, self._pending, self._writing = self._pending, None, True
+            try:
+                atomic_write_bytes(self.path, data)
+            except OSError as error:  # a full disk: the next write on the loop's thread says it
+                log.warning("could not write %s in the background: %s", self.path, error.strerror)
+            finally:
+                with self._changed:
+                    self._writing = False
+                    self._changed.notify_all()
+
+
 class AttemptRecorder:
     """This attempt's record. `persist` is False on ranks other than 0 of a multi-process
     run: they keep the same record in memory (the loop reports the same events everywhere)
@@ -217,6 +259,7 @@ class AttemptRecorder:
         """The last step `mark_step` recorded: where training stood if it ends without a
         `reached()` (a failure, a grace timeout)."""
         self._marked_unix = 0.0
+        self._later = LaterWrites(self.folder / ATTEMPT_RECORD)
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -325,7 +368,7 @@ class AttemptRecorder:
             if len(progress["points"]) > MAX_PROGRESS_POINTS:
                 progress["every"] *= 2
                 progress["points"] = [p for p in progress["points"] if p[0] % progress["every"] == 0]
-            self._flush()  # at most MAX_PROGRESS_POINTS writes per doubling of the steps
+            self._flush(later=True)  # at most MAX_PROGRESS_POINTS writes per doubling of the steps
 
     def witnessed(self, step: int, digest: str) -> None:
         """The step computed after a stop signal's save, not saved: its digest for the next
@@ -438,6 +481,12 @@ class AttemptRecorder:
             self.folder.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(self.folder / ATTEMPT_REQUIREMENTS, resolved_requirements().encode())
 
-    def _flush(self) -> None:
-        if self.persist:
-            atomic_write_json(self.folder / ATTEMPT_RECORD, self._record)
+    def _flush(self, later: bool = False) -> None:
+        """The record written (`later`: by `LaterWrites`' thread, off the loop's)."""
+        if not self.persist:
+            return
+        if later:
+            self._later.later(encode_json(self._record))
+            return
+        self._later.settle()
+        atomic_write_json(self.folder / ATTEMPT_RECORD, self._record)

@@ -100,8 +100,26 @@ def parameter_checksum(parameters: list[torch.Tensor], step: int) -> int:
     """The parameters of this step's share (every k-th, from `step` mod k: the same share in
     every attempt that computes this step), each summed unweighted and weighted by its place:
     at most PARAMETERS_PER_STEP kernels, one host sync."""
-    stride = -(-len(parameters) // PARAMETERS_PER_STEP) or 1
-    return placed_word_sums(parameters, step % stride, stride)
+    sums = parameter_sums(parameters, step)
+    return placed_checksum(sums.tolist() if sums is not None else [], parameters, step)
+
+
+def parameter_sums(parameters: list[torch.Tensor], step: int) -> torch.Tensor | None:
+    """`parameter_checksum`'s word sums, left on the device (None: no parameters): the loop
+    copies them to the host without waiting and reads them a step later (`placed_checksum`)."""
+    stride = share_stride(parameters)
+    sums = [word_sum(parameter) for parameter in parameters[step % stride::stride]]
+    return torch.stack(sums) if sums else None
+
+
+def placed_checksum(values: list[int], parameters: list[torch.Tensor], step: int) -> int:
+    """The checksum of `parameter_sums(parameters, step)`'s values, each weighted by its place."""
+    stride = share_stride(parameters)
+    return placed(values, step % stride, stride)
+
+
+def share_stride(parameters: list[torch.Tensor]) -> int:
+    return -(-len(parameters) // PARAMETERS_PER_STEP) or 1
 
 
 def replica_checksum(parameters: list[torch.Tensor]) -> int:
@@ -113,7 +131,10 @@ def replica_checksum(parameters: list[torch.Tensor]) -> int:
 def placed_word_sums(parameters: list[torch.Tensor], start: int, stride: int) -> int:
     """Every `stride`-th parameter's word sum from `start`, weighted by its place."""
     sums = [word_sum(parameter) for parameter in parameters[start::stride]]
-    values = torch.stack(sums).tolist() if sums else []
+    return placed(torch.stack(sums).tolist() if sums else [], start, stride)
+
+
+def placed(values: list[int], start: int, stride: int) -> int:
     return sum((start + place * stride + 1) * value for place, value in enumerate(values)) % 2**64
 
 
