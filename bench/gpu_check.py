@@ -330,7 +330,7 @@ def part_spare(out: Path, dry_run: bool, result: dict) -> None:
     target = out / "restart.json"
     done = subprocess.run([PYTHON, "bench/restart_bench.py", "--kinds", "kill", "--repeat", "1", "--json", str(target),
                            "--dir", str(out / "runs" / "spare"),
-                           "--trainer-args=--device=cuda --process-group-backend=gloo"],
+                           "--trainer-args=--device=cuda --data-parallel-backend=gloo"],
                           cwd=REPO, capture_output=True, text=True)
     print(done.stdout[-6000:], done.stderr[-3000:], flush=True)
     if done.returncode != 0 or not target.exists():

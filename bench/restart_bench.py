@@ -53,6 +53,7 @@ import argparse
 import json
 import os
 import queue
+import shlex
 import signal
 import subprocess
 import sys
@@ -286,6 +287,7 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, help="where the runs go (default: a temporary folder, removed)")
     args = parser.parse_args()
     kinds = ["kill"] if args.quick else args.kinds
+    trainer_args = [part for given in args.trainer_args for part in shlex.split(given)]  # "--a=1 --b=2" is two
     repeat = 1 if args.quick else args.repeat
     scripts = args.scripts if args.scripts is not None else (["ddp"] if args.quick else [])
     entries = ["launch"] if args.quick else args.entries
@@ -297,7 +299,7 @@ def main() -> int:
             if not args.scripts:
                 for how in kinds:
                     folder = Path(scratch) / f"{how}-{number}"
-                    results.append(one_failure(args.repo, how, args.trainer_args, folder, 120 if args.quick else 300,
+                    results.append(one_failure(args.repo, how, trainer_args, folder, 120 if args.quick else 300,
                                                args.restarts, args.step_secs))
             for script, entry in ((script, entry) for script in scripts for entry in entries):
                 folder = Path(scratch) / f"{script}-{entry}-{number}"

@@ -32,10 +32,11 @@ LAYERS = [
     {"trainer.run.state", "trainer.run.cadence", "trainer.run.preemption", "trainer.run.events",
      "trainer.run.fingerprint", "trainer.run.attempts", "trainer.run.runtime", "trainer.run.progress",
      "trainer.run.witness", "trainer.run.checksum", "trainer.run.replicas", "trainer.parallel.ranks",
+     "trainer.parallel.hostcopy",
      "trainer.parallel.heartbeat", "trainer.parallel.reduction", "trainer.parallel.rendezvous", "trainer.inspect"},
     # One attempt, bottom up: stepping, saving on cadence and the claim; the record, the
     # restore and the training steps; the loop that runs them.
-    {"trainer.run.saving", "trainer.run.stepping", "trainer.run.claim"},
+    {"trainer.run.saving", "trainer.run.stepping", "trainer.run.claim", "trainer.run.readback"},
     {"trainer.run.recording", "trainer.run.restoring", "trainer.run.training", "trainer.run.failures",
      "trainer.run.session"},
     {"trainer.run.loop"},

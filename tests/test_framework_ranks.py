@@ -175,8 +175,8 @@ def restarted_in_place_preempted_and_resumed(tmp_path: Path, cell: Cell, kill_at
     assert killed["status"] == "interrupted" and cell.nproc - 1 in killed["peer"]["ranks"], killed  # the lost rank named (and any it took along)
     assert stopped["status"] == "preempted" and stopped["restored"]["tier"] == "memory", stopped
     assert kill_at - 1 <= stopped["restored"]["step"] < stop_at and completed["restored"]["step"] == stopped["last_step"]
-    replay = stopped.get("replay")  # none when tier 0 held the very step the kill ended on
-    assert replay is None or replay["matched"] == replay["of"], replay
+    replay = stopped["replay"]  # not compared when tier 0 held the very step the kill ended on
+    assert replay.get("compared") is False or replay["matched"] == replay["of"], replay
     assert all(record["restore_check"]["matched"] for record in (stopped, completed))
     assert "NOT EXACT" not in run_cli("report", run).stdout
     return run
@@ -277,7 +277,9 @@ def test_lightning_ddp_on_three_processes_survives_a_killed_rank_and_sigterm_exa
     launches of 3 processes importing Lightning, then 3 forked ranks twice (the resume, the
     shared uninterrupted run)."""
     baseline = uninterrupted(tmp_path_factory, "lightning", LIGHTNING_3)
-    run = killed_preempted_and_resumed(tmp_path, LIGHTNING_3, kill_at=12, left="step-00000010", stop_at=14)
+    # Lightning prints step=N before step N runs, and a step's digest is read as the next one is
+    # queued (trainer/run/readback.py): at step=13 rank 0 has recorded step 11, one to replay.
+    run = killed_preempted_and_resumed(tmp_path, LIGHTNING_3, kill_at=13, left="step-00000010", stop_at=14)
     equal_at(baseline, run, "step-00000024")
 
 

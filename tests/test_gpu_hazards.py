@@ -7,6 +7,8 @@
   communicator of our own interface), gloo still only cuts sockets, and a collective that
   returns after the waits were ended never goes on;
 - each process's CUDA device from what it sees (one visible device per rank: cuda:0);
+- the process group's backend: NCCL on CUDA, gloo on the CPU, gloo on CUDA when asked for (several
+  processes on one GPU: bench/gpu_check.sh's restart) and fingerprinted then; NCCL without CUDA refused;
 - a restore onto a device loads into host buffers and waits once per device;
 - the replica's rounds: a newer part supersedes a queued older one, so at most two are owed;
 - an op without a deterministic implementation: one line naming it and the opt-in (exit 2),
@@ -33,7 +35,8 @@ from trainer.checkpoint.device_copy import DeviceCopies
 from trainer.errors import PeerFailure
 from trainer.parallel.cuda_fork import SCRIPT, CudaQueries, CudaState, driver_mapped, fork_refusal
 from trainer.parallel.launch import LaunchEnvironment
-from trainer.parallel.ranks import Ranks, device_of_rank
+from trainer.parallel.ranks import Ranks, backend_for, device_of_rank
+from trainer.run.fingerprint import device_kind
 from trainer.parallel.silence import waits_of
 from trainer.storage.memory.replication import Rounds, say_interface
 
@@ -121,6 +124,26 @@ def test_a_collective_that_returns_after_the_waits_were_ended_fails_naming_the_s
 @pytest.mark.parametrize("local_rank, visible, index", [(1, 1, 0), (3, 8, 3), (5, 4, 1), (0, 1, 0)])
 def test_each_process_uses_a_device_it_can_see(local_rank, visible, index):
     assert device_of_rank(torch.device("cuda"), local_rank, visible) == torch.device("cuda", index)
+
+
+@pytest.mark.parametrize("device, asked, backend", [("cpu", "auto", "gloo"), ("cuda", "auto", "nccl"),
+                                                    ("cuda", "gloo", "gloo"), ("cpu", "gloo", "gloo")])
+def test_the_process_groups_backend_follows_the_device_unless_asked(device, asked, backend):
+    assert backend_for(torch.device(device), asked) == backend
+
+
+def test_nccl_without_cuda_is_refused_in_one_line_naming_both_ways_out(tmp_path):
+    result = run_cli("--output", tmp_path / "run", "--device", "cpu", "--data-parallel-backend", "nccl")
+    assert result.returncode == 2
+    line = one_error_line(result)
+    assert "--data-parallel-backend nccl needs CUDA" in line and "--data-parallel-backend gloo" in line
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_a_backend_other_than_the_devices_own_is_part_of_the_fingerprints_device():
+    assert device_kind(torch.device("cpu"), "gloo") == device_kind(torch.device("cpu")) == "cpu"
+    assert device_kind(torch.device("cpu"), None) == "cpu"
+    assert device_kind(torch.device("cpu"), "mpi") == "cpu over mpi"
 
 
 def test_a_device_the_launch_named_is_kept():

@@ -168,15 +168,19 @@ def test_a_killed_rank_restarted_in_place_then_sigterm_resumes_equal_to_an_unint
     if "async" not in options:  # the samples of every step, in the uninterrupted run's order (the stream's too)
         assert "ledgers: same samples in the same order since step 0" in compared.stdout, compared.stdout
     report = run_cli("report", run)
-    assert "exactness witness  every check passed" in report.stdout and "NOT EXACT" not in report.stdout, report.stdout
+    assert "NOT EXACT" not in report.stdout, report.stdout
+    # tier 0 every step may leave the kill's resume nothing to replay: "not compared", never "passed"
+    assert "exactness witness  every check passed" in report.stdout or \
+        "--memory-dir" in options and "matched; not compared: 1 replay" in report.stdout, report.stdout
     assert "samples: none repeated or skipped" in report.stdout, report.stdout
     if "async" not in options:  # a lost peer's attempt may not record its last async generation's samples
         assert "200 samples: none repeated or skipped" in report.stdout, report.stdout
     records = attempts(run)
     assert [r["status"] for r in records] == ["interrupted", "preempted", "completed"]
     assert all(record["restore_check"]["matched"] for record in records[1:])
-    replay = records[1].get("replay", {"matched": 0, "of": 0})  # tier 0 every step may leave none to replay
-    assert replay["matched"] == replay["of"] and (replay["of"] > 0 or "--memory-dir" in options)  # the kill's lost steps
+    replay = records[1]["replay"]  # tier 0 every step may leave none to replay: not compared
+    assert replay.get("compared") is False and "--memory-dir" in options or replay["matched"] == replay["of"] > 0
+    assert records[2]["replay"]["matched"] == records[2]["replay"]["of"] == 1  # the step after the stop's save
 
 
 def test_fsdp2_in_one_process_killed_then_preempted_resumes_equal_to_an_uninterrupted_run(tmp_path, tmp_path_factory):
@@ -221,3 +225,66 @@ def test_fsdp2_in_one_process_killed_then_preempted_resumes_equal_to_an_uninterr
     assert all(record["restore_check"]["matched"] for record in records[1:])
     manifest = json.loads((generation(run, FINAL) / "manifest.json").read_text())
     assert manifest["fingerprint"]["config"]["data_parallel"] == "fsdp"  # sharded, not taken for a plain model
+
+
+ACCELERATE_WITHOUT_MODEL = """
+import sys
+import torch
+from accelerate import Accelerator
+from trainer import recovery
+from trainer.recovery import accelerated
+
+accelerator = Accelerator(cpu=True)
+model = torch.nn.Linear(2, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+prepared, optimizer = accelerator.prepare(model, optimizer)
+with recovery.open_run(sys.argv[1]) as run:
+    accelerated.load_state(accelerator, run, model=None if sys.argv[2] == "none" else model)
+"""
+
+
+def test_accelerates_load_state_on_two_processes_without_the_prepared_model_is_one_line_and_exit_2(tmp_path):
+    """Issue 57: without `model=` (or with the unwrapped model) Accelerate's ranks trained under
+    DDP's own reduction, and a resume was silently not exact at 3 processes. Accelerate keeps
+    only the unwrapped model, so the run cannot find the wrapper: refused, naming `model=`.
+    Cost: two forked ranks importing accelerate, about 6 CPU-s."""
+    script = tmp_path / "accelerate_without_model.py"
+    script.write_text(ACCELERATE_WITHOUT_MODEL)
+    for given in ("none", "unwrapped"):
+        ranks = rank_processes([str(script), str(tmp_path / given), given], 2, expect=2)
+        lines = [line for line in ranks[0].stderr.splitlines() if line.startswith("trainer: error:")]
+        assert len(lines) == 1 and "accelerated.load_state on 2 processes needs model=" in lines[0], ranks[0].stderr
+        assert "Traceback" not in ranks[0].stderr + ranks[1].stderr
+
+
+SHARED_COPY = """
+import sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from trainer.checkpoint.snapshot import write_snapshot
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+# the model first: DCP's own planner gives rank 0 its copy, then the next duplicate to the smaller plan (rank 1)
+write_snapshot({"model": {"weight": torch.ones(1000)}, "workload": {"best": torch.tensor(float(rank))}},
+               Path(sys.argv[1]))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_shared_extra_that_the_ranks_hold_differently_is_stored_as_rank_0s(tmp_path):
+    """Issue 57: DCP keeps one copy of an entry every rank saves under one key, from whichever
+    rank's plan is smallest; a loop's `extras` (then all shared) came back as rank 1's. The
+    shared section is kept from rank 0 (`RankZeroCopies`). Cost: two forked ranks, about 2 CPU-s."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    script, directory = tmp_path / "shared_copy.py", tmp_path / "snapshot"
+    script.write_text(SHARED_COPY)
+    directory.mkdir()
+    rank_processes([str(script), str(directory)], 2, expect=0)
+    loaded = {"model": {"weight": torch.zeros(1000)}, "workload": {"best": torch.tensor(-1.0)}}
+    dcp.load(loaded, checkpoint_id=directory, no_dist=True)
+    assert loaded["workload"]["best"].item() == 0.0 and loaded["model"]["weight"].sum().item() == 1000

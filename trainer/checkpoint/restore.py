@@ -55,7 +55,7 @@ def restore(generation: Verification, state: Restorable, alone: bool | None = No
     """Load a verified generation into `state`; raises FingerprintMismatch (65) if the live
     tensors have other shapes than the stored ones. `alone`: a snapshot of this rank's own (a
     tier-0 part), read without the other ranks."""
-    if generation.shards_pending:  # its shards' sha256 is unchecked: only onepass.load_verified may load it
+    if generation.shards_pending:  # its shards' digest is unchecked: only onepass.load_verified may load it
         raise AssertionError(f"{generation.name} was verified without its shards; load it with load_verified")
     return restored_by(generation, state, lambda template, directory: load_snapshot(template, directory, alone))
 

@@ -22,8 +22,7 @@ require_ours()  # before any other import: under a foreign `trainer`, one line i
 
 from trainer.config import (CadenceConfig, MemoryTierConfig, PeerWaitConfig, RetentionConfig, RunConfig, SigningConfig,
                             StoreConfig)
-from trainer.data.keyed import KeyedData
-from trainer.recovery.run import RecoveryRun, Stopped, open_run
+from trainer.recovery.run import KeyedData, RecoveryRun, Stopped, open_run
 from trainer.run.runtime import seed_everything as _seed_everything
 from trainer.run.state import capture_rng, restore_rng
 from trainer.parallel.rendezvous import install_under_torchrun as _install_under_torchrun

@@ -31,7 +31,7 @@ log = logging.getLogger("trainer")
 EXIT_FAILED = 1
 
 CALLS_INTO_THE_WORKLOAD: dict[CodeType, str] = {
-    KeyedSeeding.__getitem__.__code__: "the dataset",
+    KeyedSeeding.fetched.__code__: "the dataset",
     OptimizerSteps.micro_batch.__code__: "the model or its loss",
     OptimizerSteps.step.__code__: "the optimizer step (optimizer, scheduler or a step hook)",
 }

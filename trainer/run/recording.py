@@ -50,7 +50,7 @@ def check_attempt(config: RunConfig, workload: BoundWorkload, claim: Claim, data
     planned = workload.plan(training_steps(len(dataset), config.workload))
     fingerprint = current_fingerprint({**config.workload.training_relevant(), **planned}, dataset.fingerprint(),
                                       ranks.device, world_size=ranks.world_size,
-                                      workload_sources=workload.source_files)
+                                      workload_sources=workload.source_files, backend=ranks.backend)
     drift = [] if generation is None else ranks.decide_on_primary(lambda: check_fingerprint(
         generation.name, generation.manifest.fingerprint, fingerprint, config.allow_drift),
         "checking the fingerprint")
@@ -89,7 +89,7 @@ def start_record(config: RunConfig, claim: Claim, checked: Checked, ranks: Ranks
         world_size_change=world_size_change(stored_world_size, ranks.world_size).get("world_size_change"),
         allow_unsigned=config.signing.allow_unsigned, exactness=checked.exactness.as_record(), joined=ranks.joined)
     replay = ReplayWitness(computed_before(checked.history, claim.run.attempt_folder, checked.fingerprint, step),
-                           replay_not_compared(checked.drift)) if generation and ranks.is_primary else None
+                           replay_not_compared(checked.drift), step) if generation and ranks.is_primary else None
     return AttemptRecorder.start(claim.run, claim.attempt_id, list(config.argv), start, persist=ranks.is_primary,
                                  replay=replay)
 

@@ -26,7 +26,6 @@ verifies it, as for any generation.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -44,6 +43,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint.atomic import fsync_dir, rename_into_place, temporary_sibling
 from trainer.checkpoint.coordination import Coordinator
+from trainer.checkpoint.digest import CURRENT, entry as digest_entry, hasher, of_bytes
 from trainer.checkpoint.manifest import verify_directory
 from trainer.checkpoint.section import LocalSection
 from trainer.errors import CorruptGeneration
@@ -113,7 +113,7 @@ class Outgoing:
     def chunks(self, chunk_bytes: int) -> Iterator[tuple[int, memoryview]]:
         """(file index, its next bytes) in the order of `Parcel.chunks`, each read into one
         buffer reused from chunk to chunk (valid until the next is read). A file that reads
-        short is padded with zeros: the receiver's sha256 refuses it, and the stream keeps the
+        short is padded with zeros: the receiver's digest refuses it, and the stream keeps the
         length the header promised."""
         plan = self.parcel.chunks(chunk_bytes)
         buffer = memoryview(bytearray(max((size for _, size in plan), default=0)))
@@ -150,7 +150,8 @@ class Incoming:
         self.temporary: Path | None = None
         self.digests: dict[str, dict] = {}
         self.current: tuple[int, object, object] | None = None
-        """(file index, open file, its sha256 so far)."""
+        """(file index, open file, its digest so far: the current algorithm, which the sender's
+        manifest names too unless it is an older generation's, read again by `verify_directory`)."""
         if self.problem is None:
             try:
                 section.root.mkdir(parents=True, exist_ok=True)
@@ -164,7 +165,7 @@ class Incoming:
         try:
             if self.current is None or self.current[0] != index:
                 self.finish_file()
-                self.current = (index, (self.temporary / self.parcel.files[index][0]).open("wb"), hashlib.sha256())
+                self.current = (index, (self.temporary / self.parcel.files[index][0]).open("wb"), hasher())
             self.current[1].write(data)
             self.current[2].update(data)
         except OSError as error:
@@ -174,8 +175,8 @@ class Incoming:
         if self.current is not None:
             index, handle, digest = self.current
             handle.close()
-            self.digests[self.parcel.files[index][0]] = {"bytes": self.parcel.files[index][1],
-                                                         "sha256": digest.hexdigest()}
+            self.digests[self.parcel.files[index][0]] = digest_entry(self.parcel.files[index][1], CURRENT,
+                                                                     digest.hexdigest())
             self.current = None
 
     def keep(self) -> str:
@@ -187,7 +188,7 @@ class Incoming:
                 for name, size in self.parcel.files:
                     if name not in self.digests and size == 0:  # an empty file sends no chunk
                         (self.temporary / name).touch()
-                        self.digests[name] = {"bytes": 0, "sha256": hashlib.sha256().hexdigest()}
+                        self.digests[name] = of_bytes(b"")
                 fsync_dir(self.temporary)
                 checked = verify_directory(self.temporary, digests=self.digests)
                 if not checked.ok:

@@ -7,7 +7,7 @@ restart in the same pod; it does not survive the loss of the pod or the node, so
 replaces the durable tiers (the run directory, the object store), which keep their cadence.
 
 Its generations follow the same protocol as the durable ones: the same checkpointer (of the
-attempt's mode) and `RenameCommit`, the same `LocalSection` (manifest last with every file's sha256, signed with
+attempt's mode) and `RenameCommit`, the same `LocalSection` (manifest last with every file's digest, signed with
 the backend's key, renamed into place), verified on load and bound to the run (`run.json`,
 copied here from the run directory). A restore reads tier 0 first when it holds a generation
 newer than the newest durable one that continues the line (`newer_than`); a damaged one is
