@@ -11,7 +11,7 @@ same model? One save and one restore each, side by side (docs/library.md "Measur
   TrainerState, RNGs) against HF's own checkpoint (`_save_checkpoint`: model.safetensors,
   optimizer.pt, scheduler.pt, rng_state.pth, trainer_state.json) and HF's resume loads.
 
-Ours fsyncs every file, hashes it (sha256) while writing, writes and signs nothing else than
+Ours fsyncs every file, hashes it (BLAKE3) while writing, writes and signs nothing else than
 the manifest, and records the attempt; a restore verifies every file, checks the fingerprint,
 loads strictly and digests the restored state (the witness). The frameworks do none of that.
 
@@ -367,11 +367,12 @@ def sync_parts(size_mb: float, base: Path, repeat: int) -> dict:
     rounds of (wall s, user CPU s, system CPU s). The parts: stock `dcp.save` plus an fsync of
     its files (the baseline), our writer alone (`write_snapshot`: four files written at once,
     each hashed while written and fsynced; no manifest, no record) with its default threads
-    and with one, the sha256 of every tensor's bytes on one thread, and the exactness
-    witness's digest of the state."""
-    import hashlib
-
+    and with one, the digest of every tensor's bytes on one thread (BLAKE3, which the manifest
+    records, and sha256, which generations before it hold), and the exactness witness's
+    digest of the state."""
     import torch.distributed.checkpoint as dcp
+
+    from trainer.checkpoint.digest import BLAKE3, SHA256, hasher
 
     from trainer.checkpoint.snapshot import write_snapshot
     from trainer.config import WriterConfig
@@ -387,9 +388,11 @@ def sync_parts(size_mb: float, base: Path, repeat: int) -> dict:
             return [tensor for item in value.values() for tensor in tensors(item)]
         return [value] if isinstance(value, torch.Tensor) else []
 
-    def sha256_every_byte(folder: Path) -> None:
-        for tensor in tensors(state()):
-            hashlib.sha256(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    def every_byte(algorithm: str):
+        def digest(folder: Path) -> None:
+            for tensor in tensors(state()):
+                hasher(algorithm).update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        return digest
 
     def writer(threads: int):
         def write(folder: Path) -> None:
@@ -404,7 +407,8 @@ def sync_parts(size_mb: float, base: Path, repeat: int) -> dict:
 
     parts = {"dcp.save + fsync": durable_dcp, f"our writer alone ({WriterConfig().threads} threads)":
              writer(WriterConfig().threads), "our writer alone (1 thread)": writer(1),
-             "sha256 of every byte (1 thread)": sha256_every_byte,
+             "blake3 of every byte (1 thread)": every_byte(BLAKE3),
+             "sha256 of every byte (1 thread)": every_byte(SHA256),
              "witness digest": lambda folder: one_process_digest(state())}
     figures: dict[str, list[tuple[float, float, float]]] = {"our sync save (run.save)": [], **{name: [] for name in parts}}
     folder = base / "parts-run"

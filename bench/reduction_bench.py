@@ -1,15 +1,18 @@
 """What does an exact gradient reduction cost? DDP steps per second with DDP's own all-reduce of
-whole buckets (`bucketed`) and with each gradient all-reduced on its own (`per-parameter`,
-trainer/parallel/reduction.py), measured in the same run on the same processes, alternating,
-and their ratio.
+its buckets (`bucketed`), with flat buckets of a fixed composition (`fixed-buckets`, the
+default) and with each gradient all-reduced on its own (`per-parameter`), all three in the same
+run on the same processes, alternating, and each one's ratio to DDP's own; beside them DDP's
+own all-reduce as a Python hook (torch's `allreduce_hook`), what any Python hook costs.
 
     python bench/reduction_bench.py --ranks 3 --size-mb 64 --layers 8 --steps 30
     python bench/reduction_bench.py --quick
 
-`per-parameter` moves the same bytes as `bucketed`, in one collective per parameter instead
-of per bucket: the price is latency, paid once per parameter. `--layers` sets how many
-parameters share the bytes. On one CPU machine with gloo the ranks share its cores and its
-memory bus; on a cluster the figure depends on the interconnect's latency.
+`fixed-buckets` sends what DDP's own sends, in as many collectives of about the same size
+(trainer/config.py FIXED_BUCKET_MB, DDP's default), overlapping backward as DDP's do: its
+price is a copy of the gradients into its buckets and back. `per-parameter` moves the same
+bytes in one collective per parameter: its price is latency, paid once per parameter;
+`--layers` sets how many parameters share the bytes. On one CPU machine with gloo the ranks
+share its cores and its memory bus; on a cluster the figure depends on the interconnect.
 """
 
 from __future__ import annotations
@@ -28,11 +31,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.parallel.reduction import BUCKETED, PER_PARAMETER, per_parameter_mean  # noqa: E402
+from trainer.parallel.reduction import BUCKETED, FIXED_BUCKETS, PER_PARAMETER, install  # noqa: E402
+
+TORCH_HOOK = "torch-allreduce-hook"
+"""DDP's own all-reduce of its buckets as a Python communication hook (torch's
+`default_hooks.allreduce_hook`): what any Python hook costs over none, not exact."""
+REDUCTIONS = (BUCKETED, FIXED_BUCKETS, PER_PARAMETER, TORCH_HOOK)
+"""DDP's own first: the reference of every ratio."""
 
 BATCH = 16
 
@@ -64,12 +74,14 @@ def worker(rank: int, ranks: int, port: int, size_mb: float, layers: int, steps:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     torch.manual_seed(0)
-    rates: dict[str, list[float]] = {BUCKETED: [], PER_PARAMETER: []}
+    rates: dict[str, list[float]] = {reduction: [] for reduction in REDUCTIONS}
     for _ in range(rounds):
-        for reduction in (BUCKETED, PER_PARAMETER):
+        for reduction in REDUCTIONS:
             model = DistributedDataParallel(model_of(size_mb, layers))
-            if reduction == PER_PARAMETER:
-                model.register_comm_hook(None, per_parameter_mean)
+            if reduction == TORCH_HOOK:
+                model.register_comm_hook(None, default_hooks.allreduce_hook)
+            elif reduction != BUCKETED:
+                install(model, reduction, None)
             rates[reduction].append(steps_per_s(model, steps))
     if rank == 0:
         Path(out).write_text(json.dumps(rates))
@@ -88,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mb", type=float, default=64, help="parameters (and so gradients) per rank")
     parser.add_argument("--layers", type=int, default=8, help="linear layers (each a weight and a bias)")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=3, help="bucketed and per-parameter alternate this many times")
+    parser.add_argument("--rounds", type=int, default=3, help="the reductions alternate this many times")
     parser.add_argument("--quick", action="store_true", help="3 ranks, 4 MB in 4 layers, 10 steps, 2 rounds")
     parser.add_argument("--dir", type=Path, help="where to write (default: a temporary folder under /tmp)")
     parser.add_argument("--json", type=Path)
@@ -102,17 +114,17 @@ def main(argv: list[str] | None = None) -> int:
                                     str(out)),
                            nprocs=args.ranks, start_method="fork")
         rates = json.loads(out.read_text())
-    median = statistics.median(p / b for p, b in zip(rates[PER_PARAMETER], rates[BUCKETED]))
+    ratios = {reduction: statistics.median(r / b for r, b in zip(rates[reduction], rates[BUCKETED]))
+              for reduction in REDUCTIONS}
     print(f"{args.ranks} ranks on gloo, {args.size_mb:g} MB of gradients in {2 * args.layers} parameters, "
           f"{args.steps} steps x {args.rounds} rounds\n")
     print("| reduction | steps/s (median) | vs bucketed (median of the rounds' ratios) |\n|---|---|---|")
-    for reduction in (BUCKETED, PER_PARAMETER):
-        ratio = "1.000" if reduction == BUCKETED else f"{median:.3f}"
-        print(f"| {reduction} | {statistics.median(rates[reduction]):.2f} | {ratio} |")
+    for reduction in REDUCTIONS:
+        print(f"| {reduction} | {statistics.median(rates[reduction]):.2f} | {ratios[reduction]:.3f} |")
     if args.json:
         args.json.write_text(json.dumps({"ranks": args.ranks, "size_mb": args.size_mb, "steps": args.steps,
                                          "layers": args.layers, "rates": rates,
-                                         "per_parameter_vs_bucketed": median}, indent=2) + "\n")
+                                         "vs_bucketed": ratios}, indent=2) + "\n")
     return 0
 
 

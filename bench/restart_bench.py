@@ -8,6 +8,15 @@ first step of the restarted attempt, split into its parts.
     python bench/restart_bench.py --kinds freeze --step-secs 4      # 4 s steps, the failure after step 5
     python bench/restart_bench.py --kinds freeze --restarts 0       # no restart: when the launch ends
     python bench/restart_bench.py --kinds freeze --trainer-args=--checkpoint-mode=async
+    python bench/restart_bench.py --scripts ddp hf --repeat 3   # users' scripts: -m trainer.launch vs plain
+
+Users' scripts (`--scripts`, `--quick` runs ddp once): examples/own_loop_ddp.py with
+`init_process_group` before open_run, examples/hf_trainer.py with `TrainingArguments` before
+open_run, each at 2 processes under `torchrun --max-restarts 1` with tier 0 every step, killed
+(kill -9 of rank 1) after step 10 and run to the end, then compared with an uninterrupted
+launch (`exact`: compare.py exit 0); through `-m trainer.launch` (the warm spare) and plain
+torchrun (cold), in the same run. A script that creates its group itself joins before the
+library sees it: its join is inside imports_s.
 
 Two processes under `torchrun --standalone --max-restarts 3` train the example workload with
 tier 0 (`--memory-dir`, a save after every step) and a durable generation every 4 steps,
@@ -44,6 +53,7 @@ import argparse
 import json
 import os
 import queue
+import shlex
 import signal
 import subprocess
 import sys
@@ -136,15 +146,37 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s: float, restarts: int = 3,
-                step_secs: float = 0.0) -> dict:
-    run, memory = folder / "run", folder / "memory"
+SCRIPTS = {
+    # a user's script (examples/), its options: tier 0 every step, the group created before open_run
+    "ddp": ("own_loop_ddp.py", ["--epochs", "2", "--init-first"]),  # init_process_group in the script: 18 steps
+    "hf": ("hf_trainer.py", ["--epochs", "5", "--arguments-first"]),  # HF's Trainer, TrainingArguments first: 15
+}
+"""`--scripts`: each run at 2 processes as `torchrun ... -m trainer.launch SCRIPT` (entry `launch`,
+the warm spare) or `torchrun ... SCRIPT` (entry `plain`, cold), killed after step 10."""
+
+
+def command_of(repo: Path, run: Path, memory: Path, restarts: int, extra: list[str], step_secs: float,
+               script: str | None, entry: str) -> list[str]:
+    """torchrun's command: the trainer's own (`script` None), or a user's script (SCRIPTS)."""
+    launch = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--max-restarts", str(restarts)]
+    if script is not None:
+        name, options = SCRIPTS[script]
+        return [*launch, *(["-m", "trainer.launch"] if entry == "launch" else []), str(repo / "examples" / name),
+                str(run), *options, "--memory-dir", str(memory), *extra]
     workload = ["--workload", f"{REPO}/tests/workloads/slow_steps.py:SlowSteps", "--toy-samples", "48",
                 "--batch-size", "4"] if step_secs else []
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--max-restarts", str(restarts), "-m",
-               "trainer", "--output", str(run), "--threads", "1", "--epochs", "3", "--log-every-steps", "1",
-               "--resume", "auto", "--recover-every-steps", "4", "--memory-dir", str(memory), "--memory-every-steps",
-               "1", *workload, *extra]
+    return [*launch, "-m", "trainer", "--output", str(run), "--threads", "1", "--epochs", "3", "--log-every-steps",
+            "1", "--resume", "auto", "--recover-every-steps", "4", "--memory-dir", str(memory), "--memory-every-steps",
+            "1", *workload, *extra]
+
+
+def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s: float, restarts: int = 3,
+                step_secs: float = 0.0, script: str | None = None, entry: str = "launch",
+                to_end: bool = False) -> dict:
+    """One launch failed after step 10, timed to its restarted first step (`to_end`: and then
+    on to the launch's end, for an exactness check)."""
+    run, memory = folder / "run", folder / "memory"
+    command = command_of(repo, run, memory, restarts, extra, step_secs, script, entry)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     process = subprocess.Popen(command, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**env, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1",
@@ -174,7 +206,8 @@ def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s:
             elif failed_at is not None and first_step_at is None and line.startswith("step=") and \
                     any(s.startswith("restored ") for s in seen):
                 first_step_at = at
-                break
+                if not to_end:
+                    break
     finally:
         end_session(process.pid)
         if victim is not None:
@@ -190,7 +223,9 @@ def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s:
               "attempts": len(records), "restored_from": (restarted.get("restored") or {}).get("tier"),
               "warm_spare": restarted.get("warm_spare"),
               "launch_ended_s": None if ended_at is None or failed_at is None else round(ended_at - failed_at, 3),
-              "restarts": restarts, "step_secs": step_secs, "trainer_args": extra}
+              "restarts": restarts, "step_secs": step_secs, "trainer_args": extra,
+              "script": script or "trainer", "entry": entry if script else "-m trainer",
+              "status": process.returncode if ended_at is not None else None, "run": str(run)}
     joined, startup = restarted.get("joined") or {}, restarted.get("startup_s")
     if restarted and startup is not None and detected_at is not None:
         process_start = restarted["started_unix"] - startup  # wall clock, as the record keeps it
@@ -210,6 +245,28 @@ def one_failure(repo: Path, how: str, extra: list[str], folder: Path, timeout_s:
     return result
 
 
+def uninterrupted(repo: Path, script: str, folder: Path) -> Path:
+    """A script's run to its end under plain torchrun, not failed: the reference of `exact`."""
+    run = folder / "run"
+    command = command_of(repo, run, folder / "memory", 0, [], 0.0, script, "plain")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    subprocess.run(command, cwd=repo, env={**env, "PYTHONPATH": str(repo)}, capture_output=True, timeout=600,
+                   check=True)
+    return run
+
+
+def exact(repo: Path, reference: Path, run: Path) -> bool | None:
+    """Whether a failed launch ended bit-equal to the reference (compare.py on the last
+    generations, exit 0); None when it did not reach the reference's last step."""
+    last = max((reference / "checkpoints").glob("step-*")).name
+    if not (run / "checkpoints" / last).is_dir():
+        return None
+    compared = subprocess.run([sys.executable, str(repo / "compare.py"), str(reference / "checkpoints" / last),
+                               str(run / "checkpoints" / last)], cwd=repo, capture_output=True,
+                              env={**os.environ, "PYTHONPATH": str(repo)})
+    return compared.returncode == 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="kill -9 once (for CI)")
@@ -222,32 +279,51 @@ def main() -> int:
     parser.add_argument("--trainer-args", nargs="*", default=[], help="more trainer options, e.g. "
                         "--trainer-args=--checkpoint-mode=async")
     parser.add_argument("--repo", type=Path, default=REPO, help="the checkout whose trainer runs (default: this one)")
+    parser.add_argument("--scripts", nargs="*", choices=sorted(SCRIPTS), default=None,
+                        help="users' scripts instead of the trainer (default: the trainer; --quick adds ddp)")
+    parser.add_argument("--entries", nargs="+", choices=("launch", "plain"), default=["launch", "plain"],
+                        help="a script's entry: `-m trainer.launch` (the warm spare) or plain torchrun (cold)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--dir", type=Path, help="where the runs go (default: a temporary folder, removed)")
     args = parser.parse_args()
     kinds = ["kill"] if args.quick else args.kinds
+    trainer_args = [part for given in args.trainer_args for part in shlex.split(given)]  # "--a=1 --b=2" is two
     repeat = 1 if args.quick else args.repeat
+    scripts = args.scripts if args.scripts is not None else (["ddp"] if args.quick else [])
+    entries = ["launch"] if args.quick else args.entries
     results, load = [], os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="restart-bench-", dir=args.dir) as scratch:
+        references = {script: uninterrupted(args.repo, script, Path(scratch) / f"reference-{script}")
+                      for script in scripts}
         for number in range(repeat):
-            for how in kinds:
-                folder = Path(scratch) / f"{how}-{number}"
-                results.append(one_failure(args.repo, how, args.trainer_args, folder, 120 if args.quick else 300,
-                                           args.restarts, args.step_secs))
+            if not args.scripts:
+                for how in kinds:
+                    folder = Path(scratch) / f"{how}-{number}"
+                    results.append(one_failure(args.repo, how, trainer_args, folder, 120 if args.quick else 300,
+                                               args.restarts, args.step_secs))
+            for script, entry in ((script, entry) for script in scripts for entry in entries):
+                folder = Path(scratch) / f"{script}-{entry}-{number}"
+                result = one_failure(args.repo, "kill", [], folder, 300, 1, script=script, entry=entry, to_end=True)
+                result["exact"] = exact(args.repo, references[script], Path(result["run"]))
+                results.append(result)
     summary = {"repo": str(args.repo), "failures": results, "load": [round(x, 2) for x in load],
                "load_after": [round(x, 2) for x in os.getloadavg()]}
     for how in kinds:
-        rs = sorted(r["r_s"] for r in results if r["how"] == how and r["r_s"] is not None)
+        rs = sorted(r["r_s"] for r in results if r["how"] == how and r["script"] == "trainer" and r["r_s"] is not None)
         summary[f"{how}_r_median_s"] = rs[len(rs) // 2] if rs else None
+    for script, entry in ((script, entry) for script in scripts for entry in entries):
+        rs = sorted(r["r_s"] for r in results if (r["script"], r["entry"]) == (script, entry) and r["r_s"] is not None)
+        summary[f"{script}_{entry}_r_median_s"] = rs[len(rs) // 2] if rs else None
     rows = ["| failure | R s | detection | teardown | imports | join | claim | restore | first step | from | "
-            "spare | launch ended |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "spare | launch ended | exact |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     cell = lambda value: "-" if value is None else f"{value:.2f}"  # noqa: E731
     for r in results:
-        rows.append(f"| {r['how']} | {cell(r['r_s'])} | {cell(r['detection_s'])} | {cell(r.get('teardown_s'))} | "
+        rows.append(f"| {r['how']} {r['script']} ({r['entry']}) | {cell(r['r_s'])} | {cell(r['detection_s'])} | "
+                    f"{cell(r.get('teardown_s'))} | "
                     f"{cell(r.get('imports_s'))} | {cell(r.get('join_s'))} | {cell(r.get('claim_s'))} | "
                     f"{cell(r.get('restore_s'))} | {cell(r.get('first_step_s'))} | {r['restored_from'] or '-'} | "
                     f"{ {True: 'yes', False: 'no'}.get(r.get('warm_spare'), '-')} | "
-                    f"{cell(r.get('launch_ended_s'))} |"
+                    f"{cell(r.get('launch_ended_s'))} | { {True: 'yes', False: 'NO'}.get(r.get('exact'), '-')} |"
                     + "".join(f"\n    {line}" for line in r.get("lines", [])))
     rows.append(f"\nload average (1, 5, 15 min) {summary['load']} before, {summary['load_after']} after; "
                 f"{os.cpu_count()} CPUs")

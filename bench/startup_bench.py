@@ -11,11 +11,13 @@ on the same machine), which no installed copy does.
 
     python bench/startup_bench.py --rounds 3                 # this checkout
     python bench/startup_bench.py --rounds 3 . /path/to/main # before / after
+    python bench/startup_bench.py --quick --json result.json # one round (the suite's run: tests/test_bench.py)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import shutil
@@ -72,35 +74,57 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkouts", nargs="*", type=Path, default=[REPO])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="one round (a few seconds): proves the bench runs")
+    parser.add_argument("--dir", type=Path, help="where its scratch folder goes (removed at the end)")
+    parser.add_argument("--json", type=Path, help="also write the medians to this file")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="startup-bench-"))
+    rounds = 1 if args.quick else args.rounds
+    work = Path(tempfile.mkdtemp(prefix="startup-bench-", dir=args.dir))
     try:
-        seeds = {}
-        for index, repo in enumerate(args.checkouts):
-            seeds[repo] = work / f"seed-{index}"
-            subprocess.run([sys.executable, "-m", "trainer", "--output", str(seeds[repo]), "--interrupt-at-step", "27"],
-                           cwd=repo, env=environment(repo), capture_output=True)
-            subprocess.run([sys.executable, "-c", "from trainer import recovery"], cwd=repo, env=environment(repo),
-                           capture_output=True, check=True)  # the library's modules compiled too
-        results: dict = {}
-        for _ in range(args.rounds):
-            for repo in args.checkouts:
-                run = work / "run"
-                shutil.rmtree(run, ignore_errors=True)
-                shutil.copytree(seeds[repo], run)
-                for name, argv, until in CASES:
-                    command = [sys.executable, *(str(run) if part == "RUN" else part for part in argv)]
-                    results.setdefault((repo, name), []).append(timed(command, repo, work, until))
-        print(f"load average {os.getloadavg()[0]:.1f}; medians of {args.rounds} rounds; bytecode compiled before them")
-        for repo in args.checkouts:
-            torch_wall, torch_cpu = (statistics.median(v[i] for v in results[(repo, CASES[0][0])]) for i in (0, 1))
-            print(f"{repo}: import torch {torch_wall:.2f} s wall, {torch_cpu:.2f} s CPU")
-            for name, _, _ in CASES[1:]:
-                wall, cpu = (statistics.median(v[i] for v in results[(repo, name)]) for i in (0, 1))
-                print(f"  {name:30s} torch + {wall - torch_wall:.2f} s wall, + {cpu - torch_cpu:.2f} s CPU   "
-                      f"(walls {', '.join(f'{w:.2f}' for w, _ in results[(repo, name)])})")
+        results = measured(args.checkouts, rounds, work, compiled=not args.quick)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    load = os.getloadavg()[0]
+    print(f"load average {load:.1f}; medians of {rounds} rounds; bytecode compiled before them\n")
+    print("| checkout | import torch (wall, CPU) | beyond it: `from trainer import recovery` (wall, CPU) | "
+          "beyond it: resume to 'restored step-' (wall, CPU) |")
+    print("|---|---|---|---|")
+    report = {"rounds": rounds, "load_average": load, "checkouts": {}}
+    for repo in args.checkouts:
+        medians = {name: tuple(statistics.median(v[i] for v in results[(repo, name)]) for i in (0, 1))
+                   for name, _, _ in CASES}
+        torch_wall, torch_cpu = medians[CASES[0][0]]
+        beyond = {name: (wall - torch_wall, cpu - torch_cpu) for name, (wall, cpu) in list(medians.items())[1:]}
+        print(f"| {repo} | {torch_wall:.2f} s, {torch_cpu:.2f} s | " +
+              " | ".join(f"+ {wall:.2f} s, + {cpu:.2f} s" for wall, cpu in beyond.values()) + " |")
+        report["checkouts"][str(repo)] = {"import_torch": {"wall_s": torch_wall, "cpu_s": torch_cpu}, **{
+            name: {"wall_beyond_torch_s": wall, "cpu_beyond_torch_s": cpu} for name, (wall, cpu) in beyond.items()}}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+def measured(checkouts: list[Path], rounds: int, work: Path, compiled: bool = True) -> dict:
+    """{(checkout, case): [(wall, cpu) per round]}, the checkouts alternated round by round;
+    `compiled`: the library's bytecode written before the rounds (not for `--quick`, whose
+    figures only show the bench runs)."""
+    seeds = {}
+    for index, repo in enumerate(checkouts):
+        seeds[repo] = work / f"seed-{index}"
+        subprocess.run([sys.executable, "-m", "trainer", "--output", str(seeds[repo]), "--interrupt-at-step", "27"],
+                       cwd=repo, env=environment(repo), capture_output=True)
+        if compiled:  # the library's modules compiled too
+            subprocess.run([sys.executable, "-c", "from trainer import recovery"], cwd=repo, env=environment(repo),
+                           capture_output=True, check=True)
+    results: dict = {}
+    for _ in range(rounds):
+        for repo in checkouts:
+            run = work / "run"
+            shutil.rmtree(run, ignore_errors=True)
+            shutil.copytree(seeds[repo], run)
+            for name, argv, until in CASES:
+                command = [sys.executable, *(str(run) if part == "RUN" else part for part in argv)]
+                results.setdefault((repo, name), []).append(timed(command, repo, work, until))
+    return results
 
 
 if __name__ == "__main__":

@@ -4,6 +4,11 @@ reach the store and come back, against plain S3 clients on the same server?
     python bench/store_bench.py --size-mb 512 --json out.json
     python bench/store_bench.py --quick                      # 32 MB, one round: a smoke test, ~15 s
     python bench/store_bench.py --endpoint http://HOST:PORT  # a server you run (keys from AWS_* variables)
+    python bench/store_bench.py --clients-only --size-mb 256  # the client table alone (bench/store_clients.py)
+
+First, the client table (issue 58): the same generation's files through each S3 client (s3fs,
+ours on obstore, obstore's own calls, the AWS CRT through s3torchconnectorclient, where
+installed): CPU-s per GB of this process and of the server, throughput (bench/store_clients.py).
 
 Without --endpoint (or AWS_ENDPOINT_URL) it starts a SeaweedFS `weed server` on free loopback
 ports (tests/s3server.py, the test suite's server; `weed` comes with requirements-dev.txt) in a
@@ -27,14 +32,14 @@ code (SyncCheckpointer into a local LocalSection, ObjectSection.commit, Uploader
   s3fs_put_s           the same files with s3fs put_file and its defaults, one after another
                        (multipart from 100 MB, 50 MB parts, 10 in flight per file)
   fetch_s, store_load_s   restore from the store as every rank of several does it:
-                       ObjectSection.fetch (every object streamed through sha256 to the local
+                       ObjectSection.fetch (every object streamed through its digest to the local
                        tier, the manifest last, renamed) then dcp.load of that copy
   store_one_pass_s     restore from the store as --resume does it with one process: the
                        shards streamed into the one-pass load (storage/object/streaming.py:
                        one GET per shard, ranged GETs over 256 MiB, hashed as they arrive,
                        each item loaded as its bytes land), then kept as the local tier's copy
   boto3_download_s     the same objects with boto3 download_file, one after another, each then
-                       hashed (sha256) and fsynced: the work fetch does, with a plain client
+                       hashed (the manifest's digest) and fsynced: the work fetch does, with a plain client
   verify_s, local_load_s  restore from the local tier, cold page cache: verify, then dcp.load
                        (the two-pass restore: several processes, tier 0)
   local_one_pass_s     the same, in one pass (onepass.verified_load: shards hashed while DCP
@@ -64,7 +69,6 @@ the machine's cores with the client, so absolute figures are the machine's, not 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -86,6 +90,7 @@ from common import evict, facts_for, median, print_result, state_bytes, training
 
 from trainer.config import StoreConfig  # noqa: E402
 from trainer.checkpoint.checkpointer import SyncCheckpointer  # noqa: E402
+from trainer.checkpoint.digest import hasher  # noqa: E402
 from trainer.checkpoint.commit import RenameCommit  # noqa: E402
 from trainer.checkpoint.manifest import Manifest  # noqa: E402
 from trainer.checkpoint.onepass import load_verified, verified_load  # noqa: E402
@@ -93,7 +98,7 @@ from trainer.checkpoint.snapshot import load_snapshot, stored_entries  # noqa: E
 from trainer.checkpoint.section import LocalSection  # noqa: E402
 from trainer.checkpoint.writer import WriterConfig  # noqa: E402
 from trainer.location import StoreLocation  # noqa: E402
-from trainer.storage.object.client import ObjectStore, open_filesystem  # noqa: E402
+from trainer.storage.object.client import open_filesystem, open_objects  # noqa: E402
 from trainer.layout import MANIFEST, RunDirectory, generation_name  # noqa: E402
 from trainer.layout import GENERATIONS  # noqa: E402
 from trainer.storage.object.tiering import RemoteRun, StoreRetention, Uploader  # noqa: E402
@@ -246,7 +251,7 @@ class Bench:
         """A fresh bucket for the duration; the run prefix in it is self.remote."""
         with self.buckets.fresh(self.prefix) as bucket:
             self.bucket = bucket
-            self.objects = ObjectStore(StoreLocation("s3", bucket, self.prefix), StoreConfig(), filesystem=self.fs)
+            self.objects = open_objects(StoreLocation("s3", bucket, self.prefix), StoreConfig())
             self.remote = RemoteRun(self.objects, self.tier)
             self.section = self.remote.generations
             self.objects.write("warm-up", os.urandom(1 << 20))  # as the lease's writes do before a first save
@@ -338,7 +343,7 @@ class Bench:
             for key in self.objects.list(self.section.key(name)):
                 path = target / key.rsplit("/", 1)[1]
                 self.client.download_file(self.bucket, f"{self.prefix}/{key}", str(path))
-                digest = hashlib.sha256()
+                digest = hasher()
                 with open(path, "rb") as handle:
                     while chunk := handle.read(8 << 20):
                         digest.update(chunk)
@@ -357,6 +362,15 @@ class Bench:
             verification, _ = verified_load(directory, self.state.template)
         assert verification.ok, verification.problem
         return row
+
+    def clients(self, rounds: int) -> list[dict]:
+        """The client table (bench/store_clients.py) on one generation's data files."""
+        from store_clients import compare
+        name, _, _ = self.publish_locally()
+        files = sorted(path for path in self.local.path(name).iterdir() if path.name != MANIFEST)
+        rows = compare(files, self.bucket, self.clock.measure, rounds)
+        self.forget(name)
+        return rows
 
     def burst(self, max_pending: int, saves: int) -> dict:
         """`saves` saves back to back through an Uploader bounded at `max_pending`."""
@@ -390,7 +404,7 @@ class Bench:
 
 
 def measure(size_mb: float, repeat: int, burst: int, base: Path, bucket: str | None, writer: WriterConfig,
-            server_ready) -> dict:
+            server_ready, clients_only: bool = False) -> dict:
     """`server_ready()` returns once the endpoint can be reached (and the server's pid, if known)."""
     state, _ = training_state(size_mb, torch.device("cpu"))
     nbytes = state_bytes(state)
@@ -399,6 +413,11 @@ def measure(size_mb: float, repeat: int, burst: int, base: Path, bucket: str | N
     runs: dict[str, list[float]] = {}
     data_bytes = 0
     load_average = round(os.getloadavg()[0], 2)
+    with bench.round():
+        client_rows = bench.clients(repeat)
+    if clients_only:
+        return {"clients": client_rows, "load_average_at_start": load_average,
+                "load_average_at_end": round(os.getloadavg()[0], 2), "data_bytes": state_bytes(state)}
     for _ in range(repeat):
         # a round: sync-to-store, plain clients and restores of that generation, then a tiered save
         with bench.round():
@@ -429,6 +448,7 @@ def measure(size_mb: float, repeat: int, burst: int, base: Path, bucket: str | N
     # a busy moment on a shared machine slows all of a round: the median of per-round ratios is steadier
     result["same_round_ratios"] = {name: round(median([numerator(i) / denominator(i) for i in range(repeat)]), 3)
                                    for name, numerator, denominator, _ in ratio_definitions(runs)}
+    result["clients"] = client_rows
     result["bursts"] = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in b.items()} for b in bursts]
     result["runs_s"] = {name: [round(v, 4) for v in values] for name, values in runs.items()}
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.items()}
@@ -451,7 +471,7 @@ def ratio_definitions(v: dict) -> list[tuple[str, object, object, str]]:
         ("commit vs boto3 upload_file (speed)", at("boto3_upload_s"), at("commit_s"), ">= 0.8"),
         ("commit vs s3fs put_file (speed)", at("s3fs_put_s"), at("commit_s"), ">= 0.8"),
         ("commit vs boto3 upload_file (client CPU)", at("boto3_upload_cpu_s"), at("commit_cpu_s"), "(≥ 1: less CPU)"),
-        ("fetch vs boto3 download+sha256+fsync (speed)", at("boto3_download_s"), at("fetch_s"), "(reference)"),
+        ("fetch vs boto3 download+digest+fsync (speed)", at("boto3_download_s"), at("fetch_s"), "(reference)"),
         ("store restore / local restore (time)", total("fetch_s", "store_load_s"), total("verify_s", "local_load_s"),
          "<= 1.5 (issue 33)"),
         ("fetch+load store restore / one-pass local restore (time)", total("fetch_s", "store_load_s"),
@@ -485,9 +505,17 @@ def headline(r: dict) -> list[str]:
             f"CPU {r['local_one_pass_cpu_s']:.2f} s ({r['cpu_count']} CPUs; medians)", ""]
 
 
+def client_table(r: dict) -> list[str]:
+    from store_clients import table
+    return [*table(r["clients"], r["data_bytes"]),
+            f"(load average {r['load_average_at_start']} at start, {r['load_average_at_end']} at end)", ""]
+
+
 def markdown(r: dict) -> str:
+    if "repeat" not in r:
+        return "\n".join(client_table(r))
     cpu_note = "" if r["server_cpu_known"] else " (server CPU unknown: not started here; see --server-pid)"
-    lines = [*headline(r),
+    lines = [*headline(r), *client_table(r),
              f"state: {r['size_mb']} MB ({r['data_bytes'] / (1 << 20):.1f} MB of objects), median of {r['repeat']}, "
              f"{r['writer_threads']} writer threads, {r['cpu_count']} CPUs (load average "
              f"{r['load_average_at_start']} at start, {r['load_average_at_end']} at end), torch {r['torch']}, "
@@ -497,7 +525,7 @@ def markdown(r: dict) -> str:
         lines.append(f"| {key} | {r[key]:.3f} |")
     lines += ["", f"| transfer | s | GB/s | client CPU s | server CPU s{cpu_note} |", "|---|---|---|---|---|"]
     for key, what in (("commit", "commit (ours)"), ("boto3_upload", "boto3 upload_file"), ("s3fs_put", "s3fs put_file"),
-                      ("fetch", "fetch (ours)"), ("boto3_download", "boto3 download_file + sha256 + fsync")):
+                      ("fetch", "fetch (ours)"), ("boto3_download", "boto3 download_file + digest + fsync")):
         server = r.get(f"{key}_server_cpu_s")
         lines.append(f"| {what} | {r[f'{key}_s']:.3f} | {r[f'{key}_gbps']:.3f} | {r[f'{key}_cpu_s']:.2f} | "
                      f"{'-' if server is None else f'{server:.2f}'} |")
@@ -532,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="32 MB, 1 round, 1 save beyond max_pending: a smoke test (use >= 256 MB for ratios)")
     parser.add_argument("--dir", type=Path, help="local tier and server data (default: a temporary folder under /tmp)")
+    parser.add_argument("--clients-only", action="store_true", help="only the client table (issue 58)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     if args.quick:
@@ -546,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         elif not os.environ.get("AWS_ENDPOINT_URL"):
             server_ready = start_server(stack, base)
         result = measure(args.size_mb, args.repeat, args.burst, base, args.bucket, WriterConfig(threads=args.threads),
-                         server_ready)
+                         server_ready, args.clients_only)
     return print_result(markdown(result), result, args.json)
 
 

@@ -28,15 +28,18 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=16, help="the global batch (a multiple of the processes)")
     parser.add_argument("--memory-dir", type=Path, help="tier 0: a directory on a memory filesystem (/dev/shm/...)")
+    parser.add_argument("--accelerator-first", action="store_true",
+                        help="create the Accelerator (and with it the process group) before open_run")
     args = parser.parse_args()
 
     recovery.seed_everything(0)
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
                         format="%(message)s")
     memory = recovery.MemoryTierConfig(args.memory_dir, every_steps=1) if args.memory_dir else recovery.MemoryTierConfig()
+    accelerator = Accelerator(cpu=True) if args.accelerator_first else None  # creates the process group (env://)
     with recovery.open_run(args.output, resume="auto", recover=recovery.CadenceConfig(every_steps=10),
-                           memory=memory) as run:  # first: under torchrun it joins the process group Accelerate uses
-        accelerator = Accelerator(cpu=True)  # on a CPU host Accelerator() is one process under torchrun
+                           memory=memory) as run:  # or first: under torchrun it joins the process group Accelerate uses
+        accelerator = accelerator or Accelerator(cpu=True)  # on a CPU host Accelerator() is one process under torchrun
         inputs = torch.randn(192, 16)
         dataset = torch.utils.data.TensorDataset(inputs, inputs @ torch.randn(16, 1) + 0.1 * torch.randn(192, 1))
         model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))

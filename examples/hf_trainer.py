@@ -26,6 +26,8 @@ def main() -> None:
     parser.add_argument("output", help="the run directory (a path, or s3://bucket/run)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--memory-dir", type=Path, help="tier 0: a directory on a memory filesystem (/dev/shm/...)")
+    parser.add_argument("--arguments-first", action="store_true",
+                        help="build TrainingArguments (which creates the process group) before open_run")
     args = parser.parse_args()
 
     recovery.seed_everything(0)
@@ -36,11 +38,13 @@ def main() -> None:
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
 
     memory = recovery.MemoryTierConfig(args.memory_dir, every_steps=1) if args.memory_dir else recovery.MemoryTierConfig()
-    with recovery.open_run(args.output, resume="auto", memory=memory) as run:  # first: under torchrun it joins the group HF uses
-        training = TrainingArguments(output_dir=f"{args.output}/hf", num_train_epochs=args.epochs, learning_rate=3e-3,
-                                     per_device_train_batch_size=8, save_strategy="steps", save_steps=5, seed=0,
-                                     logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True)
-        hf.train(Trainer(model=model, args=training, train_dataset=dataset, callbacks=[StepLines()]), run)
+    arguments = lambda: TrainingArguments(output_dir=f"{args.output}/hf", num_train_epochs=args.epochs,  # noqa: E731
+                                          learning_rate=3e-3, per_device_train_batch_size=8, save_strategy="steps",
+                                          save_steps=5, seed=0, logging_steps=1, report_to=[], use_cpu=True,
+                                          disable_tqdm=True)
+    training = arguments() if args.arguments_first else None  # creates the process group (env://) itself
+    with recovery.open_run(args.output, resume="auto", memory=memory) as run:  # or first: it joins the group HF uses
+        hf.train(Trainer(model=model, args=training or arguments(), train_dataset=dataset, callbacks=[StepLines()]), run)
 
 
 class StepLines(hf.TrainerCallback):

@@ -7,7 +7,8 @@ torchrun, surviving kill -9 of any rank and SIGTERM, resuming bit for bit at the
 
 `open_run` joins the process group torchrun describes (or uses the one your script already
 created with `init_process_group`); wrap the model after it, build the optimizer on the wrapped
-model, then `restore`. No logging set up here: `open_run` still says on stderr what it restored.
+model, then `restore`, with what the loop holds between steps (`extras`: each rank's own). No
+logging set up here: `open_run` still says on stderr what it restored.
 """
 
 import argparse
@@ -52,6 +53,29 @@ class Shards:
         return (self.dataset[at] for at in range(start + offset, start + shard[1]))
 
 
+class Between:
+    """What this loop holds from one step to the next, handed over as `extras` (each rank its
+    own, restored to the same rank): the input noise of the next step, drawn from this rank's
+    own generator before the step ends (as a loader that prefetches draws its next batch), and
+    the best loss so far, which only rank 0 computes."""
+
+    def __init__(self, rank: int):
+        self.generator = torch.Generator().manual_seed(1000 + rank)
+        self.noise = self.drawn()
+        self.best = float("inf")
+
+    def drawn(self) -> torch.Tensor:
+        return 0.01 * torch.randn(1, 16, generator=self.generator)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state(), "noise": self.noise,
+                "best": torch.tensor(self.best, dtype=torch.float64)}
+
+    def load_state_dict(self, stored: dict) -> None:
+        self.generator.set_state(stored["generator"])
+        self.noise, self.best = stored["noise"].clone(), float(stored["best"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("output", help="the run directory (a path every rank sees, or s3://bucket/run)")
@@ -81,11 +105,13 @@ def main() -> None:
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * 9)
         data = recovery.KeyedData(Shards(dataset), batch_size=12, seed=0, stream_lanes=6) if args.stream else \
             recovery.KeyedData(dataset, batch_size=12, seed=0)
-        progress = run.restore(model, optimizer, scheduler, data=data)
+        between = Between(run.rank)
+        progress = run.restore(model, optimizer, scheduler, data=data, extras={"between": between})
         if run.rank == 0:
             print(f"from step={progress.global_step} epoch={progress.epoch} position={progress.position}", flush=True)
         for epoch in run.epochs(args.epochs):
             for x, y in run.batches():  # this rank's share of each global batch of 12
+                x, between.noise = x + between.noise, between.drawn()  # the next step's, drawn ahead
                 loss = nn.functional.mse_loss(model(x), y) * run.weight  # the ragged last batch's share
                 optimizer.zero_grad()
                 loss.backward()
@@ -93,7 +119,9 @@ def main() -> None:
                 scheduler.step()
                 run.step(loss)  # the witness, saves on cadence; SIGTERM to any rank: all save, exit 75
                 if run.rank == 0:
-                    print(f"step={run.progress.global_step} epoch={epoch} loss={loss.item():.4f}", flush=True)
+                    between.best = min(between.best, loss.item())
+                    print(f"step={run.progress.global_step} epoch={epoch} loss={loss.item():.4f} "
+                          f"best={between.best:.4f}", flush=True)
     if args.init_first:  # the script's own group is the script's to leave: open_run left it usable
         dist.barrier()
         dist.destroy_process_group()

@@ -66,6 +66,10 @@ def main() -> None:
         print("a line on stderr", file=sys.stderr)
         sys.exit(int(sys.argv[2]))
     if mode == "wait":
+        # SIGINT as a fresh interpreter of an interactive shell has it (KeyboardInterrupt), set
+        # here: a suite started from a background shell or `nohup … &` hands it on ignored, and
+        # Python then keeps it ignored, so the signal would never end the probe (issue 57).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         print("ready", flush=True)
         # Short sleeps, not signal.pause(): a signal that lands after "ready" but before pause()
         # starts has its handler run then, and pause() waits for another that never comes (the

@@ -10,10 +10,10 @@ response was lost does).
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from pathlib import Path
 
+from trainer.checkpoint.digest import CURRENT, of_bytes
 from trainer.storage.object.client import PreconditionFailed, StoreUnavailable
 
 
@@ -68,21 +68,21 @@ class MemoryObjects:
         data = self.read(key)
         return None if data is None else len(data)
 
-    def download(self, key: str, destination: Path) -> dict:
+    def download(self, key: str, destination: Path, algorithm: str = CURRENT) -> dict:
         data = self.read(key)
         if data is None:
             raise FileNotFoundError(key)
         destination.write_bytes(data)
-        return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        return of_bytes(data, algorithm)
 
-    def stream_into(self, key: str, destination: Path, progress) -> dict:
-        digest = self.download(key, destination)
+    def stream_into(self, key: str, destination: Path, progress, algorithm: str = CURRENT) -> dict:
+        digest = self.download(key, destination, algorithm)
         progress(digest["bytes"])
         return digest
 
-    def digest(self, key: str) -> dict | None:
+    def digest(self, key: str, algorithm: str = CURRENT) -> dict | None:
         data = self.read(key)
-        return None if data is None else {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        return None if data is None else of_bytes(data, algorithm)
 
     # ----------------------------------------------------------------- writes
     def upload(self, source: Path, key: str) -> None:

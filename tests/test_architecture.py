@@ -16,7 +16,7 @@ PACKAGE = REPO / "trainer"
 
 LAYERS = [
     # Leaves: names, errors, configuration, test seams, private-API wrappers, the launcher's variables.
-    {"trainer.errors", "trainer.layout", "trainer.config", "trainer.parallel.launch", "trainer.parallel.spare", "trainer.parallel.silence", "trainer.seams",
+    {"trainer.errors", "trainer.layout", "trainer.config", "trainer.parallel.launch", "trainer.parallel.spare", "trainer.parallel.silence", "trainer.parallel.cuda_fork", "trainer.seams",
      "trainer.compat", "trainer.options", "trainer.location", "trainer.run.interval", "trainer.run.records",
      "trainer.origin"},
     # Generations and exports: manifests, the atomic publish, DCP writes and reads, save and restore.
@@ -32,10 +32,11 @@ LAYERS = [
     {"trainer.run.state", "trainer.run.cadence", "trainer.run.preemption", "trainer.run.events",
      "trainer.run.fingerprint", "trainer.run.attempts", "trainer.run.runtime", "trainer.run.progress",
      "trainer.run.witness", "trainer.run.checksum", "trainer.run.replicas", "trainer.parallel.ranks",
-     "trainer.parallel.heartbeat", "trainer.parallel.reduction", "trainer.inspect"},
+     "trainer.parallel.hostcopy",
+     "trainer.parallel.heartbeat", "trainer.parallel.reduction", "trainer.parallel.rendezvous", "trainer.inspect"},
     # One attempt, bottom up: stepping, saving on cadence and the claim; the record, the
     # restore and the training steps; the loop that runs them.
-    {"trainer.run.saving", "trainer.run.stepping", "trainer.run.claim"},
+    {"trainer.run.saving", "trainer.run.stepping", "trainer.run.claim", "trainer.run.readback"},
     {"trainer.run.recording", "trainer.run.restoring", "trainer.run.training", "trainer.run.failures",
      "trainer.run.session"},
     {"trainer.run.loop"},
@@ -44,7 +45,7 @@ LAYERS = [
     {"trainer.flags", "trainer.cli", "trainer.__main__"},
     # Recovery inside a user's own loop (the same pieces as the loop, the adapters, the bundle's
     # launcher): an entry point like the command line, whose parsing it reuses.
-    {"trainer.recovery"},
+    {"trainer.recovery", "trainer.launch"},
 ]
 PACKAGES = ["trainer.run", "trainer.parallel", "trainer.checkpoint", "trainer.storage", "trainer.inspect",
             "trainer.integrations", "trainer.workload", "trainer.data", "trainer.recovery"]
@@ -107,9 +108,10 @@ def test_no_module_imports_a_higher_layer(path):
 
 
 def test_every_module_lives_in_a_package_by_concern():
-    """Top level holds only the leaves and the command line; everything else is in a package."""
+    """Top level holds only the leaves and the entry points (the command line, the launch entry
+    for a user's script); everything else is in a package."""
     top = {module_name(path) for path in PACKAGE.glob("*.py")}
-    assert top == {"trainer", "trainer.__main__", "trainer.cli", "trainer.flags", "trainer.errors", "trainer.layout",
+    assert top == {"trainer", "trainer.__main__", "trainer.cli", "trainer.launch", "trainer.flags", "trainer.errors", "trainer.layout",
                    "trainer.config", "trainer.seams", "trainer.compat", "trainer.options", "trainer.location",
                    "trainer.origin"}, top
     assert {module_name(path.parent / "__init__.py") for path in PACKAGE.glob("*/__init__.py")} | {"trainer.workload"} \

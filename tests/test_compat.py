@@ -34,6 +34,12 @@ def test_the_wrappers_do_what_the_writer_and_restore_rely_on():
     assert set(flat) == {"model.w", "step"}
 
 
+def test_a_process_groups_backend_can_be_had_to_abort_it():
+    import torch.distributed as dist
+
+    assert callable(getattr(dist.ProcessGroup, compat.GROUP_BACKEND))
+
+
 def test_the_schedulers_last_lr_can_be_set():
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)

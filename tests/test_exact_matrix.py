@@ -5,8 +5,9 @@ witness says so in the attempt records (and says so when it is not, in test_witn
 
 Why 3 and 4: a sum of two ranks' values is the same in either order, a sum of three is not. DDP
 rebuilds its gradient buckets after the first step, so a fresh process reduced each gradient
-element in a different order from the uninterrupted run, until each gradient was all-reduced on
-its own (trainer/parallel/reduction.py).
+element in a different order from the uninterrupted run, until the gradients were all-reduced
+in a layout of their own (trainer/parallel/reduction.py: `fixed-buckets`, the default these
+cells run; `per-parameter`'s resume is test_reduction.py's).
 One process is proven by test_async_checkpoint.py and test_store.py.
 
 Every dimension is covered at 3 and 4 processes, one resume per (world size, data parallel),
@@ -39,9 +40,12 @@ from support.cli import compare, one_error_line, train
 from support.runs import MATRIX_ARGS, attempts, generation, matrix_baseline
 from support.s3 import store_env
 from support.torchrun import trainer_ranks
+from throttle_proxy import ThrottlingProxy
 
 STEPS_ARGS = MATRIX_ARGS
 FINAL = "step-00000012"
+THROTTLE_RATE = 10
+"""Requests a second the store front forwards in the store cells; above it, 503 SlowDown."""
 def cell(world_size: int, parallel: str):
     """A (world size, data parallel) cell, on one worker with every test of its baseline."""
     return pytest.param(world_size, parallel, marks=pytest.mark.xdist_group(f"matrix-{world_size}-{parallel}"))
@@ -81,15 +85,24 @@ def test_a_resume_on_disk_is_exact(world_size, parallel, baselines, tmp_path):
 
 @pytest.mark.parametrize("world_size, parallel", IN_THE_STORE)
 def test_a_resume_in_the_object_store_is_exact(world_size, parallel, baselines, s3_server, s3_bucket, tmp_path):
+    """Every rank saves and restores through a store that throttles: a loopback front on the
+    SeaweedFS answering `503 SlowDown` above THROTTLE_RATE requests a second (as S3 does to a
+    burst on one prefix). Each throttled request is retried with jittered backoff within the
+    --store-* bounds; nothing is lost or torn, and the resume is exact."""
     baseline = baselines(world_size, parallel)
-    url, env = f"s3://{s3_bucket.name}/run", store_env(s3_server)
-    common = (*STEPS_ARGS, "--data-parallel", parallel)
-    trainer_ranks(url, *common, "--local-tier", tmp_path / "node-a", "--checkpoint-mode", "async",
-                  "--interrupt-at-step", 10, expect=75, nproc=world_size, env=env)
-    # A new node: its local tier is empty; the lost attempt's records and step digests come from the store.
-    resumed = trainer_ranks(url, *common, "--local-tier", tmp_path / "node-b", "--checkpoint-mode", "sync", "--resume",
-                            nproc=world_size, env=env)
+    with ThrottlingProxy(s3_server.port, THROTTLE_RATE) as proxy:
+        url, env = f"s3://{s3_bucket.name}/run", store_env(s3_server, AWS_ENDPOINT_URL=proxy.endpoint_url)
+        common = (*STEPS_ARGS, "--data-parallel", parallel, "--store-retries", 8, "--store-backoff-secs", 0.2)
+        first = trainer_ranks(url, *common, "--local-tier", tmp_path / "node-a", "--checkpoint-mode", "async",
+                              "--interrupt-at-step", 10, expect=75, nproc=world_size, env=env)
+        # A new node: its local tier is empty; the lost attempt's records and step digests come from the store.
+        resumed = trainer_ranks(url, *common, "--local-tier", tmp_path / "node-b", "--checkpoint-mode", "sync",
+                                "--resume", nproc=world_size, env=env)
+        assert proxy.throttled > 0 and proxy.forwarded > 0, (proxy.throttled, proxy.forwarded)
     assert "restored step-00000008" in resumed.stdout
+    said = first.stdout + first.stderr + resumed.stdout + resumed.stderr
+    assert "SlowDown" in said and "Traceback" not in said  # a retry's warning line names S3's code
+    env = store_env(s3_server)
     result = compare(generation(baseline, FINAL), f"{url}/checkpoints/{FINAL}", env=env)
     assert result.returncode == 0, result.stdout[-3000:]
     assert_witnessed_exact(attempts(tmp_path / "node-b")[-1], replayed=2)
@@ -132,7 +145,7 @@ def test_bucketed_reduction_with_three_ranks_is_not_exact_and_says_so(tmp_path):
     resumed = trainer_ranks(run, *args, "--resume", nproc=3)  # its launch is not under test
     assert compare(generation(baseline, FINAL), generation(run, FINAL)).returncode == 1
     record = attempts(run)[-1]
-    assert record["exactness"]["exact"] is False and "--gradient-reduction per-parameter" in record["exactness"]["reason"]
+    assert record["exactness"]["exact"] is False and "--gradient-reduction fixed-buckets" in record["exactness"]["reason"]
     assert record["restore_check"] == {"matched": True}, "the restore itself is right; the reduction is not"
     assert record["replay"]["first_mismatch"] == 9 and record["replay"]["matched"] == 0, record["replay"]
     assert "exactness witness: replayed step 9 differs" in resumed.stdout + resumed.stderr

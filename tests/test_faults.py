@@ -122,8 +122,13 @@ def test_preemption_saves_at_the_current_step_and_exits_75(tmp_path, signum, mod
     assert step >= 20 and f"preempted by {signal.Signals(signum).name}: saved step {step}" in out
     assert generation(run, f"step-{step:08d}").exists()  # a generation at the step reached, mid-epoch too
     assert record["checkpoint_mode"] == mode
+    assert record["witness_step"] == step + 1  # computed after the save for the witness, not saved
+    assert not generation(run, f"step-{step + 1:08d}").exists() and f"step {step + 1} computed for the witness" in out
     train(run, *long, "--resume")
     assert compare(generation(long_baseline, "step-00000320"), generation(run, "step-00000320")).returncode == 0
+    resumed = attempts(run)[-1]  # the stop's resume is checked too: it replays that step (issue 57)
+    assert resumed["steps_replayed"] == 1 and resumed["replay"] == {"matched": 1, "of": 1, "first_mismatch": None,
+                                                                    "against": [record["id"]]}, resumed
 
 
 def test_preemption_grace_too_short_exits_75_without_publishing(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -76,7 +77,8 @@ def test_source_change_is_detected(tmp_path, interrupted):
     record = attempts(interrupted)[-1]
     manifest = json.loads((generation(interrupted, "step-00000008") / "manifest.json").read_text())
     assert manifest["fingerprint"] == record["fingerprint"]
-    assert len(manifest["fingerprint"]["source"]) == 64 and len(manifest["fingerprint"]["dataset"]) == 64
+    assert len(manifest["fingerprint"]["source"]) == 64
+    assert re.fullmatch(r"[0-9a-f]{64}; draws_from_global_rngs=\[\]", manifest["fingerprint"]["dataset"])  # its declaration
 
 
 def test_attempt_records_describe_each_process(interrupted):
@@ -118,7 +120,8 @@ def test_an_allowed_lr_change_takes_effect_from_the_restored_step(tmp_path):
 
 def test_the_default_workloads_config_fingerprint_is_what_it_always_was():
     """Generations written before --workload and --grad-accum existed must still resume: the
-    example's options moved into the workload, and defaults of the new options stay out."""
+    example's options moved into the workload, and defaults of the new options stay out (a
+    reduction is named unless it is per-parameter, the one a resume keeps where none is named)."""
     from pathlib import Path
 
     from trainer.cli import config_from_args, workload_parser
@@ -127,9 +130,11 @@ def test_the_default_workloads_config_fingerprint_is_what_it_always_was():
 
     parser, names = workload_parser(DEFAULT_WORKLOAD)
     config = config_from_args(parser.parse_args(["--output", "unused"]), [], OnDisk(Path("unused")), names)
-    assert config.workload.training_relevant() == {
-        "samples": 128, "batch_size": 16, "lr": 0.05, "seed": 1234, "hidden_size": 64, "layers": 2,
-        "dropout": 0.1, "features": 16, "classes": 4, "amp": False, "threads": 1}
+    before = {"samples": 128, "batch_size": 16, "lr": 0.05, "seed": 1234, "hidden_size": 64, "layers": 2,
+              "dropout": 0.1, "features": 16, "classes": 4, "amp": False, "threads": 1}
+    assert config.workload.training_relevant() == {**before, "gradient_reduction": "fixed-buckets"}
+    # a generation that names no reduction was made with per-parameter, which its resume keeps
+    assert config.workload.kept_reduction(before).training_relevant() == before
     changed = config_from_args(parser.parse_args(["--output", "unused", "--grad-accum", "2"]), [],
                                OnDisk(Path("unused")), names)
     assert changed.workload.training_relevant()["grad_accum"] == 2

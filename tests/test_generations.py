@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -94,7 +95,7 @@ def damage_unlist(path):
 
 
 DAMAGE = {
-    "flipped byte": ("__0_0.distcp", damage_flip, "sha256 mismatch"),
+    "flipped byte": ("__0_0.distcp", damage_flip, "blake3 mismatch"),
     "unlisted extra file": ("__0_9.distcp", damage_add, "not listed in manifest.json"),
     "file dropped from the manifest": (".metadata", damage_unlist, "not listed in manifest.json"),
     "truncated file": ("__0_0.distcp", damage_truncate, "size"),
@@ -151,13 +152,13 @@ def test_verify_accepts_a_good_run_and_a_single_generation(interrupted):
 
 def test_manifest_records_what_it_promises(interrupted):
     manifest = json.loads((generation(interrupted, "step-00000024") / "manifest.json").read_text())
-    assert manifest["format_version"] == 2 and manifest["kind"] == "recovery"
+    assert manifest["format_version"] == 3 and manifest["kind"] == "recovery" and manifest["digest"] == "blake3"
     assert (manifest["step"], manifest["epoch"], manifest["position"]) == (24, 3, 0)
     assert ".metadata" in manifest["files"] and all(
         name == ".metadata" or (name.startswith("__0_") and name.endswith(".distcp")) for name in manifest["files"])
     for name, entry in manifest["files"].items():
         assert entry["bytes"] == (generation(interrupted, "step-00000024") / name).stat().st_size
-        assert len(entry["sha256"]) == 64
+        assert set(entry) == {"bytes", "blake3"} and len(entry["blake3"]) == 64
     assert manifest["attempt"] == attempts(interrupted)[0]["id"]
     assert manifest["fingerprint"]["world_size"] == 1 and "write_s" in manifest["timings"]
 
@@ -183,7 +184,7 @@ def test_a_copied_or_renamed_generation_is_damage_not_a_newer_one(tmp_path, inte
 
 
 def test_a_flipped_shard_byte_is_refused_by_the_one_pass_load_as_before(tmp_path, interrupted):
-    """One rank on the local disk: the claim leaves the shards' sha256 to the load, which
+    """One rank on the local disk: the claim leaves the shards' digest to the load, which
     hashes them as it reads them (trainer/checkpoint/onepass.py). A byte flipped in a
     `.distcp` of the newest generation is refused exactly as the separate pass refuses it
     (the same line, 65, the same advice), but by the load: the attempt's record had started
@@ -206,3 +207,39 @@ def test_a_flipped_shard_byte_is_refused_by_the_one_pass_load_as_before(tmp_path
     resumed = attempts(run)[-1]
     assert resumed["restored"]["name"] == "step-00000016"
     assert resumed["restored"]["shards_verified"] == "while loading"
+
+
+def as_written_before_blake3(directory):
+    """Rewrite a generation's manifest as format 2 wrote it: every file's sha256, unsigned,
+    the same JSON layout (what a generation of a trainer before BLAKE3 holds)."""
+    path = directory / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest.update(format_version=2, digest="sha256",
+                    files={name: {"bytes": entry["bytes"], "sha256": hashlib.sha256((directory / name).read_bytes())
+                                  .hexdigest()} for name, entry in manifest["files"].items()})
+    path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def test_generations_digested_with_sha256_verify_resume_and_refuse_a_flipped_byte(tmp_path, interrupted, baseline):
+    """Generations written before BLAKE3 (format 2, sha256) still verify and load; a byte
+    flipped in one is refused (65) by its sha256, and the run resumes from an older sha256
+    generation to the same end as the uninterrupted run, its new generations in BLAKE3. ~5 s."""
+    run = fresh_copy(interrupted, tmp_path)
+    for name in ("step-00000008", "step-00000016", "step-00000024"):
+        as_written_before_blake3(generation(run, name))
+    verified = run_cli("verify", run)
+    assert verified.returncode == 0 and verified.stdout.count("ok ") == 3, verified.stdout
+    shard = max(generation(run, "step-00000024").glob("*.distcp"), key=lambda path: path.stat().st_size)
+    damage_flip(shard)
+    verified = run_cli("verify", run)
+    assert verified.returncode == 65 and f"{shard.name}: sha256 mismatch" in verified.stdout, verified.stdout
+    refused = run_cli("--output", run, "--resume")
+    line = one_error_line(refused)
+    assert refused.returncode == 65 and f"{shard.name}: sha256 mismatch" in line, line
+    assert "--from-generation step-00000016" in line
+    train(run, "--from-generation", "step-00000016")
+    assert attempts(run)[-1]["restored"]["name"] == "step-00000016"
+    assert compare(generation(baseline), generation(run)).returncode == 0
+    newest = json.loads((generation(run) / "manifest.json").read_text())
+    older = json.loads((generation(run, "step-00000016") / "manifest.json").read_text())
+    assert (newest["digest"], newest["format_version"], older["digest"]) == ("blake3", 3, "sha256")

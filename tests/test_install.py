@@ -183,7 +183,7 @@ def test_a_stale_copy_that_hides_the_installed_package_is_named_but_a_checkout_i
 
 
 # ----------------------------------------------------------------------------- what an import costs
-HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "matplotlib", "pandas", "polyaxon", "s3fs",
+HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "matplotlib", "pandas", "polyaxon", "s3fs", "obstore",
          "fsspec", "botocore", "transformers", "lightning", "accelerate", "trainer.inspect.report",
          "trainer.integrations.polyaxon.tracking", "trainer.storage.object.client", "trainer.recovery.hf",
          "trainer.recovery.lightning", "trainer.recovery.accelerated", "trainer.checkpoint.writer",

@@ -24,8 +24,12 @@ EXAMPLES = {
     "own-loop": ("own_loop.py", ("--epochs", "3"), 13, "step-00000010", 24, "step-00000036"),  # 12 batches an epoch
     "accelerate": ("accelerate_loop.py", ("--epochs", "3"), 13, "step-00000010", 24, "step-00000036"),
     "lightning": ("lightning_loop.py", ("--epochs", "3"), 13, "step-00000010", 24, "step-00000036"),
-    "hf-trainer": ("hf_trainer.py", (), 7, "step-00000005", 11, "step-00000018"),  # 6 steps an epoch
+    "hf-trainer": ("hf_trainer.py", (), 8, "step-00000005", 11, "step-00000018"),  # 6 steps an epoch
 }
+"""A step's digest is read after the next step is queued (trainer/run/readback.py): a kill -9
+right after step N leaves the digests through N-1 at least, so the kill lands two steps past
+the generation for the resume to have a lost step to replay (HF prints its step line before
+the adapter's callback runs)."""
 PRELOAD = {"hf_trainer.py": "transformers", "hf_stopped.py": "transformers"}
 """What the zygote imports before it forks a script (tests/forking.py PRELOADABLE): about 3 CPU-s
 of each HF process's."""
@@ -116,6 +120,53 @@ def test_a_loop_with_its_own_shuffle_is_reported_not_exact(tmp_path):
     assert run_cli(script, run).returncode == 0
     assert attempts(run)[1]["replay"]["first_mismatch"] == 6
     assert "replay DIFFERS from step 6" in run_cli("report", run).stdout
+
+
+FORGOTTEN_PREFETCH = """
+import os, signal, sys
+import torch
+from torch import nn
+from trainer import recovery
+
+recovery.seed_everything(0)
+model = nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+stop = int(sys.argv[2]) if len(sys.argv) > 2 else None
+
+def drawn():
+    inputs = torch.randn(8, 4)
+    return inputs, inputs.sum(1, keepdim=True)
+
+with recovery.open_run(sys.argv[1], resume="auto", recover=recovery.CadenceConfig(every_steps=5)) as run:
+    done = run.restore(model, optimizer).global_step
+    ahead = drawn()
+    for step in range(done + 1, 13):
+        inputs, targets = ahead
+        ahead = drawn()  # the next batch, fetched before this step ends: never handed over
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step == stop:
+            os.kill(os.getpid(), signal.SIGTERM)  # a preemption in this step
+        run.step(loss)
+"""
+
+
+def test_a_sigterm_resume_of_a_loop_that_forgot_its_prefetched_batch_is_reported_not_exact(tmp_path):
+    """The generation saved at the stop holds the RNG past the prefetched batch, which the loop
+    never handed over: the step after the stop's save, computed for the witness and replayed by
+    the resume, differs. Before issue 57 a stop's resume replayed nothing and `report` said
+    every check passed. Cost: two forked processes, about 2 CPU-s."""
+    script, run = tmp_path / "forgotten.py", tmp_path / "run"
+    script.write_text(FORGOTTEN_PREFETCH)
+    stopped = run_cli(script, run, 7)
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert attempts(run)[0]["witness_step"] == 8 and generation(run, "step-00000007").is_dir()
+    assert run_cli(script, run).returncode == 0
+    assert attempts(run)[1]["replay"]["first_mismatch"] == 8
+    report = run_cli("report", run).stdout
+    assert "exactness witness  NOT EXACT" in report and "replay DIFFERS from step 8" in report, report
 
 
 HF_STOPPED_AT_ITS_LAST_STEP = """

@@ -162,3 +162,77 @@ def test_the_same_error_says_the_command_lines_flags_and_the_librarys_keywords()
     error = UsageError(uneven_split(EpochShape(32, 12, "refuse"), 3))
     assert "under --last-batch refuse; choose sizes" in str(error)
     assert "under KeyedData(last_batch='refuse'); choose sizes" in spelled(error)
+
+
+def test_lines_a_library_user_meets_name_open_runs_keywords_not_flags(tmp_path):
+    """Issue 57: the lost-peer line, a rejoin that timed out, a local tier of another run and an
+    upload that failed named `--resume auto`, `--peer-timeout-secs`, `--local-tier` to a script;
+    a tracker's closing line took the command line's text (`exit_status`)."""
+    from types import SimpleNamespace
+
+    from trainer.errors import RefuseOverwrite, UsageError, option
+    from trainer.layout import STORE_MARKER, RunDirectory
+    from trainer.parallel.ranks import Ranks
+    from trainer.recovery.run import exit_status
+    from trainer.recovery.said import spelled
+    from trainer.storage.object.tiering import RemoteRun, _as_failure
+
+    lost = Ranks.peer_failure(SimpleNamespace(_bound_s=5.0, group=None, heartbeat=None),
+                              RuntimeError("Connection closed by peer"), "stepping")
+    ours = spelled(lost).replace("torchrun --max-restarts", "")  # torchrun's own flag stays
+    assert "--resume auto" in str(lost) and "resume='auto'" in ours and "--" not in ours
+    slow = Ranks.peer_failure(SimpleNamespace(_bound_s=5.0, group=None, heartbeat=None),
+                              RuntimeError("timed out"), "stepping")
+    assert "resume='auto'" in spelled(slow) and "--" not in spelled(slow).replace("torchrun --max-restarts", "")
+
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    (tier / STORE_MARKER).write_text("s3://bucket/other\n")
+    with pytest.raises(RefuseOverwrite) as refused:
+        RemoteRun(SimpleNamespace(url="s3://bucket/run"), RunDirectory(tier)).adopt_local_tier()
+    said = spelled(refused.value)
+    assert str(refused.value).startswith(f"--local-tier {tier} is the local tier of s3://bucket/other")
+    assert said.startswith(f"local tier {tier} is the local tier of s3://bucket/other") and "--" not in said, said
+    assert "TRAINER_LOCAL_TIER" in said
+    assert "resume='auto'" in spelled(_as_failure(RuntimeError("boom"), "s3://bucket/run"))
+
+    status, closing = exit_status(UsageError(f"give {option('--resume', 'auto')}"))
+    assert (status, closing) == (2, "give resume='auto'")
+
+
+@pytest.mark.parametrize("settings, said", [
+    ({"batch_size": -1}, "KeyedData(batch_size=-1): must be a positive integer, got -1"),
+    ({"grad_accum": 0}, "KeyedData(grad_accum=0): must be a positive integer, got 0"),
+    ({"num_workers": -2}, "KeyedData(num_workers=-2): must be 0 or more, got -2"),
+])
+def test_keyed_datas_settings_are_checked_in_one_line_and_exit_2(caplog, settings, said):
+    """Issue 57: `KeyedData(batch_size=-1)` was taken as given (an epoch of -10 batches)."""
+    dataset = torch.utils.data.TensorDataset(torch.ones(4, 2))
+    assert refusal(caplog, lambda: recovery.KeyedData(dataset, **settings)) == f"trainer: error: {said}"
+    line = refusal(caplog, lambda: recovery.KeyedData(42))  # neither map-style nor a stream
+    assert line.startswith("trainer: error: KeyedData: build_dataset returned a int") and "--" not in line, line
+
+
+def test_a_final_save_that_raises_leaves_a_record_that_says_failed(tmp_path, caplog):
+    """Issue 57: the `with` block's end saves the final generation; when that raised, the
+    attempt's record stayed `running` (read later as a killed attempt, a crash-loop count)."""
+    import json
+
+    class Failing:
+        armed = False
+
+        def state_dict(self) -> dict:
+            if self.armed:
+                raise RuntimeError("no state today")
+            return {"count": torch.zeros(1)}
+
+        def load_state_dict(self, stored: dict) -> None:
+            pass
+
+    failing, (model, optimizer) = Failing(), model_and_optimizer()
+    with caplog.at_level(logging.ERROR, logger="trainer"), pytest.raises((SystemExit, RuntimeError)):
+        with recovery.open_run(tmp_path / "run") as run:
+            run.restore(model, optimizer, extras={"failing": failing})
+            failing.armed = True  # the final save, at the end of the block, raises
+    (record,) = [json.loads(path.read_text()) for path in (tmp_path / "run" / "attempts").glob("*/attempt.json")]
+    assert record["status"] == "failed" and "no state today" in record["reason"], record

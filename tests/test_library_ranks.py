@@ -45,9 +45,13 @@ FINAL = "step-00000018"
 EPOCHS = ("--epochs", "2")
 
 
-def launch(run: Path, nproc: int, *args, restarts: int = 0, status: Path | None = None) -> subprocess.Popen:
-    """`torchrun` (its agent forked from the zygote: support.torchrun.launch) running the example."""
-    command = ["--standalone", "--nproc_per_node", nproc, "--max-restarts", restarts, EXAMPLE, run, *EPOCHS, *args]
+def launch(run: Path, nproc: int, *args, restarts: int = 0, status: Path | None = None,
+           warm: bool = False) -> subprocess.Popen:
+    """`torchrun` (its agent forked from the zygote: support.torchrun.launch) running the example
+    (`warm`: through the launch entry, `-m trainer.launch`, and its warm spare)."""
+    entry = ["-m", "trainer.launch"] if warm else []
+    command = ["--standalone", "--nproc_per_node", nproc, "--max-restarts", restarts, *entry, EXAMPLE, run, *EPOCHS,
+               *args]
     env = clean_environment(**({"TRAINER_EXIT_STATUS_FILE": str(status)} if status else {}))
     return launch_torchrun(command, env)
 
@@ -88,11 +92,12 @@ def baseline(tmp_path_factory, nproc: int, options: list[str]) -> Path:
 
 
 def resume_options(options: list[str]) -> list[str]:
-    """`options` less tier 0 and the checkpoint mode: the fresh launch restores from the disk
-    (the SIGTERM's generation) and saves sync (the same bytes as async)."""
+    """`options` less tier 0, the checkpoint mode and who creates the group: the fresh launch
+    restores from the disk (the SIGTERM's generation) and saves sync (the same bytes as async),
+    and none of them changes a bit."""
     kept, skip = [], False
     for option in options:
-        if not skip and option not in ("--memory-dir", "--checkpoint-mode"):
+        if not skip and option not in ("--memory-dir", "--checkpoint-mode", "--init-first"):
             kept.append(option)
         skip = not skip and option in ("--memory-dir", "--checkpoint-mode")
     return kept
@@ -104,12 +109,16 @@ CELLS = {
     # rank reads 2), its cursor restored; the resume in the script's own group, joined before open_run
     "fsdp-3": (3, ("--data-parallel", "fsdp", "--checkpoint-mode", "async"), ()),  # FSDP2, async saves: each
     # rank stages and writes its own shards, restores its own (the resume saves sync: the same bytes)
-    "ddp-2-tier0": (2, ("--data-parallel", "ddp", "--memory-dir", "{memory}"), ()),  # the restart from tier 0
+    "ddp-2-tier0": (2, ("--data-parallel", "ddp", "--memory-dir", "{memory}", "--init-first"), ()),  # the restart
+    # from tier 0, the script's own `init_process_group` before open_run rejoining (trainer/parallel/rendezvous.py)
     "fsdp-2-tier0": (2, ("--data-parallel", "fsdp", "--memory-dir", "{memory}"), ()),  # FSDP2's shards in tier 0
 }
-"""Not `--init-first` under `--max-restarts`: torch's own `init_process_group` (2.13, --standalone) never
-rejoins in a restarted round (the agent's store keeps the dead round's keys); `open_run` joins with a
-prefix per round (trainer/parallel/ranks.py `join`)."""
+"""`--init-first` under `--max-restarts`: torch's own `init_process_group` (2.13, --standalone) reads the
+same keys every round in the agent's store, and rejoins only by luck; the library and the launch entry
+key `env://` by round (trainer/parallel/rendezvous.py; the race itself: tests/test_rejoin.py)."""
+WARM = {"ddp-2-tier0"}
+"""The cells launched through `-m trainer.launch` (trainer/launch.py): the restarted workers are the
+warm spare's forks, the script run from the top in each."""
 
 
 @pytest.mark.parametrize("cell", CELLS)
@@ -120,7 +129,7 @@ def test_a_killed_rank_restarted_in_place_then_sigterm_resumes_equal_to_an_unint
     reference = baseline(tmp_path_factory, nproc, options)
     run, status = tmp_path / "run", tmp_path / "status"
 
-    with bounded(launch(run, nproc, *options, restarts=1, status=status)) as process:
+    with bounded(launch(run, nproc, *options, restarts=1, status=status, warm=cell in WARM)) as process:
         wait_for_line(process, "step=6 ")  # mid-epoch 0: the newest generation is step 4 (or tier 0's)
         # An async save of step 4 may still be in flight on a loaded machine: kill once it committed.
         wait_until(lambda: (generation(run, "step-00000004") / "manifest.json").exists(), "step 4 committed")
@@ -139,6 +148,7 @@ def test_a_killed_rank_restarted_in_place_then_sigterm_resumes_equal_to_an_unint
     assert first["status"] == "interrupted" and first["peer"]["state"] == "lost" and 1 in first["peer"]["ranks"], first
     assert restarted["status"] == "preempted" and restarted["world_size"] == nproc
     assert restarted["restored"]["tier"] == ("memory" if "--memory-dir" in options else "disk")
+    assert restarted["warm_spare"] == (cell in WARM), restarted  # forked from the spare with every import done
     stopped_at = restarted["last_step"]
     assert generation(run, f"step-{stopped_at:08d}").is_dir()  # every rank's shards of the step reached
 
@@ -158,15 +168,19 @@ def test_a_killed_rank_restarted_in_place_then_sigterm_resumes_equal_to_an_unint
     if "async" not in options:  # the samples of every step, in the uninterrupted run's order (the stream's too)
         assert "ledgers: same samples in the same order since step 0" in compared.stdout, compared.stdout
     report = run_cli("report", run)
-    assert "exactness witness  every check passed" in report.stdout and "NOT EXACT" not in report.stdout, report.stdout
+    assert "NOT EXACT" not in report.stdout, report.stdout
+    # tier 0 every step may leave the kill's resume nothing to replay: "not compared", never "passed"
+    assert "exactness witness  every check passed" in report.stdout or \
+        "--memory-dir" in options and "matched; not compared: 1 replay" in report.stdout, report.stdout
     assert "samples: none repeated or skipped" in report.stdout, report.stdout
     if "async" not in options:  # a lost peer's attempt may not record its last async generation's samples
         assert "200 samples: none repeated or skipped" in report.stdout, report.stdout
     records = attempts(run)
     assert [r["status"] for r in records] == ["interrupted", "preempted", "completed"]
     assert all(record["restore_check"]["matched"] for record in records[1:])
-    replay = records[1].get("replay", {"matched": 0, "of": 0})  # tier 0 every step may leave none to replay
-    assert replay["matched"] == replay["of"] and (replay["of"] > 0 or "--memory-dir" in options)  # the kill's lost steps
+    replay = records[1]["replay"]  # tier 0 every step may leave none to replay: not compared
+    assert replay.get("compared") is False and "--memory-dir" in options or replay["matched"] == replay["of"] > 0
+    assert records[2]["replay"]["matched"] == records[2]["replay"]["of"] == 1  # the step after the stop's save
 
 
 def test_fsdp2_in_one_process_killed_then_preempted_resumes_equal_to_an_uninterrupted_run(tmp_path, tmp_path_factory):
@@ -211,3 +225,66 @@ def test_fsdp2_in_one_process_killed_then_preempted_resumes_equal_to_an_uninterr
     assert all(record["restore_check"]["matched"] for record in records[1:])
     manifest = json.loads((generation(run, FINAL) / "manifest.json").read_text())
     assert manifest["fingerprint"]["config"]["data_parallel"] == "fsdp"  # sharded, not taken for a plain model
+
+
+ACCELERATE_WITHOUT_MODEL = """
+import sys
+import torch
+from accelerate import Accelerator
+from trainer import recovery
+from trainer.recovery import accelerated
+
+accelerator = Accelerator(cpu=True)
+model = torch.nn.Linear(2, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+prepared, optimizer = accelerator.prepare(model, optimizer)
+with recovery.open_run(sys.argv[1]) as run:
+    accelerated.load_state(accelerator, run, model=None if sys.argv[2] == "none" else model)
+"""
+
+
+def test_accelerates_load_state_on_two_processes_without_the_prepared_model_is_one_line_and_exit_2(tmp_path):
+    """Issue 57: without `model=` (or with the unwrapped model) Accelerate's ranks trained under
+    DDP's own reduction, and a resume was silently not exact at 3 processes. Accelerate keeps
+    only the unwrapped model, so the run cannot find the wrapper: refused, naming `model=`.
+    Cost: two forked ranks importing accelerate, about 6 CPU-s."""
+    script = tmp_path / "accelerate_without_model.py"
+    script.write_text(ACCELERATE_WITHOUT_MODEL)
+    for given in ("none", "unwrapped"):
+        ranks = rank_processes([str(script), str(tmp_path / given), given], 2, expect=2)
+        lines = [line for line in ranks[0].stderr.splitlines() if line.startswith("trainer: error:")]
+        assert len(lines) == 1 and "accelerated.load_state on 2 processes needs model=" in lines[0], ranks[0].stderr
+        assert "Traceback" not in ranks[0].stderr + ranks[1].stderr
+
+
+SHARED_COPY = """
+import sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from trainer.checkpoint.snapshot import write_snapshot
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+# the model first: DCP's own planner gives rank 0 its copy, then the next duplicate to the smaller plan (rank 1)
+write_snapshot({"model": {"weight": torch.ones(1000)}, "workload": {"best": torch.tensor(float(rank))}},
+               Path(sys.argv[1]))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_shared_extra_that_the_ranks_hold_differently_is_stored_as_rank_0s(tmp_path):
+    """Issue 57: DCP keeps one copy of an entry every rank saves under one key, from whichever
+    rank's plan is smallest; a loop's `extras` (then all shared) came back as rank 1's. The
+    shared section is kept from rank 0 (`RankZeroCopies`). Cost: two forked ranks, about 2 CPU-s."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    script, directory = tmp_path / "shared_copy.py", tmp_path / "snapshot"
+    script.write_text(SHARED_COPY)
+    directory.mkdir()
+    rank_processes([str(script), str(directory)], 2, expect=0)
+    loaded = {"model": {"weight": torch.zeros(1000)}, "workload": {"best": torch.tensor(-1.0)}}
+    dcp.load(loaded, checkpoint_id=directory, no_dist=True)
+    assert loaded["workload"]["best"].item() == 0.0 and loaded["model"]["weight"].sum().item() == 1000

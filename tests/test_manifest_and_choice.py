@@ -10,6 +10,7 @@ import pytest
 
 from trainer.errors import CorruptGeneration, NothingToResume, RefuseOverwrite
 from trainer.checkpoint.atomic import file_digest
+from trainer.checkpoint.digest import CURRENT
 from trainer.checkpoint.manifest import (GenerationFacts, InvalidManifest, Manifest, Verification, read_manifest,
                                        verify_directory)
 from trainer.checkpoint.resume import choose_candidate, require_verified
@@ -22,14 +23,14 @@ INDEX = b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n)\x81."
 """A `.metadata` that passes the allowlist check (an empty DCP Metadata), without torch."""
 
 
-def sealed(directory: Path, kind: str = "recovery", files: dict | None = None) -> Manifest:
+def sealed(directory: Path, kind: str = "recovery", files: dict | None = None, algorithm: str = CURRENT) -> Manifest:
     """A directory whose files are listed, with their real digests, in its manifest."""
     directory.mkdir()
     names = files or ({".metadata": INDEX, "__0_0.distcp": b"shard"} if kind == "recovery"
                       else {"model.safetensors": b"weights", "config.json": b"{}"})
     for name, data in names.items():
         (directory / name).write_bytes(data)
-    listed = {name: file_digest(directory / name) for name in names}
+    listed = {name: file_digest(directory / name, algorithm=algorithm) for name in names}
     manifest = (Manifest.for_generation(FACTS, "attempt-1", {"mode": "sync", "write_s": 0.1234567}, listed)
                 if kind == "recovery" else Manifest.for_export(24, 3, "attempt-1", listed))
     (directory / "manifest.json").write_text(json.dumps(manifest.to_json()))
@@ -57,12 +58,14 @@ def test_export_manifest_has_no_generation_fields(tmp_path):
 
 @pytest.mark.parametrize("change, reason", [
     (lambda d: d.update(format="other"), "not a training-recovery manifest"),
-    (lambda d: d.update(format_version=3), "format_version 3 is not one this trainer reads"),
+    (lambda d: d.update(format_version=4), "format_version 4 is not one this trainer reads"),
+    (lambda d: d.update(format_version=2), "no file list"),  # format 2 digests with sha256 only
     (lambda d: d.update(signature={"algorithm": "hmac-md5", "hmac": "0" * 32}), "signature algorithm 'hmac-md5'"),
     (lambda d: d.update(signature={"algorithm": "hmac-sha256", "hmac": "xyz"}), "signature hmac is not 64 hex"),
     (lambda d: d.pop("files"), "no file list"),
     (lambda d: d.update(digest="md5"), "no file list"),
-    (lambda d: d["files"].update({"x": {"bytes": "3"}}), "the entry for x is not {bytes, sha256}"),
+    (lambda d: d["files"].update({"x": {"bytes": "3"}}), "the entry for x is not {bytes, blake3}"),
+    (lambda d: d["files"].update({"x": {"bytes": 3, "sha256": "0" * 64}}), "the entry for x is not {bytes, blake3}"),
     (lambda d: d.update(kind="weights"), "unknown kind 'weights'"),
     (lambda d: d.update(step="24"), "step is missing or not a int"),
     (lambda d: d.update(step=True), "step is missing or not a int"),
@@ -85,13 +88,30 @@ def test_verification_names_the_first_problem(tmp_path):
     assert verify_directory(directory).problem == "__0_1.distcp: not listed in manifest.json"
     (directory / "__0_1.distcp").unlink()
     (directory / "__0_0.distcp").write_bytes(b"shark")
-    assert verify_directory(directory).problem.startswith("__0_0.distcp: sha256 mismatch")
+    assert verify_directory(directory).problem.startswith("__0_0.distcp: blake3 mismatch")
     (directory / "__0_0.distcp").write_bytes(b"shard!")
     assert verify_directory(directory).problem == "__0_0.distcp: size 6 bytes, manifest says 5"
     (directory / "__0_0.distcp").unlink()
     assert verify_directory(directory).problem == "__0_0.distcp: missing"
     (directory / "manifest.json").unlink()
     assert verify_directory(directory).problem == "manifest.json: missing"
+
+
+def test_a_directory_digested_with_sha256_is_verified_with_sha256(tmp_path):
+    """Generations written before BLAKE3 (format 2) list sha256: each file is hashed with the
+    algorithm its manifest names, digests a writer took with another one are not trusted for
+    it (read again), and one manifest never mixes algorithms."""
+    directory = tmp_path / "g"
+    manifest = sealed(directory, algorithm="sha256")
+    (directory / "manifest.json").write_text(json.dumps({**manifest.to_json(), "format_version": 2}))
+    assert read_manifest(directory).digest == "sha256" and verify_directory(directory).ok
+    blake3_digests = {name: file_digest(directory / name) for name in manifest.files}
+    assert verify_directory(directory, digests=blake3_digests).ok  # a peer's transfer: read again, sha256
+    (directory / "__0_0.distcp").write_bytes(b"shark")
+    assert verify_directory(directory).problem.startswith("__0_0.distcp: sha256 mismatch")
+    assert verify_directory(directory, digests=blake3_digests).problem.startswith("__0_0.distcp: sha256 mismatch")
+    with pytest.raises(ValueError, match="blake3 and sha256"):
+        Manifest.for_generation(FACTS, "a", {}, {"a": {"bytes": 1, "sha256": "0"}, "b": {"bytes": 1, "blake3": "0"}})
 
 
 def test_a_manifest_must_list_what_its_kind_requires(tmp_path):
@@ -136,18 +156,19 @@ def test_a_damaged_candidate_names_the_newest_earlier_one_that_verifies():
 
 def test_a_format_1_manifest_still_reads_and_a_signature_covers_every_field(tmp_path):
     """Generations written before safe loading (format_version 1) read as before; a signature
-    is over the manifest's canonical bytes, so changing any field (a file's sha256 included)
+    is over the manifest's canonical bytes, so changing any field (a file's digest included)
     breaks it, and an unsigned manifest is refused with a key unless adopted."""
     from trainer.checkpoint.signing import Signing, encode_signed
 
     data = sealed(tmp_path / "g").to_json()
-    assert Manifest.from_json({**data, "format_version": 1}).step == 24
+    old = sealed(tmp_path / "old", algorithm="sha256").to_json()
+    assert Manifest.from_json({**old, "format_version": 1}).step == 24
     signing = Signing(b"k" * 16)
     signed = Manifest.from_json(json.loads(encode_signed(data, signing)))
     assert signing.problem(signed.signature, signed.canonical) is None
     assert "not match" in Signing(b"o" * 16).problem(signed.signature, signed.canonical)
     changed = json.loads(encode_signed(data, signing))
-    changed["files"][".metadata"]["sha256"] = "0" * 64
+    changed["files"][".metadata"]["blake3"] = "0" * 64
     tampered = Manifest.from_json(changed)
     assert "not match" in signing.problem(tampered.signature, tampered.canonical)
     unsigned = Manifest.from_json(data)

@@ -116,7 +116,7 @@ def test_a_damaged_tier0_generation_is_refused_and_the_disk_serves(crashed, unin
     resumed = resume(run, memory)
     output = resumed.stdout + resumed.stderr
     warned = [line for line in output.splitlines() if "tier 0 refused" in line]
-    assert len(warned) == 1 and "step-00000006" in warned[0] and "sha256 mismatch" in warned[0], output
+    assert len(warned) == 1 and "step-00000006" in warned[0] and "blake3 mismatch" in warned[0], output
     assert "restored step-00000004 (step=4 epoch=0 position=4) from the local disk" in resumed.stdout
     restored = attempts(run)[-1]["restored"]
     assert restored["tier"] == "disk" and restored["refused"][0].startswith("memory step-00000006: ")

@@ -67,9 +67,9 @@ def test_a_flipped_shard_byte_is_refused_in_one_line_naming_the_file(generation)
     with pytest.raises(CorruptGeneration) as refused:
         verified_load(generation, template)
     message = str(refused.value)
-    assert f"{shard.name}: sha256 mismatch" in message and "\n" not in message
+    assert f"{shard.name}: blake3 mismatch" in message and "\n" not in message
     assert refused.value.exit_code == 65
-    assert verify_directory(generation).problem.startswith(f"{shard.name}: sha256 mismatch")  # the full pass agrees
+    assert verify_directory(generation).problem.startswith(f"{shard.name}: blake3 mismatch")  # the full pass agrees
 
 
 def test_a_shard_damaged_where_dcp_parses_it_is_still_named_by_its_hash(generation):
@@ -77,7 +77,7 @@ def test_a_shard_damaged_where_dcp_parses_it_is_still_named_by_its_hash(generati
     error, names the damage."""
     shard = biggest_shard(generation)
     flip_byte(shard, at=0.0)
-    with pytest.raises(CorruptGeneration, match=f"{shard.name}: sha256 mismatch"):
+    with pytest.raises(CorruptGeneration, match=f"{shard.name}: blake3 mismatch"):
         verified_load(generation, template)
 
 
@@ -88,7 +88,7 @@ def test_a_corrupted_metadata_is_refused_before_it_is_parsed(generation, monkeyp
     monkeypatch.setattr(manifest_module, "metadata_problem", never)
     monkeypatch.setattr(safe_load, "unpickle_metadata", never)
     flip_byte(generation / ".metadata")
-    with pytest.raises(CorruptGeneration, match=r"\.metadata: sha256 mismatch") as refused:
+    with pytest.raises(CorruptGeneration, match=r"\.metadata: blake3 mismatch") as refused:
         verified_load(generation, lambda stored: never())
     assert refused.value.exit_code == 65 and "\n" not in str(refused.value)
 
@@ -176,7 +176,7 @@ def test_a_store_generation_streams_into_the_load_in_ranges_and_a_damaged_or_res
     body[2 * 4096 + 100] ^= 0x01  # in the third range
     section.objects.write(section.key(name, shard.name), bytes(body))
     _, _, error = streamed(section, name, base / "damaged")
-    assert isinstance(error, DamagedShard) and error.problem.startswith(f"{shard.name}: sha256 mismatch"), error
+    assert isinstance(error, DamagedShard) and error.problem.startswith(f"{shard.name}: blake3 mismatch"), error
     assert not (base / "damaged" / "checkpoints" / name).exists() and not (base / "damaged" / "staging" / name).exists()
 
     section.objects.write(section.key(name, shard.name), shard.read_bytes() + b"\0")

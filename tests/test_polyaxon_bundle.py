@@ -20,7 +20,7 @@ from support.cli import REPO
 from support.polyaxon import FLAG, JOB_FILE, POLYAXONFILES, PRESETS, check_all, preset_targets, trainer_argv
 
 from trainer.cli import train_parser
-from trainer.flags import LOADER_SETTINGS
+from trainer.flags import GIVEN_SETTINGS
 
 NOT_INPUTS = {"--output", "--tracked", "--help", "--local-tier",  # set by the bundle itself (TRAINER_LOCAL_TIER), not by the user
               "--signing-key-file"}  # the bundle's mount of the Secret named by the input signing_key_secret
@@ -221,8 +221,9 @@ def test_job_inputs_cover_every_trainer_option_with_its_default():
         if flag in workload_options:  # null: the workload's own default, and nothing for another workload
             assert io["value"] is None, f"{flag}: the example workload's option must default to null"
             continue
-        if action.dest in LOADER_SETTINGS:  # null: unset, a DataLoader from build_dataset gives it
-            assert io["value"] is None, f"{flag}: must default to null (unset), or it overrides a workload's DataLoader"
+        if action.dest in GIVEN_SETTINGS:  # null: unset, a DataLoader or a resumed generation gives it
+            assert io["value"] is None, (f"{flag}: must default to null (unset), or it overrides a workload's "
+                                         f"DataLoader or a resumed generation's reduction")
             continue
         assert io["value"] == default, f"{flag}: input default {io['value']!r}, trainer default {default!r}"
 

@@ -276,16 +276,17 @@ def test_report_numbers_equal_those_derived_from_the_known_history(storm, tmp_pa
         (None, 27, 0, 27 - 24),
         ("step-00000024", killed_at - 24, 27 - 24, killed_at - killed_durable),
         (None, 0, 0, 0),
-        (f"step-{killed_durable:08d}", preempted_at - killed_durable,
-         min(killed_at, preempted_at) - killed_durable, 0),
-        (f"step-{preempted_at:08d}", 64 - preempted_at, 0, 0),
+        # the stop's save, then one step for the witness (issue 57): computed, lost, replayed by the next
+        (f"step-{killed_durable:08d}", preempted_at + 1 - killed_durable,
+         min(killed_at, preempted_at + 1) - killed_durable, 1),
+        (f"step-{preempted_at:08d}", 64 - preempted_at, 1, 0),
     ]
     assert [(r["restored"], r["computed"], r["replayed"], r["lost"]) for r in rows] == expected
     assert [r["exit_code"] for r in rows] == [75, None, 65, 75, 0]
     assert rows[1]["wall_estimated"] and rows[1]["wall_s"] > 0
     computed = sum(e[1] for e in expected)
     totals = report["totals"]
-    assert (totals["useful"], totals["computed"], totals["lost"]) == (64, computed, 3 + killed_at - killed_durable)
+    assert (totals["useful"], totals["computed"], totals["lost"]) == (64, computed, 3 + killed_at - killed_durable + 1)
     assert totals["goodput"] == pytest.approx(64 / computed)
     restores = sum(r["costs"]["restore_s"] for r in records)
     assert totals["restore_s"] == pytest.approx(restores, abs=1e-3)

@@ -3,6 +3,9 @@ without a subprocess."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from trainer import seams
@@ -130,3 +133,26 @@ def test_an_attempt_that_ends_between_publishes_records_the_step_it_reached(tmp_
     recorder.ended("failed", 74, "disk full")
     [record] = read_attempt_records(tmp_path)
     assert (record.status, record.first_step, record.last_step) == ("failed", 10, 15)
+
+
+def test_a_progress_point_is_written_off_the_loops_thread_and_the_end_after_it(tmp_path, monkeypatch):
+    """Every 8th step's progress point rewrites the record (two fsyncs): the loop's thread
+    hands it to a background writer (issue 55); the end's write waits for it, so the newest
+    record is the one that stays."""
+    import threading
+
+    from trainer.run.attempts import AttemptRecorder, AttemptStart
+
+    recorder = AttemptRecorder.start(RunDirectory(tmp_path), "20261201T000000Z-abcdef", [], AttemptStart())
+    recorder.reached(0, first=True)
+    synced = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(threading.current_thread().name), fsync(fd)))
+    for step in range(1, 17):
+        recorder.mark_step(step, step_digest(1.0, step))
+    recorder._later.settle()
+    assert synced and "trainer-record" in synced and threading.current_thread().name not in synced
+    assert [point[0] for point in json.loads((recorder.folder / "attempt.json").read_text())["progress"]["points"]] \
+        == [8, 16]
+    recorder.ended("completed", 0)
+    assert json.loads((recorder.folder / "attempt.json").read_text())["status"] == "completed"

@@ -12,12 +12,13 @@ cores)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
 import pytest
+
+from trainer.checkpoint.digest import of_bytes
 
 from support.cli import one_error_line, run_cli, train
 from support.runs import attempts
@@ -151,7 +152,7 @@ def resigned_elsewhere(run: Path, runs) -> str:
     shard.write_bytes(bytes(data))
     path = directory / "manifest.json"
     fixed = json.loads(path.read_text())
-    fixed["files"][shard.name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    fixed["files"][shard.name] = of_bytes(bytes(data))
     path.write_text(json.dumps(fixed))
     return "step-00000004"
 

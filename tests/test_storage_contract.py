@@ -23,7 +23,7 @@ from trainer.layout import GENERATIONS, MANIFEST, RUN_IDENTITY, RunDirectory
 from trainer.storage.local import LocalStorage
 from trainer.integrations.polyaxon.copy_seed import seed
 from trainer.location import InStore, parse_store_url
-from trainer.storage.object.client import ObjectStore
+from trainer.storage.object.client import open_objects
 from trainer.storage.object.backend import open_object_storage
 from trainer.storage.object.section import ObjectSection
 
@@ -92,7 +92,7 @@ class SeaweedFS(InMemoryObjects):
         self.bucket.use_env(request.getfixturevalue("monkeypatch"))
 
     def section(self, label: str):
-        return ObjectSection(ObjectStore(parse_store_url(f"{self.bucket.url}/runs/{label}")), "checkpoints")
+        return ObjectSection(open_objects(parse_store_url(f"{self.bucket.url}/runs/{label}")), "checkpoints")
 
 
 KINDS = {"local disk": OnDisk, "in-memory object client": InMemoryObjects, "SeaweedFS": SeaweedFS}
@@ -209,13 +209,13 @@ def test_ops_restart_copy_seeds_a_bucket_run_beside_the_original(s3_bucket, monk
     """copy_seed.py in a bucket store: the original's newest generation, committed in the
     copy's prefix with the manifest last, and the copy's run.json adopting the original's run."""
     s3_bucket.use_env(monkeypatch)
-    original = ObjectSection(ObjectStore(parse_store_url(f"{s3_bucket.url}/training-recovery/u1")), "checkpoints")
+    original = ObjectSection(open_objects(parse_store_url(f"{s3_bucket.url}/training-recovery/u1")), "checkpoints")
     local = published_locally(tmp_path / "u1-tier")
     original.commit("step-00000004", local.path("step-00000004"), fence=lambda: None)
     copy = parse_store_url(f"{s3_bucket.url}/training-recovery/c1")
     seeded = seed(InStore(copy, tmp_path / "c1-tier"), "u1")
     assert (seeded.run, seeded.generation) == ("u1", "step-00000004")
-    target = ObjectSection(ObjectStore(copy), "checkpoints")
+    target = ObjectSection(open_objects(copy), "checkpoints")
     assert target.committed() == ["step-00000004"] and target.verify("step-00000004").ok
     assert seeded.manifest_sha256 == target.manifest_digest("step-00000004")
     assert b"polyaxon ops restart --copy of run u1" in target.identity_bytes()

@@ -131,7 +131,7 @@ def test_uncommitted_is_never_selected_and_a_damaged_commit_is_refused(s3_server
     assert "step-00000040 has no manifest.json" in refused.stdout  # a warning, not the refusal
     assert refused.returncode == 65
     line = one_error_line(refused)
-    assert "step-00000016 is damaged" in line and "sha256 mismatch" in line
+    assert "step-00000016 is damaged" in line and "blake3 mismatch" in line
     assert "--from-generation step-00000008" in line
     assert not (tmp_path / "b" / "checkpoints" / "step-00000016").exists()  # nothing unverified kept
 
@@ -140,7 +140,7 @@ def test_a_fetch_refuses_a_flipped_byte_past_the_first_handover_and_a_missing_ob
                                                                                        tmp_path):
     """`ObjectSection.fetch` hashes every object as it streams, on the threads the chunks are
     handed to (client.py `stream_object`, CHUNK bytes at a time): a 20 MB shard downloads whole and
-    exact, one flipped byte in its second handover is refused with the sha256 line and leaves
+    exact, one flipped byte in its second handover is refused with the digest line and leaves
     nothing behind, and a deleted object (one GET, no lookup first) is refused as missing."""
     import torch
 
@@ -151,7 +151,7 @@ def test_a_fetch_refuses_a_flipped_byte_past_the_first_handover_and_a_missing_ob
     from trainer.checkpoint.section import LocalSection
     from trainer.layout import MANIFEST, RUN_IDENTITY, RunDirectory
     from trainer.location import parse_store_url
-    from trainer.storage.object.client import CHUNK, ObjectStore
+    from trainer.storage.object.client import CHUNK, open_objects
     from trainer.storage.object.section import ObjectSection
 
     s3_bucket.use_env(monkeypatch)
@@ -164,7 +164,7 @@ def test_a_fetch_refuses_a_flipped_byte_past_the_first_handover_and_a_missing_ob
     (name,) = local.committed()
     shard = max((path for path in local.path(name).iterdir() if path.name != MANIFEST), key=lambda p: p.stat().st_size)
     assert shard.stat().st_size > 2 * CHUNK
-    objects = ObjectStore(parse_store_url(f"{s3_bucket.url}/run"))
+    objects = open_objects(parse_store_url(f"{s3_bucket.url}/run"))
     objects.write(RUN_IDENTITY, (run.root / RUN_IDENTITY).read_bytes())
     section = ObjectSection(objects, "checkpoints")
     section.commit(name, local.path(name), fence=lambda: None)
@@ -178,7 +178,7 @@ def test_a_fetch_refuses_a_flipped_byte_past_the_first_handover_and_a_missing_ob
     body[CHUNK + CHUNK // 2] ^= 1  # in the second batch handed over, not the first
     objects.write(section.key(name, shard.name), bytes(body))
     damaged, _ = section.fetch(name, tmp_path / "damaged")
-    assert not damaged.ok and f"{shard.name}: sha256 mismatch" in damaged.problem
+    assert not damaged.ok and f"{shard.name}: blake3 mismatch" in damaged.problem
     assert not (tmp_path / "damaged" / name).exists() and list((tmp_path / "damaged").iterdir()) == []
 
     objects.delete([section.key(name, shard.name)])
@@ -303,7 +303,7 @@ def test_a_damaged_shard_of_the_local_copy_is_downloaded_again_by_the_load(s3_se
     again = train(url, "--local-tier", tier, "--epochs", 2, "--resume", env=env)
     output = again.stdout + again.stderr
     warned = [line for line in output.splitlines() if "downloading it again" in line]
-    assert len(warned) == 1 and newest in warned[0] and f"{shard.name}: sha256 mismatch" in warned[0], output
+    assert len(warned) == 1 and newest in warned[0] and f"{shard.name}: blake3 mismatch" in warned[0], output
     assert f"restored {newest}" in again.stdout and "not exact" not in output
     record = attempts(tier)[-1]
     assert (record["status"], record["restored"]["name"], record["restored"]["tier"]) == ("completed", newest, "store")

@@ -366,14 +366,14 @@ def test_both_tier0_copies_lost_leave_the_object_store_to_serve(s3_server, tier0
 
 def test_a_damaged_tier0_part_is_refused_by_its_hash_and_the_partners_replica_serves(
         s3_server, tier0_copy, baseline_two_nodes):
-    """A flipped byte in rank 1's own part (memory damaged): refused by its sha256 with one
+    """A flipped byte in rank 1's own part (memory damaged): refused by its digest with one
     warning line, the replica on node 0 serves it; exact."""
     bucket, tmp = tier0_copy
     flip_a_byte(sorted(part(tmp, 1, 1).glob("*.distcp"))[0])
     resumed = resume_tier0(s3_server, bucket, tmp)
     output = resumed[0].stdout + resumed[0].stderr
     warned = [line for line in output.splitlines() if "cannot serve" in line or "refused" in line]
-    assert len(warned) == 1 and "rank 1" in warned[0] and "sha256 mismatch" in warned[0], output
+    assert len(warned) == 1 and "rank 1" in warned[0] and "blake3 mismatch" in warned[0], output
     assert restored_record(tmp)["tier"] == "peer"
     assert_exact(s3_server, bucket, tmp, baseline_two_nodes)
 
@@ -388,7 +388,7 @@ def test_a_damaged_part_without_a_replica_leaves_the_object_store_to_serve(s3_se
     resumed = resume_tier0(s3_server, bucket, tmp)
     output = resumed[0].stdout + resumed[0].stderr
     refused = [line for line in output.splitlines() if "tier 0 refused" in line]
-    assert len(refused) == 1 and "rank 1: " in refused[0] and "sha256 mismatch" in refused[0], output
+    assert len(refused) == 1 and "rank 1: " in refused[0] and "blake3 mismatch" in refused[0], output
     assert "restoring step-00000004" in refused[0]
     assert "restored step-00000004 (step=4 epoch=0 position=4) from the object store" in resumed[0].stdout
     restored = restored_record(tmp)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.errors import FingerprintMismatch
+from trainer.errors import FingerprintMismatch, UsageError
 from trainer.checkpoint.restore import load_into
 from trainer.checkpoint.snapshot import write_snapshot
 from trainer.run.state import TrainingState
@@ -99,3 +99,43 @@ def test_other_ranks_entries_are_left_unread_by_design(tmp_path):
         assert torch.equal(stored, loaded)
         assert torch.equal(source.optimizer.state[stored]["exp_avg"], restored.optimizer.state[loaded]["exp_avg"])
     assert restored.scheduler.last_epoch == source.scheduler.last_epoch == 4
+
+
+class Held:
+    """What a loop holds between steps (a batch fetched ahead, a best loss), as `extras`."""
+
+    def __init__(self, value: float):
+        self.value = torch.tensor(value)
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, stored: dict) -> None:
+        self.value = stored["value"].clone()
+
+
+def holding(state: TrainingState, own: float, shared: float) -> TrainingState:
+    state.rank_extras, state.extras = {"ahead": Held(own)}, {"ema": Held(shared)}
+    return state
+
+
+def test_each_ranks_extras_come_back_to_it_and_have_no_owner_at_another_world_size(tmp_path):
+    """Issue 57: a loop's extras are each rank's own (`workload_by_rank.<rank>`), the shared
+    ones stored once (`workload`). Restored at the same world size, each comes back; at
+    another, the per-rank ones are refused in one line (exit 2) naming the fix, and a loop
+    that declares only shared extras restores them."""
+    source = holding(trained(make_state(world_size=2)), own=7.0, shared=3.0)
+    stored = source.state_dict()
+    assert set(stored["workload_by_rank"]) == {"0"} and set(stored["workload"]) == {"ema"}
+    directory = saved(tmp_path, source)
+    same = holding(make_state(world_size=2), own=0.0, shared=0.0)
+    load_into("step-00000004", directory, same)
+    assert same.rank_extras["ahead"].value.item() == 7.0 and same.extras["ema"].value.item() == 3.0
+    with pytest.raises(UsageError) as refused:
+        load_into("step-00000004", directory, holding(make_state(), own=0.0, shared=0.0))
+    assert "the extras 'ahead' are kept per rank" in str(refused.value) and \
+        "restore(shared_extras=...)" in str(refused.value) and refused.value.exit_code == 2
+    declared_shared = make_state()
+    declared_shared.extras = {"ema": Held(0.0)}
+    load_into("step-00000004", directory, declared_shared)  # the other ranks' own extras: unread by design
+    assert declared_shared.extras["ema"].value.item() == 3.0

@@ -11,7 +11,6 @@ case tampers a copy of it.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -22,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+
+from trainer.checkpoint.digest import of_bytes
 
 from support.cli import REPO, compare, one_error_line, run_cli, train
 from support.runs import attempts
@@ -52,8 +53,7 @@ def fix_manifest(directory: Path) -> None:
     """What an attacker does after changing files: re-list every file with its real digest."""
     path = directory / "manifest.json"
     manifest = json.loads(path.read_text())
-    manifest["files"] = {entry.name: {"bytes": entry.stat().st_size,
-                                      "sha256": hashlib.sha256(entry.read_bytes()).hexdigest()}
+    manifest["files"] = {entry.name: of_bytes(entry.read_bytes())
                          for entry in sorted(directory.iterdir()) if entry.name != "manifest.json"}
     path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
@@ -229,7 +229,7 @@ def test_a_huge_metadata_is_refused_before_it_is_read(trained, tmp_path):
     with open(index, "r+b") as handle:
         handle.truncate(300 << 20)
     manifest = json.loads((generation(run) / "manifest.json").read_text())
-    manifest["files"][".metadata"] = {"bytes": 300 << 20, "sha256": "0" * 64}
+    manifest["files"][".metadata"] = {"bytes": 300 << 20, "blake3": "0" * 64}
     (generation(run) / "manifest.json").write_text(json.dumps(manifest))
     verified = run_cli("verify", generation(run))
     assert verified.returncode == 65 and "more than any DCP index" in one_error_line(verified)
@@ -278,7 +278,7 @@ def test_a_signed_run_resumes_exactly_and_never_shows_its_key(signed, trained):
     assert compare(generation(trained), generation(run)).returncode == 0
     for folder in ("checkpoints", "exports"):
         manifest = json.loads((run / folder / FINAL / "manifest.json").read_text())
-        assert manifest["signature"]["algorithm"] == "hmac-sha256" and manifest["format_version"] == 2
+        assert manifest["signature"]["algorithm"] == "hmac-sha256" and manifest["format_version"] == 3
     seen = "".join(p.stdout + p.stderr for p in processes)
     seen += "".join(p.read_text() for p in run.rglob("*") if p.is_file() and p.suffix in (".json", ".txt"))
     assert KEY not in seen and KEY.encode() not in b"".join(p.read_bytes() for p in run.rglob("*") if p.is_file())

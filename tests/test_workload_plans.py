@@ -48,6 +48,19 @@ def test_state_that_moves_in_dataloader_workers_is_refused_at_start(tmp_path):
     train(tmp_path / "main", *STREAM, "--num-workers", 0)
 
 
+def test_a_dataset_that_draws_from_a_global_rng_it_does_not_declare_is_refused_at_start(tmp_path):
+    """`draws_from_global_rngs = ("torch",)` on a dataset whose augmentation also draws from
+    NumPy's and Python's RNGs: those draws would go unkeyed (other samples with other worker
+    counts), so one sample fetched at start refuses it, exit 2, naming the declaration to
+    write, before anything is written. ~0.3 CPU-s."""
+    refused = run_cli("--output", tmp_path / "run", "--workload", "tests/workloads/edge_cases.py:TorchOnlyClaimed",
+                      "--epochs", 1, "--batch-size", 8)
+    line = one_error_line(refused)
+    assert refused.returncode == 2 and "drew from random's global RNG" in line, line
+    assert "declare draws_from_global_rngs = ('random', 'numpy', 'torch')" in line and "Traceback" not in refused.stderr
+    assert not list((tmp_path / "run").glob("checkpoints/step-*"))
+
+
 def test_a_random_collator_resumes_exactly_with_any_worker_count(tmp_path):
     """MLM-style masking drawn in `collate` with the global RNG: the trainer runs it under
     seeds keyed by the batch, so a run fetched by 2 workers, killed mid-epoch and resumed

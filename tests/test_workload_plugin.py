@@ -44,7 +44,7 @@ def test_fingerprint_holds_the_workload_its_options_and_its_source(toy_baseline)
     fingerprint = manifest(toy_baseline)["fingerprint"]
     assert fingerprint["config"] == {"amp": False, "batch_size": 8, "features": 4, "optimizer": "sgd",
                                      "seed": 1234, "threads": 1, "toy_lr": 0.05, "toy_samples": 24, "width": 8,
-                                     "workload": TOY}
+                                     "workload": TOY, "gradient_reduction": "fixed-buckets"}
     assert fingerprint["dataset"] == "unfingerprinted:toy.NoisyRegression:len=24"  # no fingerprint(): documented
     config = json.loads((toy_baseline / "exports" / FINAL / "config.json").read_text())
     assert config["architecture"] == "toy-mlp" and config["width"] == 8

@@ -30,6 +30,7 @@ from trainer.errors import EXIT_INTERRUPTED, TrainerError, UsageError, storage_f
 from trainer.location import ClaimedByPrimary, OnDisk, Location
 from trainer.run.fingerprint import FIELDS
 from trainer.parallel.launch import LaunchEnvironment, is_multi_process, local_rank_of, rank_of
+from trainer.parallel.cuda_fork import WORKLOAD, CudaQueries, CudaState, fork_refusal
 from trainer.parallel.spare import from_spare, restarts_possible, start_spare
 from trainer.options import AUTO, location_argument, path_argument, positive_float
 
@@ -241,13 +242,17 @@ def config_from_args(args: argparse.Namespace, argv: list[str], location: Locati
 def run_train(argv: list[str], program: str = PROGRAM) -> int:
     gc.disable()  # until the start-up's imports are done: see collect_after_start_up
     launch = LaunchEnvironment.from_environ(os.environ)
-    parser, workload_options = workload_parser(chosen_workload(argv), program)
-    args = parser.parse_args(argv)
-    args.given_settings = given_settings(parser, argv)  # a DataLoader from build_dataset fills the others
-    check_option_combinations(args, launch)
-    load_signing(signing_config(args))  # a missing or unusable key file: one line now, before any work
-    seams.install(seams.Seams.from_environment(os.environ, launch.rank))
-    import_for_training(args.warm_spare, launch)
+    cuda_queries = CudaQueries().watch()  # before the workload is imported: what it asks of CUDA poisons a fork
+    try:
+        parser, workload_options = workload_parser(chosen_workload(argv), program)
+        args = parser.parse_args(argv)
+        args.given_settings = given_settings(parser, argv)  # a DataLoader from build_dataset fills the others
+        check_option_combinations(args, launch)
+        load_signing(signing_config(args))  # a missing or unusable key file: one line now, before any work
+        seams.install(seams.Seams.from_environment(os.environ, launch.rank))
+        import_for_training(args.warm_spare, launch, cuda_queries)
+    finally:
+        cuda_queries.stop()
     if not args.tracked:
         return train_in(config_from_args(args, argv, args.output, workload_options), launch)
     if launch.rank != 0:
@@ -292,21 +297,36 @@ def collect_after_start_up() -> None:
     gc.enable()
 
 
-def import_for_training(warm_spare: bool, launch: LaunchEnvironment) -> None:
+def import_for_training(warm_spare: bool, launch: LaunchEnvironment, cuda_queries: CudaQueries) -> None:
     """The start-up's imports, after cheap validation; the collector frozen over them; then,
     before tracking or training starts a thread, the warm spare forked (under torchrun with
-    restarts: the node's first worker, trainer/parallel/spare.py)."""
+    restarts: the node's first worker, trainer/parallel/spare.py), unless anything queried CUDA
+    (`cuda_queries`, watching since before the workload was imported: trainer/parallel/cuda_fork.py)."""
     import trainer.run.loop  # noqa: F401  (imports torch)
-    import torch
     import torch.distributed.checkpoint  # noqa: F401  (every run saves through DCP: imported before the freeze)
     import torch._dynamo  # noqa: F401  (torch.optim imports it at its first load_state_dict or step: before the freeze)
 
     collect_after_start_up()
-    if (warm_spare and launch.local_rank == 0 and restarts_possible(os.environ) and not from_spare(os.environ)
-            and not torch.cuda.is_initialized()):  # a fork of an initialised CUDA cannot use it
-        if (pid := start_spare(os.environ)) is not None:
-            logging.getLogger("trainer").info("warm spare: pid %d keeps the imports for this node's restarted "
-                                              "workers (--no-warm-spare: none)", pid)
+    cuda_queries.stop()
+    if warm_spare:
+        fork_warm_spare(launch, cuda_queries, "--no-warm-spare")
+
+
+def fork_warm_spare(launch: LaunchEnvironment, cuda_queries: CudaQueries, opt_out: str,
+                    during: tuple[str, str] = WORKLOAD) -> int | None:
+    """The node's first worker of a launch that may restart (`restarts_possible`) forks the warm
+    spare once its imports are done, unless anything it imported queried CUDA (`fork_refusal`:
+    then its restarts start cold, said in one log line). The spare's pid, or None. `opt_out`:
+    how a user runs without it (said in the line); `during`: what was imported (`fork_refusal`)."""
+    if not (launch.local_rank == 0 and restarts_possible(os.environ) and not from_spare(os.environ)):
+        return None
+    log = logging.getLogger("trainer")
+    if refusal := fork_refusal(CudaState.of_this_process(cuda_queries), during):
+        log.info("warm spare: none, this node's restarted workers start cold: %s", refusal)
+        return None
+    if (pid := start_spare(os.environ)) is not None:
+        log.info("warm spare: pid %d keeps the imports for this node's restarted workers (%s: none)", pid, opt_out)
+    return pid
 
 
 def train_in(config: RunConfig, launch: LaunchEnvironment, events=None) -> int:

@@ -77,12 +77,22 @@ DCP_SET_ELEMENT = PrivateName(
 COMPILED_ORIGINAL = "_orig_mod"
 """Attribute of `torch.compile`'s wrapper module (`OptimizedModule`, checked against torch
 2.13.0) holding the module it compiled; its `state_dict()` prefixes every key with it."""
+GROUP_BACKEND = "_get_backend"
+"""Method of torch's ProcessGroup (checked against torch 2.13.0) giving the backend object of one
+device type (ProcessGroupNCCL for CUDA), whose public `abort()` ends its collectives in progress:
+what `torch.distributed.distributed_c10d._abort_process_group` calls, without that function's
+clearing of the process-wide group registry (unsafe from a watcher thread)."""
 SCHEDULER_LAST_LR = "_last_lr"
 """Attribute of every torch LRScheduler (checked against torch 2.13.0) behind
 `get_last_lr()`; it has no public setter."""
 
+RENDEZVOUS_HANDLERS = PrivateName(
+    "torch.distributed.rendezvous", "_rendezvous_handlers", "torch", "2.13.0",
+    "keying `env://` and `tcp://` by torchrun's restart round (trainer/parallel/rendezvous.py): the public "
+    "`register_rendezvous_handler` refuses a scheme already registered")
+
 PRIVATE_NAMES = (DCP_STORAGE_INFO, DCP_FLATTEN_STATE_DICT, TORCH_ELEMENT_SIZE, RUN_EXIT_HANDLERS, DCP_INIT_OPTIM_STATE,
-                 TORCH_SET_DETERMINISTIC, DCP_SET_ELEMENT, SET_PG_TIMEOUT)
+                 TORCH_SET_DETERMINISTIC, DCP_SET_ELEMENT, SET_PG_TIMEOUT, RENDEZVOUS_HANDLERS)
 INDUCTOR_DETERMINISTIC_ENV = "TORCHINDUCTOR_DETERMINISTIC"
 """Read by torch._inductor.config at import (checked against torch 2.13.0): "1" makes its
 `deterministic` flag True, as `torch.use_deterministic_algorithms(True)` would."""
@@ -121,10 +131,13 @@ def init_optimizer_state(optimizer) -> None:
     DCP_INIT_OPTIM_STATE.resolve()(optimizer)
 
 
-def use_deterministic_algorithms() -> None:
-    """What `torch.use_deterministic_algorithms(True)` does, without importing inductor: the
-    ATen flag now, and inductor's flag through its environment variable, read if and when a
-    workload compiles (or set directly if inductor is already imported)."""
+def use_deterministic_algorithms(warn_only: bool = False) -> None:
+    """What `torch.use_deterministic_algorithms(True, warn_only=warn_only)` does, without
+    importing inductor: the ATen flag now, and inductor's flag through its environment variable,
+    read if and when a workload compiles (or set directly if inductor is already imported).
+    `warn_only` once set (an opt-in: --allow-nondeterministic-ops) stays set for the process."""
+    import torch
+
     import os
     import sys
 
@@ -132,7 +145,25 @@ def use_deterministic_algorithms() -> None:
     inductor = sys.modules.get("torch._inductor.config")
     if inductor is not None:
         inductor.deterministic = True
-    TORCH_SET_DETERMINISTIC.resolve()(True, warn_only=False)
+    TORCH_SET_DETERMINISTIC.resolve()(True, warn_only=warn_only or torch.is_deterministic_algorithms_warn_only_enabled())
+
+
+class DeviceCommunicator:
+    """The training group's CUDA backend (NCCL), as trainer/parallel/silence.py's `Communicator`."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def abort(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        group = self.group or dist.group.WORLD
+        if not hasattr(group, GROUP_BACKEND):
+            raise PrivateApiMoved(f"ProcessGroup.{GROUP_BACKEND} is gone (torch {installed_version('torch')} "
+                                  f"installed, checked against 2.13.0); it is used for aborting NCCL's communicator "
+                                  f"when a peer falls silent: update trainer/compat.py")
+        getattr(group, GROUP_BACKEND)(torch.device("cuda")).abort()
 
 
 def run_exit_handlers() -> None:

@@ -8,7 +8,7 @@ of the fingerprint) is decided here, next to the fields themselves.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from trainer.errors import option
@@ -19,6 +19,21 @@ CHECKPOINT_MODES = ("auto", "sync", "async")
 
 DEFAULT_WORKLOAD = "trainer.workload.example:ExampleWorkload"
 """`--workload MODULE:FACTORY` when none is given: the example MLP."""
+
+FIXED_BUCKET_MB = 25
+"""Megabytes of gradients per bucket of the `fixed-buckets` reduction (DDP's own default size):
+big enough that a collective's latency is small beside its transfer, small enough that the
+first buckets are sent while backward still runs. Not an option: which gradients share a
+bucket decides the bits, so a run keeps it for its whole life."""
+FIRST_FIXED_BUCKET_MB = 1
+"""The first bucket's (of each dtype): the last layers' gradients, sent as soon as backward
+made them, as DDP sends its first (`dist._DEFAULT_FIRST_BUCKET_BYTES`). With DDP's default
+sizes the plan is the layout DDP rebuilds for a sequential model: its buckets are then sent
+without a copy (trainer/parallel/reduction.py)."""
+
+UNNAMED_REDUCTION = "per-parameter"
+"""The reduction of a generation whose fingerprint names none: the default when it was written
+(before `fixed-buckets`), left out of `config` as every default is."""
 
 
 @dataclass(frozen=True)
@@ -49,11 +64,15 @@ class WorkloadConfig:
     gradients by reduce-scatter instead of all-reduce, and each rank holds and saves only its
     shard of every parameter and optimizer buffer. A resume must keep the choice (or allow
     `config` drift, giving up exactness)."""
-    gradient_reduction: str = "per-parameter"
-    """per-parameter | bucketed: how DDP sums gradients across ranks (trainer/parallel/reduction.py).
-    `per-parameter` all-reduces each gradient on its own, so a resumed run is bit-exact at any
-    world size; `bucketed` is DDP's own all-reduce of whole buckets, one collective per bucket
-    but exact only up to 2 processes. Fingerprinted: the two can give different bits."""
+    gradient_reduction: str = "fixed-buckets"
+    """fixed-buckets | per-parameter | bucketed: how DDP sums gradients across ranks
+    (trainer/parallel/reduction.py). `fixed-buckets` all-reduces flat buckets of a fixed
+    composition (`FIXED_BUCKET_MB` each), one collective per bucket overlapping backward, so a
+    resumed run is bit-exact at any world size; `per-parameter` (exact too) all-reduces each
+    gradient on its own, one collective per parameter; `bucketed` is DDP's own all-reduce of
+    its buckets, whose layout changes after the first step: exact only up to 2 processes.
+    Fingerprinted: each gives different bits. A resume that does not name one keeps its
+    generation's (`kept_reduction`)."""
     shuffle_buffer: int = 1024
     """Streaming data only: records per shuffle block (trainer/data/stream.py). Larger mixes
     more; a resume re-reads up to one block, and each reader holds one in memory."""
@@ -76,10 +95,11 @@ class WorkloadConfig:
     """The workload's own options (name, value), as it declared and the command line set
     them; empty means the workload's defaults."""
     given: frozenset[str] = frozenset()
-    """Which of `batch_size` and `num_workers` the command line set: a DataLoader returned by
-    `build_dataset` fills the others (trainer/workload/adapters.py `from_loader`), and one
-    given that disagrees with the loader's batch size is refused. Not fingerprinted: the
-    values it decides are."""
+    """Which of `batch_size`, `num_workers` and `gradient_reduction` the command line set: a
+    DataLoader returned by `build_dataset` fills the others (trainer/workload/adapters.py
+    `from_loader`), and one given that disagrees with the loader's batch size is refused; a
+    resume keeps its generation's reduction unless one is given (`kept_reduction`). Not
+    fingerprinted: the values it decides are."""
     loader_settings: frozenset[str] = frozenset()
     """Which of `batch_size` and `num_workers` an adopted DataLoader set (the others came from
     the command line or the defaults), so that a line about one names where it came from
@@ -99,13 +119,24 @@ class WorkloadConfig:
         values = {name: value for name, value in asdict(self).items()
                   if name not in ("epochs", "max_steps", "num_workers", "options", "given", "loader_settings")}
         # Leaving a default out keeps the fingerprints of generations written before the
-        # option existed equal, so they still resume without drift.
-        for name, default in (("data_parallel", "ddp"), ("gradient_reduction", "per-parameter"), ("grad_accum", 1),
+        # option existed equal, so they still resume without drift. A reduction is left out
+        # when it is the one a fingerprint without it means (the default when it was written).
+        for name, default in (("data_parallel", "ddp"), ("gradient_reduction", UNNAMED_REDUCTION), ("grad_accum", 1),
                               ("workload", DEFAULT_WORKLOAD), ("shuffle_buffer", 1024),
                               ("last_batch", "pad"), ("stream_lanes", None)):
             if values[name] == default:
                 values.pop(name)
         return {**values, **dict(self.options)}
+
+    def kept_reduction(self, stored: dict) -> WorkloadConfig:
+        """These settings to resume a generation whose fingerprint `config` is `stored`: the
+        generation's own gradient reduction (`UNNAMED_REDUCTION` where it names none), unless
+        the command line named one (then a different one is the fingerprint's to refuse). A
+        resume never changes its reduction by a change of default: a run begun with
+        `per-parameter` goes on with it, bit-exact."""
+        if "gradient_reduction" in self.given or not isinstance(stored, dict):
+            return self
+        return replace(self, gradient_reduction=stored.get("gradient_reduction", UNNAMED_REDUCTION))
 
 
 @dataclass(frozen=True)
@@ -310,7 +341,7 @@ class WriterConfig:
     than all at the final fsync. Turn off only to measure what it buys."""
     zip_crc32: bool = False
     """Let torch.save compute a CRC-32 per tensor record. Redundant with the manifest's
-    sha256 and costs about a quarter of the CPU time of a write; turn it on only if a tool
+    digest and costs about a quarter of the CPU time of a write; turn it on only if a tool
     of yours checks zip CRCs."""
 
 
@@ -333,6 +364,11 @@ class RunConfig:
     background write needs a core the loop does not use, and the staged copy doubles the
     state's host memory; docs/checkpoint-modes.md)."""
     device: str = "auto"
+    data_parallel_backend: str = "auto"
+    """`--data-parallel-backend`: auto is NCCL on CUDA and gloo on the CPU. gloo on CUDA lets
+    several processes share one GPU (NCCL refuses two ranks on one device): a check or a test on
+    one GPU, at gloo's speed. Fingerprinted with the device (`fingerprint.device_kind`): the
+    backend's reduction order is part of the trained bits."""
     recover: CadenceConfig = field(default_factory=lambda: CadenceConfig(every_epochs=1))
     export: CadenceConfig = field(default_factory=CadenceConfig)
     export_dtype: str | None = None
@@ -354,4 +390,9 @@ class RunConfig:
     instead of importing torch again (trainer/parallel/spare.py; docs/scale-out.md): about 2.5 s
     less per restart, for the spare's memory (what the worker changes after the fork, up to the
     imports' 300 MB per node). Never fingerprinted."""
+    allow_nondeterministic_ops: bool = False
+    """`--allow-nondeterministic-ops`: an op without a deterministic implementation on this device
+    (common CUDA backward kernels: interpolate, grid_sample, pooling, CTC loss) warns instead of
+    ending the run in one line naming it; the attempt is then recorded as not promised exact.
+    Never fingerprinted."""
     argv: tuple[str, ...] = ()

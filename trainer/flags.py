@@ -106,6 +106,9 @@ GROUPS: dict[str, list[Flag]] = {
                   "written in the background; auto: async on CUDA, sync on CPU)"),
         Flag("--device", "device", options={"choices": ("auto", "cpu", "cuda")},
              help="where to train (auto: CUDA when available)"),
+        Flag("--data-parallel-backend", "data_parallel_backend", options={"choices": ("auto", "nccl", "gloo")},
+             help="the process group's backend under torchrun (auto: NCCL on CUDA, gloo on the CPU; gloo on CUDA "
+                  "lets several processes share one GPU)"),
         Flag("--background-timeout-secs", "background_wait.timeout_s", metavar="S|auto", type=positive_float_or_auto,
              to_config=lambda value: None if value == AUTO else value, shown_default=AUTO,
              help="how long a background collective of an async save waits for another rank before every rank "
@@ -127,6 +130,9 @@ GROUPS: dict[str, list[Flag]] = {
         Flag("--warm-spare", "warm_spare", options={"action": argparse.BooleanOptionalAction},
              help="under torchrun with --max-restarts: fork each restarted worker from a spare that kept the "
                   "first worker's imports (about 2.5 s less per restart; --no-warm-spare imports afresh)"),
+        Flag("--allow-nondeterministic-ops", "allow_nondeterministic_ops", options={"action": "store_true"},
+             help="let ops without a deterministic implementation on this device run (torch warns) instead of "
+                  "ending the run naming the op; the run is then recorded as not promised exact"),
         Flag("--preempt-grace-secs", "preempt_grace_s", metavar="S", type=positive_float,
              help="on SIGTERM/SIGINT, time allowed to save before exiting 75 without publishing (below "
                   "Kubernetes' default 30 s termination grace)"),
@@ -231,10 +237,12 @@ GROUPS: dict[str, list[Flag]] = {
         Flag("--data-parallel", "workload.data_parallel", options={"choices": ("ddp", "fsdp")},
              help="under torchrun: ddp replicates the model on every rank; fsdp shards parameters, gradients "
                   "and optimizer state across ranks (FSDP2) for models too large to replicate"),
-        Flag("--gradient-reduction", "workload.gradient_reduction", options={"choices": ("per-parameter", "bucketed")},
-             help="under torchrun with ddp: per-parameter all-reduces each gradient on its own, so a resume is "
-                  "bit-exact at any world size; bucketed is DDP's own all-reduce of whole buckets (fewer collectives), "
-                  "exact only up to 2 processes"),
+        Flag("--gradient-reduction", "workload.gradient_reduction",
+             options={"choices": ("fixed-buckets", "per-parameter", "bucketed")},
+             help="under torchrun with ddp: fixed-buckets all-reduces flat buckets of a fixed composition while "
+                  "backward runs, so a resume is bit-exact at any world size; per-parameter (exact too) all-reduces "
+                  "each gradient on its own; bucketed is DDP's own all-reduce of its buckets, exact only up to 2 "
+                  "processes (a resume that names none keeps its generation's)"),
     ],
 }
 
@@ -286,14 +294,17 @@ def config_from_values(args: argparse.Namespace, workload_options: tuple[tuple[s
 LOADER_SETTINGS = ("batch_size", "num_workers")
 """The training options a DataLoader returned by `build_dataset` fills where the command line
 leaves them unset (trainer/workload/adapters.py `from_loader`)."""
+GIVEN_SETTINGS = (*LOADER_SETTINGS, "gradient_reduction")
+"""The training options whose default yields to something else where the command line leaves
+them unset: a DataLoader's settings, and a resumed generation's reduction (`kept_reduction`)."""
 
 
 def given_settings(parser: argparse.ArgumentParser, argv: list[str]) -> frozenset[str]:
-    """Which of LOADER_SETTINGS the command line set, even to its default value: argparse
+    """Which of GIVEN_SETTINGS the command line set, even to its default value: argparse
     fills a default only where the namespace holds nothing yet."""
     unset = object()
-    seen = parser.parse_args(argv, argparse.Namespace(**{name: unset for name in LOADER_SETTINGS}))
-    return frozenset(name for name in LOADER_SETTINGS if getattr(seen, name) is not unset)
+    seen = parser.parse_args(argv, argparse.Namespace(**{name: unset for name in GIVEN_SETTINGS}))
+    return frozenset(name for name in GIVEN_SETTINGS if getattr(seen, name) is not unset)
 
 
 REQUEST_FLAGS = ("--store-retries", "--store-backoff-secs", "--store-timeout-secs")
@@ -319,7 +330,7 @@ def keyword_of(flag: Flag, value: object = None) -> str:
     `const` (`--resume` alone is `resume='latest'`)."""
     section, _, name = flag.path.rpartition(".")
     if value is None:
-        value = flag.options.get("const")
+        value = True if flag.options.get("action") == "store_true" else flag.options.get("const")
     shown = name if value is None else f"{name}={tuple(value) if isinstance(value, list) else value!r}"
     if not section:
         return shown

@@ -12,6 +12,9 @@
   before the first step, exit 2 (issue #29);
 - `--case compiled`: the model through `torch.compile` (the eager backend: no C++ build).
 
+`TorchOnlyClaimed`: a dataset that declares it draws from torch's global RNG alone and draws
+from NumPy's and Python's too (refused at start, exit 2, naming the declaration to write).
+
 `ClosureStep` is the LBFGS case done right: its own `train_step` hands the closure over.
 """
 
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from toy import ToyWorkload  # a sibling module: a workload given by path finds it, as `python file.py` would
+from toy import NoisyRegression, ToyWorkload  # a sibling module: a workload given by path finds it, as `python file.py` would
 
 
 class LazyAverage:
@@ -195,3 +198,10 @@ class NotAStream(ToyWorkload):
 
     def build_dataset(self):
         return ShardStream()
+
+
+class TorchOnlyClaimed(ToyWorkload):
+    def build_dataset(self):
+        dataset = NoisyRegression(self.options.toy_samples, self.options.features, self.options.seed)
+        dataset.draws_from_global_rngs = ("torch",)  # its jitter draws from all three
+        return dataset

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from trainer import seams
+from trainer.checkpoint.digest import CURRENT, entry as digest_entry, hasher
 from trainer.errors import RefuseOverwrite
 from trainer.layout import (MANIFEST, REPLACED, REPLACING, file_temporary, hidden_name, split_hidden,
                              temporary_name)
@@ -31,10 +32,10 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def file_digest(path: Path, sync: bool = False) -> dict:
-    """Size and sha256 of a file; with `sync`, also fsync it (just-written files are read
-    back from the page cache, so hashing and syncing cost one pass)."""
-    digest = hashlib.sha256()
+def file_digest(path: Path, sync: bool = False, algorithm: str = CURRENT) -> dict:
+    """Size and digest of a file ({bytes, ALGORITHM}); with `sync`, also fsync it (just-written
+    files are read back from the page cache, so hashing and syncing cost one pass)."""
+    digest = hasher(algorithm)
     size = 0
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -45,7 +46,7 @@ def file_digest(path: Path, sync: bool = False) -> dict:
             os.fsync(fd)
     finally:
         os.close(fd)
-    return {"bytes": size, "sha256": digest.hexdigest()}
+    return digest_entry(size, algorithm, digest.hexdigest())
 
 
 def write_file_durably(path: Path, data: bytes) -> None:
@@ -83,11 +84,11 @@ def temporary_sibling(parent: Path, name: str, tag: str) -> Path:
 
 
 def seal_directory(temporary: Path, describe, known: dict[str, dict] | None = None, encode=encode_json):
-    """Write into `temporary` a manifest listing every file's size and sha256, and make it
+    """Write into `temporary` a manifest listing every file's size and digest, and make it
     all durable. `describe(files)` makes the manifest (a `Manifest`) from the file list,
     `encode(json)` its bytes (signed, with a key); returns it as written.
 
-    `known` holds {bytes, sha256} of files whose writer hashed them while writing and has
+    `known` holds {bytes, digest} of files whose writer hashed them while writing and has
     already fsynced them; they are not read back (only their size is re-checked). Every
     other file is hashed and fsynced here.
     """
@@ -98,7 +99,7 @@ def seal_directory(temporary: Path, describe, known: dict[str, dict] | None = No
             continue
         recorded = known.get(entry.name)
         if recorded is not None and entry.stat().st_size == recorded["bytes"]:
-            files[entry.name] = {"bytes": recorded["bytes"], "sha256": recorded["sha256"]}
+            files[entry.name] = dict(recorded)
         else:
             files[entry.name] = file_digest(entry, sync=True)
     seams.crash_point("after-files-fsync")
@@ -175,5 +176,6 @@ def finish_interrupted_replacements(root: Path) -> list[str]:
 
 
 def manifest_digest(directory: Path) -> str:
-    """sha256 of the manifest file itself: names exactly which sealed content was used."""
+    """sha256 of the manifest file itself: names exactly which sealed content was used (the
+    attempt record's `manifest_sha256`; a few kB, not a file digest of the manifest's)."""
     return hashlib.sha256((directory / MANIFEST).read_bytes()).hexdigest()

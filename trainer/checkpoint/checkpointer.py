@@ -203,7 +203,7 @@ class SyncCheckpointer(_Checkpointer):
         try:
             with ThreadPoolExecutor(1, thread_name_prefix="recovery-digest") as digesting:
                 # The loop waits for this save anyway: the digest runs beside the write (its
-                # kernels and the writer's sha256 and fsyncs release the GIL).
+                # kernels and the writer's hash and fsyncs release the GIL).
                 resolving = digesting.submit(facts.resolved, state_dict)
                 digests = write_snapshot(state_dict, temporary, self.config, alone=not self.coordinator.distributed)
                 facts = resolving.result()
@@ -277,6 +277,8 @@ class AsyncCheckpointer(_Checkpointer):
     def save(self, state_dict: dict, facts: GenerationFacts) -> list[Published]:
         import torch.distributed.checkpoint as dcp  # imported by the first save, not at start-up
 
+        from trainer.checkpoint.writer import RankZeroCopies
+
         if self._closed:
             raise RuntimeError("AsyncCheckpointer.save() after finalize()")
         started = time.monotonic()
@@ -287,7 +289,8 @@ class AsyncCheckpointer(_Checkpointer):
         try:
             writer = self.new_writer(temporary)
             response = dcp.async_save(state_dict, storage_writer=writer, async_stager=self.stager,
-                                      process_group=self._write_group.group, no_dist=not self.coordinator.distributed)
+                                      planner=RankZeroCopies(), process_group=self._write_group.group,
+                                      no_dist=not self.coordinator.distributed)
         except BaseException as error:  # noqa: BLE001 - every rank must hear of it, below
             self.commit.abandon(temporary, self.coordinator)
             failure = self._failure(error, step)

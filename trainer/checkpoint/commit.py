@@ -7,7 +7,7 @@ strategies. There are two:
 
 * `RenameCommit` (here): one disk that every rank sees, a local run or a shared filesystem.
   Every rank writes its shards into one temporary directory rank 0 created; rank 0 seals it
-  (a manifest with every file's sha256, each checked against what its rank wrote:
+  (a manifest with every file's digest, each checked against what its rank wrote:
   checkpoint/content.py) and renames it into place.
 * `ObjectCommit` (storage/object/commit.py): ranks that share no disk. Each rank writes its
   shards to its own disk and uploads them; rank 0 commits the manifest in the object store.
@@ -33,7 +33,7 @@ from trainer.errors import reraise_as_storage_failure, storage_failure
 from trainer.layout import generation_name
 
 Describe = Callable[[dict], Manifest]
-"""The manifest for a generation's files ({file: {bytes, sha256}})."""
+"""The manifest for a generation's files ({file: {bytes, digest}})."""
 
 
 @dataclass(frozen=True)

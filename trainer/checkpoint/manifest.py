@@ -1,13 +1,14 @@
 """The manifest of a sealed directory (a recovery generation or an export), and verification.
 
 `manifest.json` is written last into a directory: it lists every file with its size and
-sha256 and describes what the directory holds. `Manifest` is its one in-memory form: built
+digest (BLAKE3; sha256 in generations written before format 3, trainer/checkpoint/digest.py)
+and describes what the directory holds. `Manifest` is its one in-memory form: built
 here for both kinds (`for_generation`, `for_export`), written with `to_json`, read back
 with `from_json`, which validates every field readers rely on.
 
 A directory is *verified* when its manifest parses, lists every file a loader of its kind
 reads (and the files that kind requires), every file it lists exists with the recorded
-size and sha256, and a recovery generation's `.metadata` names nothing outside DCP's
+size and digest, and a recovery generation's `.metadata` names nothing outside DCP's
 metadata classes (trainer/checkpoint/allowlist.py: a planted pickle is refused here, before
 any loader sees it). Verification never modifies anything.
 """
@@ -23,18 +24,21 @@ from typing import Callable, Mapping
 
 from trainer.checkpoint.allowlist import MAX_METADATA_BYTES, metadata_problem
 from trainer.checkpoint.atomic import file_digest
+from trainer.checkpoint.digest import ALGORITHMS, CURRENT, SHA256, algorithm_of
 from trainer.checkpoint.signing import SIGNATURE, canonical_bytes, signature_problem
 from trainer.layout import (EXPORT_CONFIG, EXPORT_WEIGHTS, MANIFEST, SNAPSHOT_INDEX, SNAPSHOT_SHARD_SUFFIX,
                              generation_name)
 
 FORMAT = "training-recovery"
-FORMAT_VERSION = 2
-"""2: written by a trainer that loads without unpickling (the writer refuses a value that
-needs more than `torch.load(weights_only=True)`), possibly signed. Version 1 generations
-hold the same stock DCP files; they load through the same safe path (docs/security.md,
-"Format versions")."""
-READABLE_VERSIONS = (1, 2)
-DIGEST = "sha256"
+FORMAT_VERSION = 3
+"""3: every file's entry is `{bytes, ALGORITHM}` with the manifest's `digest` naming the
+algorithm (BLAKE3 for new directories). 2: written by a trainer that loads without
+unpickling (the writer refuses a value that needs more than `torch.load(weights_only=True)`),
+possibly signed, sha256 only. Version 1 generations hold the same stock DCP files; they load
+through the same safe path (docs/security.md, "Format versions")."""
+READABLE_VERSIONS = (1, 2, 3)
+DIGESTS_OF_VERSION = {1: (SHA256,), 2: (SHA256,), 3: ALGORITHMS}
+"""The digest algorithms a manifest of each format version may name."""
 RECOVERY, EXPORT = "recovery", "export"
 REQUIRED_FILES = {RECOVERY: (SNAPSHOT_INDEX,), EXPORT: (EXPORT_WEIGHTS, EXPORT_CONFIG)}
 """What a reader of each kind needs: DCP's index, or the weights and their config."""
@@ -84,7 +88,7 @@ class Manifest:
     epoch: int
     attempt: str
     files: Mapping[str, Mapping[str, object]]
-    """File name -> {"bytes": int, "sha256": hex}."""
+    """File name -> {"bytes": int, DIGEST: hex}, DIGEST being `digest`."""
     facts: GenerationFacts | None = None
     """Recovery generations only."""
     timings: Mapping[str, object] = field(default_factory=dict)
@@ -95,15 +99,19 @@ class Manifest:
     """The run it belongs to (trainer/checkpoint/identity.py); None: written before run ids."""
     canonical: bytes = field(default=b"", compare=False, repr=False)
     """As read: the bytes a signature covers (the manifest without its signature)."""
+    digest: str = CURRENT
+    """The algorithm of every file's digest (trainer/checkpoint/digest.py): whoever checks a
+    file hashes it with this one."""
 
     @classmethod
     def for_generation(cls, facts: GenerationFacts, attempt: str, timings: dict, files: dict) -> "Manifest":
         return cls(RECOVERY, generation_name(facts.step), facts.step, facts.epoch, attempt, files, facts,
-                   {key: round(value, 6) if isinstance(value, float) else value for key, value in timings.items()})
+                   {key: round(value, 6) if isinstance(value, float) else value for key, value in timings.items()},
+                   digest=digest_of_files(files))
 
     @classmethod
     def for_export(cls, step: int, epoch: int, attempt: str, files: dict) -> "Manifest":
-        return cls(EXPORT, generation_name(step), step, epoch, attempt, files)
+        return cls(EXPORT, generation_name(step), step, epoch, attempt, files, digest=digest_of_files(files))
 
     @property
     def fingerprint(self) -> dict:
@@ -115,7 +123,7 @@ class Manifest:
 
     def to_json(self) -> dict:
         data = {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": self.kind, "name": self.name,
-                "step": self.step, "epoch": self.epoch, "attempt": self.attempt, "digest": DIGEST,
+                "step": self.step, "epoch": self.epoch, "attempt": self.attempt, "digest": self.digest,
                 "files": {name: dict(entry) for name, entry in self.files.items()}}
         if self.run is not None:
             data["run"] = self.run
@@ -140,13 +148,13 @@ class Manifest:
                                   f"version that wrote it")
         if SIGNATURE in data and (problem := signature_problem(data[SIGNATURE])):
             raise InvalidManifest(f"{MANIFEST}: {problem}")
-        files = data.get("files")
-        if not isinstance(files, dict) or data.get("digest") != DIGEST:
+        files, digest = data.get("files"), data.get("digest")
+        if not isinstance(files, dict) or digest not in DIGESTS_OF_VERSION[data["format_version"]]:
             raise InvalidManifest(f"{MANIFEST}: no file list")
         for name, entry in files.items():
             if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int)
-                    and isinstance(entry.get("sha256"), str)):
-                raise InvalidManifest(f"{MANIFEST}: the entry for {name} is not {{bytes, sha256}}")
+                    and isinstance(entry.get(digest), str)):
+                raise InvalidManifest(f"{MANIFEST}: the entry for {name} is not {{bytes, {digest}}}")
         kind = data.get("kind")
         if kind not in REQUIRED_FILES:
             raise InvalidManifest(f"{MANIFEST}: unknown kind {kind!r}")
@@ -165,7 +173,15 @@ class Manifest:
                                     tuple(data["allowed_drift"]), data["cadence"], data["created_utc"],
                                     data.get("state_digest", {}), data.get("ledger", {}))
         return cls(kind, data["name"], data["step"], data["epoch"], data["attempt"], files, facts,
-                   data.get("timings", {}), data.get(SIGNATURE), data.get("run"), canonical_bytes(data))
+                   data.get("timings", {}), data.get(SIGNATURE), data.get("run"), canonical_bytes(data), digest)
+
+
+def digest_of_files(files: Mapping[str, Mapping]) -> str:
+    """The one algorithm every entry of `files` was digested with (the current one for none)."""
+    found = {algorithm_of(entry) for entry in files.values()}
+    if len(found) > 1:
+        raise ValueError(f"files digested with {' and '.join(sorted(found))} in one manifest")
+    return found.pop() if found else CURRENT
 
 
 def _require(data: dict, types: dict[str, type]) -> None:
@@ -196,7 +212,7 @@ class Verification:
     """The problem is content that loading would have to run code for (not damage)."""
     shards_pending: bool = False
     """Only the parsed files were hashed (`verify_directory(..., shards=False)`): the shards'
-    sha256 is still to be checked by the load (trainer/checkpoint/onepass.py)."""
+    digest is still to be checked by the load (trainer/checkpoint/onepass.py)."""
     arrivals: object | None = field(default=None, compare=False, repr=False)
     """With `shards_pending`: the shards are still being written (a store's streamed download,
     trainer/checkpoint/onepass.py `Arrivals`); the load waits for them and takes their hashes."""
@@ -219,13 +235,16 @@ def read_by_loader(kind: str, name: str) -> bool:
 
 
 def file_problem(name: str, expected: Mapping, actual: dict | None) -> str | None:
-    """Compare one file's recorded and observed {bytes, sha256}; a reason, or None if equal."""
+    """Compare one file's recorded and observed {bytes, digest} (observed with the recorded
+    entry's algorithm); a reason, or None if equal."""
     if actual is None:
         return f"{name}: missing"
     if actual["bytes"] != expected["bytes"]:
         return f"{name}: size {actual['bytes']} bytes, manifest says {expected['bytes']}"
-    if actual["sha256"] != expected["sha256"]:
-        return f"{name}: sha256 mismatch (manifest {expected['sha256'][:12]}…, file {actual['sha256'][:12]}…)"
+    algorithm = algorithm_of(expected)
+    if actual.get(algorithm) != expected[algorithm]:
+        return (f"{name}: {algorithm} mismatch (manifest {expected[algorithm][:12]}…, "
+                f"file {str(actual.get(algorithm, '?'))[:12]}…)")
     return None
 
 
@@ -244,11 +263,11 @@ def unlisted_problem(manifest: Manifest, on_disk: list[str]) -> str | None:
 
 def verify_directory(directory: Path, shards: bool = True, digests: Mapping[str, dict] | None = None) -> Verification:
     """Verify `directory` against its manifest. With `shards=False` the tensor shards
-    (`*.distcp`) are checked for presence and size only: their sha256 is left to the load that
+    (`*.distcp`) are checked for presence and size only: their digest is left to the load that
     reads them (trainer/checkpoint/onepass.py), which must then be the only reader. `digests`:
-    every file's {bytes, sha256} as its writer hashed it while writing (a peer's transfer,
+    every file's {bytes, digest} as its writer hashed it while writing (a peer's transfer,
     trainer/storage/memory/replication.py), taken instead of reading the files again; a file it
-    lacks is missing."""
+    lacks is missing, one it holds with another algorithm than the manifest's is read again."""
     try:
         manifest = read_manifest(directory)
     except InvalidManifest as reason:
@@ -263,16 +282,18 @@ def verify_directory(directory: Path, shards: bool = True, digests: Mapping[str,
     def problem_of(entry: tuple[str, Mapping]) -> str | None:
         name, expected = entry
         path = directory / name
-        if digests is not None:
-            return file_problem(name, expected, digests.get(name))
+        known = digests.get(name) if digests is not None else None
+        if digests is not None and (known is None or manifest.digest in known):
+            return file_problem(name, expected, known)
+        # Not hashed on the way, or with another algorithm than this (older) manifest's: read it.
         try:
-            actual = file_digest(path) if path.is_file() and (shards or not deferred(name)) else \
-                sized(path, expected)
+            hashed = path.is_file() and (shards or not deferred(name))
+            actual = file_digest(path, algorithm=manifest.digest) if hashed else sized(path, expected)
         except OSError as error:
             return f"{name}: unreadable ({error.strerror})"
         return file_problem(name, expected, actual)
 
-    # The files are hashed in parallel (sha256 releases the GIL: one core per file, as the
+    # The files are hashed in parallel (the hash releases the GIL: one core per file, as the
     # writer wrote them); the first problem in name order is the one reported.
     entries = sorted(manifest.files.items())
     with ThreadPoolExecutor(max(1, min(HASH_THREADS, len(entries))), thread_name_prefix="verify") as pool:
@@ -290,16 +311,16 @@ HASH_THREADS = min(8, os.cpu_count() or 1)
 
 
 def deferred(name: str) -> bool:
-    """A file whose sha256 a one-pass load checks while reading it: a tensor shard."""
+    """A file whose digest a one-pass load checks while reading it: a tensor shard."""
     return name.endswith(SNAPSHOT_SHARD_SUFFIX)
 
 
 def sized(path: Path, expected: Mapping) -> dict | None:
-    """A shard whose hash is deferred: its size observed, its sha256 taken as the manifest's
+    """A shard whose hash is deferred: its size observed, its digest taken as the manifest's
     until the load has read it."""
     if not path.is_file():
         return None
-    return {"bytes": path.stat().st_size, "sha256": expected["sha256"]}
+    return {**expected, "bytes": path.stat().st_size}
 
 
 def oversized_index(manifest: Manifest) -> str | None:

@@ -7,8 +7,8 @@ verified before anything parses them (the caller's `verify_directory(..., shards
 and only the tensor shards (`*.distcp`) are hashed at the same time as DCP loads them, by
 `HASH_THREADS` threads of their own, each shard front to back, every byte once, in order.
 Whichever of the two reads a page first reads it from the disk; the other finds it in the
-page cache. A shard whose size or sha256 differs from the manifest's raises the same
-one-line CorruptGeneration the separate pass gives ("NAME: FILE: sha256 mismatch …"), once
+page cache. A shard whose size or digest differs from the manifest's raises the same
+one-line CorruptGeneration the separate pass gives ("NAME: FILE: blake3 mismatch …"), once
 the load is done: the template then holds bytes of the damaged file, so a caller that falls
 back to another source loads the whole template again from it.
 
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from trainer.checkpoint.atomic import file_digest
+from trainer.checkpoint.digest import algorithm_of
 from trainer.checkpoint.manifest import RECOVERY, Verification, deferred, file_problem, verify_directory
 from trainer.checkpoint.restore import Restorable, Restored, restored_by
 from trainer.checkpoint.snapshot import flat_template, load_snapshot, stored_entries
@@ -52,7 +53,7 @@ class DamagedShard(CorruptGeneration):
 class Arrivals:
     """Shards being written into a directory while the one-pass load reads it (a store's
     streamed download, trainer/storage/object/streaming.py). The writer says how far each
-    shard has arrived, front to back, and its {bytes, sha256} hashed as it was written; the
+    shard has arrived, front to back, and its {bytes, digest} hashed as it was written; the
     load waits for the bytes each item needs and takes those digests instead of reading the
     files again. Every wait ends: the writer reports each shard finished (its digest, or None
     for a missing object) or the download failed (raised in the load). `keep()` after a
@@ -92,7 +93,7 @@ class Arrivals:
                 raise self._failure
 
     def digest(self, name: str) -> dict | None:
-        """{bytes, sha256} of `name` as it was written (None: missing), once it is complete."""
+        """{bytes, digest} of `name` as it was written (None: missing), once it is complete."""
         with self._condition:
             while self._failure is None and name not in self._digests:
                 self._condition.wait()
@@ -135,7 +136,7 @@ def load_verified(template: dict, directory: Path, files: Mapping[str, Mapping],
         found = {name: arrivals.digest(name) for name in shards}
     else:
         with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(shards)))) as pool:
-            digests = pool.map(lambda name: observed(directory / name), shards)
+            digests = pool.map(lambda name: observed(directory / name, algorithm_of(files[name])), shards)
             failed = loading_failure(lambda: load_snapshot(template, directory))
             found = dict(zip(shards, digests))
     problem = next(filter(None, (file_problem(name, files[name], found[name]) for name in shards)), None)
@@ -203,9 +204,9 @@ def restore_verified(generation: Verification, state: Restorable) -> Restored:
     return restored
 
 
-def observed(path: Path) -> dict | None:
-    """A shard's size and sha256 as read now (None: missing, or unreadable)."""
+def observed(path: Path, algorithm: str) -> dict | None:
+    """A shard's size and digest as read now (None: missing, or unreadable)."""
     try:
-        return file_digest(path) if path.is_file() else None
+        return file_digest(path, algorithm=algorithm) if path.is_file() else None
     except OSError:
         return None

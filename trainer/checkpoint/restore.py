@@ -21,6 +21,7 @@ import torch
 from trainer import compat
 from trainer.errors import FingerprintMismatch
 from trainer.checkpoint.atomic import manifest_digest
+from trainer.checkpoint.device_copy import DeviceCopies
 from trainer.checkpoint.manifest import Manifest, Verification
 from trainer.checkpoint.snapshot import load_snapshot, stored_entries
 
@@ -54,7 +55,7 @@ def restore(generation: Verification, state: Restorable, alone: bool | None = No
     """Load a verified generation into `state`; raises FingerprintMismatch (65) if the live
     tensors have other shapes than the stored ones. `alone`: a snapshot of this rank's own (a
     tier-0 part), read without the other ranks."""
-    if generation.shards_pending:  # its shards' sha256 is unchecked: only onepass.load_verified may load it
+    if generation.shards_pending:  # its shards' digest is unchecked: only onepass.load_verified may load it
         raise AssertionError(f"{generation.name} was verified without its shards; load it with load_verified")
     return restored_by(generation, state, lambda template, directory: load_snapshot(template, directory, alone))
 
@@ -76,8 +77,9 @@ def load_into(name: str, directory: Path, state: Restorable,
     template = state.template(stored)
     refuse_shape_changes(name, template, stored)
     refuse_unmatched_keys(name, compat.flatten_state_dict(template), stored, state.unread_by_design)
-    load(template, directory)
-    state.load_state_dict(template)
+    copies = DeviceCopies(template)  # device tensors: loaded on the host, copied in one batch
+    load(copies.template, directory)
+    state.load_state_dict(copies.copy_back())
 
 
 SHOWN_KEYS = 3

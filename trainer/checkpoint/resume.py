@@ -55,7 +55,7 @@ def require_verified(candidate: Verification, earlier: list[str],
 
 def verify_candidate(section: LocalSection, candidate: str, shards: bool = True) -> Verification:
     """The verified candidate, or CorruptGeneration (exit 65) with the way back. `shards`
-    False: its shards' sha256 is left to the one-pass load (`shards_pending`), which refuses
+    False: its shards' digest is left to the one-pass load (`shards_pending`), which refuses
     a damaged shard with `refuse_damaged`, the same line."""
     verification = section.verify(candidate, shards=shards)
     refuse_damaged(section, verification)

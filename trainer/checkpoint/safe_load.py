@@ -3,7 +3,7 @@
 Stock DCP reads `.metadata` with a plain `pickle.load` and every non-tensor value (a BYTE_IO
 item) with `torch.load(weights_only=False)`: anyone who can write a run directory or its
 prefix in a bucket can plant a pickle whose `__reduce__` runs a command in the next process
-that loads it, and the manifest's sha256 cannot tell (it detects corruption, not tampering:
+that loads it, and the manifest's file digests cannot tell (it detects corruption, not tampering:
 the attacker rewrites it too). So every read path of the trainer goes through this module:
 
 * `.metadata` is unpickled by `AllowlistUnpickler`, which admits only DCP's metadata classes

@@ -110,7 +110,7 @@ class LocalSection:
         """Full re-hash against the manifest, then name, run and signature (`trusted`); with
         `cached`, reuse this process's earlier result while the manifest file is unchanged
         (same inode and mtime) and so is the run's identity. `shards` False leaves the
-        shards' sha256 to the load (`verify_directory`, trainer/checkpoint/onepass.py)."""
+        shards' digest to the load (`verify_directory`, trainer/checkpoint/onepass.py)."""
         try:
             stat = (self.path(name) / MANIFEST).stat()
             key = (name, stat.st_ino, stat.st_mtime_ns, shards)

@@ -1,12 +1,13 @@
 """Authenticated generations: an HMAC-SHA256 over the manifest, with a key only the trainer has.
 
-The manifest's sha256 of every file detects corruption, not tampering: whoever can write the
+The manifest's digest of every file detects corruption, not tampering: whoever can write the
 run directory (or its prefix in a bucket) can change a file and fix the manifest up. With a
 signing key, every manifest the trainer writes carries
 `"signature": {"algorithm": "hmac-sha256", "hmac": HEX}` over its canonical bytes (the
 manifest as `encode_json` writes it, without the signature), and those bytes hold every
-file's size and sha256, so the signature covers every byte of the generation. A reader with
-the key refuses (65) an unsigned manifest, unless `--allow-unsigned` adopts a run that
+file's size and digest (BLAKE3, or sha256 in older generations; both cryptographic, so no
+file can be changed under its digest), so the signature covers every byte of the
+generation. A reader with the key refuses (65) an unsigned manifest, unless `--allow-unsigned` adopts a run that
 started before signing, and always refuses one whose signature does not match.
 
 The key is read from a file (`--signing-key-file`, or the file `TRAINER_SIGNING_KEY_FILE`

@@ -33,17 +33,18 @@ def single_process() -> bool:
 def write_snapshot(state_dict: dict, directory: Path, config: WriterConfig = WriterConfig(),
                    alone: bool | None = None) -> dict[str, dict]:
     """Write `state_dict` into `directory`, every shard fsynced; returns the shards'
-    {bytes, sha256}, hashed while writing, for the manifest. With several processes each rank
+    {bytes, digest}, hashed while writing, for the manifest. With several processes each rank
     writes, hashes and fsyncs its own shards (on shared storage rank 0's fsync could not make
     another node's writes durable). `alone`: this rank writes a snapshot of its own, without
     the others (a tier-0 part under torchrun); None: alone exactly when no process group exists."""
     import torch.distributed.checkpoint as dcp
 
-    from trainer.checkpoint.writer import HashingFileSystemWriter
+    from trainer.checkpoint.writer import HashingFileSystemWriter, RankZeroCopies
 
     writer = HashingFileSystemWriter(directory, config)
     try:
-        dcp.save(state_dict, storage_writer=writer, no_dist=single_process() if alone is None else alone)
+        dcp.save(state_dict, storage_writer=writer, planner=RankZeroCopies(),
+                 no_dist=single_process() if alone is None else alone)
     except dcp.CheckpointException as error:
         raised = _raised_by_rank(error)
         if isinstance(raised, TrainerError):  # the writer's refusal of an unloadable value: one line

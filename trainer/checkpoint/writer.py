@@ -3,27 +3,27 @@
 Why not stock `dcp.FileSystemWriter`: it writes one file on one thread, lets `torch.save`
 compute a zip CRC-32 of every tensor, leaves every dirty page to the final fsync, and our
 manifest then had to re-read every file to hash it. Measured on a 514 MB state (2-vCPU VM):
-stock `dcp.save` 0.57 s without any hashing, this writer 0.37 s including sha256.
+stock `dcp.save` 0.57 s without any hashing, this writer 0.37 s including sha256 (BLAKE3
+now, trainer/checkpoint/digest.py: a third of sha256's CPU).
 This writer keeps the on-disk format byte-compatible with stock DCP (the same `.metadata`
 and `__0_N.distcp` files, each tensor a `torch.save` record at a recorded offset), so
 `dcp.load` and `format_utils.dcp_to_torch_save` read it without our code, but:
 
 * writes `threads` files concurrently (the largest tensors spread evenly across them), so one
   thread's `fsync` wait overlaps another's hashing;
-* computes each file's sha256 from the very bytes handed to the kernel, so publishing does
+* computes each file's digest from the very bytes handed to the kernel, so publishing does
   not read the files back (`digests` is what the manifest records);
 * starts the disk writeback of every few MB written right away (Linux `sync_file_range`),
   so the device writes while the CPU hashes the next bytes instead of everything waiting
   for the final `fsync`;
 * optionally skips the zip CRC-32 that `torch.save` computes by default: the manifest's
-  sha256 already covers every byte, and `torch.load` does not need the CRC.
+  digest already covers every byte, and `torch.load` does not need the CRC.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import io
 import os
 import threading
@@ -32,15 +32,42 @@ from typing import Callable
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.utils.serialization.config as serialization_config
+import dataclasses
+
 from torch.futures import Future
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from trainer import compat
 from trainer.config import WriterConfig
+from trainer.checkpoint.digest import CURRENT, entry, hasher
 from trainer.checkpoint.safe_load import unsafe_globals
 from trainer.errors import UnloadableState
 from trainer.layout import SNAPSHOT_SHARD_SUFFIX
+
+RANK_ZERO_SECTIONS = frozenset({"workload"})
+"""Top-level sections whose one stored copy is rank 0's: a workload's extras, and a loop's
+shared extras (trainer/run/state.py), which the ranks may hold differently."""
+
+
+class RankZeroCopies(DefaultSavePlanner):
+    """DCP's planner, except that an entry of `RANK_ZERO_SECTIONS` that several ranks save
+    under one key is kept from the lowest rank holding it. DCP keeps one copy of such an entry
+    from whichever rank's plan is smallest so far (balancing the writes: kept for the model
+    and optimizer, identical on every rank), so a value the ranks hold differently came back
+    as another rank's."""
+
+    def create_global_plan(self, all_plans: list[SavePlan]):
+        lowest: dict = {}
+        for rank, plan in enumerate(all_plans):
+            for item in plan.items:
+                if item.index.fqn.split(".", 1)[0] in RANK_ZERO_SECTIONS:
+                    lowest.setdefault(item.index, rank)
+        return super().create_global_plan([
+            dataclasses.replace(plan, items=[item for item in plan.items if lowest.get(item.index, rank) == rank])
+            for rank, plan in enumerate(all_plans)])
+
 
 _CHUNK = 8 << 20
 _WRITEBACK_BATCH = 4 << 20
@@ -72,7 +99,7 @@ def _writeback_starter() -> Callable[[int, int, int], None]:
 
 
 class _HashingFile(io.RawIOBase):
-    """A write-only file that feeds every byte it writes into sha256 (torch.save and DCP
+    """A write-only file that feeds every byte it writes into the digest (torch.save and DCP
     only need write() and tell())."""
 
     def __init__(self, fd: int, start_writeback: Callable[[int, int, int], None]):
@@ -81,7 +108,7 @@ class _HashingFile(io.RawIOBase):
         self.position = 0
         self.started = 0
         """Bytes whose writeback was started: whole pages, never the one still being filled."""
-        self.digest = hashlib.sha256()
+        self.digest = hasher(CURRENT)
         self.start_writeback = start_writeback
 
     def writable(self) -> bool:
@@ -142,7 +169,7 @@ class HashingFileSystemWriter(dcp.FileSystemWriter):
         self.config = config
         self._start_writeback = _writeback_starter() if config.early_writeback else (lambda fd, o, n: None)
         self.digests: dict[str, dict] = {}
-        """File name -> {bytes, sha256} of every shard written (not `.metadata`)."""
+        """File name -> {bytes, digest} of every shard written (not `.metadata`)."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
@@ -193,7 +220,7 @@ class HashingFileSystemWriter(dcp.FileSystemWriter):
             os.fsync(fd)
         finally:
             os.close(fd)
-        self.digests[name] = {"bytes": stream.position, "sha256": stream.digest.hexdigest()}
+        self.digests[name] = entry(stream.position, CURRENT, stream.digest.hexdigest())
         return written
 
 

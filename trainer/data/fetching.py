@@ -6,8 +6,9 @@ Users bring the torchvision habit: augmentation that calls `random`, `np.random`
 `torch.rand*` inside `__getitem__`. Left alone, those draws depend on which DataLoader worker
 fetched the sample (workers are seeded per iterator, not per sample) and, with no workers,
 on how far the main process's streams have advanced, so `--num-workers` and the resume point
-would change training. Here every fetch runs with the three global RNGs seeded from
-(seed, epoch, index), and the fetching process's own streams are put back afterwards: with
+would change training. Here every fetch runs with the global RNGs seeded from
+(seed, epoch, index) (those the dataset declares it draws from: trainer/data/global_rngs.py),
+and the fetching process's own streams are put back after each batch: with
 `--num-workers 0` the main process's dropout, noise and shuffling draws are exactly what they
 would be had the dataset drawn nothing.
 """
@@ -17,43 +18,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import random
 from collections.abc import Mapping
-from contextlib import contextmanager
 from typing import Iterator
 
-import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset
 
 from trainer.config import WorkloadConfig
+from trainer.data.global_rngs import DRAWS, NAMES, GlobalRngs, seeded_globals
 from trainer.data.order import EpochBatchOrder, EpochShape, Fetched
 from trainer.data.workers import WorkerSignals
 from trainer.errors import UsageError, option
 from trainer.workload import dataset_fingerprint
-
-
-@contextmanager
-def seeded_globals(seed: int, epoch: int, index: int, *purpose: int) -> Iterator[None]:
-    """Python's, NumPy's and torch's (CPU) global RNGs seeded from (seed, epoch, index) for
-    the duration, then restored in the main process. A DataLoader worker skips the restore
-    (about half the cost): its streams serve nothing but the next fetch, which reseeds them.
-    CUDA generators are left alone: a dataset runs on the CPU, and seeding them would disturb
-    the main process's GPU dropout."""
-    saved = None
-    if get_worker_info() is None:
-        saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    words = np.random.SeedSequence([seed, epoch, index, *purpose]).generate_state(4)
-    random.seed(int.from_bytes(words.tobytes(), "little"))
-    np.random.seed(words)
-    torch.default_generator.manual_seed(int(words[0]) << 32 | int(words[1]))
-    try:
-        yield
-    finally:
-        if saved is not None:
-            random.setstate(saved[0])
-            np.random.set_state(saved[1])
-            torch.set_rng_state(saved[2])
 
 
 COLLATE = 1
@@ -61,24 +37,41 @@ COLLATE = 1
 
 
 class KeyedSeeding(Dataset):
-    """The workload's dataset, fetched by (epoch, index) keys under `seeded_globals`:
-    `dataset.sample_at(epoch, index)` when it has one, else `dataset[index]`. With a
-    `collate` (a DataLoader's `collate_fn`, adopted) or a `dataset.collate(samples)`, each
-    sample travels with its key to `KeyedCollate`."""
+    """The workload's dataset, fetched by (epoch, index) keys, each sample under the global
+    RNGs seeded from its key (trainer/data/global_rngs.py): `dataset.sample_at(epoch, index)`
+    when it has one, else `dataset[index]`. A batch is fetched at once (`__getitems__`, which a
+    DataLoader calls in its worker or in this process): the fetching process's own streams are
+    saved and put back once a batch. Only the RNGs the dataset declares it draws from are
+    seeded (`DRAWS`; all three unless it says); one that draws nothing is fetched at a
+    DataLoader's cost. With a `collate` (a DataLoader's `collate_fn`, adopted)
+    or a `dataset.collate(samples)`, each sample travels with its key to `KeyedCollate`."""
 
     def __init__(self, dataset, seed: int, collate=None):
         self.dataset = dataset
         self.seed = seed
         self.keyed = callable(getattr(dataset, "sample_at", None))
         self.collate = collate or getattr(dataset, "collate", None)
+        self.rngs = GlobalRngs.declared(dataset)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, key: tuple[int, int]):
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list:
+        if not self.rngs.names:
+            return [self.fetched(key) for key in keys]
+        samples = []
+        with self.rngs.kept():
+            for key in keys:
+                self.rngs.seed(self.seed, *key)
+                samples.append(self.fetched(key))
+        return samples
+
+    def fetched(self, key: tuple[int, int]):
         epoch, index = key
-        with seeded_globals(self.seed, epoch, index):
-            sample = self.dataset.sample_at(epoch, index) if self.keyed else self.dataset[index]
+        sample = self.dataset.sample_at(epoch, index) if self.keyed else self.dataset[index]
         return (key, sample) if self.collate is not None else sample
 
     def loader(self, shape: EpochShape, epoch: int, start_batch: int, rank: int, world_size: int,
@@ -90,7 +83,9 @@ class KeyedSeeding(Dataset):
             yield Fetched(torch.tensor([index for _, index in keys], dtype=torch.int64), batch, weight)
 
     def fingerprint(self) -> str:
-        return dataset_fingerprint(self.dataset)
+        """The dataset's, and which global RNGs it declares it draws from (`DRAWS`, when not
+        all three): a declaration changed on resume would change every drawing sample."""
+        return dataset_fingerprint(self.dataset) + self.rngs.declaration()
 
     def probe(self) -> None:
         """Fetch one sample here, in the main process (see `refuse_state_moved_by_fetching`)."""
@@ -155,11 +150,28 @@ def refuse_state_moved_by_fetching(extras: dict, dataset: KeyedSeeding, config: 
     for name in moved:
         extras[name].load_state_dict(before[name])
     if moved:
-        raise UsageError(f"--workload {spec}: its stateful() {moved[0]!r} changes when a sample is fetched; with "
+        raise UsageError(f"{option('--workload', spec)}: its stateful() {moved[0]!r} changes when a sample is fetched; with "
                          f"{config.named('num_workers')} that happens in the workers' copies, which no generation "
                          f"saves, so the run would train on other data than with {option('--num-workers', 0)}: fetch "
                          f"by index, or give shards() and read(shard, offset) (the streaming protocol: the trainer "
                          f"owns the order and the cursor), or run with {option('--num-workers', 0)}")
+
+
+def refuse_undeclared_draws(dataset: KeyedSeeding, spec: str) -> None:
+    """Refuse, before the first step, a dataset that declares the global RNGs it draws from
+    (`DRAWS`) and draws from another when a sample is fetched: those draws would go unkeyed,
+    changing with the worker count and the resume point, silently. One sample is fetched
+    here (a draw only some samples make goes unseen); datasets that declare nothing are
+    keyed on all three and not probed."""
+    if len(dataset) == 0 or dataset.rngs.names == NAMES:
+        return
+    if moved := dataset.rngs.undeclared_draws(dataset.probe):
+        declared = getattr(dataset.dataset, DRAWS, "False (it is a TensorDataset)")
+        names = [name for name in NAMES if name in moved or name in dataset.rngs.names]
+        raise UsageError(f"{spec}: fetching a sample of {type(dataset.dataset).__name__} drew from {moved[0]}'s "
+                         f"global RNG, which its {DRAWS} = {declared!r} leaves out, so its draws would change with "
+                         f"the worker count and the resume point: declare {DRAWS} = {tuple(names)!r}, or leave it "
+                         f"out (all three are then keyed)")
 
 
 def same_state(a, b) -> bool:

@@ -9,10 +9,10 @@ from dataclasses import replace
 from torch.utils.data import IterableDataset
 
 from trainer.config import RunConfig, WorkloadConfig
-from trainer.data.fetching import KeyedSeeding
+from trainer.data.fetching import KeyedSeeding, refuse_undeclared_draws
 from trainer.data.order import EpochShape
 from trainer.data.stream import StreamCursor, StreamSource, note_reading
-from trainer.errors import UsageError
+from trainer.errors import UsageError, option
 from trainer.workload.adapters import from_loader, is_hf_iterable, is_loader, refuse_hf_shuffle
 from trainer.workload.protocol import is_stream
 
@@ -50,15 +50,17 @@ def source_of(dataset, config: WorkloadConfig, spec: str, collate=None) -> DataS
     """A stream (shards and a reader) or a map-style dataset; anything else is refused."""
     if is_hf_iterable(dataset):
         refuse_hf_shuffle(dataset, spec)
-        raise UsageError(f"--workload {spec}: build_dataset returned a datasets.IterableDataset; wrap it as a stream: "
+        raise UsageError(f"{option('--workload', spec)}: build_dataset returned a datasets.IterableDataset; wrap it as a stream: "
                          f"return trainer.workload.adapters.HFStream(dataset) (the trainer then owns its order, "
                          f"shuffle buffer and cursor)")
     if is_stream(dataset):
         return StreamSource(dataset, config.seed, config.shuffle_buffer, spec, collate, config.stream_lanes)
     if isinstance(dataset, IterableDataset) or not callable(getattr(dataset, "__len__", None)) \
             or not callable(getattr(dataset, "__getitem__", None)):
-        raise UsageError(f"--workload {spec}: build_dataset returned a {type(dataset).__name__}, which is neither "
+        raise UsageError(f"{option('--workload', spec)}: build_dataset returned a {type(dataset).__name__}, which is neither "
                          f"map-style (__len__ and __getitem__) nor a stream: for an iterable dataset give "
                          f"shards() -> [(name, records)] and read(shard, offset) -> records from that offset, "
                          f"and the trainer owns the order, the shuffle buffer and the cursor (docs/streaming.md)")
-    return KeyedSeeding(dataset, config.seed, collate)
+    source = KeyedSeeding(dataset, config.seed, collate)
+    refuse_undeclared_draws(source, option("--workload", spec))
+    return source

@@ -59,10 +59,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from trainer.data.fetching import COLLATE, seeded_globals
+from trainer.data.fetching import COLLATE
+from trainer.data.global_rngs import seeded_globals
 from trainer.data.order import EpochShape, Fetched
 from trainer.data.workers import WorkerSignals
-from trainer.errors import CorruptGeneration, UsageError
+from trainer.errors import CorruptGeneration, UsageError, option
 
 log = logging.getLogger("trainer")
 
@@ -91,13 +92,13 @@ def shards_of(stream, spec: str) -> tuple[Shard, ...]:
         else:
             name, records = getattr(shard, "name", None), getattr(shard, "records", None)
         if not isinstance(name, str) or not isinstance(records, int) or isinstance(records, bool) or records < 0:
-            raise UsageError(f"--workload {spec}: shards() gave {shard!r}; give (name, records) pairs or objects "
+            raise UsageError(f"{option('--workload', spec)}: shards() gave {shard!r}; give (name, records) pairs or objects "
                              f"with a str `name` and an int `records` >= 0 (the trainer numbers samples by them)")
         found.append(Shard(shard, name, records))
     if not found or sum(shard.records for shard in found) == 0:
-        raise UsageError(f"--workload {spec}: shards() gave no records; a stream needs at least one record")
+        raise UsageError(f"{option('--workload', spec)}: shards() gave no records; a stream needs at least one record")
     if len({shard.name for shard in found}) != len(found):
-        raise UsageError(f"--workload {spec}: shards() gave two shards of one name; names must be unique")
+        raise UsageError(f"{option('--workload', spec)}: shards() gave two shards of one name; names must be unique")
     return tuple(found)
 
 

@@ -26,7 +26,7 @@ from trainer.checkpoint.manifest import RECOVERY, InvalidManifest, Manifest, Ver
 from trainer.checkpoint.section import LocalSection
 from trainer.checkpoint.signing import Signing
 from trainer.storage.object.lease import LEASE
-from trainer.storage.object.client import ObjectStore
+from trainer.storage.object.client import ObjectClient, open_objects
 from trainer.storage.object.section import ObjectSection, digest_of
 from trainer.layout import ATTEMPTS, GENERATIONS, SECTIONS, RunDirectory, generation_step
 from trainer.storage.object.tiering import RemoteRun
@@ -36,9 +36,9 @@ READ_CONFIG = StoreConfig(retries=2, timeout_s=10.0)
 bound is for unattended runs."""
 
 
-def open_store(location: StoreLocation) -> ObjectStore:
+def open_store(location: StoreLocation) -> ObjectClient:
     """The run's objects, once the bucket answered (74 unreachable or refused, 66 no bucket)."""
-    objects = ObjectStore(location, READ_CONFIG)
+    objects = open_objects(location, READ_CONFIG)
     objects.check_reachable()
     return objects
 
@@ -52,7 +52,7 @@ def sealed_target(location: StoreLocation) -> tuple[StoreLocation, str, str] | N
     return StoreLocation(location.scheme, location.bucket, "/".join(parts[:-2])), parts[-2], parts[-1]
 
 
-def store_attempts(objects: ObjectStore) -> list[AttemptRecord]:
+def store_attempts(objects: ObjectClient) -> list[AttemptRecord]:
     """The attempt records in the store, read by the local code from a temporary copy."""
     with tempfile.TemporaryDirectory(prefix="trainer-attempts-") as folder:
         RemoteRun(objects, RunDirectory(Path(folder))).pull_attempts()
@@ -142,7 +142,7 @@ def store_verifications(location: StoreLocation, signing: Signing | None = None)
 
 
 def judged_in_store(section: ObjectSection, name: str) -> Verification:
-    """Every check `--resume` applies: the objects' sha256 as they download into a temporary
+    """Every check `--resume` applies: the objects' digests as they download into a temporary
     folder, name, run and signature, then every stored value loaded from there through the
     safe loader (`judged_by_loading`); the copy is deleted."""
     with tempfile.TemporaryDirectory(prefix="trainer-verify-") as scratch:
@@ -172,7 +172,7 @@ def store_report(location: StoreLocation):
     return build_report(records, frozenset(running & {leased_attempt(objects)}))
 
 
-def leased_attempt(objects: ObjectStore) -> str | None:
+def leased_attempt(objects: ObjectClient) -> str | None:
     """The attempt whose trainer holds the lease now: it renewed it less than its ttl ago and has
     not released it. Every
     holder renews, on whichever host it runs, so this sees a pod elsewhere (as far as the two

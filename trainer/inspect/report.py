@@ -247,7 +247,7 @@ def attempt_row(record: AttemptRecord, live: frozenset[str], marker_unix: float 
     lived = lifetime(record, live, marker_unix - start if marker_unix is not None and start is not None else None)
     outcome, costs, restored = lived.outcome, record.costs, record.restored
     restored_step = restored.step if restored else None
-    first, last = record.first_step, record.last_step
+    first, last = record.first_step, record.computed_to  # a stop's step after its save, computed and lost
     started = first is not None and isinstance(last, int) and outcome != "refused"
     if not started:  # refused, or killed before its first step: nothing computed
         first = first if first is not None else restored_step if restored_step is not None else 0

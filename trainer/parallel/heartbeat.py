@@ -68,7 +68,8 @@ class Heartbeat:
         self.verdict: dict | None = None
         """{"ranks": [...], "silent_s": S, "ended": [...]}: the peers found silent, once found."""
         self.on_silence: Callable[[], None] = lambda: None
-        """Called once, on the watcher's thread, after a verdict (parallel/ranks.py cuts the group)."""
+        """Called once, on the watcher's thread, after a verdict (parallel/ranks.py ends the groups'
+        waits: parallel/silence.py `waits_of`)."""
         self.longest_gap_s = 0.0
         """The longest this rank's own beat was late (what the bound must stay above)."""
         self._stop = threading.Event()

@@ -9,14 +9,20 @@ With several processes, three kinds of agreement keep the ranks in lockstep:
 - `decide_on_primary`: rank 0 alone does something with side effects or a verdict (claim
   the output, choose and verify the generation, check the fingerprint, publish) and every
   rank receives its result, or the same error with the same exit status;
-- `agree_after_step`: one all-reduce per optimizer step carries the mean loss, rank 0's
-  cadence decisions (its clock is the only one consulted, so time triggers cannot make
-  ranks disagree) and whether *any* rank was asked to stop by a signal;
+- `start_agreement`: one all-reduce per optimizer step, started after the step and its saves
+  and read once the next step is queued (never waited for on a step's own path), carries the
+  step's loss, rank 0's cadence votes for the next step (its clock is the only one consulted,
+  so time triggers cannot make ranks disagree) and whether *any* rank was asked to stop by a
+  signal (a signal to any rank stops every rank after the same step). So a step cadence still
+  fires at its step, while a time trigger and a signal act one step after they were seen,
+  identically on every rank. With one process there is no collective: the votes and the flag
+  are taken when the result is read, and only the loss is read a step later;
 - `barrier`: every rank has finished its part (its shards are written) before rank 0 acts.
 
 Every collective is entered by every rank in the same order. A collective that fails because
 another rank died, or because a rank's heartbeat went silent for `--peer-silence-secs` (its
-watcher cuts the group's connections: parallel/heartbeat.py, parallel/silence.py), or that
+watcher cuts the gloo groups' connections and aborts an NCCL communicator: parallel/heartbeat.py,
+parallel/silence.py; a collective that returns after that is never used), or that
 waited past its bound, becomes a one-line `PeerFailure` naming that rank, resumable (75),
 instead of a gloo/NCCL traceback or torch's 30-minute wait.
 
@@ -36,6 +42,7 @@ way out as a lost connection.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -52,12 +59,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer import compat
-from trainer.config import BackgroundWaitConfig, PeerWaitConfig
-from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageError, is_peer_loss, root_cause
+from trainer.config import BackgroundWaitConfig, PeerWaitConfig, WorkloadConfig
+from trainer.errors import DecidedOnPrimary, PeerFailure, TrainerError, UsageError, is_peer_loss, option, root_cause
 from trainer.parallel.heartbeat import Heartbeat, round_prefix
+from trainer.parallel.hostcopy import HostCopier, Landed
 from trainer.parallel.launch import PRIMARY, LaunchEnvironment, process_age_s
-from trainer.parallel.reduction import PER_PARAMETER, per_parameter_mean
-from trainer.parallel.silence import GroupSockets, listeners, socket_inodes
+from trainer.parallel.reduction import EXACT, install
+from trainer.parallel.silence import GroupSockets, listeners, socket_inodes, waits_of
 from trainer.layout import RunDirectory
 
 T = TypeVar("T")
@@ -103,8 +111,8 @@ def unshared_output(output: Path, is_primary: bool) -> str | None:
 
 @dataclass(frozen=True)
 class StepAgreement:
-    loss: float
-    """Mean of the ranks' losses for this step (the loss of the whole global batch)."""
+    """What every rank does after a step (`Ranks.start_agreement`)."""
+
     recover: bool
     """Rank 0's recovery cadence fired."""
     export: bool
@@ -113,6 +121,74 @@ class StepAgreement:
     """Some rank received SIGTERM/SIGINT: all ranks save and exit 75 together."""
     memory: bool = False
     """Rank 0's tier-0 cadence fired (`--memory-every-steps`; skipped where a durable save fires)."""
+
+    @property
+    def acts(self) -> bool:
+        """Something is saved or the attempt stops after the step."""
+        return self.recover or self.export or self.preempt or self.memory
+
+
+def as_loss(loss: torch.Tensor) -> torch.Tensor:
+    """A step's loss as one float32 (bf16 and fp16 widen exactly), left where it is."""
+    return torch.as_tensor(loss).detach().float().reshape(1)
+
+
+def votes_tensor(device: torch.device, loss: torch.Tensor | None, flags: torch.Tensor) -> torch.Tensor:
+    """[loss, recover, export, stop, memory] on the group's device, with no host wait: what is
+    on the host goes to a CUDA group through pinned memory (a pageable copy waits for the
+    device). A loss on CUDA with a gloo group (a test's GPU shared by two processes) is copied
+    to the host as it is, waiting for it: NCCL is the GPU's group."""
+    loss = as_loss(loss).double() if loss is not None else torch.zeros(1, dtype=torch.float64)
+    if device.type != "cuda":
+        return torch.cat([loss.to(device), flags])
+    if loss.device.type == "cpu":
+        return torch.cat([loss, flags]).pin_memory().to(device, non_blocking=True)
+    return torch.cat([loss.to(device), flags.pin_memory().to(device, non_blocking=True)])
+
+
+class LocalAgreement:
+    """One process: the decisions are taken when asked for (no collective to hide), the loss
+    is read from its copy."""
+
+    def __init__(self, votes: Callable[[], tuple[bool, bool, bool]], stop_requested: Callable[[], bool],
+                 loss: Landed | None):
+        self.votes, self.stop_requested, self._loss = votes, stop_requested, loss
+
+    def loss(self) -> float | None:
+        """The loss the agreement carried (None: it carried none)."""
+        return self._loss.values()[0] if self._loss is not None else None
+
+    def decisions(self) -> StepAgreement:
+        recover, export, memory = self.votes()
+        return StepAgreement(recover, export, self.stop_requested(), memory)
+
+
+class SharedAgreement:
+    """Several processes: the all-reduce in flight, waited for (under the group's bound, a
+    lost peer named) when first asked for, once the next step is queued."""
+
+    def __init__(self, ranks: "Ranks", summed: Landed, carries_loss: bool):
+        self.ranks, self.summed, self.carries_loss = ranks, summed, carries_loss
+        self.result: tuple[StepAgreement, float | None] | None = None
+
+    def loss(self) -> float | None:
+        return self.read()[1]
+
+    def decisions(self) -> StepAgreement:
+        return self.read()[0]
+
+    def read(self) -> tuple[StepAgreement, float | None]:
+        if self.result is None:
+            ranks = self.ranks
+            with ranks._collective("agreeing on the step outcome"):
+                loss_sum, recover, export, stop, memory = self.summed.values()
+            agreed = StepAgreement(recover > 0, export > 0, stop > 0, memory > 0)
+            ranks._bound(ranks._pace.agreed(time.monotonic(), agreed.acts))
+            self.result = agreed, loss_sum / ranks.world_size if self.carries_loss else None
+        return self.result
+
+
+PendingAgreement = LocalAgreement | SharedAgreement
 
 
 class StepPace:
@@ -179,8 +255,16 @@ class Ranks:
         self.distributed = launch.distributed
         self.is_primary = launch.is_primary
         self.device = device
+        self.copier = HostCopier(device)
+        """Brings per-step values to the host without waiting for the device."""
         self.group = group
         """The process group of these collectives: None for the training (default) group."""
+
+    @property
+    def backend(self) -> str | None:
+        """The backend of these collectives' group (None in one process): the fingerprint's device
+        names a backend the device does not use by default (gloo on CUDA)."""
+        return dist.get_backend(self.group) if self.distributed and dist.is_initialized() else None
 
     def background(self) -> "Ranks":
         """The same ranks on a new gloo group, for one background thread (async saves: DCP's
@@ -212,13 +296,14 @@ class Ranks:
             compat.set_group_timeout(self.group, self.wait.bound_s(slowest))
         self._slowest_save_s = slowest
 
-    def data_parallel(self, model: nn.Module, kind: str = "ddp", reduction: str = PER_PARAMETER) -> nn.Module:
+    def data_parallel(self, model: nn.Module, kind: str = WorkloadConfig.data_parallel,
+                      reduction: str = WorkloadConfig.gradient_reduction) -> nn.Module:
         """The module to run forward/backward through; build the optimizer on `model` after this.
 
         ddp: DDP averages gradients across ranks during backward; every rank holds the whole
-        model. With `reduction` "per-parameter" each gradient is all-reduced on its own
-        (trainer/parallel/reduction.py), so the bits do not depend on DDP's bucket layout, which
-        changes after the first step. State is still read from and loaded into the plain `model` (DDP shares its
+        model. With an exact `reduction` ("fixed-buckets" or "per-parameter") gradients are
+        all-reduced in a layout of their own (trainer/parallel/reduction.py), so the bits do not
+        depend on DDP's bucket layout, which changes after the first step. State is still read from and loaded into the plain `model` (DDP shares its
         parameters), so snapshot keys are the same at any world size.
 
         fsdp: FSDP2 shards `model` in place (each layer with parameters, then the root), so
@@ -235,8 +320,8 @@ class Ranks:
             return self._fully_shard(model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=device_ids)
-        if reduction == PER_PARAMETER:
-            wrapped.register_comm_hook(self.group, per_parameter_mean)
+        if reduction in EXACT:
+            install(wrapped, reduction, self.group)
         return wrapped
 
     def _fully_shard(self, model: nn.Module) -> nn.Module:
@@ -279,7 +364,7 @@ class Ranks:
         if not self.distributed:
             return
         with self._collective(what):
-            if self.device.type == "cuda":
+            if self.backend == "nccl":
                 dist.barrier(group=self.group, device_ids=[self.device.index])
             else:
                 dist.barrier(group=self.group)
@@ -337,27 +422,29 @@ class Ranks:
             raise UsageError(message)
         raise DecidedOnPrimary(message, UsageError.exit_code)
 
-    def agree_after_step(self, loss: torch.Tensor, recover_due: Callable[[], bool],
-                         export_due: Callable[[], bool], preempted: bool,
-                         memory_due: Callable[[], bool] = lambda: False) -> StepAgreement:
-        """One all-reduce (a sum) per step. Only rank 0 evaluates the cadence policies (the
-        recovery, export and tier-0 ones) and contributes their votes, so the sum is exactly
-        rank 0's decision; the signal flag is summed over all ranks, so a signal to any rank
-        stops every rank at the same step."""
-        local_loss = float(loss.detach().float().item())
+    def start_agreement(self, loss: torch.Tensor | None, votes: Callable[[], tuple[bool, bool, bool]],
+                        stop_requested: Callable[[], bool]) -> PendingAgreement:
+        """The agreement on what follows the next step, started (not waited for) after this
+        step and its saves: this step's `loss` (None: read already), rank 0's cadence `votes`
+        for the next step and each rank's stop flag, summed (see the module's docstring)."""
         if not self.distributed:
-            return StepAgreement(local_loss, recover_due(), export_due(), preempted, memory_due())
-        recover = self.is_primary and recover_due()
-        export = self.is_primary and export_due()
-        memory = self.is_primary and memory_due()
-        votes = torch.tensor([local_loss, recover, export, preempted, memory], dtype=torch.float64, device=self.device)
+            return LocalAgreement(votes, stop_requested, self.copier.copy(as_loss(loss)) if loss is not None else None)
+        recover, export, memory = votes() if self.is_primary else (False, False, False)
+        flags = torch.tensor([recover, export, stop_requested(), memory], dtype=torch.float64)
         with self._collective("agreeing on the step outcome"):
-            dist.all_reduce(votes)
-        loss_sum, recover_votes, export_votes, preempt_votes, memory_votes = votes.tolist()
-        agreed = StepAgreement(loss_sum / self.world_size, recover_votes > 0, export_votes > 0, preempt_votes > 0,
-                               memory_votes > 0)
-        self._bound(self._pace.agreed(time.monotonic(), agreed.recover or agreed.export or agreed.memory))
-        return agreed
+            summed = votes_tensor(self.device, loss, flags)
+            work = dist.all_reduce(summed, group=self.group, async_op=True)
+        return SharedAgreement(self, self.copier.copy(summed, work), loss is not None)
+
+    def mean_loss(self, loss: torch.Tensor) -> float:
+        """The step's loss over the ranks, read now (a save, a stop, the end: off the per-step
+        path), through the same all-reduce as the step's agreement: the same sum to the bit."""
+        if not self.distributed:
+            return self.copier.copy(as_loss(loss)).values()[0]
+        summed = votes_tensor(self.device, loss, torch.zeros(4, dtype=torch.float64))
+        with self._collective("reading the step's loss"):
+            dist.all_reduce(summed, group=self.group)
+            return summed[0].item() / self.world_size
 
     @contextmanager
     def _collective(self, what: str) -> Iterator[None]:
@@ -367,6 +454,10 @@ class Ranks:
             if is_peer_loss(error):
                 raise self.peer_failure(error, what) from None
             raise
+        if self.heartbeat is not None and self.heartbeat.verdict is not None:
+            # a peer fell silent and the waits were ended: on NCCL an aborted collective may return
+            # without an error, its result unreliable; never go on with it
+            raise self.peer_failure(RuntimeError("the process group's waits were ended"), what)
 
     def peer_failure(self, error: BaseException, what: str) -> PeerFailure:
         """The one line for a collective that failed on a peer, naming the ranks whose heartbeat
@@ -378,7 +469,7 @@ class Ranks:
         verdict = self.heartbeat.verdict if self.heartbeat is not None else None
         state, said = _what_happened(error, what, silent, verdict, timed_out, bound)
         return PeerFailure(f"{said}; resumable: the next attempt continues from the newest generation "
-                           f"(torchrun --max-restarts restarts in place; else --resume auto)", state, tuple(silent or ()))
+                           f"(torchrun --max-restarts restarts in place; else {option('--resume', 'auto')})", state, tuple(silent or ()))
 
     def as_peer_failure(self, error: BaseException, what: str = "training") -> BaseException:
         """`error`, or the PeerFailure it really is: a collective's lost connection or timeout
@@ -402,7 +493,7 @@ def _what_happened(error: BaseException, what: str, silent: list[int] | None, ve
         ended = [rank for rank in verdict.get("ended", []) if rank in silent]
         return PeerFailure.UNRESPONSIVE, (
             f"{who} stopped answering: {its} {heartbeat} {was} silent for {verdict['silent_s']:g} s while {what} "
-            f"(frozen: a hung device, a silent network, a paused machine; --peer-silence-secs)"
+            f"(frozen: a hung device, a silent network, a paused machine; {option('--peer-silence-secs')})"
             + (f"; ended {_processes_of(ended) if not one else 'its process'} on this host (SIGKILL)"
                if ended else ""))
     if timed_out:
@@ -411,7 +502,7 @@ def _what_happened(error: BaseException, what: str, silent: list[int] | None, ve
             f"stopped (frozen: a hung device, a silent network, a paused machine)") if who else \
             (f"no reply from another rank within {bound:g} s while {what}"
              + (", though every rank's heartbeat goes on (one is slower than the bound allows: "
-                "raise --peer-timeout-secs)" if silent == [] else ""))
+                f"raise {option('--peer-timeout-secs')})" if silent == [] else ""))
     return PeerFailure.LOST, (
         f"{who} {is_} gone: {its} {'connection' if one else 'connections'} closed while {what} and {its} "
         f"{heartbeat} stopped (the {'process' if one else 'processes'} died or {its} {'node' if one else 'nodes'} "
@@ -424,12 +515,35 @@ def _processes_of(ranks: list[int]) -> str:
         "the processes of ranks " + ", ".join(map(str, ranks))
 
 
+def device_of_rank(requested: torch.device, local_rank: int, visible: int) -> torch.device:
+    """The CUDA device of the process with `local_rank`, among the `visible` devices it sees: the
+    one the launch named (`cuda:N`), else the local rank's own where every process of the node
+    sees every GPU, and the same rank modulo what it sees where a launcher gave each process its
+    own (per-rank CUDA_VISIBLE_DEVICES: one visible device, `cuda:0`, whatever the local rank)."""
+    if requested.index is not None:
+        return requested
+    return torch.device("cuda", local_rank % max(1, visible))
+
+
+def backend_for(device: torch.device, asked: str) -> str:
+    """The process group's backend (`--data-parallel-backend`): NCCL on CUDA and gloo on the CPU
+    unless another was asked for; NCCL without CUDA is a usage error."""
+    if asked == "nccl" and device.type != "cuda":
+        raise UsageError(f"{option('--data-parallel-backend', 'nccl')} needs CUDA, and this run trains on "
+                         f"{device.type}; use {option('--data-parallel-backend', 'gloo')} or "
+                         f"{option('--device', 'cuda')}")
+    if asked == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return asked
+
+
 @contextmanager
 def process_group(launch: LaunchEnvironment, device: torch.device,
                   wait: BackgroundWaitConfig = BackgroundWaitConfig(),
-                  peer_wait: PeerWaitConfig = PeerWaitConfig()) -> Iterator[Ranks]:
-    """Join the run's process group (gloo on CPU, NCCL on CUDA, one device per local rank)
-    from the variables torchrun or the training operator set; leave it on the way out.
+                  peer_wait: PeerWaitConfig = PeerWaitConfig(), backend: str = "auto") -> Iterator[Ranks]:
+    """Join the run's process group (`backend`: auto is gloo on CPU, NCCL on CUDA; one device
+    per local rank) from the variables torchrun or the training operator set; leave it on the
+    way out.
 
     An error escaping a multi-process run that is really a peer's disappearance (including
     one DCP wrapped, or one raised inside DDP's backward) is reported as a `PeerFailure`.
@@ -441,48 +555,62 @@ def process_group(launch: LaunchEnvironment, device: torch.device,
     looked: they are found as the connections to and from every rank's gloo listener (gathered
     over the group once, `GroupSockets.adopt`), so a silent peer is cut off as in our own group.
     """
+    backend = backend_for(device, backend)
     if not launch.distributed:
         yield Ranks(launch, device, wait=wait, peer_wait=peer_wait)
         return
     if device.type == "cuda":
-        device = torch.device("cuda", launch.local_rank)
+        device = device_of_rank(device, launch.local_rank, torch.cuda.device_count())
         torch.cuda.set_device(device)
     began, age = time.monotonic(), process_age_s()
     owned = not dist.is_initialized()
     before = socket_inodes()
     if owned:
-        join(launch, "nccl" if device.type == "cuda" else "gloo", peer_wait.join_bound_s(launch.restart))
+        join(launch, backend, peer_wait.join_bound_s(launch.restart))
     if not owned or peer_wait.join_bound_s(launch.restart) != peer_wait.bound_s(None):
         compat.set_group_timeout(None, peer_wait.bound_s(None))  # joined: the collectives' own bound from here
     heartbeat = Heartbeat(launch, peer_wait.silence_s).start()
     ranks = Ranks(launch, device, wait=wait, peer_wait=peer_wait, heartbeat=heartbeat)
     ranks.sockets = GroupSockets(launch.master_port)
-    if device.type != "cuda" and owned:
+    if dist.get_backend() == "gloo" and owned:
         ranks.sockets.opened(before)  # gloo's; NCCL's connections are its own (docs/scale-out.md, On NCCL)
-    elif device.type != "cuda":
+    elif dist.get_backend() == "gloo":
         ranks.sockets.adopt(ranks.gather(listeners(launch.master_port), "finding the process group's connections"))
-    heartbeat.on_silence = ranks.sockets.cut  # the main thread leaves its wait with "connection closed"
+    # the main thread leaves its wait with "connection closed" (gloo), or finds the verdict after it (NCCL)
+    heartbeat.on_silence = waits_of(dist.get_backend(), ranks.sockets, compat.DeviceCommunicator()).cut
     ranks.joined = {"at_s": age, "join_s": round(time.monotonic() - began, 3)}
     ended = False  # marked as left: ended by itself (completed, stopped, or a survivor naming a loss)
+    lost = False
+    """A peer is gone: the group is not destroyed, which would wait for the step's agreement still
+    in flight with it (an async all-reduce, `start_agreement`) until the silence watcher cuts it."""
     try:
         yield ranks
         ended = True
     except PeerFailure:
-        ended = True  # a survivor that named the loss: no rank reading after it exited may name it lost too
+        ended = lost = True  # a survivor that named the loss: no rank reading after it exited may name it lost too
         raise
     except TrainerError:
         raise
     except BaseException as error:
         cause = root_cause(error)
         if is_peer_loss(cause):
-            ended = True
+            ended = lost = True
             raise ranks.peer_failure(cause, "training") from None
         raise
     finally:
         heartbeat.stop(left=ended)
         outlive_launcher_stop()
-        if owned:
+        if owned and not lost:
             dist.destroy_process_group()
+
+
+NCCL_ERROR_HANDLING = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+"""How an NCCL group ends a wait that failed (torch 2.13's meanings; verified on a GPU only):
+blocking wait: the waiting thread itself raises a collective past the group's bound, or one the
+silence watcher aborted (parallel/silence.py `CommunicatorAbort`), as an error, which becomes the
+PeerFailure (75); no asynchronous handling by NCCL's watchdog (torch's default, 3, ends the
+process by SIGABRT at the timeout: no line, no record; torch's own abort asks for it off, and
+blocking wait turns it off anyway)."""
 
 
 def join(launch: LaunchEnvironment, backend: str, timeout_s: float) -> None:
@@ -495,6 +623,9 @@ def join(launch: LaunchEnvironment, backend: str, timeout_s: float) -> None:
     failed to connect ("Connection refused"), so the first restart never rejoined. The group
     gets a prefix per round (`round_prefix`) in that case."""
     timeout = timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        for name, value in NCCL_ERROR_HANDLING.items():
+            os.environ.setdefault(name, value)  # read when the group is created; the user's own choice stands
     if launch.agent_store:
         store = dist.PrefixStore(round_prefix(launch), dist.TCPStore(
             launch.master_addr, launch.master_port, launch.world_size, is_master=False, timeout=timeout))
@@ -518,9 +649,9 @@ def join(launch: LaunchEnvironment, backend: str, timeout_s: float) -> None:
         error = failure[0]
         if launch.restart and any(word in str(error).lower() for word in ("timed out", "timeout")):
             raise PeerFailure(f"round {launch.restart} of torchrun's restarts: not every rank of the "
-                              f"{launch.world_size} joined within {timeout_s:g} s (--rejoin-timeout-secs); a node "
+                              f"{launch.world_size} joined within {timeout_s:g} s ({option('--rejoin-timeout-secs')}); a node "
                               f"whose agent did not restart its workers (a frozen worker under a static rendezvous) "
-                              f"never comes; resumable: --resume auto continues when every node starts again"
+                              f"never comes; resumable: {option('--resume', 'auto')} continues when every node starts again"
                               ) from None
         if isinstance(error, (RuntimeError, ValueError)):
             raise PeerFailure(f"could not join the {launch.world_size}-process group as rank {launch.rank} "

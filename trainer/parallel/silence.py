@@ -1,5 +1,6 @@
 """What a rank may do about a peer that went silent: know whether it is the very process on this
-host (and end it), and get its own threads out of the process group's waits.
+host (and end it), and get its own threads out of the process groups' waits (gloo's by their
+sockets; NCCL's by aborting its communicator: `waits_of`).
 
 A frozen peer (SIGSTOP, a hung device, a paused VM) holds every collective that needs it: gloo
 waits inside C++, where no Python signal handler or exception reaches, and neither
@@ -25,6 +26,7 @@ import signal
 import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 log = logging.getLogger("trainer")
 
@@ -142,6 +144,20 @@ def listeners(store_port: int) -> list[tuple[str, int]]:
     return found
 
 
+def local_hosts_since(before: dict[int, int]) -> list[str]:
+    """The local addresses of the TCP connections opened since `before` (a `socket_inodes()`):
+    the interface a group just created talks over."""
+    found = []
+    for inode, fd in socket_inodes().items():
+        try:
+            local, remote, listening = _ends(fd) if inode not in before else ((), None, True)
+        except OSError:
+            continue
+        if not listening and remote is not None and _is_tcp(local) and _host(local[0]) not in found:
+            found.append(_host(local[0]))
+    return found
+
+
 class GroupSockets:
     """The sockets a process group opened (found as the ones that appeared while it connected,
     or, for a group the script created before the run looked, as the connections to and from
@@ -205,3 +221,49 @@ class GroupSockets:
             except OSError:
                 continue  # already closed
         return cut
+
+
+class Communicator(Protocol):
+    """A backend whose waits are not sockets (NCCL's communicators): it ends them itself."""
+
+    def abort(self) -> None:
+        """End every collective in progress on it, and make every later one fail."""
+
+
+class CommunicatorAbort:
+    """NCCL's own way out of a wait on a silent peer: a collective there is a kernel on the
+    device and a CPU thread polling it, no socket to cut, and only the communicator's abort
+    (`ncclCommAbort`, through ProcessGroupNCCL's `abort`) ends it before NCCL's watchdog would (by
+    SIGABRT, after the group's timeout: no record, no line). The main thread then finds the
+    silence's verdict after the collective (`Ranks._collective`) and takes the same way out as on
+    gloo. Verified on a GPU only (docs/scale-out.md, On GPUs)."""
+
+    def __init__(self, communicator: Communicator):
+        self.communicator = communicator
+
+    def cut(self) -> int:
+        try:
+            self.communicator.abort()
+        except Exception as error:  # noqa: BLE001 - on the watcher's thread: the group's timeout is the fallback
+            log.warning("could not abort the process group's communicator: %s", error)
+            return 0
+        return 1
+
+
+class EveryGroup:
+    """Ends the waits of all of this process's groups at once: the heartbeat's `on_silence`."""
+
+    def __init__(self, *groups):
+        self.groups = groups
+
+    def cut(self) -> int:
+        return sum(group.cut() for group in self.groups)
+
+
+def waits_of(backend: str, sockets: GroupSockets, communicator: Communicator) -> EveryGroup:
+    """What ends every wait of a run whose training group has `backend`: the gloo groups'
+    connections (the background groups are gloo on every backend), and, for any other backend
+    (NCCL), its `communicator`'s abort."""
+    if backend == "gloo":
+        return EveryGroup(sockets)
+    return EveryGroup(sockets, CommunicatorAbort(communicator))

@@ -26,8 +26,9 @@ What it guarantees, and why each rule is there:
   milliseconds and it imports as before.
 What it does not: a restarted worker runs the code the launch imported (a source edited between
 restarts is picked up by a cold start only); SIGSTOP of the thin process does not stop the
-worker (a signal nobody can catch); and the library (`trainer.recovery` in a user's script)
-restarts cold.
+worker (a signal nobody can catch). A user's script gets the same spare through the launch
+entry (`torchrun ... -m trainer.launch script.py ARGS`, trainer/launch.py); run plainly
+(`torchrun script.py`) it restarts cold.
 
 Nothing here imports torch: the front side runs before anything heavy.
 """
@@ -365,7 +366,7 @@ class Spare:
             for fd in self.children:
                 os.close(fd)
             become_worker(request, fds, front)
-            code = run_trainer()
+            code = run_program()
         finally:
             os._exit(code)
 
@@ -380,26 +381,34 @@ class Spare:
         connection.close()
 
 
-def run_trainer() -> int:
+def run_program() -> int:
     """In the forked child: the program the front process runs (`sys.argv[0]`: trainer's
-    `__main__.py` under `python -m trainer`, or the console script), as `__main__`."""
+    `__main__.py` under `python -m trainer`, the console script, or `trainer/launch.py` running
+    a user's script), as `__main__`, then the exit handlers, as an interpreter ends (the
+    library's own decides a distributed script's status: trainer/recovery/run.py)."""
     import runpy
     import traceback
 
+    from trainer import compat
+
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
-        return 0
+        code = 0
     except SystemExit as stop:
         if stop.code is None or isinstance(stop.code, int):
-            return (stop.code or 0) & 0xFF
-        print(stop.code, file=sys.stderr)
-        return 1
+            code = (stop.code or 0) & 0xFF
+        else:
+            print(stop.code, file=sys.stderr)
+            code = 1
     except BaseException:  # noqa: BLE001 - as the interpreter: the traceback, status 1
         traceback.print_exc()
-        return 1
+        code = 1
+    try:
+        compat.run_exit_handlers()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+    return code
 
 
 def connection_peer(connection: socket.socket) -> int:

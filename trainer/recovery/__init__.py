@@ -14,16 +14,20 @@ The same generations, manifests and attempt records as `python -m trainer`: `lis
 (trainer/config.py), with the command line's defaults.
 """
 
+import os as _os
+
 from trainer.origin import require_ours
 
 require_ours()  # before any other import: under a foreign `trainer`, one line instead of a puzzle
 
 from trainer.config import (CadenceConfig, MemoryTierConfig, PeerWaitConfig, RetentionConfig, RunConfig, SigningConfig,
                             StoreConfig)
-from trainer.data.keyed import KeyedData
-from trainer.recovery.run import RecoveryRun, Stopped, open_run
+from trainer.recovery.run import KeyedData, RecoveryRun, Stopped, open_run
 from trainer.run.runtime import seed_everything as _seed_everything
 from trainer.run.state import capture_rng, restore_rng
+from trainer.parallel.rendezvous import install_under_torchrun as _install_under_torchrun
+
+_install_under_torchrun(_os.environ)  # a group the script or its framework creates rejoins after a restart in place
 
 
 def seed_everything(seed: int, threads: int = 1) -> None:

@@ -52,7 +52,8 @@ def load_state(accelerator: Accelerator, run: RecoveryRun, data: KeyedData | Non
     """`accelerator.load_state()` from the run's newest verified generation (a fresh start: the
     state as prepared); call it once, after `accelerator.prepare`. Returns where to continue.
     `model`: the model as `prepare` returned it; on several processes its DDP wrapper, which
-    the run gives the trainer's exact reduction (Accelerate keeps only the unwrapped one)."""
+    the run gives the trainer's exact reduction (Accelerate keeps only the unwrapped one), and
+    required there: without it, one line and exit 2."""
     if accelerator.num_processes != run.world_size:
         raise UsageError(f"accelerator.num_processes is {accelerator.num_processes} but the run has {run.world_size} "
                          f"ranks: the ranks would train unsynchronised; on a CPU host create the accelerator with "
@@ -62,6 +63,11 @@ def load_state(accelerator: Accelerator, run: RecoveryRun, data: KeyedData | Non
         raise UsageError(f"accelerated.load_state takes one prepared model and optimizer and at most one scheduler "
                          f"(prepared: {len(models)}, {len(optimizers)}, {len(schedulers)}); prepare them in one "
                          f"accelerator.prepare(model, optimizer[, scheduler]) call")
+    if run.world_size > 1 and not isinstance(model, DistributedDataParallel):
+        raise UsageError(f"accelerated.load_state on {run.world_size} processes needs model=, the model as "
+                         f"accelerator.prepare returned it (its DistributedDataParallel wrapper, which Accelerate does "
+                         f"not keep): without it the run cannot give the ranks its exact reduction, and the resume "
+                         f"would not be exact")
     if data is not None and schedulers:
         schedulers[0].split_batches = True  # one step per optimizer step: see the module's docstring
     extras = {f"registered_{index}": kept for index, kept in enumerate(accelerator._custom_objects)}

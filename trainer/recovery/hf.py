@@ -133,7 +133,7 @@ class RecoveryCallback(TrainerCallback):
         wrapped = self.trainer.model_wrapped  # DDP under torchrun: the run gives it its exact reduction
         self.run.restore(wrapped if isinstance(wrapped, DistributedDataParallel) else model,
                          unwrapped(optimizer, "optimizer"), unwrapped(lr_scheduler, "scheduler"), data=HF_ORDER,
-                         extras={"hf_trainer_state": trainer_state}, architecture=architecture(model))
+                         shared_extras={"hf_trainer_state": trainer_state}, architecture=architecture(model))
         trainer_state.live = True
         if self.resume_dir is not None:
             rng_file = RNG_STATE if args.world_size == 1 else f"rng_state_{args.process_index}.pth"  # HF's names

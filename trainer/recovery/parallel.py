@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import WorkloadConfig
 from trainer.parallel.ranks import Ranks
-from trainer.parallel.reduction import BUCKETED, PER_PARAMETER, per_parameter_mean
+from trainer.parallel.reduction import BUCKETED, EXACT, install
 
 
 def plain_model(model: nn.Module) -> nn.Module:
@@ -29,12 +29,13 @@ def plain_model(model: nn.Module) -> nn.Module:
 
 
 def data_parallel_settings(model: nn.Module, settings: WorkloadConfig, ranks: Ranks) -> WorkloadConfig:
-    """`settings` with the wrapping `model` came in. A DDP model gets the trainer's own
-    gradient reduction (`per_parameter_mean`: exact at any world size, trainer/parallel/
-    reduction.py) unless it has a communication hook already; then its reduction is the
-    user's, which an exact resume at 3 or more ranks cannot rest on (the record says so). An
-    FSDP2 model in one process (the script's own group of one) is FSDP2 too: its state holds
-    DTensors, gathered whole for the export."""
+    """`settings` with the wrapping `model` came in. A DDP model gets the trainer's exact
+    gradient reduction, `settings`' own (`fixed-buckets` unless the run resumes a generation
+    made with another: trainer/parallel/reduction.py, `Claim.kept`), unless it has a
+    communication hook already; then its reduction is the user's, which an exact resume at 3
+    or more ranks cannot rest on (the record says so). An FSDP2 model in one process (the
+    script's own group of one) is FSDP2 too: its state holds DTensors, gathered whole for the
+    export."""
     if not ranks.distributed and not torch.distributed.is_initialized():
         return settings
     from torch.distributed.fsdp import FSDPModule  # only a process group's members pay for importing it
@@ -43,8 +44,10 @@ def data_parallel_settings(model: nn.Module, settings: WorkloadConfig, ranks: Ra
         return replace(settings, data_parallel="fsdp")
     if not ranks.distributed or not isinstance(model, DistributedDataParallel):
         return settings
+    if settings.gradient_reduction not in EXACT:  # a resume of a generation made with the script's own hook
+        return replace(settings, data_parallel="ddp")
     try:
-        model.register_comm_hook(ranks.group, per_parameter_mean)
+        install(model, settings.gradient_reduction, ranks.group)
     except RuntimeError:  # "can only be called once": the script registered its own
         return replace(settings, data_parallel="ddp", gradient_reduction=BUCKETED)
-    return replace(settings, data_parallel="ddp", gradient_reduction=PER_PARAMETER)
+    return replace(settings, data_parallel="ddp")

@@ -11,8 +11,9 @@ generations, manifests and records are the ones `list`, `verify`, `report` and `
 read, and there is no second implementation of a save or a restore.
 
 How an attempt ends is a process exit, as for the trainer: a stop signal saves a generation
-at the step reached and raises `Stopped` (a SystemExit with status 75, resumable), and so
-does `interrupt_at_step`; a refusal (65, 66, 73, ...) is one logged line and a SystemExit
+at the step reached and, at the next `step()` (one more step, digested for the witness and not
+saved), raises `Stopped` (a SystemExit with status 75, resumable), and so does
+`interrupt_at_step` (at once); a refusal (65, 66, 73, ...) is one logged line and a SystemExit
 with its status. A completed run exits the `with` block normally, after a final generation
 and export.
 """
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, NoReturn
 
 import torch
 
+from trainer import compat
 from trainer.cli import exit_without_interpreter_teardown, report_exit_status
 from trainer.config import RunConfig
 from trainer.flags import checked_config, unknown_keyword
@@ -37,18 +39,18 @@ from trainer.errors import EXIT_INTERRUPTED, EXIT_OK, TrainerError, UsageError, 
 from trainer.parallel.launch import LaunchEnvironment
 from trainer.parallel.ranks import Ranks, StepAgreement, process_group
 from trainer.run.cadence import StepPoint
-from trainer.run.checksum import parameter_checksum
 from trainer.run.events import TrainingEvents
 from trainer.run.fingerprint import FIELDS
 from trainer.run.preemption import PreemptionGuard, ignore_late_stop_requests, restore_stop_handlers, stop_handlers
+from trainer.run.readback import StepReadback, next_point, record_step
 from trainer.run.records import COMPLETED, INTERRUPTED, PREEMPTED
 from trainer.run.runtime import resolve_device
 from trainer.run.state import Progress, TrainingState
-from trainer.run.witness import step_digest
 from trainer.location import parse_location
 from trainer.workload import BoundWorkload
 from trainer.recovery.bundle import bundle_options, bundled
-from trainer.data.keyed import KeyedData, UnkeyedData
+from trainer.data import keyed
+from trainer.data.keyed import UnkeyedData
 from trainer.recovery.parallel import data_parallel_settings, plain_model
 from trainer.recovery.said import announced, spelled
 
@@ -98,6 +100,20 @@ def open_run(output: str | os.PathLike | None = None, config: RunConfig | None =
     except TrainerError as error:
         said_and_exit(error)
     return RecoveryRun(config)
+
+
+class KeyedData(keyed.KeyedData):
+    """`trainer.data.keyed.KeyedData` as `recovery` hands it out: its settings checked as the
+    command line checks the flags that set them, and a mistake (`KeyedData(batch_size=-1)`, a
+    dataset that is neither map-style nor a stream) one line and exit 2 wherever it is built,
+    inside the `with` block or before it."""
+
+    def __post_init__(self) -> None:
+        try:
+            checked_config(RunConfig(location=None, workload=self.settings()), ())
+            super().__post_init__()
+        except UsageError as error:  # the settings' keyword is KeyedData's, not open_run's `workload=`
+            said_and_exit(UsageError(Exception.__str__(error).replace("workload=WorkloadConfig(", "KeyedData(", 1)))
 
 
 def said_and_exit(error: TrainerError) -> NoReturn:
@@ -161,89 +177,11 @@ class Phases:
         self.ended, self.state = self.state.progress, None
 
 
-class RecoveryRun(Phases):
-    def __init__(self, config: RunConfig, events: TrainingEvents = TrainingEvents(),
-                 closing: Callable[[int, str | None], None] | None = None):
-        """`closing(exit status, message)`: told how the attempt ended (a tracker's final status)."""
-        self.config, self.events, self.closing = config, events, closing
-        self.session: AttemptSession | None = None
-        self.ranks: Ranks | None = None
-        self.held = contextlib.ExitStack()
-        self.state: TrainingState | None = None
-        self.data: KeyedData | None = None
-        self.saved_step: int | None = None
-        """The step of the newest generation this attempt saved (the final save skips it)."""
+class Reading(Phases):
+    """The data side of a run: the epochs and the keyed batches of each, and what each step consumed."""
 
-    # -- open ---------------------------------------------------------------------------------
-    def __enter__(self) -> RecoveryRun:
-        self.script_handlers, held = stop_handlers(), self.held.__enter__()
-        try:
-            launch = LaunchEnvironment.from_environ(os.environ)
-            held.enter_context(announced(launch.rank))
-            self.ranks = held.enter_context(process_group(launch, resolve_device(self.config.device),
-                                                          self.config.background_wait, self.config.peer_wait))
-            self.preemption = held.enter_context(PreemptionGuard(self.config.preempt_grace_s))
-            from trainer.run.session import AttemptSession  # the attempt's machinery: at the first open
-
-            self.session = AttemptSession(self.config, self.ranks, self.events)
-            held.enter_context(self.session.refusals_recorded())
-            self.claim = self.session.claim(held)
-        except BaseException as error:
-            self.leave(error)
-        return self
-
-    # -- restore ------------------------------------------------------------------------------
-    def restore(self, model: torch.nn.Module, optimizer, scheduler=None, *, scaler=None,
-                data: KeyedData | UnkeyedData | None = None,
-                extras: dict | None = None, architecture: dict | None = None) -> Progress:
-        """Hand over the state and get it back from the newest verified generation, in place
-        (a fresh start leaves it as built). `optimizer`/`scheduler`: one, or several by name;
-        `extras`: any other objects with state_dict/load_state_dict (an EMA, a curriculum);
-        `data`: the keyed order (`KeyedData`), whose position is the progress (an `UnkeyedData`
-        names who orders the data instead, for `report`: an adapter's framework). Returns where
-        to continue (`global_step`, `epoch`, `position` = batches done in that epoch).
-
-        Under torchrun `model` may be wrapped already, in DistributedDataParallel or by
-        FSDP2's `fully_shard` (wrap, then build the optimizer, then restore): an FSDP2 model
-        is restored shard by shard, each rank reading only its own."""
-        if self.state is not None:
-            raise UsageError("restore() was called twice on one run; call it once, after building the model")
-        if self.session is None or self.closed or self.ended is not None:
-            self.misused("restore()")
-        import torch.distributed.checkpoint  # noqa: F401  (DCP, 0.7 s once: here, not inside the restore's or the first save's time)
-
-        from trainer.run.restoring import Restorer
-
-        self.data, ranks = data, self.ranks
-        state = TrainingState(plain_model(model), optimizer, scheduler if scheduler is not None else {},
-                              scaler or torch.amp.GradScaler("cpu", enabled=False), rank=ranks.rank,
-                              world_size=ranks.world_size, extras=dict(extras or {}),
-                              cursors=data.cursors(ranks.world_size) if data else {})
-        self.workload = BoundWorkload(OwnLoop(state.extras, dict(architecture or {})), script_files(),
-                                      "your training script")
-        settings = data_parallel_settings(model, data.settings() if data else self.config.workload, ranks)
-        config = replace(self.config, workload=settings)
-        source = data.source if isinstance(data, KeyedData) else data if data is not None else UnkeyedData()
-        self.saves, checked = self.session.begin(self.claim, self.workload, source,
-                                                 self.preemption, config)
-        self.parameters, self.state = list(model.parameters()), state  # now the attempt ends by close or failed
-        try:
-            self.events.attempt_started(self.session.recorder.record)
-            if self.claim.generation is not None:
-                Restorer(config, self.session.storage, self.session.memory, self.ranks, self.workload).restore(
-                    self.claim, self.state, checked.drift, self.saves, self.session.recorder)
-            self.session.recorder.reached(self.state.progress.global_step, first=True)
-        except BaseException as error:
-            self.failed(error)
-        return self.state.progress
-
-    @property
-    def restoring_step(self) -> int | None:
-        """The step of the generation `restore()` will restore (None: a fresh start)."""
-        if self.session is None or self.closed:
-            self.misused("restoring_step")
-        generation = self.claim.generation
-        return generation.manifest.step if generation is not None else None
+    data: keyed.KeyedData | None = None
+    saves = None  # set by restore()
 
     def epochs(self, total: int) -> Iterator[int]:
         """The epochs left of `total`, each to be read with `batches()`."""
@@ -292,61 +230,171 @@ class RecoveryRun(Phases):
         self.restored("consumed()")
         self.saves.ledger.consumed(ids, padded)
 
+
+class RecoveryRun(Reading):
+    def __init__(self, config: RunConfig, events: TrainingEvents = TrainingEvents(),
+                 closing: Callable[[int, str | None], None] | None = None):
+        """`closing(exit status, message)`: told how the attempt ended (a tracker's final status)."""
+        self.config, self.events, self.closing = config, events, closing
+        self.session: AttemptSession | None = None
+        self.ranks: Ranks | None = None
+        self.held = contextlib.ExitStack()
+        self.state: TrainingState | None = None
+        self.data: keyed.KeyedData | None = None
+        self.saved_step: int | None = None
+        """The step of the newest generation this attempt saved (the final save skips it)."""
+        self.stopping: str | None = None
+        """A stop signal's generation is saved: why the attempt ends at the next step()."""
+
+    # -- open ---------------------------------------------------------------------------------
+    def __enter__(self) -> RecoveryRun:
+        self.script_handlers, held = stop_handlers(), self.held.__enter__()
+        try:
+            launch = LaunchEnvironment.from_environ(os.environ)
+            held.enter_context(announced(launch.rank))
+            self.ranks = held.enter_context(process_group(launch, resolve_device(self.config.device),
+                                                          self.config.background_wait, self.config.peer_wait,
+                                                          self.config.data_parallel_backend))
+            self.preemption = held.enter_context(PreemptionGuard(self.config.preempt_grace_s))
+            if self.config.allow_nondeterministic_ops:  # a later seed_everything keeps it (trainer/compat.py)
+                compat.use_deterministic_algorithms(warn_only=True)
+            from trainer.run.session import AttemptSession  # the attempt's machinery: at the first open
+
+            self.session = AttemptSession(self.config, self.ranks, self.events)
+            held.enter_context(self.session.refusals_recorded())
+            self.claim = self.session.claim(held)
+        except BaseException as error:
+            self.leave(error)
+        return self
+
+    # -- restore ------------------------------------------------------------------------------
+    def restore(self, model: torch.nn.Module, optimizer, scheduler=None, *, scaler=None,
+                data: keyed.KeyedData | UnkeyedData | None = None, extras: dict | None = None,
+                shared_extras: dict | None = None, architecture: dict | None = None) -> Progress:
+        """Hand over the state and get it back from the newest verified generation, in place
+        (a fresh start leaves it as built). `optimizer`/`scheduler`: one, or several by name;
+        `extras`: any other objects with state_dict/load_state_dict (a batch fetched before
+        the step ended, a best validation loss, a curriculum), each rank's own, restored to
+        the same rank (refused at another world size); `shared_extras`: those that are the
+        same on every rank (an EMA of a DDP model), stored once, rank 0's copy, and restored at
+        any world size;
+        `data`: the keyed order (`KeyedData`), whose position is the progress (an `UnkeyedData`
+        names who orders the data instead, for `report`: an adapter's framework). Returns where
+        to continue (`global_step`, `epoch`, `position` = batches done in that epoch).
+
+        Under torchrun `model` may be wrapped already, in DistributedDataParallel or by
+        FSDP2's `fully_shard` (wrap, then build the optimizer, then restore): an FSDP2 model
+        is restored shard by shard, each rank reading only its own."""
+        if self.state is not None:
+            raise UsageError("restore() was called twice on one run; call it once, after building the model")
+        if self.session is None or self.closed or self.ended is not None:
+            self.misused("restore()")
+        import torch.distributed.checkpoint  # noqa: F401  (DCP, 0.7 s once: here, not inside the restore's or the first save's time)
+
+        from trainer.run.restoring import Restorer
+
+        if both := sorted(set(extras or {}) & set(shared_extras or {})):
+            raise UsageError(f"restore() got {', '.join(map(repr, both))} both in extras and in shared_extras; "
+                             f"name each once")
+        self.data, ranks = data, self.ranks
+        state = TrainingState(plain_model(model), optimizer, scheduler if scheduler is not None else {},
+                              scaler or torch.amp.GradScaler("cpu", enabled=False), rank=ranks.rank,
+                              world_size=ranks.world_size, extras=dict(shared_extras or {}),
+                              rank_extras=dict(extras or {}), cursors=data.cursors(ranks.world_size) if data else {})
+        self.workload = BoundWorkload(OwnLoop({**state.extras, **state.rank_extras}, dict(architecture or {})),
+                                      script_files(), "your training script")
+        settings = data_parallel_settings(model, self.claim.kept(data.settings() if data else self.config.workload,
+                                                                 ranks), ranks)
+        config = replace(self.config, workload=settings)
+        source = data.source if isinstance(data, keyed.KeyedData) else data if data is not None else UnkeyedData()
+        self.saves, checked = self.session.begin(self.claim, self.workload, source,
+                                                 self.preemption, config)
+        self.parameters, self.state = list(model.parameters()), state  # now the attempt ends by close or failed
+        try:
+            self.events.attempt_started(self.session.recorder.record)
+            if self.claim.generation is not None:
+                Restorer(config, self.session.storage, self.session.memory, self.ranks, self.workload).restore(
+                    self.claim, self.state, checked.drift, self.saves, self.session.recorder)
+            self.session.recorder.reached(self.state.progress.global_step, first=True)
+            self.readback = step_readback(self)
+            self.readback.vote()  # the first step's decisions, started after the restore
+        except BaseException as error:
+            self.failed(error)
+        return self.state.progress
+
+    @property
+    def restoring_step(self) -> int | None:
+        """The step of the generation `restore()` will restore (None: a fresh start)."""
+        if self.session is None or self.closed:
+            self.misused("restoring_step")
+        generation = self.claim.generation
+        return generation.manifest.step if generation is not None else None
+
     # -- step ---------------------------------------------------------------------------------
     def step(self, loss) -> bool:
         """After each optimizer step (and scheduler step): the witness's digest, a save when a
-        cadence fires, and on a stop signal a save of this step and `Stopped` (exit 75).
-        Returns whether a generation of this step was saved."""
+        cadence fires, and on a stop signal a save of this step; the next `step()` then
+        records that next step's digest without saving it and raises `Stopped` (exit 75), so
+        the next attempt's witness replays a step after a stop too (a loop that runs out of steps
+        first leaves at the block's end, 75). Returns whether a generation of this step was saved."""
         return self.saved_on_cadence(self.stepped(loss))
 
     def stepped(self, loss) -> StepAgreement:
         """The first half of `step`: the step counted and witnessed, and what its cadences and
-        the stop signals call for (an adapter saves where its framework's save point is)."""
+        the stop signals call for (an adapter saves where its framework's save point is). It
+        never waits for the device: the step is read after the next one (`StepReadback`)."""
         state = self.restored("step()")
         completed = state.progress.advance(self.window, self.data.batches_per_epoch if self.data else sys.maxsize)
         step = state.progress.global_step
-        agreed = self.saves.agree(StepPoint(step, state.progress.epoch, completed), torch.as_tensor(loss),
-                                  self.preemption.requested)
         lr = float(state.optimizers()[0].param_groups[0]["lr"])
-        state.history.loss.append(agreed.loss)
-        state.history.lr.append(lr)
-        self.session.recorder.mark_step(step, step_digest(agreed.loss, parameter_checksum(self.parameters, step)))
+        agreed = self.readback.stepped(StepPoint(step, state.progress.epoch, completed), loss, lr)
+        if self.stopping is not None:  # the step after a stop signal's save: for the witness, never saved
+            raise self.stopped(PREEMPTED, self.stopping)
         self.saves.replicas.after_first_step(state.model, step)  # a forgotten DDP wrap: refused at once
-        self.events.step_completed(step, {"loss": agreed.loss, "lr": lr})
         if step == self.config.interrupt_at_step:
             raise self.stopped(INTERRUPTED, f"interrupt_at_step {step}: stopped without saving")
+        if not agreed.acts:
+            self.readback.vote()  # nothing saved after this step: the next agreement starts now
         return agreed
 
     def saved_on_cadence(self, agreed: StepAgreement) -> bool:
         """The second half of `step`: the saves `agreed` calls for; `Stopped` after a stop signal's."""
         state, step = self.state, self.progress.global_step
+        self.readback.acting(agreed)
         self.saves.after_step(state, state.model, self.workload, agreed, final=False)
         self.saves.wait_for_staging()  # the loop changes the parameters next: the staged copy must be complete
         if agreed.recover or agreed.preempt:
             self.saved_step = step
-        if agreed.preempt:
-            raise self.stopped(PREEMPTED, f"{self.preemption.stop_cause} after step {step}; generation saved")
+        if agreed.preempt:  # the next step() is the witness's and raises `Stopped` (stepped)
+            self.stopping = f"{self.preemption.stop_cause} after step {step}; generation saved"
+        self.readback.vote()  # after the saves (unless started already)
         return self.saved_step == step
 
     # -- save ---------------------------------------------------------------------------------
     def save(self) -> None:
         """A recovery generation of the state as it is now (between optimizer steps)."""
         state = self.restored("save()")
+        self.readback.flush()  # the generation holds the history through this step
         self.saves.save_generation(state)
         self.saves.wait_for_staging()
         self.saved_step = self.progress.global_step
 
     # -- close --------------------------------------------------------------------------------
     def close(self) -> Outcome:
-        """The run completed: a final generation and export, drained and recorded (exit 0)."""
+        """The run completed: a final generation and export, drained and recorded (exit 0); a
+        stop signal's save at its last step ends it as stopped (75), as the trainer's loop."""
+        self.readback.finish()
         if self.saved_step != self.progress.global_step:
             self.save()
         self.saves.save_export(self.state, self.state.model, self.workload)
+        if self.stopping is not None:
+            raise self.stopped(PREEMPTED, self.stopping)
         outcome = self.session.end(COMPLETED, None, self.saves, self.state)
         self.let_go()
         return outcome
 
     def stopped(self, status: str, reason: str) -> Stopped:
+        self.readback.flush(last=True)
         outcome = self.session.end(status, reason, self.saves, self.state, f"{status}: {reason} (exit 75)")
         if self.ranks.is_primary:  # every rank stopped at the same step: rank 0 says so for all
             log.warning("trainer: stopped, resumable (exit %d): %s; to continue, run again with %s",
@@ -362,7 +410,14 @@ class RecoveryRun(Phases):
     def __exit__(self, kind, error, trace) -> bool:
         try:
             if error is None and self.state is not None:
-                self.close()
+                try:
+                    self.close()
+                except Stopped:
+                    raise
+                except BaseException as raised:  # the final save or export failed: recorded as failed
+                    if self.state is None:
+                        raise
+                    self.failed(raised)
             elif error is not None and not isinstance(error, Stopped) and self.state is not None:
                 self.failed(error)
         except BaseException as raised:
@@ -407,6 +462,21 @@ class RecoveryRun(Phases):
             raise error
 
 
+def step_readback(run: RecoveryRun) -> StepReadback:
+    """The run's per-step path (`stepped`): it reads each step after the next one is queued."""
+    return StepReadback(run.ranks, run.saves.votes, run.parameters, lambda: run.preemption.requested,
+                        lambda read: record_step(run.state, run.session.recorder, run.events, read,
+                                                 witness_only=run.stopping is not None),
+                        lambda: ahead(run))
+
+
+def ahead(run: RecoveryRun) -> StepPoint:
+    """Where the run's next `step()` will stand (its window as `batches()` will open it)."""
+    data = run.data
+    window, batches = (data.grad_accum, data.batches_per_epoch) if data else (run.window, sys.maxsize)
+    return next_point(run.progress, window, batches)
+
+
 def exit_status(error: BaseException | None) -> tuple[int, str | None]:
     """The process's exit status after `error` (None: completed), and what to say of it."""
     if error is None:
@@ -414,7 +484,7 @@ def exit_status(error: BaseException | None) -> tuple[int, str | None]:
     if isinstance(error, Stopped):
         return error.outcome.status, error.outcome.reason
     if isinstance(error, TrainerError):
-        return error.exit_code, str(error)
+        return error.exit_code, spelled(error)  # a tracker's closing line: options as open_run takes them
     return 1, f"{error.__class__.__name__}: {error}"
 
 

@@ -23,9 +23,13 @@ from typing import Iterator
 from trainer.data.keyed import KeyedData
 from trainer.errors import OPTION
 from trainer.flags import ALL_FLAGS, Flag, keyword_of
+from trainer.location import LOCAL_TIER_ENV
 
 RUN_DIRECTORY = "run directory (open_run's first argument)"
 """What a line calls `--output` (not one of the flags: open_run takes it first)."""
+LOCAL_TIER = f"local tier (set the {LOCAL_TIER_ENV} environment variable to the folder that holds them)"
+"""What a line calls `--local-tier` (not one of `open_run`'s options: the default local tier of a
+store URL lies under that folder)."""
 KEYED_SETTINGS = frozenset(item.name for item in fields(KeyedData))
 """The data's settings: given to `KeyedData`, not to `open_run`."""
 
@@ -76,10 +80,14 @@ def keywords(mention: str) -> str:
 
 def keyword(name: str, texts: list[str | None]) -> str:
     """`--name text` (repeated for each of `texts`) as the library spells it."""
+    if name == "--workload":  # a dataset's mistake: named by what the library calls it (KeyedData)
+        return texts[-1] or "your own loop"
     flag = next((flag for flag in ALL_FLAGS if flag.flag == name), None)
     if flag is None:
         if name == "--output":
             return RUN_DIRECTORY if texts[-1] is None else f"run directory {texts[-1]}"
+        if name == "--local-tier":
+            return LOCAL_TIER if texts[-1] is None else f"local tier {texts[-1]}"
         return " ".join(f"{name} {text}".strip() for text in texts)
     if flag.options.get("action") == "append":
         value = tuple(typed(flag, text) for text in texts if text is not None) or None

@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from trainer.errors import CrashLoop, TrainerError
-from trainer.checkpoint.atomic import atomic_write_bytes, atomic_write_json
+from trainer.checkpoint.atomic import atomic_write_bytes, atomic_write_json, encode_json
 from trainer.run.witness import ReplayWitness, StepDigestLog
 from trainer.parallel.launch import process_age_s
 from trainer.parallel.spare import from_spare
@@ -80,11 +81,12 @@ def steps_replayed(previous: AttemptRecord | None, restored_step: int | None) ->
     """Work the previous attempt did beyond the generation now restored (lost and redone).
 
     A killed attempt's `last_step` is only as fresh as its progress marker (every step, in
-    the page cache), so for a node loss this is a lower bound.
+    the page cache), so for a node loss this is a lower bound. A stopped attempt's step after
+    its save (`witness_step`) counts: it was computed, and is computed again.
     """
-    if previous is None or previous.last_step is None:
+    if previous is None or previous.computed_to is None:
         return None
-    return max(0, previous.last_step - (restored_step or 0))
+    return max(0, previous.computed_to - (restored_step or 0))
 
 
 def newest_generation(record: dict) -> str | None:
@@ -197,6 +199,47 @@ def initial_record(attempt_id: str, argv: list[str], fields: dict) -> dict:
     }
 
 
+class LaterWrites:
+    """The record's writes that need not hold the loop (the per-step path's progress points):
+    written atomically by one background thread, newest first (a write still waiting is
+    replaced by a newer one), so the loop's thread pays for encoding the record, not for its
+    two fsyncs. `settle()` waits for what was handed over: every write made on the loop's
+    thread comes after it, so an older record never replaces a newer one."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._pending: bytes | None = None
+        self._writing = False
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def later(self, data: bytes) -> None:
+        with self._changed:
+            self._pending = data
+            self._changed.notify_all()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._write, name="trainer-record", daemon=True)
+            self._thread.start()
+
+    def settle(self) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._pending is None and not self._writing)
+
+    def _write(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._pending is not None)
+                data, self._pending, self._writing = self._pending, None, True
+            try:
+                atomic_write_bytes(self.path, data)
+            except OSError as error:  # a full disk: the next write on the loop's thread says it
+                log.warning("could not write %s in the background: %s", self.path, error.strerror)
+            finally:
+                with self._changed:
+                    self._writing = False
+                    self._changed.notify_all()
+
+
 class AttemptRecorder:
     """This attempt's record. `persist` is False on ranks other than 0 of a multi-process
     run: they keep the same record in memory (the loop reports the same events everywhere)
@@ -216,6 +259,7 @@ class AttemptRecorder:
         """The last step `mark_step` recorded: where training stood if it ends without a
         `reached()` (a failure, a grace timeout)."""
         self._marked_unix = 0.0
+        self._later = LaterWrites(self.folder / ATTEMPT_RECORD)
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -290,7 +334,10 @@ class AttemptRecorder:
             self._flush()
 
     def reached(self, step: int, first: bool = False) -> None:
-        """Training stands at `step` (with `first`, the step this attempt starts from)."""
+        """Training stands at `step` (with `first`, the step this attempt starts from); the
+        witness's step after a stop's save (`witnessed`) is not where it stands."""
+        if (witness := self._record.get("witness_step")) is not None:
+            step = min(step, witness - 1)
         if first:
             self._record["first_step"] = step
         self._record["last_step"] = step
@@ -321,7 +368,19 @@ class AttemptRecorder:
             if len(progress["points"]) > MAX_PROGRESS_POINTS:
                 progress["every"] *= 2
                 progress["points"] = [p for p in progress["points"] if p[0] % progress["every"] == 0]
-            self._flush()  # at most MAX_PROGRESS_POINTS writes per doubling of the steps
+            self._flush(later=True)  # at most MAX_PROGRESS_POINTS writes per doubling of the steps
+
+    def witnessed(self, step: int, digest: str) -> None:
+        """The step computed after a stop signal's save, not saved: its digest for the next
+        attempt's replay check (and this attempt's own), recorded as `witness_step`, never as
+        where training stands (`last_step` stays the saved step)."""
+        if not self.persist:
+            return
+        self._digests.append(step, digest)
+        self.replay.step(step, digest)
+        if (replay := self.replay.as_record()) is not None:
+            self._record["replay"] = replay
+        self._record["witness_step"] = step
 
     def cadence_changed(self, change: dict, key: str = "cadence_changes") -> None:
         """An auto cadence re-derived its interval (`change`: CadenceChange.as_record, or
@@ -422,6 +481,12 @@ class AttemptRecorder:
             self.folder.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(self.folder / ATTEMPT_REQUIREMENTS, resolved_requirements().encode())
 
-    def _flush(self) -> None:
-        if self.persist:
-            atomic_write_json(self.folder / ATTEMPT_RECORD, self._record)
+    def _flush(self, later: bool = False) -> None:
+        """The record written (`later`: by `LaterWrites`' thread, off the loop's)."""
+        if not self.persist:
+            return
+        if later:
+            self._later.later(encode_json(self._record))
+            return
+        self._later.settle()
+        atomic_write_json(self.folder / ATTEMPT_RECORD, self._record)

@@ -19,6 +19,11 @@ import torch
 
 log = logging.getLogger("trainer")
 BLOCK_WORDS = 4096
+BLOCK_BYTES = BLOCK_WORDS * 8
+CHUNK_BYTES = 32 << 20
+"""Bytes of one tensor digested at a time (whole blocks): the bound on a state digest's
+temporaries (on CUDA, a chunk's words times their weights, int64), whatever the largest
+tensor; on a CPU the product has no temporary, and a chunk costs one more call."""
 DIGEST_CHARS = 16
 """Hex characters kept of each section's sha256: 64 bits tell a wrong restore apart."""
 
@@ -29,35 +34,47 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of the tensor's bytes, starting at a multiple of 8 (a copy when the
-    tensor is a slice that starts elsewhere, so it can be read as 64-bit words)."""
-    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    return raw.clone() if raw.storage_offset() % 8 else raw
+    """A flat uint8 view of the tensor's bytes (a copy only of a tensor that is not contiguous:
+    a state dict's tensors are)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def tensor_checksum(tensor: torch.Tensor, weighted: bool = True) -> torch.Tensor:
+def as_words(raw: torch.Tensor) -> torch.Tensor:
+    """Whole 64-bit words of `raw` (uint8) as int64, a copy only when it starts off a multiple
+    of 8 (a slice of a larger tensor): the copy is as large as `raw`, a chunk at most."""
+    return (raw.clone() if raw.storage_offset() % 8 else raw).view(torch.int64)
+
+
+def tensor_checksum(tensor: torch.Tensor, weighted: bool = True, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
     """A 0-dim int64 tensor on the tensor's device (sums wrap around). Unweighted: the plain
     sum of the words (bits changed). Weighted: word i of block b counts (2i+1)·(b+1) times
-    (bits changed, and places traded)."""
+    (bits changed, and places traded). Read `chunk_bytes` (rounded to whole blocks) at a time:
+    every temporary is a chunk's at most, and the value is the same for every chunk size
+    (the blocks' sums are the same sums, taken a chunk at a time)."""
     raw = as_bytes(local_part(tensor))
     whole = raw.numel() // 8 * 8
-    words = raw[:whole].view(torch.int64)
     tail = raw[whole:].to(torch.int64).sum()
+    step = max(1, chunk_bytes // BLOCK_BYTES) * BLOCK_BYTES
     if not weighted:
-        return words.sum() + tail
-    full = words.numel() // BLOCK_WORDS * BLOCK_WORDS
+        for start in range(0, whole, step):
+            tail = tail + as_words(raw[start:min(start + step, whole)]).sum()
+        return tail
+    full = whole // BLOCK_BYTES * BLOCK_BYTES
     odd = torch.arange(1, 2 * BLOCK_WORDS, 2, dtype=torch.int64, device=raw.device)
-    blocks = weighted_block_sums(words[:full].view(-1, BLOCK_WORDS), odd)
+    chunks = [weighted_block_sums(as_words(raw[start:min(start + step, full)]).view(-1, BLOCK_WORDS), odd)
+              for start in range(0, full, step)]
+    blocks = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.int64, device=raw.device)
+    words = as_words(raw[full:whole])
     places = torch.arange(1, blocks.numel() + 3, dtype=torch.int64, device=raw.device)
-    rest = (words[full:] * odd[:words.numel() - full]).sum()
+    rest = (words * odd[:words.numel()]).sum()
     return (blocks * places[:-2]).sum() + rest * places[-2] + tail * places[-1]
 
 
 def weighted_block_sums(blocks: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
     """Each row of int64 `blocks` times `odd`, summed (wrapping). On a CPU one integer
     matrix-vector product: the same sums, 4-7 times faster than the product and the sum (no
-    temporary the size of the tensor; a save digests the whole state, bench/library_bench.py);
-    CUDA has no int64 product, so there the two steps."""
+    temporary; a save digests the whole state, bench/library_bench.py); CUDA has no int64
+    product, so there the two steps, whose temporary is as large as `blocks` (one chunk)."""
     if blocks.device.type == "cpu":
         return torch.mv(blocks, odd)
     return (blocks * odd).sum(1)
@@ -83,8 +100,26 @@ def parameter_checksum(parameters: list[torch.Tensor], step: int) -> int:
     """The parameters of this step's share (every k-th, from `step` mod k: the same share in
     every attempt that computes this step), each summed unweighted and weighted by its place:
     at most PARAMETERS_PER_STEP kernels, one host sync."""
-    stride = -(-len(parameters) // PARAMETERS_PER_STEP) or 1
-    return placed_word_sums(parameters, step % stride, stride)
+    sums = parameter_sums(parameters, step)
+    return placed_checksum(sums.tolist() if sums is not None else [], parameters, step)
+
+
+def parameter_sums(parameters: list[torch.Tensor], step: int) -> torch.Tensor | None:
+    """`parameter_checksum`'s word sums, left on the device (None: no parameters): the loop
+    copies them to the host without waiting and reads them a step later (`placed_checksum`)."""
+    stride = share_stride(parameters)
+    sums = [word_sum(parameter) for parameter in parameters[step % stride::stride]]
+    return torch.stack(sums) if sums else None
+
+
+def placed_checksum(values: list[int], parameters: list[torch.Tensor], step: int) -> int:
+    """The checksum of `parameter_sums(parameters, step)`'s values, each weighted by its place."""
+    stride = share_stride(parameters)
+    return placed(values, step % stride, stride)
+
+
+def share_stride(parameters: list[torch.Tensor]) -> int:
+    return -(-len(parameters) // PARAMETERS_PER_STEP) or 1
 
 
 def replica_checksum(parameters: list[torch.Tensor]) -> int:
@@ -96,7 +131,10 @@ def replica_checksum(parameters: list[torch.Tensor]) -> int:
 def placed_word_sums(parameters: list[torch.Tensor], start: int, stride: int) -> int:
     """Every `stride`-th parameter's word sum from `start`, weighted by its place."""
     sums = [word_sum(parameter) for parameter in parameters[start::stride]]
-    values = torch.stack(sums).tolist() if sums else []
+    return placed(torch.stack(sums).tolist() if sums else [], start, stride)
+
+
+def placed(values: list[int], start: int, stride: int) -> int:
     return sum((start + place * stride + 1) * value for place, value in enumerate(values)) % 2**64
 
 

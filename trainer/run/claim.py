@@ -18,7 +18,7 @@ from trainer.checkpoint.atomic import manifest_digest
 from trainer.checkpoint.identity import RunIdentity, identity_or_problem
 from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.resume import choose_candidate
-from trainer.config import RunConfig
+from trainer.config import RunConfig, WorkloadConfig
 from trainer.layout import RunDirectory
 from trainer.checkpoint.coordination import Coordinator, raise_if_any_failed
 from trainer.errors import CorruptGeneration, DecidedOnPrimary, UsageError
@@ -46,7 +46,7 @@ class Claim:
     """The verified generation to restore (None: a fresh start)."""
     verify_s: float
     """Verifying before the state existed: every file, or (`generation.shards_pending`) all
-    but the shards, whose sha256 the load checks as it reads them (trainer/run/restoring.py)."""
+    but the shards, whose digest the load checks as it reads them (trainer/run/restoring.py)."""
     manifest_sha256: str | None = None
     """Of the generation to restore: names exactly which sealed content is restored."""
     download: Transfer = NOTHING_MOVED
@@ -66,6 +66,16 @@ class Claim:
     history: tuple[AttemptRecord, ...] = ()
     """Every earlier attempt's record, oldest first: read once, when rank 0 held the run
     directory, for the choice, the crash-loop guard, the record's start and the auto cadences."""
+
+    def kept(self, settings: WorkloadConfig, ranks: Coordinator) -> WorkloadConfig:
+        """`settings` as this attempt trains with them: a resume keeps its generation's gradient
+        reduction (`WorkloadConfig.kept_reduction`), read from rank 0's manifest so that every
+        rank installs the same one (a rank's tier-0 part is its own)."""
+        if self.generation is None:
+            return settings
+        return ranks.decide_on_primary(
+            lambda: settings.kept_reduction(self.generation.manifest.fingerprint.get("config")),
+            "reading the generation's gradient reduction")
 
     @property
     def restored_bytes(self) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import CodeType
 from typing import NoReturn
 
-from trainer.errors import PeerFailure, TrainerError
+from trainer.errors import PeerFailure, TrainerError, UsageError, option
 from trainer.run.records import FAILED, INTERRUPTED
 from trainer.data.fetching import KeyedSeeding
 from trainer.run.stepping import OptimizerSteps
@@ -31,7 +31,7 @@ log = logging.getLogger("trainer")
 EXIT_FAILED = 1
 
 CALLS_INTO_THE_WORKLOAD: dict[CodeType, str] = {
-    KeyedSeeding.__getitem__.__code__: "the dataset",
+    KeyedSeeding.fetched.__code__: "the dataset",
     OptimizerSteps.micro_batch.__code__: "the model or its loss",
     OptimizerSteps.step.__code__: "the optimizer step (optimizer, scheduler or a step hook)",
 }
@@ -41,6 +41,34 @@ WORKER_RAISED = re.compile(r"Caught (\w+) in DataLoader worker process (\d+)\.\n
                            re.DOTALL)
 FRAME_LINE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 WORKER_DIED = re.compile(r"DataLoader worker \(pid.*?\) (exited unexpectedly.*|is killed by signal.*)")
+
+
+NONDETERMINISTIC = re.compile(r"(\S+) does not have a deterministic implementation, but you set "
+                              r"'torch\.use_deterministic_algorithms\(True\)'")
+"""torch's error (checked against torch 2.13.0) for an op without a deterministic kernel on its device."""
+NONDETERMINISTIC_ALLOWED = ("--allow-nondeterministic-ops: ops without a deterministic implementation on this device "
+                            "ran (torch warned), so a resumed run may differ by rounding; the exactness witness "
+                            "reports it")
+
+
+class NondeterministicOp(UsageError):
+    """The workload used an op with no deterministic implementation on this device: exactness
+    cannot be promised, so the run ends in one line naming the op and the opt-in (2), never the
+    workload's traceback; retrying would repeat it."""
+
+
+def nondeterministic_op(error: BaseException) -> NondeterministicOp | None:
+    """The refusal `error` (or what it was raised from) stands for, if it is torch's."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, RuntimeError) and (found := NONDETERMINISTIC.search(str(error))):
+            return NondeterministicOp(
+                f"{found.group(1)} has no deterministic implementation on this device, so this run cannot promise "
+                f"an exact resume; use another op, or accept it with {option('--allow-nondeterministic-ops')} "
+                f"(recorded as not promised exact)")
+        error = error.__cause__ or error.__context__
+    return None
 
 
 class WorkloadFailure(TrainerError):
@@ -81,6 +109,9 @@ def attributed(error: BaseException) -> Failure:
     """`error`, or a WorkloadFailure naming where in the workload it came from."""
     if isinstance(error, TrainerError) or not isinstance(error, Exception):
         return Failure(error, error)
+    if (refusal := nondeterministic_op(error)) is not None:  # where it was used: in the log, for whoever looks
+        log.info("%s", "".join(traceback.format_exception(error)).rstrip())
+        return Failure(error, refusal)
     where = from_worker(str(error)) or from_main_process(error)
     if where is None:
         return Failure(error, error)

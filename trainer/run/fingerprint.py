@@ -74,16 +74,19 @@ def changed_files(old: dict | None, new: dict | None) -> str:
     return "; ".join(parts)
 
 
-def device_kind(device: torch.device) -> str:
+def device_kind(device: torch.device, backend: str | None = None) -> str:
+    """The device, and the process group's backend where it is not the device's own (gloo on
+    CUDA: `--data-parallel-backend gloo`), since the backend's reduction order is trained bits."""
     import torch  # here, not at import: the CLI reads FIELDS for every command, most need no torch
 
-    if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
-    return device.type
+    kind = f"cuda:{torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type
+    if backend is not None and backend != ("nccl" if device.type == "cuda" else "gloo"):
+        return f"{kind} over {backend}"
+    return kind
 
 
 def current_fingerprint(config: dict, dataset_digest: str, device: torch.device, world_size: int,
-                        workload_sources: tuple[Path, ...] = ()) -> dict:
+                        workload_sources: tuple[Path, ...] = (), backend: str | None = None) -> dict:
     import torch
 
     return {
@@ -96,7 +99,7 @@ def current_fingerprint(config: dict, dataset_digest: str, device: torch.device,
         "numpy": numpy.__version__,
         "os": platform.system(),
         "arch": platform.machine(),
-        "device": device_kind(device),
+        "device": device_kind(device, backend),
         "world_size": world_size,
     }
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 
 from trainer.config import RunConfig
 from trainer.parallel.launch import LaunchEnvironment
@@ -26,6 +27,7 @@ from trainer.run.preemption import PreemptionGuard, ignore_late_stop_requests
 from trainer.run.progress import Progress
 from trainer.run.restoring import Restorer
 from trainer.run.runtime import configure_determinism, resolve_device
+from trainer.run.readback import StepRead, StepReadback, next_point, record_step
 from trainer.run.saving import CadencedSaves
 from trainer.run.session import AttemptSession, Outcome
 from trainer.data.source import DataSource, data_source
@@ -60,7 +62,9 @@ class TrainingRun:
         """Check the environment, start the record, then build, restore and train."""
         configure_determinism(self.config, self.ranks.rank)
         config, dataset = data_source(self.workload.build_dataset(), self.config, self.workload.spec)
-        self.config = config  # a DataLoader's batch size and workers, adopted (trainer/workload/adapters.py)
+        # A DataLoader's batch size and workers, adopted (trainer/workload/adapters.py), and a
+        # resumed generation's gradient reduction, kept.
+        config = self.config = replace(config, workload=claim.kept(config.workload, self.ranks))
         saves, checked = self.session.begin(claim, self.workload, dataset, preemption, config)
         try:
             self.events.attempt_started(self.recorder.record)
@@ -82,36 +86,51 @@ class TrainingRun:
             signal_name = preemption.signal_name
             return self.end(PREEMPTED, f"{signal_name} before training resumed; nothing to save", saves, state,
                             f"preempted by {signal_name} before the first step (exit 75)")
-        with contextlib.closing(train_steps(training, dataset, saves, preemption)) as steps:
+        self.readback = StepReadback(self.ranks, saves.votes, training.parameters, lambda: preemption.requested,
+                                     lambda read: self.step_completed(state, read), lambda: next_point(
+                                         state.progress, self.config.workload.grad_accum, training.shape.batches))
+        with contextlib.closing(train_steps(training, dataset, saves, self.readback)) as steps:
             for done in steps:
                 outcome = self.after_step(done, training, saves, preemption)
                 if outcome is not None:
                     return outcome
         return self.end(COMPLETED, None, saves, state)
 
+    stopping: str | None = None
+    """Set once a stop signal's generation is saved: the reason the attempt then ends with."""
+
     def after_step(self, done, training: Training, saves: CadencedSaves, preemption: PreemptionGuard) -> Outcome | None:
-        """Record the step, then save on cadence; an Outcome when the attempt ends here."""
+        """Save on cadence; an Outcome when the attempt ends here. The step before was recorded
+        as this one was queued; this one is read first where the state is saved or the attempt
+        ends (`StepReadback.flush`). After a stop signal's save one more step runs, for the
+        witness only: its digest is recorded and it is not saved, so the next attempt replays it
+        (trainer/run/witness.py)."""
         step, agreed, state = done.step, done.agreed, training.state
+        if self.stopping is not None:
+            self.readback.flush(last=True)  # recorded as the witness's step (`step_completed`), never saved
+            saved = step - 1
+            return self.end(PREEMPTED, self.stopping, saves, state, f"preempted by {preemption.stop_cause}: saved step "
+                            f"{saved} (exit 75); step {step} computed for the witness, not saved")
         last = step in (self.config.interrupt_at_step, training.total_steps) or agreed.preempt
-        self.step_completed(state, done, last)
+        self.readback.acting(agreed, last)
         if step == self.config.interrupt_at_step:
             return self.end(INTERRUPTED, f"--interrupt-at-step {step}: stopped without saving", saves, state,
                             f"interrupted after step {step} without saving (exit 75)")
         saves.after_step(state, state.model, self.workload, agreed, final=step == training.total_steps)
         if agreed.preempt:
             signal_name = preemption.stop_cause
-            return self.end(PREEMPTED, f"{signal_name} after step {step}; generation saved", saves, state,
-                            f"preempted by {signal_name}: saved step {step} (exit 75)")
+            self.stopping = f"{signal_name} after step {step}; generation saved"
+            if step < training.total_steps:
+                return None  # the step after it, for the witness (above)
+            return self.end(PREEMPTED, self.stopping, saves, state, f"preempted by {signal_name}: saved step {step} "
+                            f"(exit 75)")
         return None
 
-    def step_completed(self, state, done, last: bool) -> None:
-        """`last`: this attempt's final step (always shown)."""
-        state.history.loss.append(done.agreed.loss)
-        state.history.lr.append(done.lr)
-        self.recorder.mark_step(done.step, done.digest)
-        self.progress.step(done.step, state.progress.epoch, done.agreed.loss, done.lr, self.recorder.newest_generation,
-                           last=last)
-        self.events.step_completed(done.step, {"loss": done.agreed.loss, "lr": done.lr})
+    def step_completed(self, state, read: StepRead) -> None:
+        """A step's values, read a step later (`read.last`: this attempt's final step, always shown);
+        the step after a stop signal's save goes to the witness alone."""
+        record_step(state, self.recorder, self.events, read, witness_only=self.stopping is not None)
+        self.progress.step(read.step, read.epoch, read.loss, read.lr, self.recorder.newest_generation, last=read.last)
 
     def warn_if_interrupt_cannot_fire(self, first_step: int, total_steps: int) -> None:
         if (interrupt := self.config.interrupt_at_step) is not None and not first_step < interrupt <= total_steps:
@@ -125,7 +144,8 @@ class TrainingRun:
 def run_training(config: RunConfig, launch: LaunchEnvironment = LaunchEnvironment(),
                  events: TrainingEvents = TrainingEvents()) -> Outcome:
     """Run on every rank; all ranks return the same status."""
-    with process_group(launch, resolve_device(config.device), config.background_wait, config.peer_wait) as ranks:
+    with process_group(launch, resolve_device(config.device), config.background_wait, config.peer_wait,
+                       config.data_parallel_backend) as ranks:
         outcome = TrainingRun(config, ranks, events).run()
         ignore_late_stop_requests()
         ranks.finish()

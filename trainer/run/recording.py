@@ -19,6 +19,7 @@ from trainer.run.claim import Claim, Claimant
 from trainer.run.events import TrainingEvents
 from trainer.run.witness import ReplayWitness, computed_before, replay_not_compared
 from trainer.parallel.reduction import Exactness, exactness
+from trainer.run.failures import NONDETERMINISTIC_ALLOWED
 from trainer.workload import BoundWorkload
 
 log = logging.getLogger("trainer")
@@ -49,7 +50,7 @@ def check_attempt(config: RunConfig, workload: BoundWorkload, claim: Claim, data
     planned = workload.plan(training_steps(len(dataset), config.workload))
     fingerprint = current_fingerprint({**config.workload.training_relevant(), **planned}, dataset.fingerprint(),
                                       ranks.device, world_size=ranks.world_size,
-                                      workload_sources=workload.source_files)
+                                      workload_sources=workload.source_files, backend=ranks.backend)
     drift = [] if generation is None else ranks.decide_on_primary(lambda: check_fingerprint(
         generation.name, generation.manifest.fingerprint, fingerprint, config.allow_drift),
         "checking the fingerprint")
@@ -59,6 +60,8 @@ def check_attempt(config: RunConfig, workload: BoundWorkload, claim: Claim, data
                                                       claim.run.attempts), "checking for a crash loop")
     exact = exactness(config.workload.gradient_reduction, config.workload.data_parallel, ranks.world_size,
                       ranks.device.type)
+    if config.allow_nondeterministic_ops:
+        exact = Exactness(False, NONDETERMINISTIC_ALLOWED)
     if exact.reason and ranks.is_primary:
         log.warning("%s: %s", "exact" if exact.exact else "not exact", exact.reason)
     return Checked(fingerprint, tuple(drift), history, effective_mode(config.checkpoint_mode, ranks.device), exact,
@@ -86,7 +89,7 @@ def start_record(config: RunConfig, claim: Claim, checked: Checked, ranks: Ranks
         world_size_change=world_size_change(stored_world_size, ranks.world_size).get("world_size_change"),
         allow_unsigned=config.signing.allow_unsigned, exactness=checked.exactness.as_record(), joined=ranks.joined)
     replay = ReplayWitness(computed_before(checked.history, claim.run.attempt_folder, checked.fingerprint, step),
-                           replay_not_compared(checked.drift)) if generation and ranks.is_primary else None
+                           replay_not_compared(checked.drift), step) if generation and ranks.is_primary else None
     return AttemptRecorder.start(claim.run, claim.attempt_id, list(config.argv), start, persist=ranks.is_primary,
                                  replay=replay)
 

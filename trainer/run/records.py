@@ -165,6 +165,9 @@ class AttemptRecord:
     restored: Restored | None
     first_step: int | None
     last_step: int | None
+    witness_step: int | None
+    """The step an attempt stopped by a signal computed after its save, for the next attempt's
+    replay check, and did not save (trainer/run/witness.py); None otherwise."""
     steps_replayed: int | None
     wall_s: float | None
     startup_s: float | None
@@ -210,6 +213,7 @@ class AttemptRecord:
             reason=_text(record.get("reason")),
             restored=Restored.parse(restored) if isinstance(restored.get("name"), str) else None,
             first_step=_integer(record.get("first_step")), last_step=_integer(record.get("last_step")),
+            witness_step=_integer(record.get("witness_step")),
             steps_replayed=_integer(record.get("steps_replayed")), wall_s=_number(record.get("wall_s")),
             startup_s=_number(record.get("startup_s")), first_step_s=_number(record.get("first_step_s")),
             started_unix=_started_unix(record), last_step_unix=_number(record.get("last_step_unix")),
@@ -225,6 +229,12 @@ class AttemptRecord:
             ledger=tuple(entry for entry in record.get("ledger") or () if isinstance(entry, dict)),
             memory=_mapping(record.get("memory")), explicit_generation=record.get("explicit_generation") is True,
             fingerprint=_mapping(record.get("fingerprint")), polyaxon=_mapping(record.get("polyaxon")))
+
+    @property
+    def computed_to(self) -> int | None:
+        """The newest step it computed: its last step, or the step after its stop's save."""
+        steps = [step for step in (self.last_step, self.witness_step) if step is not None]
+        return max(steps) if steps else None
 
     def published(self, kind: str) -> tuple[PublishedEntry, ...]:
         """What it published of one kind (GENERATIONS or EXPORTS)."""

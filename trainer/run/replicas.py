@@ -33,14 +33,15 @@ class Replicas:
             self.first_checked = True
             refuse_unequal(self.ranks, self.ranks.gather(replica_digest(model), "comparing the model's replicas"), step)
 
-    def state_digests(self, state_dict: dict, model: nn.Module, step: int) -> list[dict]:
-        """Every rank's state digests, in rank order, for a generation's manifest; the parameters'
-        checksums ride on the same gather and are compared before anything is written."""
-        gathered = self.ranks.gather((safe_state_digests(state_dict), replica_digest(model) if self.compared else 0),
-                                     "gathering the state digests")
+    def state_digests(self, state_dict: dict, model: nn.Module, step: int, beside=None) -> tuple[list[dict], list]:
+        """Every rank's state digests, in rank order, for a generation's manifest, and every
+        rank's `beside` (the sample ledger): the parameters' checksums ride on the same gather,
+        one collective a save, and are compared before anything is written."""
+        gathered = self.ranks.gather((safe_state_digests(state_dict), replica_digest(model) if self.compared else 0,
+                                      beside), "gathering the state digests and the sample ledger")
         if self.compared:
-            refuse_unequal(self.ranks, [replica for _, replica in gathered], step)
-        return [digests for digests, _ in gathered]
+            refuse_unequal(self.ranks, [replica for _, replica, _ in gathered], step)
+        return [digests for digests, _, _ in gathered], [given for _, _, given in gathered]
 
 
 def replica_digest(model: nn.Module) -> int:

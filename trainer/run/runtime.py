@@ -25,6 +25,8 @@ def resolve_device(requested: str) -> torch.device:
 
 def configure_determinism(config: RunConfig, rank: int = 0) -> None:
     """Same algorithms, same thread count, same seeds: the precondition for bit-equality."""
+    if config.allow_nondeterministic_ops:
+        compat.use_deterministic_algorithms(warn_only=True)  # before seeding: it stays
     seed_everything(config.workload.seed, config.workload.threads, rank)
 
 

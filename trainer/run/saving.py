@@ -104,7 +104,7 @@ class MemoryCadence:
             self.auto = AutoSteps(AutoSeconds(settings.auto, prior() if ranks.is_primary else AutoPrior()))
 
     def due(self, point: StepPoint) -> bool:
-        """Rank 0 only (`agree_after_step`)."""
+        """Rank 0 only (`CadencedSaves.votes`)."""
         if self.auto is None:
             return self.fixed.due(point)
         due, change = self.auto.due(point.step)
@@ -133,7 +133,7 @@ class SavePath(Protocol):
     whoever hears of it (the attempt record, retention, its auto cadence)."""
 
     def due(self, agreed: StepAgreement, final: bool) -> bool:
-        """Whether it saves after this step (rank 0's policy decided it: `Ranks.agree_after_step`)."""
+        """Whether it saves after this step (rank 0's policy decided it: `Ranks.start_agreement`)."""
 
     def save(self, state: TrainingState, ledger: SampleLedger, facts: Facts) -> None:
         """A generation of `state`; `facts(state, state_dict, ledger)` says what its manifest says."""
@@ -345,11 +345,9 @@ class CadencedSaves:
         self.recover_policy.load_state(cadence.get("recover", {}))
         self.export_policy.load_state(cadence.get("export", {}))
 
-    def agree(self, point: StepPoint, loss, preempted: bool) -> StepAgreement:
-        """Every rank learns rank 0's cadence decisions and whether any rank was signalled."""
-        return self.ranks.agree_after_step(loss, lambda: self.recover_policy.due(point),
-                                           lambda: self.export_policy.due(point), preempted,
-                                           lambda: self.tier0.due(point))
+    def votes(self, point: StepPoint) -> tuple[bool, bool, bool]:
+        """Rank 0's votes (recover, export, tier 0) for `point`, after the step before it saved."""
+        return self.recover_policy.due(point), self.export_policy.due(point), self.tier0.due(point)
 
     def wait_for_staging(self) -> None:
         """Every path's staged copy is safe before the state changes (or, `StepGuard`, before its step)."""
@@ -401,8 +399,10 @@ class CadencedSaves:
         """What a generation's manifest says besides its files (`ledger` gives its entry and moves on);
         `digest_later`: one process leaves the state digest to the checkpointer (`GenerationFacts`)."""
         progress, later = state.progress, digest_later and not self.ranks.distributed
-        digests = [] if later else self.replicas.state_digests(state_dict, state.model, progress.global_step)
-        samples, padded = zip(*self.ranks.gather((ledger.micro_batches, ledger.padded), "gathering the sample ledger"))
+        mine = (ledger.micro_batches, ledger.padded)  # one gather for both: the digests and the ledger
+        digests, ledgers = ([], [mine]) if later else self.replicas.state_digests(state_dict, state.model,
+                                                                                  progress.global_step, mine)
+        samples, padded = zip(*ledgers)
         return GenerationFacts(progress.global_step, progress.epoch, progress.position, self.lineage.fingerprint,
                                self.lineage.allowed_drift, {"recover": {}, "export": self.export_policy.state()},
                                utc_now(), {str(rank): digest for rank, digest in enumerate(digests)}

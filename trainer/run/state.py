@@ -7,9 +7,13 @@ RNG states are restored last because building the model and optimizer consumes r
 Per-rank entries. One process stores its RNG under `rng`, as it always has. In a run of
 several processes every rank has its own RNG streams and its own slice of each global batch,
 and DCP keeps only one copy of a value that several ranks save under the same key; so each
-rank saves its RNG under `rng_by_rank.<rank>` and its data position under
-`data_by_rank.<rank>`, and every other entry (model, optimizer, progress, ...) is identical on
-all ranks and stored once. On restore a rank reads its own entries. After an allowed change
+rank saves its RNG under `rng_by_rank.<rank>`, its data position under `data_by_rank.<rank>`
+and a user's loop's own extras (`rank_extras`: a batch fetched ahead from its RNG, a value
+only rank 0 computes) under `workload_by_rank.<rank>`, and every other entry (model,
+optimizer, progress, ...) is identical on all ranks and stored once. The shared extras
+(`workload`: a workload's `stateful()`, a loop's `shared_extras`) are stored once too, and
+that copy is rank 0's (trainer/checkpoint/writer.py `RankZeroCopies`). Per-rank extras do
+not move to another world size: that restore is refused (`template`). On restore a rank reads its own entries. After an allowed change
 of world size, rank r takes the RNG streams stored for rank r if that rank existed (rank 0 of
 a single-process generation is its `rng`), keeps its freshly seeded streams otherwise, and
 the old ranks' data positions are ignored: the global position decides where each new rank's
@@ -28,13 +32,14 @@ import torch
 from torch import nn
 
 from trainer import compat, seams
-from trainer.errors import CorruptGeneration
+from trainer.errors import CorruptGeneration, UsageError
 from trainer.storage.memory.budget import lazy_optimizer_bytes, state_bytes
 from trainer.workload import needs_closure
 
 RNG_BY_RANK = "rng_by_rank"
 DATA_BY_RANK = "data_by_rank"
-PER_RANK = ("rng", RNG_BY_RANK, DATA_BY_RANK)
+WORKLOAD, WORKLOAD_BY_RANK = "workload", "workload_by_rank"
+PER_RANK = ("rng", RNG_BY_RANK, DATA_BY_RANK, WORKLOAD_BY_RANK)
 """Top-level keys of per-rank entries: the template takes this rank's, if stored."""
 log = logging.getLogger("trainer")
 
@@ -137,6 +142,10 @@ class TrainingState:
     extras: dict = field(default_factory=dict)
     """The workload's own stateful objects (`Workload.stateful()`), saved under `workload`;
     absent when it has none, so such generations keep their layout."""
+    rank_extras: dict = field(default_factory=dict)
+    """A user's loop's own stateful objects that each rank keeps its own of (`restore(extras=)`):
+    saved under `workload` beside `extras` in one process, under `workload_by_rank.<rank>`
+    with several, and restored to the same rank."""
     cursors: dict = field(default_factory=dict)
     """Data cursors derived from the progress, saved under their name and checked against it
     on restore (`stream`: trainer/data/stream.py); none for map-style data."""
@@ -162,16 +171,32 @@ class TrainingState:
             "progress": {"global_step": self.progress.global_step, "epoch": self.progress.epoch,
                          "position": self.progress.position},
             "history": self.history.state_dict(),
-            **({"workload": {name: kept.state_dict() for name, kept in self.extras.items()}} if self.extras else {}),
+            **self._extras_state(),
             **{name: cursor.state(self.progress) for name, cursor in self.cursors.items()},
             **self._per_rank_state(),
         }
+
+    def _extras_state(self) -> dict:
+        """`workload` (shared, and one process's own) and `workload_by_rank.<rank>` (several
+        processes' own); absent when empty, so such generations keep their layout."""
+        tree: dict = {}
+        for path, kept in self._extras():
+            _nest(tree, path, kept.state_dict())
+        return tree
+
+    def _extras(self) -> list[tuple[tuple[str, ...], object]]:
+        """Each extra with the path it is saved under."""
+        return [((WORKLOAD, name), kept) for name, kept in self.extras.items()] + \
+            [(self._own_section() + (name,), kept) for name, kept in self.rank_extras.items()]
+
+    def _own_section(self) -> tuple[str, ...]:
+        return (WORKLOAD,) if self.world_size == 1 else (WORKLOAD_BY_RANK, str(self.rank))
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """Every optimizer the state holds: those saved under `optim`, and any among the
         workload's own stateful objects."""
         return [*named(self.optimizer).values(),
-                *(kept for kept in self.extras.values() if isinstance(kept, torch.optim.Optimizer))]
+                *(kept for _, kept in self._extras() if isinstance(kept, torch.optim.Optimizer))]
 
     def _per_rank_state(self) -> dict:
         if self.world_size == 1:
@@ -196,16 +221,16 @@ class TrainingState:
           extra lacks (a dict that grows), at their stored shape and type.
         Whatever is still unmatched is refused by the strict check."""
         closure_optimizers = {name for name, optimizer in named(self.optimizer).items() if needs_closure(optimizer)}
-        for optimizer in [*named(self.optimizer).values(), *self.extras.values()]:
-            if isinstance(optimizer, torch.optim.Optimizer):
-                materialise(optimizer)
+        for optimizer in self.optimizers():
+            materialise(optimizer)
         template = self.state_dict()
         for name in closure_optimizers:
             section = ("optim", name) if name else ("optim",)
             lazily_created(template, section, stored_entries, compat.set_element)
-        for name in self.extras:
-            template["workload"][name] = _copy_dicts(template["workload"][name])
-            lazily_created(template, ("workload", name), stored_entries, _nest)
+        self.refuse_own_extras_elsewhere(template, stored_entries)
+        for path, _ in self._extras():
+            _nest(template, path, _copy_dicts(_at(template, path)))
+            lazily_created(template, path, stored_entries, _nest)
         for name in template["history"]:
             size = stored_entries[f"history.{name}"].size
             template["history"][name] = torch.empty(size, dtype=torch.float64)
@@ -220,6 +245,21 @@ class TrainingState:
         if self.world_size > 1 and stored_world_size(stored_entries) == self.world_size:
             _nest(template, (DATA_BY_RANK, str(self.rank)), self._data_position())
         return template
+
+    def refuse_own_extras_elsewhere(self, template: dict, stored_entries: dict) -> None:
+        """Each rank's own extras belong to that rank: a generation saved at another world size
+        holds none under this rank's path (`workload` in one process, `workload_by_rank.<rank>`
+        with several), and no rule says whose a new rank should take (one line, exit 2)."""
+        own = [".".join(self._own_section() + (name,)) for name in self.rank_extras]
+        flat = compat.flatten_state_dict(template)
+        missing = [path for path in own if any(key.startswith(path + ".") for key in flat) and
+                   not any(key.startswith(path + ".") for key in stored_entries)]
+        if missing:
+            saved_by = stored_world_size(stored_entries)
+            raise UsageError(f"the extras {', '.join(repr(path.rsplit('.', 1)[1]) for path in missing)} are kept per "
+                             f"rank, and this generation was saved by {saved_by} processes, not {self.world_size}: "
+                             f"resume at {saved_by} processes, or pass the extras that are the same on every rank "
+                             f"as restore(shared_extras=...) (rank 0's copy goes to every rank)")
 
     def unread_by_design(self, stored_key: str) -> bool:
         """Per-rank entries the template did not take: other ranks' RNG streams and data
@@ -242,8 +282,8 @@ class TrainingState:
         self.history.load_state_dict(stored["history"])
         for name, cursor in self.cursors.items():
             cursor.check(stored[name], self.progress)
-        for name, kept in self.extras.items():
-            kept.load_state_dict(stored["workload"][name])
+        for path, kept in self._extras():
+            kept.load_state_dict(_at(stored, path))
         position = stored.get(DATA_BY_RANK, {}).get(str(self.rank))
         if position is not None and position != self._data_position():
             raise CorruptGeneration(f"rank {self.rank}'s stored data position {position} disagrees with the "
@@ -319,6 +359,12 @@ def lazily_created(template: dict, section: tuple, stored_entries: dict, put) ->
 
 def _copy_dicts(tree):
     return {key: _copy_dicts(value) for key, value in tree.items()} if isinstance(tree, dict) else tree
+
+
+def _at(tree: dict, key: tuple[str, ...]):
+    for part in key:
+        tree = tree[part]
+    return tree
 
 
 def _nest(tree: dict, key: tuple[str, ...], value) -> None:

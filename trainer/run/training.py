@@ -19,13 +19,11 @@ from trainer.parallel.ranks import Ranks, StepAgreement
 from trainer.data.order import EpochShape, epoch_shape, training_steps
 from trainer.run.cadence import StepPoint
 from trainer.data.fetching import refuse_state_moved_by_fetching
-from trainer.run.preemption import PreemptionGuard
+from trainer.run.readback import StepReadback
 from trainer.run.saving import CadencedSaves
 from trainer.run.state import TrainingState
 from trainer.run.stepping import OptimizerSteps
 from trainer.data.source import DataSource, cursors
-from trainer.run.checksum import parameter_checksum
-from trainer.run.witness import step_digest
 from trainer.workload import BoundWorkload
 
 
@@ -39,16 +37,15 @@ class Training:
     """An epoch's batches (`--last-batch`)."""
     total_steps: int
     parameters: list
-    """This rank's parameters, listed once, for the per-step checksum."""
+    """This rank's parameters, listed once, for the per-step checksum (`StepReadback`)."""
 
 
 @dataclass(frozen=True)
 class StepDone:
     step: int
-    lr: float
     agreed: StepAgreement
-    digest: str
-    """What the step computed (this rank's), for the exactness witness."""
+    """What every rank does after the step (its loss and digest are read a step later:
+    `StepReadback`)."""
 
 
 def build_training(config: RunConfig, workload: BoundWorkload, ranks: Ranks, dataset: DataSource) -> Training:
@@ -84,13 +81,16 @@ def epoch_batches(training: Training, dataset: DataSource):
 
 
 def train_steps(training: Training, dataset: DataSource, saves: CadencedSaves,
-                preemption: PreemptionGuard) -> Iterator[StepDone]:
+                readback: StepReadback) -> Iterator[StepDone]:
     """Every remaining optimizer step of the run. Micro-batches accumulate into windows of
     --grad-accum; an epoch's last window may be shorter. A step is yielded only once its
     window is complete, so saves and stops never see partial gradients. Every batch's sample
-    ids go to the ledger, and its loss weight to the step (`--last-batch pad`)."""
+    ids go to the ledger, and its loss weight to the step (`--last-batch pad`). The loop acts
+    on each step (records, saves, stops) before the agreement on the next one starts."""
     state, steps, accumulate = training.state, training.steps, training.config.workload.grad_accum
     saves.memory.fits(state.estimated_bytes)  # a tier 0 that cannot hold this state: refused before the first step
+    if state.progress.global_step < training.total_steps:  # the first step's decisions, started after the restore
+        readback.vote()
     while state.progress.global_step < training.total_steps:
         window, seen = 0, 0
         for fetched in epoch_batches(training, dataset):
@@ -105,9 +105,9 @@ def train_steps(training: Training, dataset: DataSource, saves: CadencedSaves,
             loss, lr = steps.step()
             epoch_completed = state.progress.advance(window, training.shape.batches)
             step = state.progress.global_step
-            agreed = saves.agree(StepPoint(step, state.progress.epoch, epoch_completed), loss, preemption.requested)
+            agreed = readback.stepped(StepPoint(step, state.progress.epoch, epoch_completed), loss, lr)
             seen = 0
-            digest = step_digest(agreed.loss, parameter_checksum(training.parameters, step))
-            yield StepDone(step, float(lr), agreed, digest)
+            yield StepDone(step, agreed)
             if step >= training.total_steps:  # --max-steps may end the run inside an epoch
                 return
+            readback.vote()

@@ -12,6 +12,11 @@ Nobody runs `compare.py` on a production job, so two checks run inside every att
   against attempts that trained the same thing the same way (an equal fingerprint) from a
   sound restore, so an allowed drift, a world-size change or a broken restore of an earlier
   attempt is never held against it. A mismatch is one warning line naming the first step.
+  A stop signal's save leaves no lost step to replay, so a stopped attempt computes one more
+  step after it, records its digest (`witness_step`) and leaves without saving it: the next
+  attempt replays it. A resume that still has nothing to compare (a kill -9 right at a save)
+  records `replay: {compared: false, reason}`, and `report` says "not compared", never
+  that every check passed.
 - The restored state. Each save stores, in the signed manifest, a digest of every rank's live
   state per section (model, optim, rng, progress, …). Right after a restore each rank digests
   what it now holds: a section that differs names a restore that loaded something other than
@@ -102,7 +107,7 @@ def computed_before(records: Sequence[AttemptRecord], folder_of, fingerprint: di
     oldest first: for a step computed more than once, the newest (the one whose work was lost)."""
     computed: dict[int, tuple[str, str]] = {}
     for record in records:
-        if comparable(record, fingerprint) and (record.last_step or 0) > restored_step:
+        if comparable(record, fingerprint) and (record.computed_to or 0) > restored_step:
             for step, digest in read_step_digests(folder_of(record.id), after=restored_step).items():
                 computed[step] = (digest, record.id)
     return computed
@@ -115,6 +120,8 @@ class ReplayWitness:
     earlier: dict[int, tuple[str, str]]
     not_compared: str | None = None
     """Why replayed steps are not expected to match (allowed drift)."""
+    restored_step: int | None = None
+    """The step this attempt resumed from (None: a fresh start, which has nothing to replay)."""
     matched: int = 0
     compared: int = 0
     first_mismatch: int | None = None
@@ -142,8 +149,10 @@ class ReplayWitness:
         """`replay` of the attempt record (None: this attempt replayed nothing)."""
         if self.not_compared is not None:
             return {"compared": False, "reason": self.not_compared}
-        if not self.compared:
-            return None
+        if not self.compared:  # a resume that trained, with nothing to hold its steps against
+            return None if self.restored_step is None else {"compared": False, "reason": (
+                f"no earlier attempt computed a step past step {self.restored_step} (it ended at that step's "
+                f"save): forgotten loop state would not show")}
         return {"matched": self.matched, "of": self.compared, "first_mismatch": self.first_mismatch,
                 "against": sorted(self.against)}
 

@@ -182,7 +182,7 @@ class RunStorage(ABC):
                    damaged: str | None = None) -> tuple[Verification, Transfer]:
         """The committed generation `name`, verified, on this machine (and what fetching it
         moved); a damaged one is refused (65), naming the newest earlier one that verifies.
-        `one_pass`: a backend may leave the shards' sha256 to the load (`shards_pending`,
+        `one_pass`: a backend may leave the shards' digest to the load (`shards_pending`,
         trainer/checkpoint/onepass.py). `damaged`: the load found this problem in the copy
         returned before; the run directory's disk then refuses it as the separate pass would
         (65, naming the newest earlier one that verifies), an object store's local tier

@@ -52,7 +52,7 @@ def generations_of(location: OnDisk | InStore, settings: StoreConfig = StoreConf
         case OnDisk(root):
             return LocalSection(RunDirectory(root).section(GENERATIONS))
         case InStore(store):
-            from trainer.storage.object.client import ObjectStore
+            from trainer.storage.object.client import open_objects
             from trainer.storage.object.section import ObjectSection
 
-            return ObjectSection(ObjectStore(store, settings), SECTIONS[GENERATIONS])
+            return ObjectSection(open_objects(store, settings), SECTIONS[GENERATIONS])

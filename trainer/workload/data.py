@@ -21,6 +21,10 @@ class SyntheticClassification(Dataset):
     reproducible with its own keyed generator.
     """
 
+    draws_from_global_rngs = False
+    """Its noise comes from its own generator: the trainer skips keying the global RNGs for
+    every sample (trainer/data/global_rngs.py), and checks the claim on one sample at start."""
+
     def __init__(self, samples: int, features: int, classes: int, seed: int):
         generator = torch.Generator().manual_seed(seed)
         self.inputs = torch.randn(samples, features, generator=generator)

@@ -8,7 +8,7 @@ trainer/data/stream.py), and `fingerprint()` digests names, sizes and ETags: the
 own word for the content, no byte read and no full download per reader.
 Credentials come from where the run directory's come from (AWS_* variables, AWS_ENDPOINT_URL,
 ~/.aws), and every GET has the same bounded retries and one-line failures (exit 74):
-`trainer.storage.object.client.ObjectStore`, under the run's --store-* settings when the
+`trainer.storage.object.client.ObjectClient`, under the run's --store-* settings when the
 workload passes them (`config=options.store_config`: the factory is handed them). A DataLoader worker opens its own client (an
 fsspec filesystem does not cross a fork), and counts the bytes it fetched (`fetched`).
 """
@@ -21,7 +21,7 @@ import os
 from trainer.config import StoreConfig
 from trainer.errors import UsageError
 from trainer.location import parse_store_url
-from trainer.storage.object.client import ObjectStore
+from trainer.storage.object.client import ObjectClient, open_objects
 
 RANGE_BYTES = 8 << 20
 """The most one ranged GET asks for: a longer read is split (each part retried on its own)."""
@@ -44,9 +44,9 @@ class ObjectFiles:
                              f"fix the URL")
 
     def store(self):
-        """This process's client (a worker opens its own)."""
+        """This process's client (a worker opens its own, forked: open_objects says why)."""
         if self.store_of is None or self.store_of[0] != os.getpid():
-            self.store_of = (os.getpid(), ObjectStore(self.location, self.config))
+            self.store_of = (os.getpid(), open_objects(self.location, self.config, forked=True))
         return self.store_of[1]
 
     def __getstate__(self) -> dict:

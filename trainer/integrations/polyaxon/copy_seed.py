@@ -11,7 +11,7 @@ nothing of that copy reaches it or races it; the trainer makes its own copy inst
   bucket (server-side where the store supports it), then committed as every generation in a
   store is: each object checked against U's manifest, the manifest last;
 - **volume store**: the generation's files copied into a temporary sibling, fsynced, verified
-  against U's manifest (size and sha256), then renamed into place.
+  against U's manifest (size and digest), then renamed into place.
 
 Both are `copy_committed` of the section that owns the commit (trainer/checkpoint/section.py,
 trainer/storage/object/section.py): this module chooses what to copy, never how.

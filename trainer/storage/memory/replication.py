@@ -26,7 +26,6 @@ verifies it, as for any generation.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -44,6 +43,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint.atomic import fsync_dir, rename_into_place, temporary_sibling
 from trainer.checkpoint.coordination import Coordinator
+from trainer.checkpoint.digest import CURRENT, entry as digest_entry, hasher, of_bytes
 from trainer.checkpoint.manifest import verify_directory
 from trainer.checkpoint.section import LocalSection
 from trainer.errors import CorruptGeneration
@@ -113,7 +113,7 @@ class Outgoing:
     def chunks(self, chunk_bytes: int) -> Iterator[tuple[int, memoryview]]:
         """(file index, its next bytes) in the order of `Parcel.chunks`, each read into one
         buffer reused from chunk to chunk (valid until the next is read). A file that reads
-        short is padded with zeros: the receiver's sha256 refuses it, and the stream keeps the
+        short is padded with zeros: the receiver's digest refuses it, and the stream keeps the
         length the header promised."""
         plan = self.parcel.chunks(chunk_bytes)
         buffer = memoryview(bytearray(max((size for _, size in plan), default=0)))
@@ -150,7 +150,8 @@ class Incoming:
         self.temporary: Path | None = None
         self.digests: dict[str, dict] = {}
         self.current: tuple[int, object, object] | None = None
-        """(file index, open file, its sha256 so far)."""
+        """(file index, open file, its digest so far: the current algorithm, which the sender's
+        manifest names too unless it is an older generation's, read again by `verify_directory`)."""
         if self.problem is None:
             try:
                 section.root.mkdir(parents=True, exist_ok=True)
@@ -164,7 +165,7 @@ class Incoming:
         try:
             if self.current is None or self.current[0] != index:
                 self.finish_file()
-                self.current = (index, (self.temporary / self.parcel.files[index][0]).open("wb"), hashlib.sha256())
+                self.current = (index, (self.temporary / self.parcel.files[index][0]).open("wb"), hasher())
             self.current[1].write(data)
             self.current[2].update(data)
         except OSError as error:
@@ -174,8 +175,8 @@ class Incoming:
         if self.current is not None:
             index, handle, digest = self.current
             handle.close()
-            self.digests[self.parcel.files[index][0]] = {"bytes": self.parcel.files[index][1],
-                                                         "sha256": digest.hexdigest()}
+            self.digests[self.parcel.files[index][0]] = digest_entry(self.parcel.files[index][1], CURRENT,
+                                                                     digest.hexdigest())
             self.current = None
 
     def keep(self) -> str:
@@ -187,7 +188,7 @@ class Incoming:
                 for name, size in self.parcel.files:
                     if name not in self.digests and size == 0:  # an empty file sends no chunk
                         (self.temporary / name).touch()
-                        self.digests[name] = {"bytes": 0, "sha256": hashlib.sha256().hexdigest()}
+                        self.digests[name] = of_bytes(b"")
                 fsync_dir(self.temporary)
                 checked = verify_directory(self.temporary, digests=self.digests)
                 if not checked.ok:
@@ -309,12 +310,56 @@ class NoReplication:
         return None
 
 
+INTERFACE_ENV = "GLOO_SOCKET_IFNAME"
+"""Read by torch's gloo when a group is created (checked against torch 2.13.0): the network
+interface(s) its connections use, comma-separated; without it, the address the hostname resolves
+to, often not the fast fabric."""
+
+
+def say_interface(hosts: list[str], env) -> str:
+    """The one line naming the address the replica's transfers use, and how it was chosen (logged)."""
+    chosen = env.get(INTERFACE_ENV)
+    line = (f"tier 0's replica goes over gloo from {', '.join(hosts) or 'an address not found'} "
+            + (f"({INTERFACE_ENV}={chosen})" if chosen else
+               f"(the address this host's name resolves to; set {INTERFACE_ENV} to choose the interface)"))
+    log.info("%s", line)
+    return line
+
+
+class Rounds:
+    """The order of the replica's rounds, and which of them still carry a part (pure: the bound).
+
+    Every rank runs every round (the two ends of a transfer must meet), but a round that has not
+    begun when a newer one with a part is offered sends nothing of its own (a header saying so,
+    milliseconds): the newer part supersedes it. So however slow the link, at most two parts are
+    owed at any time (the one moving and the newest offered), the replica lags by at most those,
+    and the attempt's end (`wait`) waits for at most them, never for a backlog of every save. (A
+    newer save that then fails leaves the replica at the part before the superseded one.)"""
+
+    def __init__(self):
+        self.offered = 0
+        self.newest_with_part = -1
+
+    def offer(self, carries_part: bool) -> int:
+        """A new round (its number); `carries_part`: it has a part to send."""
+        number = self.offered
+        self.offered += 1
+        if carries_part:
+            self.newest_with_part = number
+        return number
+
+    def sends(self, number: int) -> bool:
+        """Whether round `number`, beginning now, still sends its part (no newer one offered)."""
+        return number >= self.newest_with_part
+
+
 class PeerReplication:
     """The peer replica (`exchange`): at every tier-0 save point, on a thread of its own
     and a gloo group of its own, this rank sends the part it just saved to its partner once it
     is committed (async saves commit in the background: the loop reports it, `published`), and
     keeps the one its keeper sends. Every rank runs the same rounds in the same order (one per
-    save point; a skipped or failed save offers nothing), so the ends always meet. A failed
+    save point; a skipped or failed save offers nothing), so the ends always meet; a round
+    superseded before it began sends nothing (`Rounds`: the backlog is bounded). A failed
     round is a warning and ends the replication for the attempt (a peer gone)."""
 
     def __init__(self, own: MemoryPart, replica: MemoryPart, place: Place, keep: int, coordinator: Coordinator):
@@ -327,6 +372,7 @@ class PeerReplication:
         """Parts whose commit the loop reported before their round was offered (sync saves)."""
         self.broken = False
         self.rounds: list[Future] = []
+        self.order = Rounds()
 
     def offer(self, name: str | None) -> None:
         """A round for this save point (the loop's thread): `name` once committed, else nothing."""
@@ -335,8 +381,9 @@ class PeerReplication:
             self.reported.discard(name)
         elif name is not None:
             committed = self.committing.setdefault(name, threading.Event())
+        number = self.order.offer(name is not None)
         self.rounds = [done for done in self.rounds if not done.done()] + \
-            [self.thread.submit(self._round, name, committed)]
+            [self.thread.submit(self._round, name, committed, number)]
 
     def published(self, name: str) -> None:
         if event := self.committing.pop(name, None):
@@ -350,8 +397,10 @@ class PeerReplication:
             event.set()
         self.committing.clear()
 
-    def _round(self, name: str | None, committed: threading.Event | None) -> None:
-        if committed is not None:
+    def _round(self, name: str | None, committed: threading.Event | None, number: int) -> None:
+        if not self.order.sends(number):
+            name = None  # superseded by a newer part: this round only meets the partner's
+        elif committed is not None:
             committed.wait()
         if self.broken:
             return

@@ -7,7 +7,7 @@ restart in the same pod; it does not survive the loss of the pod or the node, so
 replaces the durable tiers (the run directory, the object store), which keep their cadence.
 
 Its generations follow the same protocol as the durable ones: the same checkpointer (of the
-attempt's mode) and `RenameCommit`, the same `LocalSection` (manifest last with every file's sha256, signed with
+attempt's mode) and `RenameCommit`, the same `LocalSection` (manifest last with every file's digest, signed with
 the backend's key, renamed into place), verified on load and bound to the run (`run.json`,
 copied here from the run directory). A restore reads tier 0 first when it holds a generation
 newer than the newest durable one that continues the line (`newer_than`); a damaged one is
@@ -49,6 +49,7 @@ rank can restore), parts.py (where the parts lie), replication.py (the peer repl
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Protocol
 
 import torch
@@ -64,7 +65,9 @@ from trainer.layout import generation_step
 from trainer.options import AUTO
 from trainer.storage.memory.choice import MISSING, Agreement, Holding
 from trainer.storage.memory.parts import Place, RankParts, remove_other_world_sizes
-from trainer.storage.memory.replication import NoReplication, Outgoing, PeerReplication, Replication, exchange
+from trainer.parallel.silence import local_hosts_since, socket_inodes
+from trainer.storage.memory.replication import (NoReplication, Outgoing, PeerReplication, Replication, exchange,
+                                                 say_interface)
 from trainer.storage.memory.saves import MemoryDirSaves, MemoryCommit, MemorySaves, NoMemorySaves
 
 
@@ -222,6 +225,9 @@ class MemoryDirTier:
         checkpointer = build_checkpointer(mode, MemoryCommit(self.own.section), attempt_id, device, SingleProcess())
         replicas: Replication = NoReplication()
         if self.place.several_nodes:
+            before = socket_inodes()
+            group = coordinator.background()
+            say_interface(local_hosts_since(before), os.environ)
             replicas = PeerReplication(self.own, self.parts.by_rank[self.place.keeps_replica_of], self.place,
-                                       self.config.keep, coordinator.background())
+                                       self.config.keep, group)
         return MemoryDirSaves(self.parts, self.config, checkpointer, mode == "async", coordinator, replicas)

@@ -35,7 +35,7 @@ from trainer.location import StoreLocation
 from trainer.storage.base import AfterPublish, Durability, Durable, RecordCopy, RunStorage, Transfer
 from trainer.storage.local import LocalDurability
 from trainer.storage.lock import OutputLock
-from trainer.storage.object.client import ObjectStore
+from trainer.storage.object.client import open_objects
 from trainer.storage.object.commit import ObjectCommit
 from trainer.storage.object.lease import StoreLease
 from trainer.storage.object.section import ObjectSection
@@ -80,7 +80,7 @@ class ObjectStorage(RunStorage):
         """`must_exist` does not apply: the local tier of a run in an object store may be new."""
         self.local.prepare(must_exist=False)
         held.enter_context(OutputLock(self.local.root))
-        objects = ObjectStore(self.location, self.settings)
+        objects = open_objects(self.location, self.settings)
         objects.check_reachable()
         self.claimed = ClaimedStore(held.enter_context(StoreLease(objects, attempt_id, self.settings.lease_ttl_s,
                                                                   self.settings.lease_wait_s)),
@@ -136,7 +136,7 @@ class ObjectStorage(RunStorage):
 
     def own_section(self) -> ObjectSection:
         """The object store's generations through a client of this rank's own (not rank 0's)."""
-        return ObjectSection(ObjectStore(self.location, self.settings), SECTIONS[GENERATIONS], self.signing)
+        return ObjectSection(open_objects(self.location, self.settings), SECTIONS[GENERATIONS], self.signing)
 
     def durability(self, protected: frozenset[str], attempt_folder: Path, primary: bool) -> Durability:
         return self.strategy(self, protected, attempt_folder, primary)

@@ -1,5 +1,5 @@
-"""Objects under a run's prefix in a store, through fsspec (s3fs, gcsfs, adlfs): the one
-place that talks to the store, retries transient failures with a bounded backoff, and turns
+"""Objects under a run's prefix in a store: the one place that talks to the store (with
+obstore_client.py, S3's client; `open_objects` chooses), through fsspec (gcsfs, adlfs) here, retries transient failures with a bounded backoff, and turns
 every failure into one line with an exit code.
 
 Keys are relative to the run directory (`checkpoints/step-00000024/manifest.json`).
@@ -11,24 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import hashlib
 import importlib
 import logging
 import os
+import random
 import threading
 import time
 from pathlib import Path
 from typing import Callable, Protocol, TypeVar
 
+from trainer.checkpoint.digest import CURRENT, entry, hasher
 from trainer.config import StoreConfig
-from trainer.errors import NothingToResume, StorageFailure, UsageError
+from trainer.errors import NothingToResume, StorageFailure, UsageError, option
 from trainer.location import SCHEMES, StoreLocation
 from trainer.origin import install_extra
 
 log = logging.getLogger("trainer")
 T = TypeVar("T")
 CHUNK = 8 << 20
-"""Bytes per read when streaming an object to disk (and through sha256)."""
+"""Bytes per read when streaming an object to disk (and through the digest)."""
 UPLOAD_PART = 16 << 20
 """Bytes per part of an S3 multipart upload (10 parts of an object in flight, s3fs's default).
 s3fs's default part, 50 MiB, holds 500 MiB of each large object in memory at once, sends objects
@@ -145,13 +146,13 @@ def describe(error: BaseException) -> str:
 
 def stream_object(fs, location: StoreLocation, timeout_s: float, key: str,
                   take: Callable[[bytes], None], start: int = 0) -> None:
-    """Hand an object's bytes to `take`, in order (`ObjectStore.download` and `digest`). On S3
+    """Hand an object's bytes to `take`, in order (`FsspecObjects.download` and `digest`). On S3
     one GET streams the whole object.
     s3fs's buffered file (what other stores use here) issues a ranged GET per block and
     copies every byte through its read-ahead cache: fetching a 514 MB generation from
     loopback SeaweedFS took 3.25 s and 1.86 CPU-s that way, 1.87 s and 0.83 CPU-s streamed.
     On S3 `take` runs on a thread of `takers()`, CHUNK bytes at a time, while fsspec's
-    event-loop thread reads on: sha256 and the write release the GIL, so the loop keeps
+    event-loop thread reads on: the digest and the write release the GIL, so the loop keeps
     every other stream moving. When `take` ran on the loop thread itself, every parallel
     download was hashed and written there one after another: a 256 MB fetch took
     0.66-0.68 s where the GETs alone took 0.27-0.29 s (docs/checkpoint-modes.md). Ranged
@@ -205,7 +206,7 @@ def read_body(fs, response) -> bytes:
 
 class ObjectClient(Protocol):
     """What the object-store backend needs of a client: objects under one run prefix, keyed
-    relative to it. `ObjectStore` is the real one (fsspec, bounded retries); tests of the
+    relative to it. `open_objects` opens the real one (obstore for S3, fsspec otherwise; bounded retries); tests of the
     uploader's threading and the lease's policy use an in-memory one (tests/memory_objects.py)."""
 
     conditional: bool
@@ -228,11 +229,12 @@ class ObjectClient(Protocol):
 
     def size(self, key: str) -> int | None: ...
 
-    def download(self, key: str, destination: Path) -> dict: ...
+    def download(self, key: str, destination: Path, algorithm: str = CURRENT) -> dict: ...
 
-    def stream_into(self, key: str, destination: Path, progress: Callable[[int], None]) -> dict: ...
+    def stream_into(self, key: str, destination: Path, progress: Callable[[int], None],
+                    algorithm: str = CURRENT) -> dict: ...
 
-    def digest(self, key: str) -> dict | None: ...
+    def digest(self, key: str, algorithm: str = CURRENT) -> dict | None: ...
 
     def upload(self, source: Path, key: str) -> None: ...
 
@@ -249,19 +251,24 @@ class ObjectClient(Protocol):
     def write_conditionally(self, key: str, data: bytes, if_match: str | None) -> str: ...
 
 
-class ObjectStore:
-    """Objects under one run prefix. Thread-safe: uploads and downloads run in parallel."""
+def backoff(config: StoreConfig, attempt: int, jitter: random.Random) -> float:
+    """Seconds before retry `attempt + 1`: doubling from --store-backoff-secs, at most 8 s,
+    drawn over its upper half, so ranks throttled together (a 503 SlowDown) do not come back
+    together. `jitter` is the client's own generator: Python's global one is training state
+    (a generation stores it), and a retry drawing from it made a resume inexact."""
+    return min(config.backoff_s * 2 ** attempt, 8.0) * jitter.uniform(0.5, 1.0)
 
-    def __init__(self, location: StoreLocation, config: StoreConfig = StoreConfig(), filesystem=None):
+
+class StoreCalls:
+    """What every client of a run prefix shares: its URL, and one operation run with bounded
+    retries, every failure turned into one line (74). `_probe()` (the client's): does the
+    bucket exist (False: 66), raising what a request raises."""
+
+    def __init__(self, location: StoreLocation, config: StoreConfig):
         self.location = location
         self.config = config
-        self.fs = filesystem if filesystem is not None else open_filesystem(location, config)
-        self.conditional = location.scheme == "s3"
-        """Whether conditional writes (create-only, If-Match) are available."""
-        if getattr(self.fs, "async_impl", False) and getattr(self.fs, "loop", None) is not None:
-            # A connection reset leaves aiohttp tasks nobody awaits; their tracebacks on stderr
-            # would bury the one line a failure gets. The call that failed reports it.
-            self.fs.loop.call_soon_threadsafe(self.fs.loop.set_exception_handler, _quiet_loop_errors)
+        self.jitter = random.Random()
+        """The backoff's draws: never Python's global generator, which is training state."""
 
     @property
     def url(self) -> str:
@@ -270,7 +277,6 @@ class ObjectStore:
     def url_of(self, key: str) -> str:
         return f"{self.location.scheme}://{self.location.path(key)}"
 
-    # ----------------------------------------------------------------- retries and errors
     def call(self, what: str, operation: Callable[[], T]) -> T:
         """Run one store operation with bounded retries; failures become one line (74)."""
         config, started = self.config, time.monotonic()
@@ -288,8 +294,8 @@ class ObjectStore:
                     raise StoreUnavailable(
                         f"{self.url}: {what} failed after {attempt + 1} tries over "
                         f"{time.monotonic() - started:.0f}s: {describe(error)}; earlier generations are intact; "
-                        f"when the store is back, rerun with --resume auto") from None
-                wait = min(config.backoff_s * 2 ** attempt, 8.0)
+                        f"when the store is back, rerun with {option('--resume', 'auto')}") from None
+                wait = backoff(config, attempt, self.jitter)
                 log.warning("store: %s failed (%s); retry %d/%d in %.1fs", what, describe(error), attempt + 1,
                             config.retries, wait)
                 time.sleep(wait)
@@ -297,30 +303,46 @@ class ObjectStore:
 
     def check_reachable(self) -> None:
         """Before any work: the bucket exists and answers with our credentials. One line and
-        a non-zero exit otherwise (74 unreachable or refused, 66 no such bucket). On S3 one
-        request listing at most one key under the run's prefix: cheap on a huge bucket, and
-        enough for credentials that may list only that prefix."""
-        bucket = self.location.bucket
-
-        def probe():
-            try:
-                if self.location.scheme == "s3":
-                    prefix = f"{self.location.prefix}/" if self.location.prefix else ""
-                    self._s3("list_objects_v2", Prefix=prefix, MaxKeys=1)
-                else:
-                    self._run("ls", bucket, detail=False, refresh=True)
-            except FileNotFoundError:
-                return False
-            return True
+        a non-zero exit otherwise (74 unreachable or refused, 66 no such bucket)."""
         try:
-            exists = self.call(f"listing {self.url}", probe)
+            exists = self.call(f"listing {self.url}", self._probe)
         except StoreUnavailable as error:
             raise StoreUnreachable(f"{self.url}: the store does not answer ({str(error).split(': ', 2)[-1]}"
                                    .split("; earlier generations")[0] +
                                    "); check the endpoint (AWS_ENDPOINT_URL) and the network, then retry") from None
         if not exists:
-            raise NothingToResume(f"{self.url}: bucket {bucket} does not exist; create it first, or fix the "
-                                  f"bucket name")
+            raise NothingToResume(f"{self.url}: bucket {self.location.bucket} does not exist; create it first, or "
+                                  f"fix the bucket name")
+
+    def _probe(self) -> bool:
+        raise NotImplementedError
+
+
+class FsspecObjects(StoreCalls):
+    """Objects under one run prefix through fsspec (gs://, az://; s3fs where asked for). Thread-safe."""
+
+    def __init__(self, location: StoreLocation, config: StoreConfig = StoreConfig(), filesystem=None):
+        super().__init__(location, config)
+        self.fs = filesystem if filesystem is not None else open_filesystem(location, config)
+        self.conditional = location.scheme == "s3"
+        """Whether conditional writes (create-only, If-Match) are available."""
+        if getattr(self.fs, "async_impl", False) and getattr(self.fs, "loop", None) is not None:
+            # A connection reset leaves aiohttp tasks nobody awaits; their tracebacks on stderr
+            # would bury the one line a failure gets. The call that failed reports it.
+            self.fs.loop.call_soon_threadsafe(self.fs.loop.set_exception_handler, _quiet_loop_errors)
+
+    def _probe(self) -> bool:
+        """On S3 one request listing at most one key under the run's prefix: cheap on a huge
+        bucket, and enough for credentials that may list only that prefix."""
+        try:
+            if self.location.scheme == "s3":
+                prefix = f"{self.location.prefix}/" if self.location.prefix else ""
+                self._s3("list_objects_v2", Prefix=prefix, MaxKeys=1)
+            else:
+                self._run("ls", self.location.bucket, detail=False, refresh=True)
+        except FileNotFoundError:
+            return False
+        return True
 
     # ----------------------------------------------------------------- reads
     def list(self, key: str) -> list[str]:
@@ -379,17 +401,18 @@ class ObjectStore:
                 return None
         return self.call(f"looking up {self.url_of(key)}", info)
 
-    def download(self, key: str, destination: Path) -> dict:
-        """Stream an object into a local file, hashing as it arrives: {"bytes", "sha256"}.
+    def download(self, key: str, destination: Path, algorithm: str = CURRENT) -> dict:
+        """Stream an object into a local file, hashing as it arrives: {"bytes", ALGORITHM}.
         The file is not fsynced: what a download is for is said by its caller
         (`ObjectSection.fetch`: a cache, verified again before any later use)."""
-        return self.stream_into(key, destination, lambda written: None)
+        return self.stream_into(key, destination, lambda written: None, algorithm)
 
-    def stream_into(self, key: str, destination: Path, progress: Callable[[int], None]) -> dict:
+    def stream_into(self, key: str, destination: Path, progress: Callable[[int], None],
+                    algorithm: str = CURRENT) -> dict:
         """`download`, telling `progress(bytes written)` as the file grows (a load may read it
         meanwhile: trainer/storage/object/streaming.py). A failed try resumes where the written
-        bytes end (a ranged GET): nothing written is written again, the sha256 goes on in order."""
-        digest, size = hashlib.sha256(), 0
+        bytes end (a ranged GET): nothing written is written again, the digest goes on in order."""
+        digest, size = hasher(algorithm), 0
         with open(destination, "wb") as target:
             def take(chunk: bytes) -> None:
                 nonlocal size
@@ -400,12 +423,12 @@ class ObjectStore:
                 progress(size)
             self.call(f"downloading {self.url_of(key)}",
                       lambda: stream_object(self.fs, self.location, self.config.timeout_s, key, take, size))
-        return {"bytes": size, "sha256": digest.hexdigest()}
+        return entry(size, algorithm, digest.hexdigest())
 
-    def digest(self, key: str) -> dict | None:
-        """{"bytes", "sha256"} of an object, streamed without keeping it; None if missing."""
+    def digest(self, key: str, algorithm: str = CURRENT) -> dict | None:
+        """{"bytes", ALGORITHM} of an object, streamed without keeping it; None if missing."""
         def stream():
-            digest, size = hashlib.sha256(), 0
+            digest, size = hasher(algorithm), 0
 
             def take(chunk: bytes) -> None:
                 nonlocal size
@@ -415,7 +438,7 @@ class ObjectStore:
                 stream_object(self.fs, self.location, self.config.timeout_s, key, take)
             except FileNotFoundError:
                 return None
-            return {"bytes": size, "sha256": digest.hexdigest()}
+            return entry(size, algorithm, digest.hexdigest())
         return self.call(f"reading {self.url_of(key)}", stream)
 
     # ----------------------------------------------------------------- writes
@@ -436,7 +459,7 @@ class ObjectStore:
         """A copy inside the store (server-side where the store supports it)."""
         self.copy_from(self, source, target)
 
-    def copy_from(self, other: ObjectStore, source: str, target: str) -> None:
+    def copy_from(self, other: FsspecObjects, source: str, target: str) -> None:
         """A copy of `other`'s object `source` (another prefix of the same store) to `target` here."""
         self.call(f"copying {other.url_of(source)}", lambda: self._run("copy", other.location.path(source),
                                                                            self.location.path(target)))
@@ -496,3 +519,16 @@ class ObjectStore:
         from fsspec.asyn import sync
         return sync(self.fs.loop, self.fs._call_s3, method, Bucket=self.location.bucket,
                     timeout=self._budget(len(kwargs.get("Body") or b"")), **kwargs)
+
+
+def open_objects(location: StoreLocation, config: StoreConfig = StoreConfig(), forked: bool = False) -> ObjectClient:
+    """The client for a store URL: the one place the backend is chosen. s3:// through obstore
+    (the client table in bench/store_bench.py, docs/object-store.md); gs:// and az:// through
+    fsspec (gcsfs, adlfs), as before: obstore covers them too, but nothing here can test them
+    against a real server. `forked`: for a process forked from one that may have used the
+    store (a DataLoader worker reading a stream): fsspec, whose event loop is renewed after a
+    fork; obstore's runtime is not, and a forked child's first request would wait forever."""
+    if location.scheme == "s3" and not forked:
+        from trainer.storage.object.obstore_client import ObstoreObjects
+        return ObstoreObjects(location, config)
+    return FsspecObjects(location, config)

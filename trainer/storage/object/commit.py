@@ -3,9 +3,9 @@
 
 Every rank writes its own DCP shards into a scratch directory on its own disk (rank 0 also
 writes DCP's `.metadata`), hashing while it writes, and uploads them under the generation's
-prefix; the ranks then exchange their `{file: {bytes, sha256}}` and whether their upload
+prefix; the ranks then exchange their `{file: {bytes, digest}}` and whether their upload
 succeeded, and rank 0 checks that the store holds exactly the bytes each rank wrote (its
-sha256, checkpoint/content.py) and commits the manifest, behind its lease's fence. No node ever holds a complete local copy, so the scratch
+digest, checkpoint/content.py) and commits the manifest, behind its lease's fence. No node ever holds a complete local copy, so the scratch
 is deleted after the upload and every rank restores by downloading, verified while streaming.
 
 The exchange runs on the coordinator the checkpointer hands over: in the loop for a sync save

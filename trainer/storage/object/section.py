@@ -2,12 +2,12 @@
 
 A generation (or export) `SECTION/step-%08d/` is *committed* iff its `manifest.json` object
 exists. Data objects go first, in parallel; the manifest, byte-identical to the local one
-(it lists every file with its size and sha256), goes last and is the commit marker. A prefix
+(it lists every file with its size and digest), goes last and is the commit marker. A prefix
 without a manifest is an *uncommitted* leftover (a killed writer, a sidecar, an interrupted
 `aws s3 sync`): never selected, never damage, listed, and removed by the next lease holder.
 Removal is the reverse: the manifest first (uncommitted from that instant), then the data.
 
-Restore streams every listed object through sha256 into a local directory, so a committed
+Restore streams every listed object through the digest into a local directory, so a committed
 generation is used only if every byte matches its manifest.
 """
 
@@ -24,6 +24,7 @@ from typing import Callable, Mapping
 
 from trainer import seams
 from trainer.checkpoint.content import check_content
+from trainer.checkpoint.digest import algorithm_of
 from trainer.checkpoint.atomic import fsync_dir, rename_into_place, temporary_sibling, write_file_durably
 from trainer.checkpoint.manifest import (RECOVERY, InvalidManifest, Manifest, Verification, file_problem,
                                         index_verification, oversized_index, unlisted_problem)
@@ -152,20 +153,23 @@ class ObjectSection:
     def commit_manifest(self, name: str, manifest_data: bytes, files: dict, fence: Callable[[], None],
                         writers: Mapping[str, int] = {}) -> None:
         """The commit: check the store holds exactly the listed bytes (every object streamed
-        through sha256: checkpoint/content.py says why not ETags), then write the manifest.
+        through the digest: checkpoint/content.py says why not ETags), then write the manifest.
         From this instant the generation exists. `writers`: the rank that wrote each file."""
         seams.crash_point("store-before-manifest")
-        check_content(files, self.held(name, sorted(files)), self.url(name), writers, name)
+        check_content(files, self.held(name, files), self.url(name), writers, name)
         fence()
         self.objects.write(self.key(name, MANIFEST), manifest_data)
         seams.crash_point("store-after-manifest")
 
-    def held(self, name: str, files: list[str]) -> dict[str, dict | None]:
-        """{file: {bytes, sha256}} of what the store holds under `name` (None: missing), read in parallel."""
+    def held(self, name: str, files: Mapping[str, Mapping]) -> dict[str, dict | None]:
+        """{file: {bytes, digest}} of what the store holds under `name` (None: missing), each
+        hashed with the algorithm of its entry in `files`, read in parallel."""
         if not files:
             return {}
-        with ThreadPoolExecutor(min(PARALLEL_OBJECTS, len(files)), thread_name_prefix="check") as pool:
-            return dict(zip(files, pool.map(lambda file: self.objects.digest(self.key(name, file)), files)))
+        names = sorted(files)
+        with ThreadPoolExecutor(min(PARALLEL_OBJECTS, len(names)), thread_name_prefix="check") as pool:
+            return dict(zip(names, pool.map(
+                lambda file: self.objects.digest(self.key(name, file), algorithm_of(files[file])), names)))
 
     # ----------------------------------------------------------------- restore and verify
     def fetch(self, name: str, parent: Path) -> tuple[Verification, Transfer]:
@@ -218,19 +222,20 @@ class ObjectSection:
         if not files:
             return None
         with ThreadPoolExecutor(min(PARALLEL_OBJECTS, len(files)), thread_name_prefix="download") as pool:
-            actual = dict(zip(files, pool.map(lambda file: self._download_or_none(name, file, directory), files)))
+            actual = dict(zip(files, pool.map(lambda file: self._download_or_none(name, file, directory,
+                                                                                  manifest.digest), files)))
         problem = next((p for file in files if (p := file_problem(file, manifest.files[file], actual[file]))), None)
         return f"{problem} (in {self.url(name)})" if problem else None
 
-    def _download_or_none(self, name: str, file: str, directory: Path) -> dict | None:
-        """One GET (no lookup first): a missing object is None."""
+    def _download_or_none(self, name: str, file: str, directory: Path, algorithm: str) -> dict | None:
+        """One GET (no lookup first), hashed with `algorithm`: a missing object is None."""
         try:
-            return self.objects.download(self.key(name, file), directory / file)
+            return self.objects.download(self.key(name, file), directory / file, algorithm)
         except FileNotFoundError:
             return None
 
     def verify(self, name: str, into: Path | None = None) -> Verification:
-        """Stream every listed object through sha256, keeping nothing (fallbacks), or keeping
+        """Stream every listed object through its digest, keeping nothing (fallbacks), or keeping
         a copy in the folder `into` (`verify`, which then loads every value from it)."""
         where = Path(self.url(name))
         data = self.manifest_bytes(name)
@@ -244,7 +249,8 @@ class ObjectSection:
         for file in sorted(manifest.files):
             if problem:
                 break
-            observed = self._download_or_none(name, file, into) if into else self.objects.digest(self.key(name, file))
+            observed = self._download_or_none(name, file, into, manifest.digest) if into else \
+                self.objects.digest(self.key(name, file), manifest.digest)
             problem = file_problem(file, manifest.files[file], observed)
         if not problem and manifest.kind == RECOVERY:
             return index_verification(where, manifest, lambda: self.objects.read(self.key(name, SNAPSHOT_INDEX)) or b"")

@@ -16,7 +16,6 @@ object is that file's problem in the manifest's words (65, `DamagedShard`).
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import threading
 import time
@@ -25,9 +24,10 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from trainer.checkpoint.atomic import fsync_dir, rename_into_place, write_file_durably
+from trainer.checkpoint.digest import algorithm_of, entry as digest_entry, hasher
 from trainer.checkpoint.manifest import Verification, deferred
 from trainer.checkpoint.onepass import Arrivals
-from trainer.errors import StorageFailure, TrainerError
+from trainer.errors import StorageFailure, TrainerError, option
 from trainer.layout import MANIFEST
 from trainer.storage.base import Transfer
 from trainer.storage.object.client import ObjectClient, describe
@@ -55,10 +55,10 @@ def parts_of(size: int) -> list[tuple[int, int | None]]:
 class Assembly:
     """One shard's file, appended part after part in order whatever order the parts arrive in."""
 
-    def __init__(self, path: Path, name: str, parts: int, arrivals: Arrivals):
-        self.name, self.parts, self.arrivals = name, parts, arrivals
+    def __init__(self, path: Path, name: str, parts: int, arrivals: Arrivals, algorithm: str):
+        self.name, self.parts, self.arrivals, self.algorithm = name, parts, arrivals, algorithm
         self.file = open(path, "wb", buffering=0)
-        self.digest, self.written, self.next = hashlib.sha256(), 0, 0
+        self.digest, self.written, self.next = hasher(algorithm), 0, 0
         self.waiting: dict[int, bytes] = {}
         self.lock = threading.Lock()
         self.done = False
@@ -70,14 +70,14 @@ class Assembly:
             self.waiting[index] = data
             while self.next in self.waiting:
                 piece = memoryview(self.waiting.pop(self.next))
-                self.digest.update(piece)  # sha256 and the write release the GIL: shards overlap
+                self.digest.update(piece)  # the hash and the write release the GIL: shards overlap
                 self.written += len(piece)
                 while piece:
                     piece = piece[self.file.write(piece):]
                 self.next += 1
             self.arrivals.advanced(self.name, self.written)
             if self.next == self.parts:
-                self.finish({"bytes": self.written, "sha256": self.digest.hexdigest()})
+                self.finish(digest_entry(self.written, self.algorithm, self.digest.hexdigest()))
 
     def finish(self, digest: dict | None) -> None:
         """Once (the first word wins: a missing object stays missing)."""
@@ -92,7 +92,7 @@ class Assembly:
 
     def resized(self, size: int) -> None:
         with self.lock:
-            self.finish({"bytes": size, "sha256": ""})
+            self.finish(digest_entry(size, self.algorithm, ""))
 
 
 def stream_shards(objects: ObjectClient, key_of: Callable[[str], str], files: Mapping[str, Mapping],
@@ -103,7 +103,7 @@ def stream_shards(objects: ObjectClient, key_of: Callable[[str], str], files: Ma
     rounds = {name: parts_of(int(entry["bytes"])) if int(entry["bytes"]) > RANGED_ABOVE else [(0, None)]
               for name, entry in files.items()}
     whole = sorted(name for name, parts in rounds.items() if len(parts) == 1)
-    assemblies = {name: Assembly(directory / name, name, len(parts), arrivals)
+    assemblies = {name: Assembly(directory / name, name, len(parts), arrivals, algorithm_of(files[name]))
                   for name, parts in rounds.items() if len(parts) > 1}
     for name in whole:
         (directory / name).touch()  # the load's index check finds every shard before its bytes
@@ -113,7 +113,7 @@ def stream_shards(objects: ObjectClient, key_of: Callable[[str], str], files: Ma
         """A failure after the client's retries: the load raises it (one line, 74)."""
         arrivals.failed(error if isinstance(error, TrainerError) else
                         StorageFailure(f"{where}: downloading {name} failed: {describe(error)}; earlier "
-                                       f"generations are intact; rerun with --resume auto"))
+                                       f"generations are intact; rerun with {option('--resume', 'auto')}"))
         missing(name)
 
     def missing(name: str) -> None:
@@ -125,7 +125,8 @@ def stream_shards(objects: ObjectClient, key_of: Callable[[str], str], files: Ma
     def stream(name: str) -> None:
         try:
             arrivals.finished(name, objects.stream_into(key_of(name), directory / name,
-                                                        lambda written: arrivals.advanced(name, written)))
+                                                        lambda written: arrivals.advanced(name, written),
+                                                        algorithm_of(files[name])))
         except FileNotFoundError:
             missing(name)
         except BaseException as error:  # noqa: BLE001 - handed to the load

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from trainer.errors import RefuseOverwrite, TrainerError
+from trainer.errors import RefuseOverwrite, TrainerError, option
 from trainer.checkpoint.atomic import manifest_digest, write_file_durably
 from trainer.checkpoint.manifest import Verification
 from trainer.checkpoint.resume import require_verified
@@ -82,13 +82,13 @@ class RemoteRun:
         if marker.is_file():
             owner = marker.read_text().strip()
             if owner != self.url:
-                raise RefuseOverwrite(f"--local-tier {self.local.root} is the local tier of {owner}, not {self.url}; "
-                                      f"nothing was changed: choose another --local-tier")
+                raise RefuseOverwrite(f"{option('--local-tier', self.local.root)} is the local tier of {owner}, not "
+                                      f"{self.url}; nothing was changed: choose another {option('--local-tier')}")
             return
         if any(section.is_dir() and any(section.iterdir())
                for section in (self.local.checkpoints, self.local.exports, self.local.attempts)):
-            raise RefuseOverwrite(f"--local-tier {self.local.root} already holds a run directory that is not a local "
-                                  f"tier of {self.url}; nothing was changed: choose an empty --local-tier")
+            raise RefuseOverwrite(f"{option('--local-tier', self.local.root)} already holds a run directory that is not "
+                                  f"a local tier of {self.url}; nothing was changed: choose an empty {option('--local-tier')}")
         marker.write_text(self.url + "\n")
 
     def pull_attempts(self) -> int:
@@ -143,7 +143,7 @@ class RemoteRun:
                    damaged: str | None = None) -> tuple[Verification, Transfer]:
         """The committed generation `name` on the local tier, verified: the local copy when its
         manifest is the committed one (reconcile made sure) and it still verifies, else a
-        download streamed through sha256. A damaged generation is refused (65) naming the
+        download streamed through the digest. A damaged generation is refused (65) naming the
         newest earlier one that verifies in the store. `shards` False: the local copy's shard
         hashes are left to the load (`shards_pending`), which downloads it again if one fails
         (`damaged`: the problem it found; trainer/run/restoring.py); a download is hashed while
@@ -339,4 +339,4 @@ def _as_failure(error: BaseException, url: str) -> TrainerError:
     from trainer.errors import StorageFailure, as_storage_failure
     failure = as_storage_failure(error, f"uploading to {url}")
     return failure or StorageFailure(f"uploading to {url} failed: {error.__class__.__name__}: {error}; "
-                                     f"earlier generations are intact; rerun with --resume auto")
+                                     f"earlier generations are intact; rerun with {option('--resume', 'auto')}")
