@@ -117,9 +117,10 @@ def main() -> None:
                 loss.backward()
                 optimizer.step()
                 scheduler.step()
+                if run.rank == 0:  # before run.step: a generation it saves holds this step's best too
+                    between.best = min(between.best, loss.item())
                 run.step(loss)  # the witness, saves on cadence; SIGTERM to any rank: all save, exit 75
                 if run.rank == 0:
-                    between.best = min(between.best, loss.item())
                     print(f"step={run.progress.global_step} epoch={epoch} loss={loss.item():.4f} "
                           f"best={between.best:.4f}", flush=True)
     if args.init_first:  # the script's own group is the script's to leave: open_run left it usable
